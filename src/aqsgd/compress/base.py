@@ -1,0 +1,118 @@
+"""The codec interface: a stateless map ``Tensor -> Packet -> Tensor``.
+
+A codec is built from a spec string (see :mod:`aqsgd.compress.registry`) and is immutable. ``encode``
+accepts any floating dtype on any device and ``decode`` returns the same dtype on the payload's device.
+``wire_bytes(shape)`` is the exact size of the packet that ``encode`` produces for that shape, header
+included, so traffic can be planned (and checked) without encoding anything.
+"""
+
+from __future__ import annotations
+
+import abc
+import zlib
+from typing import ClassVar, Sequence
+
+import torch
+
+from aqsgd.compress.packet import HEADER_BYTES, MAX_NDIM, Family, Packet
+from aqsgd.errors import CodecError, NonFiniteError, PacketMismatchError
+
+__all__ = ["Codec", "FLOAT_DTYPES", "numel_of"]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def numel_of(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+class Codec(abc.ABC):
+    """Stateless compressor of one tensor into one :class:`Packet`."""
+
+    family: ClassVar[Family]
+
+    @property
+    @abc.abstractmethod
+    def spec(self) -> str:
+        """Canonical spec string; ``make_codec(codec.spec)`` rebuilds an equal codec."""
+
+    @property
+    def fingerprint(self) -> int:
+        """CRC-32 of the canonical spec, written into every packet header."""
+        return zlib.crc32(self.spec.encode())
+
+    @property
+    def lossless(self) -> bool:
+        """True when ``decode(encode(x))`` equals ``x`` exactly."""
+        return False
+
+    @abc.abstractmethod
+    def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
+        """Exact payload size for a tensor of this shape (and input dtype, for dtype-preserving codecs)."""
+
+    def wire_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
+        """Exact packet size on the wire, header included."""
+        return HEADER_BYTES + self.payload_bytes(shape, dtype)
+
+    def ratio(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> float:
+        """Compression ratio against sending the raw tensor of ``dtype`` (header excluded from neither)."""
+        raw = numel_of(shape) * torch.empty(0, dtype=dtype).element_size()
+        return raw / self.wire_bytes(shape, dtype)
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Packet:
+        """Compress ``x``. Raises :class:`NonFiniteError` for NaN/Inf input, :class:`CodecError` for
+        unsupported dtypes or more than 6 dims."""
+        if not isinstance(x, torch.Tensor):
+            raise CodecError(f"{self.spec}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise CodecError(f"{self.spec}: cannot encode dtype {x.dtype}; floating dtypes only")
+        if x.dim() > MAX_NDIM:
+            raise CodecError(f"{self.spec}: tensors of at most {MAX_NDIM} dims, got shape {tuple(x.shape)}")
+        payload = self._encode(x.contiguous(), generator)
+        expected = self.payload_bytes(x.shape, x.dtype)
+        assert payload.numel() == expected, (self.spec, payload.numel(), expected)
+        return Packet(self.family, x.dtype, tuple(x.shape), self.fingerprint, payload)
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        """Decompress a packet produced by an equal codec; :class:`PacketMismatchError` otherwise."""
+        if packet.family != self.family or packet.fingerprint != self.fingerprint:
+            raise PacketMismatchError(
+                f"packet was encoded by another codec (family {packet.family.name}, fingerprint "
+                f"{packet.fingerprint:#010x}); this receiver decodes {self.spec!r} ({self.fingerprint:#010x})"
+            )
+        if packet.dtype not in FLOAT_DTYPES:
+            raise PacketMismatchError(f"{self.spec}: packet dtype {packet.dtype} is not a floating dtype")
+        expected = self.payload_bytes(packet.shape, packet.dtype)
+        if packet.payload.numel() != expected:
+            raise PacketMismatchError(
+                f"{self.spec}: payload of {packet.payload.numel()} bytes, shape {packet.shape} needs {expected}"
+            )
+        return self._decode(packet)
+
+    def roundtrip(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``decode(encode(x))``."""
+        return self.decode(self.encode(x, generator=generator))
+
+    @abc.abstractmethod
+    def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _decode(self, packet: Packet) -> torch.Tensor: ...
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r})"
+
+
+def raise_non_finite(spec: str, what: str = "input") -> None:
+    raise NonFiniteError(
+        f"{spec}: {what} holds NaN or Inf; refusing to encode (a diverged step should be caught, not sent)"
+    )

@@ -1,0 +1,71 @@
+"""Uncompressed and cast codecs: ``none`` (the input dtype as is), ``fp32``, ``fp16``, ``bf16``."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from aqsgd.compress.base import Codec, numel_of, raise_non_finite
+from aqsgd.compress.packet import Family, Packet
+
+__all__ = ["RawCodec", "CastCodec"]
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(-1).view(torch.uint8)
+
+
+class RawCodec(Codec):
+    """``none``: the tensor's own bytes, lossless. NaN/Inf pass through unchanged (nothing is computed)."""
+
+    family = Family.RAW
+
+    @property
+    def spec(self) -> str:
+        return "none"
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+    def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
+        return numel_of(shape) * torch.empty(0, dtype=dtype).element_size()
+
+    def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        return _as_bytes(x)
+
+    def _decode(self, packet: Packet) -> torch.Tensor:
+        return packet.payload.view(packet.dtype).view(packet.shape)
+
+
+class CastCodec(Codec):
+    """Cast to ``fp32``/``fp16``/``bf16`` on the wire, back to the input dtype on decode.
+
+    Values that overflow the wire dtype (e.g. > 65504 for fp16) and NaN/Inf raise NonFiniteError.
+    """
+
+    family = Family.CAST
+    _NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+    def __init__(self, wire: str) -> None:
+        if wire not in self._NAMES:
+            raise ValueError(f"unknown cast {wire!r}; valid: {sorted(self._NAMES)}")
+        self._wire = wire
+        self.wire_dtype = self._NAMES[wire]
+
+    @property
+    def spec(self) -> str:
+        return self._wire
+
+    def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
+        return numel_of(shape) * self.wire_dtype.itemsize
+
+    def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        y = x.to(self.wire_dtype)
+        if y.numel() and not bool(torch.isfinite(y).all()):
+            raise_non_finite(self.spec, "input (or its cast to the wire dtype)")
+        return _as_bytes(y)
+
+    def _decode(self, packet: Packet) -> torch.Tensor:
+        return packet.payload.view(self.wire_dtype).view(packet.shape).to(packet.dtype)

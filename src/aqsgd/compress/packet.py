@@ -1,0 +1,241 @@
+"""The wire format: a :class:`Packet` is a fixed 64-byte header plus one contiguous uint8 payload.
+
+``packet.nbytes`` (header + payload) is exactly what crosses the wire. Header layout (little-endian):
+
+====== ===== =====================================================================
+offset bytes field
+====== ===== =====================================================================
+0      4     magic ``b"AQPK"``
+4      1     format version (1)
+5      1     codec family (see :class:`Family`)
+6      1     dtype code of the decoded tensor (see ``DTYPE_CODES``)
+7      1     ndim (0..6)
+8      4     codec fingerprint: CRC-32 of the codec's canonical spec string
+12     4     tag: set by boundary schemes (CRC-32 of the micro-batch's sample ids, ...)
+16     1     kind: set by boundary schemes (what the payload means for them)
+17     1     flags: bit 0 = the payload CRC field is valid
+18     2     reserved (zero)
+20     4     CRC-32 of the payload (0 when flag bit 0 is clear)
+24     8     payload length in bytes
+32     24    shape: 6 x uint32 (unused dims zero)
+56     4     reserved (zero)
+60     4     CRC-32 of header bytes 0..59
+====== ===== =====================================================================
+
+Integrity: the header is always checked (magic, version, CRC). The payload CRC is computed when a packet is
+serialized from a CPU payload (``to_bytes``/``header_bytes(checksum=True)``); CUDA payloads travel with
+the flag cleared (NCCL/TCP already protect the bytes, and a device-to-host copy just for a checksum
+would cost more than the transfer it protects).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+import zlib
+from typing import Mapping
+
+import torch
+
+from aqsgd.errors import PacketError, PacketMismatchError
+
+__all__ = [
+    "Packet",
+    "Family",
+    "HEADER_BYTES",
+    "MAX_NDIM",
+    "DTYPE_CODES",
+    "Header",
+    "parse_header",
+    "crc32_of_tensor",
+]
+
+MAGIC = b"AQPK"
+VERSION = 1
+HEADER_BYTES = 64
+MAX_NDIM = 6
+_FLAG_PAYLOAD_CRC = 1
+_STRUCT = struct.Struct("<4sBBBBIIBBHIQ6III")
+assert _STRUCT.size == HEADER_BYTES, _STRUCT.size
+
+DTYPE_CODES: Mapping[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+    torch.uint8: 5,
+    torch.int8: 6,
+    torch.int16: 7,
+    torch.int32: 8,
+    torch.int64: 9,
+}
+_CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+class Family(enum.IntEnum):
+    """Codec families; the header's family byte."""
+
+    RAW = 1
+    CAST = 2
+    QUANT = 3
+    TOPK = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """The decoded fixed-size header of a packet."""
+
+    family: Family
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    fingerprint: int
+    tag: int
+    kind: int
+    payload_len: int
+    payload_crc: int | None
+
+
+def crc32_of_tensor(t: torch.Tensor) -> int:
+    """CRC-32 of a CPU tensor's bytes (zero-copy through the buffer protocol)."""
+    t = t.contiguous()
+    if t.numel() == 0:
+        return 0
+    return zlib.crc32(memoryview(t.view(torch.uint8).numpy()))
+
+
+def parse_header(buf: bytes | bytearray | memoryview | torch.Tensor) -> Header:
+    """Parse and verify a 64-byte header. Raises :class:`PacketError` on anything malformed."""
+    if isinstance(buf, torch.Tensor):
+        buf = buf.cpu().contiguous().numpy().tobytes()
+    buf = bytes(buf)
+    if len(buf) < HEADER_BYTES:
+        raise PacketError(f"truncated packet: {len(buf)} bytes, a header alone is {HEADER_BYTES}")
+    head = buf[:HEADER_BYTES]
+    (magic, version, family, dtype_code, ndim, fingerprint, tag, kind, flags, reserved, payload_crc,
+     payload_len, *rest) = _STRUCT.unpack(head)
+    dims, reserved2, header_crc = rest[:6], rest[6], rest[7]
+    if magic != MAGIC:
+        raise PacketError(f"not an aqsgd packet (magic {magic!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise PacketError(f"unsupported packet format version {version} (this build reads {VERSION})")
+    if zlib.crc32(head[:60]) != header_crc:
+        raise PacketError("corrupted packet header (CRC mismatch)")
+    try:
+        fam = Family(family)
+    except ValueError:
+        raise PacketError(f"unknown codec family {family}") from None
+    if dtype_code not in _CODE_DTYPES:
+        raise PacketError(f"unknown dtype code {dtype_code}")
+    if ndim > MAX_NDIM or any(dims[ndim:]) or reserved or reserved2 or flags & ~_FLAG_PAYLOAD_CRC:
+        raise PacketError("malformed packet header (ndim, padding or flags out of range)")
+    return Header(
+        family=fam,
+        dtype=_CODE_DTYPES[dtype_code],
+        shape=tuple(dims[:ndim]),
+        fingerprint=fingerprint,
+        tag=tag,
+        kind=kind,
+        payload_len=payload_len,
+        payload_crc=payload_crc if flags & _FLAG_PAYLOAD_CRC else None,
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Packet:
+    """A compressed tensor: header fields and one 1-D uint8 payload (on CPU or on the GPU)."""
+
+    family: Family
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    fingerprint: int
+    payload: torch.Tensor
+    tag: int = 0
+    kind: int = 0
+
+    def __post_init__(self) -> None:
+        if self.payload.dtype != torch.uint8 or self.payload.dim() != 1:
+            raise PacketError("packet payload must be a 1-D uint8 tensor")
+        if len(self.shape) > MAX_NDIM:
+            raise PacketError(f"packets carry at most {MAX_NDIM} dims, got shape {self.shape}")
+        if any(d < 0 or d >= 2**32 for d in self.shape):
+            raise PacketError(f"dims must fit in uint32, got shape {self.shape}")
+        if self.dtype not in DTYPE_CODES:
+            raise PacketError(f"unsupported dtype {self.dtype}")
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes on the wire: header plus payload."""
+        return HEADER_BYTES + self.payload.numel()
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def with_tag(self, tag: int, kind: int = 0) -> Packet:
+        """The same packet with the scheme-level tag and kind set."""
+        return dataclasses.replace(self, tag=tag & 0xFFFFFFFF, kind=kind)
+
+    def header_bytes(self, *, checksum: bool | None = None) -> bytes:
+        """The 64 header bytes. ``checksum`` defaults to True for CPU payloads, False for CUDA."""
+        if checksum is None:
+            checksum = self.payload.device.type == "cpu"
+        crc = crc32_of_tensor(self.payload.cpu()) if checksum else 0
+        dims = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
+        head = _STRUCT.pack(
+            MAGIC, VERSION, int(self.family), DTYPE_CODES[self.dtype], len(self.shape),
+            self.fingerprint & 0xFFFFFFFF, self.tag & 0xFFFFFFFF, self.kind,
+            _FLAG_PAYLOAD_CRC if checksum else 0, 0, crc, self.payload.numel(), *dims, 0, 0,
+        )
+        return head[:60] + struct.pack("<I", zlib.crc32(head[:60]))
+
+    def to_bytes(self, *, checksum: bool = True) -> bytes:
+        """Serialize header + payload (the payload is copied to the host)."""
+        return self.header_bytes(checksum=checksum) + self.payload.cpu().numpy().tobytes()
+
+    @classmethod
+    def from_header(cls, header: Header, payload: torch.Tensor, *, verify: bool = True) -> Packet:
+        """Build a packet from a parsed header and its received payload, verifying length and CRC."""
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise PacketError("packet payload must be a 1-D uint8 tensor")
+        if payload.numel() != header.payload_len:
+            raise PacketError(
+                f"truncated or oversized packet: header announces {header.payload_len} payload bytes, "
+                f"got {payload.numel()}"
+            )
+        if verify and header.payload_crc is not None and payload.device.type == "cpu":
+            if crc32_of_tensor(payload) != header.payload_crc:
+                raise PacketError("corrupted packet payload (CRC mismatch)")
+        return cls(header.family, header.dtype, header.shape, header.fingerprint, payload, header.tag,
+                   header.kind)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *, device: str | torch.device = "cpu") -> Packet:
+        """Parse serialized bytes (exactly one packet). Raises :class:`PacketError` on malformed input."""
+        data = bytes(data)
+        header = parse_header(data)
+        body = data[HEADER_BYTES:]
+        if len(body) != header.payload_len:
+            raise PacketError(
+                f"truncated or oversized packet: header announces {header.payload_len} payload bytes, "
+                f"got {len(body)}"
+            )
+        payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8)
+        packet = cls.from_header(header, payload)
+        return packet if torch.device(device).type == "cpu" else dataclasses.replace(packet, payload=payload.to(device))
+
+    def expect(self, *, tag: int | None = None, kind: int | None = None,
+               shape: tuple[int, ...] | None = None, what: str = "packet") -> None:
+        """Raise :class:`PacketMismatchError` unless the packet carries the expected tag, kind and shape."""
+        if kind is not None and self.kind != kind:
+            raise PacketMismatchError(f"{what}: packet kind {self.kind}, receiver expected {kind}")
+        if tag is not None and self.tag != (tag & 0xFFFFFFFF):
+            raise PacketMismatchError(
+                f"{what}: packet was sent for other sample ids (tag {self.tag:#010x}, receiver expected "
+                f"{tag & 0xFFFFFFFF:#010x}); sender and receiver are out of step"
+            )
+        if shape is not None and tuple(self.shape) != tuple(shape):
+            raise PacketMismatchError(f"{what}: packet shape {tuple(self.shape)}, receiver expected {tuple(shape)}")

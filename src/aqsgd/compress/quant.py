@@ -1,0 +1,292 @@
+"""Uniform symmetric quantization at 1..8 bits with bit-packed codes.
+
+Grid
+    For ``bits >= 2`` the levels are ``k * step`` for integers ``k`` in ``[-L, L]``, ``L = 2**(bits-1) - 1``
+    and ``step = scale / L``: symmetric about zero, zero exact, ``2**bits - 1`` levels (the all-ones code is
+    unused). For ``bits == 1`` the levels are ``{-scale, +scale}`` (``step = 2 * scale``). With nearest
+    rounding every value inside ``[-scale, scale]`` is reconstructed within half a step.
+
+Scale (one per group)
+    ``max``: the group's max-abs, so nothing is clipped (the AQ-SGD reference's choice).
+    ``l2``: ``min(max-abs, c_b * rms)`` with ``c_b`` the clipping multiple that minimizes the mean squared
+    error for Gaussian data at ``b`` bits (Banner et al., 2019, "Post-training 4-bit quantization of
+    convolution networks for rapid-deployment": 1.71, 2.15, 2.55, 2.94, 3.29, 3.61, 3.92 for 2..8 bits;
+    0.80 = E|x|/sigma for 1 bit). Values beyond the scale are clipped to the outermost level.
+    Scales are stored in fp16 by default, rounded *up* to the next fp16 value (so rounding never clips)
+    and clamped to 65504 (so they never overflow; larger magnitudes are clipped); ``scale32`` stores fp32.
+
+Granularity (which values share a scale)
+    ``tensor``: one scale. ``channel``: one per index of the last dim, max over all other dims (the AQ-SGD
+    reference's default). ``token``: one per row (all dims but the last). ``blockN``: one per N
+    consecutive values of the flattened tensor (the last block may be shorter).
+
+Rounding
+    ``nearest`` (default; deterministic) or ``stochastic``: ``floor(x / step + u)``, ``u ~ U[0, 1)``, which is
+    unbiased for values inside the scale, as the AQ-SGD convergence theorem assumes.
+
+Payload: the scales (fp16 or fp32, little-endian), then the codes, ``ceil(numel * bits / 8)`` bytes.
+NaN/Inf anywhere in the input makes a scale non-finite and raises :class:`NonFiniteError` (no extra
+pass over the data is needed to detect it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from aqsgd.compress.base import Codec, numel_of, raise_non_finite
+from aqsgd.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
+from aqsgd.compress.packet import Family, Packet
+from aqsgd.errors import PacketError
+
+__all__ = [
+    "QuantCodec",
+    "GRANULARITIES",
+    "quantize_groups",
+    "dequantize_groups",
+    "L2_CLIP",
+]
+
+GRANULARITIES = ("tensor", "channel", "token", "block")
+ROUNDINGS = ("nearest", "stochastic")
+SCALE_MODES = ("max", "l2")
+L2_CLIP = {1: 0.80, 2: 1.71, 3: 2.15, 4: 2.55, 5: 2.94, 6: 3.29, 7: 3.61, 8: 3.92}
+_FP16_MAX = 65504.0
+
+
+def qmax(bits: int) -> int:
+    """Largest code: 2L for bits >= 2, 1 for bits == 1."""
+    return 1 if bits == 1 else 2**bits - 2
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def store_scales(s: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Round scales to their storage dtype without ever rounding down (fp16: also clamp to 65504)."""
+    if scale_dtype == torch.float32:
+        s32 = s.to(torch.float32)
+        if s.dtype == torch.float64:
+            low = s32.double() < s
+            s32 = torch.where(low, torch.nextafter(s32, s32.new_tensor(math.inf)), s32)
+        return s32
+    s16 = s.clamp(max=_FP16_MAX).to(torch.float16)
+    low = s16.to(s.dtype) < s.clamp(max=_FP16_MAX)
+    return torch.where(low, torch.nextafter(s16, s16.new_tensor(math.inf)), s16)
+
+
+class _Groups:
+    """How a flat tensor of ``numel`` values splits into scale groups, as 2-D views."""
+
+    def __init__(self, shape: Sequence[int], granularity: str, block: int) -> None:
+        self.numel = numel_of(shape)
+        self.granularity = granularity
+        self.cols = int(shape[-1]) if len(shape) else 1
+        if granularity == "block":
+            self.block = block
+            self.nfull, self.tail = divmod(self.numel, block)
+        if granularity == "tensor" or self.numel == 0:
+            self.nscales = 1 if self.numel else 0
+        elif granularity == "channel":
+            self.nscales = self.cols
+        elif granularity == "token":
+            self.nscales = self.numel // self.cols
+        else:
+            self.nscales = self.nfull + (1 if self.tail else 0)
+
+    def views(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """2-D views of ``flat`` and the dim along which each scale group reduces."""
+        g = self.granularity
+        if g == "tensor":
+            return [(flat.view(1, -1), 1)]
+        if g == "channel":
+            return [(flat.view(-1, self.cols), 0)]
+        if g == "token":
+            return [(flat.view(-1, self.cols), 1)]
+        out = []
+        if self.nfull:
+            out.append((flat[: self.nfull * self.block].view(self.nfull, self.block), 1))
+        if self.tail:
+            out.append((flat[self.nfull * self.block :].view(1, self.tail), 1))
+        return out
+
+    @staticmethod
+    def bcast(s: torch.Tensor, dim: int) -> torch.Tensor:
+        return s.view(1, -1) if dim == 0 else s.view(-1, 1)
+
+
+class QuantCodec(Codec):
+    """``q<bits>[:tensor|channel|token|block<N>][:stochastic][:l2][:scale32]``."""
+
+    family = Family.QUANT
+
+    def __init__(
+        self,
+        bits: int,
+        *,
+        granularity: str = "channel",
+        block: int = 64,
+        rounding: str = "nearest",
+        scale: str = "max",
+        scale_dtype: torch.dtype = torch.float16,
+        check_finite: bool = True,
+    ) -> None:
+        if not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise ValueError(f"quantization bits must be an integer in 1..8, got {bits!r}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
+        if granularity == "block" and (not isinstance(block, int) or block < 1):
+            raise ValueError(f"block size must be a positive integer, got {block!r}")
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
+        if scale not in SCALE_MODES:
+            raise ValueError(f"unknown scale estimate {scale!r}; valid: {', '.join(SCALE_MODES)}")
+        if scale_dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"scale dtype must be torch.float16 or torch.float32, got {scale_dtype}")
+        self.bits = bits
+        self.granularity = granularity
+        self.block = block if granularity == "block" else 0
+        self.rounding = rounding
+        self.scale_mode = scale
+        self.scale_dtype = scale_dtype
+        self.check_finite = check_finite
+        self.qmax = qmax(bits)
+
+    @property
+    def spec(self) -> str:
+        parts = [f"q{self.bits}"]
+        if self.granularity == "block":
+            parts.append(f"block{self.block}")
+        elif self.granularity != "channel":
+            parts.append(self.granularity)
+        if self.rounding != "nearest":
+            parts.append(self.rounding)
+        if self.scale_mode != "max":
+            parts.append(self.scale_mode)
+        if self.scale_dtype == torch.float32:
+            parts.append("scale32")
+        return ":".join(parts)
+
+    def _groups(self, shape: Sequence[int]) -> _Groups:
+        return _Groups(shape, self.granularity, self.block)
+
+    def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
+        g = self._groups(shape)
+        return g.nscales * self.scale_dtype.itemsize + packed_nbytes(g.numel, self.bits)
+
+    def step(self, scales: torch.Tensor) -> torch.Tensor:
+        """Quantization step of each group, from its stored scale."""
+        return scales.float() * (2.0 / self.qmax)
+
+    # -- encode ------------------------------------------------------------------------------------
+    def _scales(self, x2: torch.Tensor, dim: int) -> torch.Tensor:
+        s = x2.abs().amax(dim=dim)
+        if self.scale_mode == "l2":
+            rms = x2.square().mean(dim=dim).sqrt()
+            s = torch.minimum(s, rms * L2_CLIP[self.bits])
+        return s
+
+    def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        groups = self._groups(x.shape)
+        cdt = _compute_dtype(x.dtype)
+        flat = x.reshape(-1)
+        if flat.dtype != cdt:
+            flat = flat.to(cdt)
+        if groups.numel == 0:
+            return torch.empty(0, dtype=torch.uint8, device=x.device)
+        views = groups.views(flat)
+        raw = [self._scales(v, d) for v, d in views]
+        s = raw[0] if len(raw) == 1 else torch.cat(raw)
+        # One host sync for both checks: NaN/Inf anywhere make the largest scale non-finite.
+        smax = float(s.max())
+        if self.check_finite and not math.isfinite(smax):
+            raise_non_finite(self.spec)
+        stored = store_scales(s, self.scale_dtype)
+        sf = stored.to(cdt)
+        inv = torch.where(sf > 0, self.qmax / (2.0 * sf), torch.zeros_like(sf))
+        clip = self.scale_mode == "l2" or (self.scale_dtype == torch.float16 and smax > _FP16_MAX)
+        t = torch.empty_like(flat)
+        offset = torch.tensor(self.qmax / 2.0 + (0.5 if self.rounding == "nearest" else 0.0), dtype=cdt,
+                              device=x.device)
+        start = 0
+        tviews = groups.views(t)
+        for (v, d), (tv, _) in zip(views, tviews):
+            n = tv.shape[1 - d] if d == 0 else tv.shape[0]
+            torch.addcmul(offset, v, _Groups.bcast(inv[start : start + n], d), out=tv)
+            start += n
+        if self.rounding == "stochastic":
+            t.add_(torch.rand(t.shape, dtype=cdt, device=t.device, generator=generator))
+        if clip or self.rounding == "stochastic":
+            t.clamp_(0.0, float(self.qmax))
+        codes = t.to(torch.uint8)
+        return torch.cat([stored.view(torch.uint8), pack_bits(codes, self.bits)])
+
+    # -- decode ------------------------------------------------------------------------------------
+    def _decode(self, packet: Packet) -> torch.Tensor:
+        groups = self._groups(packet.shape)
+        out_dtype = packet.dtype
+        cdt = _compute_dtype(out_dtype)
+        payload = packet.payload
+        nsb = groups.nscales * self.scale_dtype.itemsize
+        if groups.numel == 0:
+            return torch.empty(packet.shape, dtype=out_dtype, device=payload.device)
+        scales = payload[:nsb].view(self.scale_dtype)
+        if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+            raise PacketError(f"{self.spec}: packet holds invalid (non-finite or negative) scales")
+        codes = unpack_bits(payload[nsb:], self.bits, groups.numel)
+        out = _signed_levels(codes, self.bits).to(cdt)
+        # signed level k (an exact small integer) times scale / L; bits == 1: +-1 times the scale
+        step = scales.to(cdt) / (1 if self.bits == 1 else self.qmax // 2)
+        start = 0
+        for v, d in groups.views(out):
+            n = v.shape[1 - d] if d == 0 else v.shape[0]
+            v.mul_(_Groups.bcast(step[start : start + n], d))
+            start += n
+        out = out.view(packet.shape)
+        return out if out_dtype == cdt else out.to(out_dtype)
+
+
+def _signed_levels(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes -> signed integer levels (int8): ``q - L`` for bits >= 2, ``2q - 1`` for bits == 1."""
+    if bits == 1:
+        return codes.mul(2).sub_(1).view(torch.int8)
+    return codes.sub(2 ** (bits - 1) - 1).view(torch.int8)
+
+
+# -- row-wise helpers for low-bit storage (each row is one scale group, rows packed independently) ----
+def quantize_groups(
+    x: torch.Tensor, bits: int, *, rounding: str = "nearest", generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row of ``x`` ([G, N], float) as one max-abs group.
+
+    Returns ``(packed, scales)``: uint8 ``[G, ceil(N * bits / 8)]`` (each row packed on its own) and fp16
+    ``[G]``. Same grid and rounding as :class:`QuantCodec`.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_groups expects a 2-D tensor [groups, n], got shape {tuple(x.shape)}")
+    codec = QuantCodec(bits, granularity="token", rounding=rounding)
+    g, n = x.shape
+    n8 = -(-n // 8) * 8
+    xp = x if n8 == n else torch.nn.functional.pad(x, (0, n8 - n))
+    payload = codec.encode(xp.contiguous(), generator=generator).payload
+    scales = payload[: 2 * g].view(torch.float16)
+    packed = payload[2 * g :].view(g, n8 * bits // 8)[:, : packed_nbytes(n, bits)]
+    return packed.contiguous(), scales.clone()
+
+
+def dequantize_groups(
+    packed: torch.Tensor, scales: torch.Tensor, bits: int, n: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_groups`: float ``[G, n]``."""
+    g = packed.shape[0]
+    n8 = -(-n // 8) * 8
+    row = n8 * bits // 8
+    if packed.shape[1] != row:
+        packed = torch.nn.functional.pad(packed, (0, row - packed.shape[1]))
+    codec = QuantCodec(bits, granularity="token")
+    payload = torch.cat([scales.to(torch.float16).reshape(-1).view(torch.uint8), packed.reshape(-1)])
+    pk = Packet(Family.QUANT, dtype, (g, n8), codec.fingerprint, payload)
+    return codec.decode(pk)[:, :n]

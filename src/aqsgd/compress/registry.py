@@ -1,0 +1,125 @@
+"""Codec spec strings, used by configs and the CLI.
+
+=====================================  ==============================================================
+spec                                   codec
+=====================================  ==============================================================
+``none``                               the tensor's own bytes (uncompressed, any dtype)
+``fp32`` / ``fp16`` / ``bf16``         cast on the wire
+``q<b>[:opt...]``                      uniform symmetric quantization at b = 1..8 bits; options in any
+                                       order: ``tensor`` | ``channel`` (default) | ``token`` |
+                                       ``block<N>``; ``nearest`` (default) | ``stochastic``;
+                                       ``max`` (default) | ``l2``; ``scale16`` (default) | ``scale32``
+``topk<K>[:row|:tensor][+<codec>]``    keep fraction K in (0, 1] of largest magnitudes per row (default)
+                                       or per tensor; kept values in fp16 (default) or ``+<codec>``
+                                       (``fp32``, ``bf16``, ``q<b>...``; quantizer groups default to rows)
+=====================================  ==============================================================
+
+Examples: ``q4``, ``q2:token``, ``q3:block64:stochastic``, ``topk0.1``, ``topk0.1+q8``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+
+from aqsgd.compress.base import Codec
+from aqsgd.compress.cast import CastCodec, RawCodec
+from aqsgd.compress.quant import QuantCodec
+from aqsgd.compress.topk import TopKCodec
+from aqsgd.errors import SpecError
+
+__all__ = ["make_codec", "SPEC_HELP", "CODEC_NAMES"]
+
+CODEC_NAMES = ("none", "fp32", "fp16", "bf16", "q<bits>", "topk<fraction>")
+SPEC_HELP = (
+    "codec spec: none | fp32 | fp16 | bf16 | q<bits 1-8>[:tensor|channel|token|block<N>][:nearest|stochastic]"
+    "[:max|l2][:scale16|scale32] | topk<fraction>[:row|tensor][+fp32|fp16|bf16|q<bits>...] "
+    "(e.g. q4, q2:token, q3:block64:stochastic, topk0.1, topk0.1+q8)"
+)
+_QUANT_RE = re.compile(r"q(\d+)")
+_TOPK_RE = re.compile(r"topk(\d*\.?\d+(?:e-?\d+)?)")
+
+
+def _error(spec: str, why: str) -> SpecError:
+    return SpecError(f"invalid codec spec {spec!r}: {why}. Valid: {SPEC_HELP}")
+
+
+def _parse_quant(spec: str, text: str, default_granularity: str = "channel") -> QuantCodec:
+    head, *opts = text.split(":")
+    m = _QUANT_RE.fullmatch(head)
+    if not m:
+        raise _error(spec, f"{head!r} is not q<bits>")
+    kw: dict = {"granularity": default_granularity}
+    seen: dict[str, str] = {}
+
+    def setopt(group: str, key: str, value: object, opt: str) -> None:
+        if group in seen:
+            raise _error(spec, f"options {seen[group]!r} and {opt!r} conflict")
+        seen[group] = opt
+        kw[key] = value
+
+    for opt in opts:
+        if opt in ("tensor", "channel", "token"):
+            setopt("granularity", "granularity", opt, opt)
+        elif opt.startswith("block"):
+            size = opt[5:]
+            if not size.isdigit() or int(size) < 1:
+                raise _error(spec, f"block size in {opt!r} must be a positive integer")
+            setopt("granularity", "granularity", "block", opt)
+            kw["block"] = int(size)
+        elif opt in ("nearest", "stochastic"):
+            setopt("rounding", "rounding", opt, opt)
+        elif opt in ("max", "l2"):
+            setopt("scale", "scale", opt, opt)
+        elif opt in ("scale16", "scale32"):
+            setopt("scale_dtype", "scale_dtype", torch.float16 if opt == "scale16" else torch.float32, opt)
+        else:
+            raise _error(spec, f"unknown quantizer option {opt!r}")
+    try:
+        return QuantCodec(int(m.group(1)), **kw)
+    except ValueError as e:
+        raise _error(spec, str(e)) from None
+
+
+def _parse_topk(spec: str, text: str) -> TopKCodec:
+    base, plus, inner = text.partition("+")
+    head, *opts = base.split(":")
+    m = _TOPK_RE.fullmatch(head)
+    if not m:
+        raise _error(spec, f"{head!r} is not topk<fraction>")
+    per = "row"
+    if len(opts) > 1 or (opts and opts[0] not in ("row", "tensor")):
+        raise _error(spec, f"TopK options are 'row' or 'tensor', got {':'.join(opts)!r}")
+    if opts:
+        per = opts[0]
+    values = None
+    if plus:
+        if inner in ("fp32", "fp16", "bf16"):
+            values = CastCodec(inner)
+        elif inner.startswith("q"):
+            values = _parse_quant(spec, inner, default_granularity="token")
+        else:
+            raise _error(spec, f"TopK values codec must be fp32, fp16, bf16 or q<bits>..., got {inner!r}")
+    try:
+        return TopKCodec(float(m.group(1)), per=per, values=values)
+    except ValueError as e:
+        raise _error(spec, str(e)) from None
+
+
+@functools.lru_cache(maxsize=256)
+def make_codec(spec: str) -> Codec:
+    """Build the codec named by ``spec``; raises :class:`SpecError` (a ValueError) naming valid choices."""
+    if not isinstance(spec, str):
+        raise SpecError(f"codec spec must be a string, got {type(spec).__name__}. Valid: {SPEC_HELP}")
+    text = spec.strip().lower()
+    if text == "none":
+        return RawCodec()
+    if text in ("fp32", "fp16", "bf16"):
+        return CastCodec(text)
+    if text.startswith("topk"):
+        return _parse_topk(spec, text)
+    if text.startswith("q"):
+        return _parse_quant(spec, text)
+    raise _error(spec, "unknown codec name")
