@@ -1,0 +1,69 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aqsgd.compress import HEADER_BYTES, TopKCodec, make_codec
+from aqsgd.compress.topk import index_dtype
+from aqsgd.errors import NonFiniteError
+
+
+@pytest.mark.parametrize("n,dtype", [(1, torch.uint8), (256, torch.uint8), (257, torch.uint16),
+                                     (65536, torch.uint16), (65537, torch.uint32), (2**32 + 1, torch.int64)])
+def test_index_dtype_is_narrowest(n, dtype):
+    assert index_dtype(n) == dtype
+
+
+@given(rows=st.integers(1, 6), cols=st.integers(1, 300), frac=st.sampled_from([0.01, 0.1, 0.3, 1.0]),
+       per=st.sampled_from(["row", "tensor"]), seed=st.integers(0, 999))
+def test_keeps_largest_magnitudes_with_exact_bytes(rows, cols, frac, per, seed):
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    codec = TopKCodec(frac, per=per)
+    packet = codec.encode(x)
+    r, n = (rows, cols) if per == "row" else (1, rows * cols)
+    k = max(1, math.ceil(frac * n - 1e-9))
+    assert packet.nbytes == HEADER_BYTES + r * k * (2 + index_dtype(n).itemsize) == codec.wire_bytes(x.shape)
+    y = codec.decode(packet).view(r, n)
+    x2 = x.view(r, n)
+    kept = y != 0
+    assert bool((kept.sum(1) == k).all())
+    # kept values are the fp16 roundings of the originals...
+    assert torch.equal(y[kept], x2[kept].half().float())
+    # ...and no dropped value is larger in magnitude than a kept one in its row
+    for i in range(r):
+        if k < n:
+            assert float(x2[i][~kept[i]].abs().max()) <= float(x2[i][kept[i]].abs().min())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_dtype_preserved_and_quantized_values(dtype):
+    x = torch.randn(3, 5, 7).to(dtype)
+    for spec in ("topk0.2", "topk0.2+q8", "topk0.2+bf16", "topk0.3:tensor+q4:block4"):
+        codec = make_codec(spec)
+        p = codec.encode(x)
+        y = codec.decode(p)
+        assert y.dtype == dtype and y.shape == x.shape and p.nbytes == codec.wire_bytes(x.shape, dtype)
+    q8 = make_codec("topk0.2+q8")
+    # q8 values: 1 byte each + one fp16 scale per row
+    rows, n, k = q8.layout(x.shape)
+    assert q8.payload_bytes(x.shape) == rows * k * 1 + rows * 2 + rows * k * 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("spec", ["topk0.1", "topk0.1+q8", "topk0.5:tensor+fp32"])
+def test_non_finite_is_always_kept_and_rejected(spec, bad):
+    x = torch.randn(2, 100)
+    x[1, 17] = bad
+    with pytest.raises(NonFiniteError):
+        make_codec(spec).encode(x)
+
+
+def test_topk_one_is_fp16_identity_and_ratio():
+    x = torch.randn(4, 64)
+    assert torch.equal(make_codec("topk1").roundtrip(x), x.half().float())
+    c = make_codec("topk0.1")
+    shape = (8, 512, 768)
+    k = math.ceil(0.1 * 512 * 768)
+    assert c.wire_bytes(shape) == HEADER_BYTES + 8 * k * (2 + 4)
