@@ -1,0 +1,200 @@
+"""Boundary schemes: the stateful layer between a tensor crossing a stage boundary and its codec.
+
+One scheme object serves one boundary, one direction (activations forward or gradients backward) and one
+side: the sender calls :meth:`BoundaryScheme.send`, the receiver :meth:`BoundaryScheme.recv`. Both sides
+of a boundary are built from the same settings and called with the same ``sample_ids``, ``phase`` and
+``slot`` in the same order; stateful schemes then hold bit-identical state on both sides.
+
+The :class:`Phase` of every call is an explicit argument (never a global switch):
+
+* ``WARMUP``: full precision (the lossless ``none`` codec); schemes with state initialize it from the
+  value (AQ-SGD fills its cache, EF21 sets its estimate).
+* ``TRAIN``: compressed, state updated.
+* ``EVAL``: compressed with the scheme's codec applied directly, ``C(x)``, and no state read or written
+  (evaluation samples have no cache rows; this is "compression on at inference").
+* ``EVAL_RAW``: uncompressed, no state ("compression off at inference").
+
+Every packet carries a tag (CRC-32 of the micro-batch's sample ids and the slot) and a kind, so a receiver
+that is out of step with its sender (other samples, other phase, other codec, other shape) raises
+:class:`~aqsgd.errors.PacketMismatchError` instead of computing with the wrong data.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from aqsgd.compress import Codec, Packet, make_codec
+from aqsgd.compress.cast import RawCodec
+from aqsgd.errors import PacketMismatchError, SchemeError
+
+__all__ = ["Phase", "Kind", "Side", "BoundaryScheme", "ids_tag"]
+
+
+class Phase(str, enum.Enum):
+    WARMUP = "warmup"
+    TRAIN = "train"
+    EVAL = "eval"
+    EVAL_RAW = "eval_raw"
+
+
+class Kind(enum.IntEnum):
+    """What a packet's payload means to the scheme (the header's kind byte)."""
+
+    RAW = 1  # the value itself, full precision
+    DIRECT = 2  # C(x)
+    DELTA = 3  # C(x - m): AQ-SGD
+    EF = 4  # C(x + e)
+    EF21 = 5  # C(x - g)
+
+
+class Side(str, enum.Enum):
+    SENDER = "sender"
+    RECEIVER = "receiver"
+
+
+def ids_tag(sample_ids: torch.Tensor | None, slot: int = 0) -> int:
+    """CRC-32 of the sample ids (as int64) and the slot: identifies a micro-batch on both sides."""
+    crc = zlib.crc32(int(slot).to_bytes(8, "little", signed=True))
+    if sample_ids is not None:
+        ids = sample_ids.detach().to("cpu", torch.int64).contiguous()
+        crc = zlib.crc32(memoryview(ids.numpy()), crc) if ids.numel() else crc
+    return crc
+
+
+def as_ids(sample_ids: torch.Tensor | Sequence[int] | None, n: int, required: bool, who: str) -> torch.Tensor | None:
+    if sample_ids is None:
+        if required:
+            raise SchemeError(f"{who} needs the sample ids of every micro-batch")
+        return None
+    ids = torch.as_tensor(sample_ids)
+    if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise SchemeError(f"{who}: sample_ids must be a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if ids.numel() != n:
+        raise SchemeError(f"{who}: {ids.numel()} sample ids for a micro-batch of {n} rows")
+    return ids.to(torch.int64)
+
+
+class BoundaryScheme(abc.ABC):
+    """Base class: side checks, tagging, full-precision and direct paths shared by every scheme."""
+
+    name: ClassVar[str]
+    needs_ids: ClassVar[bool] = False
+
+    def __init__(self, codec: Codec | str, side: Side | str, *, label: str = "boundary", seed: int = 0,
+                 device: torch.device | str = "cpu") -> None:
+        self.codec = make_codec(codec) if isinstance(codec, str) else codec
+        self.raw = RawCodec()
+        try:
+            self.side = Side(side)
+        except ValueError:
+            raise SchemeError(f"side must be 'sender' or 'receiver', got {side!r}") from None
+        self.label = label
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    # -- public API ----------------------------------------------------------------------------------
+    def send(self, x: torch.Tensor, sample_ids: torch.Tensor | Sequence[int] | None = None, *,
+             phase: Phase | str = Phase.TRAIN, slot: int = 0) -> list[Packet]:
+        """Encode ``x`` (rows = samples of the micro-batch) into the packets to transmit."""
+        phase = self._check(Side.SENDER, phase)
+        x = x.detach()
+        ids = as_ids(sample_ids, x.shape[0] if x.dim() else 1, self.needs_ids and phase in
+                     (Phase.WARMUP, Phase.TRAIN), f"{self.label} ({self.name})")
+        tag = ids_tag(ids, slot)
+        if phase == Phase.EVAL_RAW:
+            packets = [self._tagged(self.raw.encode(x), tag, Kind.RAW)]
+        elif phase == Phase.EVAL:
+            packets = [self._tagged(self.codec.encode(x, generator=self.generator), tag, Kind.DIRECT)]
+        else:
+            packets = [p.with_tag(tag, p.kind) for p in self._send(x, ids, phase, slot)]
+        return packets
+
+    def recv(self, packets: Packet | Sequence[Packet], sample_ids: torch.Tensor | Sequence[int] | None = None,
+             *, phase: Phase | str = Phase.TRAIN, slot: int = 0) -> torch.Tensor:
+        """Decode the packets of one micro-batch into the tensor the next stage computes with."""
+        phase = self._check(Side.RECEIVER, phase)
+        packets = [packets] if isinstance(packets, Packet) else list(packets)
+        if not packets:
+            raise PacketMismatchError(f"{self.label}: no packets received")
+        rows = packets[0].shape[0] if packets[0].shape else 1
+        if len(packets) > 1:
+            rows = sum(p.shape[0] for p in packets if p.shape)
+        ids = as_ids(sample_ids, rows, self.needs_ids and phase in (Phase.WARMUP, Phase.TRAIN),
+                     f"{self.label} ({self.name})")
+        tag = ids_tag(ids, slot)
+        for p in packets:
+            p.expect(tag=tag, what=self.label)
+        if phase in (Phase.EVAL_RAW, Phase.EVAL):
+            kind, codec = (Kind.RAW, self.raw) if phase == Phase.EVAL_RAW else (Kind.DIRECT, self.codec)
+            self._expect_kinds(packets, [kind], phase)
+            return codec.decode(packets[0])
+        return self._recv(packets, ids, phase, slot)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors of the scheme's small state (the generator; subclasses add theirs)."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write the scheme's state (safetensors + JSON, no pickle) into ``directory``."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(d / "state.safetensors"))
+        (d / "scheme.json").write_text(json.dumps(self.describe(), indent=1))
+
+    def load(self, directory: str | os.PathLike[str]) -> None:
+        d = Path(directory)
+        meta = json.loads((d / "scheme.json").read_text())
+        if meta != self.describe():
+            raise SchemeError(f"{self.label}: saved scheme {meta} does not match this one {self.describe()}")
+        self.load_state_dict(load_file(str(d / "state.safetensors")))
+
+    def describe(self) -> dict[str, Any]:
+        """Settings that both sides (and a checkpoint) must agree on."""
+        return {"scheme": self.name, "codec": self.codec.spec, "side": self.side.value}
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes held as state (caches, error buffers)."""
+        return 0
+
+    # -- for subclasses ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _send(self, x: torch.Tensor, ids: torch.Tensor | None, phase: Phase, slot: int) -> list[Packet]: ...
+
+    @abc.abstractmethod
+    def _recv(self, packets: list[Packet], ids: torch.Tensor | None, phase: Phase, slot: int) -> torch.Tensor: ...
+
+    def _check(self, side: Side, phase: Phase | str) -> Phase:
+        if self.side != side:
+            verb = "send" if side == Side.SENDER else "recv"
+            raise SchemeError(f"{self.label}: a {self.side.value}-side {self.name} scheme cannot {verb}()")
+        try:
+            return Phase(phase)
+        except ValueError:
+            raise SchemeError(f"unknown phase {phase!r}; valid: {[p.value for p in Phase]}") from None
+
+    @staticmethod
+    def _tagged(packet: Packet, tag: int, kind: Kind) -> Packet:
+        return packet.with_tag(tag, int(kind))
+
+    def _expect_kinds(self, packets: list[Packet], kinds: list[Kind], phase: Phase) -> None:
+        got = [p.kind for p in packets]
+        if got != [int(k) for k in kinds]:
+            names = [Kind(k).name if k in Kind._value2member_map_ else str(k) for k in got]
+            raise PacketMismatchError(
+                f"{self.label}: received packets of kinds {names} in phase {phase.value!r}, expected "
+                f"{[k.name for k in kinds]} (are sender and receiver in the same phase and scheme?)"
+            )

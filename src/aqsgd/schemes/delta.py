@@ -1,0 +1,117 @@
+"""``delta``: AQ-SGD (Wang et al., NeurIPS 2022) activation compression with a per-sample message cache.
+
+For every sample id ``i`` both sides keep ``m(i)`` in an :class:`~aqsgd.schemes.cache.ActivationCache`.
+
+* First visit of ``i`` (not yet in the cache): the row goes at full precision and both sides store it.
+* Later visits: the sender sends ``C(x - m)``; both sides compute ``m <- m + decode(C(x - m))`` from the
+  same packet with the same arithmetic, store it, and continue with what the cache returns, so their caches
+  stay bit-identical (the cache's ``put`` returns the stored representation). The receiver's output is the
+  new ``m``.
+* A micro-batch that mixes seen and unseen samples travels as two packets: the deltas of the seen rows
+  (kind DELTA) and then the unseen rows in full (kind RAW). The receiver splits the ids the same way from
+  its own cache, so nothing but the packets crosses the wire.
+* ``WARMUP`` sends everything in full and (re)writes every row: the reference implementation's
+  uncompressed first epoch, which also fills the cache.
+
+Outputs have the cache's compute dtype (``cache.dtype``) in ``TRAIN``; choose it equal to the activations'.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aqsgd.compress import Codec, Packet
+from aqsgd.errors import PacketMismatchError
+from aqsgd.schemes.base import BoundaryScheme, Kind, Phase, Side
+from aqsgd.schemes.cache import ActivationCache
+
+__all__ = ["DeltaScheme"]
+
+
+class DeltaScheme(BoundaryScheme):
+    name = "delta"
+    needs_ids = True
+
+    def __init__(self, codec: Codec | str, side: Side | str, *, cache: ActivationCache, label: str = "boundary",
+                 seed: int = 0, device: torch.device | str = "cpu") -> None:
+        super().__init__(codec, side, label=label, seed=seed, device=device)
+        self.cache = cache
+
+    def prefetch(self, sample_ids: torch.Tensor) -> None:
+        """Hint that the rows of these samples are needed soon (disk caches read them in the background)."""
+        ids = torch.as_tensor(sample_ids, dtype=torch.int64)
+        seen = self.cache.visited(ids)
+        if bool(seen.any()):
+            self.cache.prefetch(ids[seen.to(ids.device)])
+
+    def _split(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen = self.cache.visited(ids).to("cpu")
+        return seen.nonzero().squeeze(1), (~seen).nonzero().squeeze(1)
+
+    def _send(self, x: torch.Tensor, ids: torch.Tensor | None, phase: Phase, slot: int) -> list[Packet]:
+        assert ids is not None
+        if phase == Phase.WARMUP:
+            self.cache.put(ids, x)
+            return [self._tagged(self.raw.encode(x), 0, Kind.RAW)]
+        seen, new = self._split(ids)
+        packets = []
+        if seen.numel():
+            sid = ids[seen]
+            m = self.cache.get(sid)
+            packet = self.codec.encode(x[seen.to(x.device)].to(m.dtype) - m, generator=self.generator)
+            self.cache.put(sid, m + self.codec.decode(packet))
+            packets.append(self._tagged(packet, 0, Kind.DELTA))
+        if new.numel():
+            rows = x[new.to(x.device)]
+            self.cache.put(ids[new], rows)
+            packets.append(self._tagged(self.raw.encode(rows), 0, Kind.RAW))
+        return packets
+
+    def _recv(self, packets: list[Packet], ids: torch.Tensor | None, phase: Phase, slot: int) -> torch.Tensor:
+        assert ids is not None
+        if phase == Phase.WARMUP:
+            self._expect_kinds(packets, [Kind.RAW], phase)
+            x = self.raw.decode(packets[0])
+            self.cache.put(ids, x)
+            return x
+        seen, new = self._split(ids)
+        kinds = ([Kind.DELTA] if seen.numel() else []) + ([Kind.RAW] if new.numel() else [])
+        self._expect_kinds(packets, kinds, phase)
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for packet, idx in zip(packets, [i for i in (seen, new) if i.numel()]):
+            if packet.shape[:1] != (idx.numel(),):
+                raise PacketMismatchError(
+                    f"{self.label}: packet for {packet.shape[0] if packet.shape else 0} rows, receiver's cache "
+                    f"expects {idx.numel()} (sender and receiver caches disagree on which samples were seen)"
+                )
+            if packet.kind == Kind.DELTA:
+                sid = ids[idx]
+                m = self.cache.get(sid)
+                parts.append((idx, self.cache.put(sid, m + self.codec.decode(packet))))
+            else:
+                rows = self.raw.decode(packet)
+                self.cache.put(ids[idx], rows)
+                parts.append((idx, rows))
+        first = parts[0][1]
+        out = torch.empty((ids.numel(), *first.shape[1:]), dtype=self.cache.dtype, device=first.device)
+        for idx, rows in parts:
+            out[idx.to(out.device)] = rows.to(out.dtype)
+        return out
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d["cache"] = type(self.cache).__name__
+        d["capacity"] = self.cache.capacity
+        return d
+
+    @property
+    def state_nbytes(self) -> int:
+        return self.cache.nbytes
+
+    def save(self, directory) -> None:  # type: ignore[override]
+        super().save(directory)
+        self.cache.save(f"{directory}/cache")
+
+    def load(self, directory) -> None:  # type: ignore[override]
+        super().load(directory)
+        self.cache.load(f"{directory}/cache")
