@@ -74,9 +74,9 @@ def _unpack(packed: Tensor, bits: int, n: int) -> Tensor:
     if 8 % bits == 0:
         per = 8 // bits
         parts = [(packed >> (k * bits)) & mask for k in range(per)]
-        return torch.stack(parts, dim=-1).reshape(g, -1)[:, :n]
+        return torch.stack(parts, dim=-1).reshape(g, packed.shape[1] * per)[:, :n]
     shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    planes = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(g, -1)[:, : n * bits].reshape(g, n, bits)
+    planes = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(g, packed.shape[1] * 8)[:, : n * bits].reshape(g, n, bits)
     codes = planes[..., 0].clone()
     for k in range(1, bits):
         codes |= planes[..., k] << k

@@ -586,6 +586,8 @@ class LowBitCache(ActivationCache):
     def _write(self, ids: Tensor, rows: Tensor) -> Tensor:
         assert self._packed is not None and self._scales is not None
         n = ids.numel()
+        if n == 0:
+            return torch.empty((0, *self._shape()), dtype=self.dtype, device=self.device)
         flat = rows.to(device=self.device, dtype=torch.float32).reshape(n, self._numel)
         flat = torch.nn.functional.pad(flat, (0, self._nblocks * self.block - self._numel))
         try:
