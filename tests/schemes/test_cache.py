@@ -325,7 +325,8 @@ def test_save_load_roundtrip(make: Factory, tmp_path: Path) -> None:
     src.save(tmp_path / "ckpt")
     meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
     assert meta["backend"] == src.backend and meta["capacity"] == CAP and meta["row_shape"] == list(ROW)
-    assert not any(p.suffix in (".pt", ".pkl", ".bin") and p.name != "rows.bin" for p in (tmp_path / "ckpt").iterdir())
+    files = {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert files <= {"meta.json", "cache.safetensors", "rows.bin"}  # no pickles
 
     dst = make()
     dst.put(ids_of(0, 1), torch.randn(2, *ROW))  # contents are replaced, not merged
@@ -399,10 +400,11 @@ def test_lowbit_error_bound(bits: int, row_shape: tuple[int, ...]) -> None:
     rows = torch.randn(3, *row_shape)
     out = cache.put(ids_of(0, 5, 7), rows)
     assert_bit_identical(cache.get(ids_of(0, 5, 7)), out)
-    flat_in = torch.nn.functional.pad(rows.reshape(3, -1), (0, -rows[0].numel() % block)).reshape(3, -1, block)
-    flat_out = torch.nn.functional.pad(out.reshape(3, -1), (0, -rows[0].numel() % block)).reshape(3, -1, block)
+    pad = (0, -rows[0].numel() % block)
+    flat_in = torch.nn.functional.pad(rows.reshape(3, -1), pad).reshape(3, -1, block)
+    flat_out = torch.nn.functional.pad(out.reshape(3, -1), pad).reshape(3, -1, block)
     amax = flat_in.abs().amax(-1, keepdim=True)
-    valid = torch.nn.functional.pad(torch.ones(rows[0].numel()), (0, -rows[0].numel() % block)).bool()
+    valid = torch.nn.functional.pad(torch.ones(rows[0].numel()), pad).bool()
     valid = valid.reshape(1, -1, block).expand_as(flat_in)
     if bits == 1:
         err = (flat_out.abs() - amax).abs()
@@ -589,3 +591,39 @@ def test_disk_large_capacity_bounded_rss(tmp_path: Path) -> None:
         assert st.st_size == file_size
         if st.st_blocks:  # sparse: only touched pages occupy disk (skip on filesystems without st_blocks)
             assert st.st_blocks * 512 < file_size // 20, name
+
+
+# ---------------------------------------------------------------------- CUDA (skipped without a GPU)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bit_identical_to_cpu(backend: str, tmp_path: Path) -> None:
+    """A CUDA cache (sender) and a CPU cache (receiver) fed the same puts stay bit-identical."""
+
+    def build(device: str, name: str) -> ActivationCache:
+        if backend == "memory":
+            return MemoryCache(CAP, ROW, device=device)
+        if backend == "lowbit":
+            return LowBitCache(CAP, ROW, device=device)
+        return DiskCache(tmp_path / f"{name}.bin", CAP, ROW, device=device)
+
+    cpu, gpu, restored = build("cpu", "cpu"), build("cuda", "gpu"), build("cpu", "restored")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        ids = torch.randperm(CAP, generator=gen)[:5]
+        rows = torch.randn(5, *ROW, generator=gen) * 4
+        out_cpu = cpu.put(ids, rows)
+        out_gpu = gpu.put(ids.cuda(), rows.cuda())
+        assert out_gpu.device.type == "cuda"
+        assert_bit_identical(out_gpu.cpu(), out_cpu)
+        gpu.prefetch(ids)
+        got = gpu.get(ids)
+        assert got.device.type == "cuda" and gpu.visited(ids.cuda()).device.type == "cuda"
+        assert_bit_identical(got.cpu(), cpu.get(ids))
+    gpu.save(tmp_path / "ckpt")
+    restored.load(tmp_path / "ckpt")
+    everything = torch.arange(CAP)[cpu.visited(torch.arange(CAP))]
+    assert_bit_identical(restored.get(everything), cpu.get(everything))
+    for cache in (cpu, gpu, restored):
+        if isinstance(cache, DiskCache):
+            cache.close()

@@ -43,7 +43,7 @@ def _round_up_to_fp16(a: Tensor) -> Tensor:
 
 
 def _pack(codes: Tensor, bits: int) -> Tensor:
-    """Pack uint8 codes ``[G, N]`` (each < 2**bits) densely, little-endian, into uint8 ``[G, ceil(N*bits/8)]``."""
+    """Pack uint8 codes ``[G, N]`` (each < 2**bits) densely, little-endian, into ``[G, ceil(N*bits/8)]``."""
     g, n = codes.shape
     nbytes = (n * bits + 7) // 8
     if bits == 8:
@@ -76,7 +76,8 @@ def _unpack(packed: Tensor, bits: int, n: int) -> Tensor:
         parts = [(packed >> (k * bits)) & mask for k in range(per)]
         return torch.stack(parts, dim=-1).reshape(g, packed.shape[1] * per)[:, :n]
     shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    planes = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(g, packed.shape[1] * 8)[:, : n * bits].reshape(g, n, bits)
+    planes = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(g, packed.shape[1] * 8)
+    planes = planes[:, : n * bits].reshape(g, n, bits)
     codes = planes[..., 0].clone()
     for k in range(1, bits):
         codes |= planes[..., k] << k
@@ -140,7 +141,8 @@ def dequantize_groups(
         raise ValueError(f"scales must have shape [{g}], got {tuple(scales.shape)}")
     if packed.shape[1] != (n * bits + 7) // 8:
         raise ValueError(
-            f"packed has {packed.shape[1]} bytes per row; {n} values of {bits} bits need {(n * bits + 7) // 8}"
+            f"packed has {packed.shape[1]} bytes per row; "
+            f"{n} values of {bits} bits need {(n * bits + 7) // 8}"
         )
     codes = _unpack(packed, bits, n).to(torch.float32)
     s = scales.to(torch.float32).unsqueeze(1)

@@ -96,6 +96,8 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 _STORAGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _COMPUTE_DTYPES = tuple(_DTYPE_NAMES)
+# Expected (shape, dtype) of one tensor in a checkpoint.
+_TensorSpec = tuple[tuple[int, ...], torch.dtype]
 # numpy dtype of the memmap file for each storage dtype (numpy has no bfloat16: keep its bit pattern).
 _NUMPY_STORAGE: dict[torch.dtype, type[np.generic]] = {
     torch.float16: np.float16,
@@ -206,7 +208,7 @@ class ActivationCache(abc.ABC):
         return self._visited[ids.to(self._visited.device)].to(ids.device)
 
     def get(self, ids: Tensor) -> Tensor:
-        """Rows ``[len(ids), *row_shape]`` as ``dtype`` on ``device``, exactly as returned by their last put."""
+        """Rows ``[len(ids), *row_shape]`` (``dtype``, on ``device``), bit-identical to their last put."""
         ids = self._check_ids(ids)
         if self.row_shape is None and ids.numel() == 0:
             raise CacheError("get() of no ids before the row shape is known (no put() yet)")
@@ -225,7 +227,7 @@ class ActivationCache(abc.ABC):
         rows = self._check_rows(ids, rows)
         out = self._write(ids, rows.detach())
         self._visited[ids.to(self._visited.device)] = True
-        if out.numel() > 0 and out.data_ptr() == rows.data_ptr():
+        if out.numel() > 0 and out.device == rows.device and out.data_ptr() == rows.data_ptr():
             out = out.clone()  # never hand the caller's own tensor back
         return out
 
@@ -271,22 +273,30 @@ class ActivationCache(abc.ABC):
         if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
             raise CacheError(f"{meta_path} is not an activation-cache checkpoint")
         if meta.get("version") != _FORMAT_VERSION:
-            raise CacheError(f"{meta_path} has format version {meta.get('version')}, expected {_FORMAT_VERSION}")
+            raise CacheError(
+                f"{meta_path} has format version {meta.get('version')}, expected {_FORMAT_VERSION}"
+            )
         if meta.get("backend") != self.backend:
             raise CacheError(
                 f"{path} holds a {meta.get('backend')!r} cache; cannot load it into a {type(self).__name__} "
                 f"({self.backend!r})"
             )
         if meta.get("capacity") != self.capacity:
-            raise CacheError(f"{path} holds a cache of capacity {meta.get('capacity')}, this one has {self.capacity}")
+            raise CacheError(
+                f"{path} holds a cache of capacity {meta.get('capacity')}, this one has {self.capacity}"
+            )
         saved_shape = None if meta.get("row_shape") is None else tuple(meta["row_shape"])
         if saved_shape is not None and self.row_shape is not None and saved_shape != self.row_shape:
-            raise CacheError(f"{path} holds rows of shape {saved_shape}, this cache has row_shape {self.row_shape}")
+            raise CacheError(
+                f"{path} holds rows of shape {saved_shape}, this cache has row_shape {self.row_shape}"
+            )
         if saved_shape is None and self.row_shape is None and not self._lazy_shape_ok():
             raise CacheError(f"{path} holds no row shape")
         for key, value in self._backend_metadata().items():
             if meta.get(key) != value:
-                raise CacheError(f"{path} was saved with {key}={meta.get(key)!r}, this cache has {key}={value!r}")
+                raise CacheError(
+                    f"{path} was saved with {key}={meta.get(key)!r}, this cache has {key}={value!r}"
+                )
         self._load_payload(path, saved_shape)
 
     def __repr__(self) -> str:
@@ -371,7 +381,7 @@ class ActivationCache(abc.ABC):
             **self._backend_metadata(),
         }
 
-    def _load_tensors(self, path: Path, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Tensor]:
+    def _load_tensors(self, path: Path, expected: dict[str, _TensorSpec]) -> dict[str, Tensor]:
         """Load ``cache.safetensors`` and check every tensor's shape and dtype against ``expected``."""
         file = path / _TENSORS_FILE
         try:
@@ -485,7 +495,7 @@ class MemoryCache(ActivationCache):
         save_file(tensors, str(path / _TENSORS_FILE))
 
     def _load_payload(self, path: Path, row_shape: tuple[int, ...] | None) -> None:
-        expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"visited": ((self.capacity,), torch.bool)}
+        expected: dict[str, _TensorSpec] = {"visited": ((self.capacity,), torch.bool)}
         if row_shape is not None:
             expected["rows"] = ((self.capacity, *row_shape), self.storage_dtype)
         tensors = self._load_tensors(path, expected)
@@ -617,7 +627,7 @@ class LowBitCache(ActivationCache):
         save_file(tensors, str(path / _TENSORS_FILE))
 
     def _load_payload(self, path: Path, row_shape: tuple[int, ...] | None) -> None:
-        expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"visited": ((self.capacity,), torch.bool)}
+        expected: dict[str, _TensorSpec] = {"visited": ((self.capacity,), torch.bool)}
         if row_shape is not None:
             nblocks = -(-math.prod(row_shape) // self.block)
             expected["packed"] = ((self.capacity, nblocks, self._block_bytes), torch.uint8)
@@ -678,7 +688,12 @@ class DiskCache(ActivationCache):
         if row_shape is None:
             raise CacheError("DiskCache needs row_shape up front (it sizes the file)")
         super().__init__(
-            capacity, row_shape, dtype=dtype, device=device, num_samples=num_samples, mask_device=torch.device("cpu")
+            capacity,
+            row_shape,
+            dtype=dtype,
+            device=device,
+            num_samples=num_samples,
+            mask_device=torch.device("cpu"),
         )
         self.storage_dtype = _check_dtype(storage_dtype, "storage_dtype", _STORAGE_DTYPES)
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
@@ -693,9 +708,15 @@ class DiskCache(ActivationCache):
         self._np_dtype = _NUMPY_STORAGE[self.storage_dtype]
         self._pin = self.device.type == "cuda" and torch.cuda.is_available()
         self._lock = threading.RLock()
-        self._pending: collections.OrderedDict[bytes, tuple[np.ndarray, Future[Tensor]]] = collections.OrderedDict()
+        # Held prefetches, oldest first: ids bytes -> (ids, future of the rows in storage dtype).
+        self._pending: collections.OrderedDict[bytes, tuple[np.ndarray, Future[Tensor]]] = (
+            collections.OrderedDict()
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._mm: np.memmap | None = np.memmap(self.path, dtype=self._np_dtype, mode="w+", shape=self._file_shape)
+        # mode "w+" (re)creates the file sparse: numpy only writes its last byte.
+        self._mm: np.memmap | None = np.memmap(
+            self.path, dtype=self._np_dtype, mode="w+", shape=self._file_shape
+        )
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="aqsgd-diskcache"
         )
