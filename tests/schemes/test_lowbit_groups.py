@@ -1,7 +1,6 @@
 """Conformance tests for quantize_groups / dequantize_groups as LowBitCache relies on them.
 
-Run against the private fallback and, once it exists, the shared implementation in
-``aqsgd.compress.quant`` (the one :mod:`aqsgd.schemes.cache` actually uses).
+Run against the shared implementation in ``aqsgd.compress.quant`` (the one :mod:`aqsgd.schemes.cache` uses).
 """
 
 from __future__ import annotations
@@ -13,14 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import aqsgd.schemes._lowbit_fallback as fallback
-import aqsgd.schemes.cache as cache_module
+import aqsgd.compress.quant as shared
 
-IMPLEMENTATIONS: list[ModuleType] = [fallback]
-if cache_module.quantize_groups is not fallback.quantize_groups:  # the shared implementation is present
-    import aqsgd.compress.quant as shared
-
-    IMPLEMENTATIONS.append(shared)
+IMPLEMENTATIONS: list[ModuleType] = [shared]
 
 
 @pytest.fixture(params=IMPLEMENTATIONS, ids=lambda m: m.__name__)
@@ -100,9 +94,9 @@ def test_stochastic_rounding_is_seeded_and_unbiased(impl: ModuleType) -> None:
         lambda m: m.quantize_groups(torch.tensor([[float("nan"), 0.0]]), 4),
     ],
 )
-def test_fallback_rejects_bad_input(call: object) -> None:
+def test_rejects_bad_input(call: object) -> None:
     with pytest.raises(ValueError):
-        call(fallback)  # type: ignore[operator]
+        call(shared)  # type: ignore[operator]
 
 
 @settings(max_examples=60, deadline=None)

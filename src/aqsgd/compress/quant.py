@@ -39,7 +39,7 @@ import torch
 from aqsgd.compress.base import Codec, numel_of, raise_non_finite
 from aqsgd.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
 from aqsgd.compress.packet import Family, Packet
-from aqsgd.errors import PacketError
+from aqsgd.errors import CodecError, PacketError
 
 __all__ = [
     "QuantCodec",
@@ -190,13 +190,18 @@ class QuantCodec(Codec):
         return s
 
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        if x.numel() == 0:
+            return torch.empty(0, dtype=torch.uint8, device=x.device)
+        stored, codes = self.quantize(x, generator)
+        return torch.cat([stored.view(torch.uint8), pack_bits(codes, self.bits)])
+
+    def quantize(self, x: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(stored scales, flat uint8 codes)`` of a non-empty tensor, before packing."""
         groups = self._groups(x.shape)
         cdt = _compute_dtype(x.dtype)
         flat = x.reshape(-1)
         if flat.dtype != cdt:
             flat = flat.to(cdt)
-        if groups.numel == 0:
-            return torch.empty(0, dtype=torch.uint8, device=x.device)
         views = groups.views(flat)
         raw = [self._scales(v, d) for v, d in views]
         s = raw[0] if len(raw) == 1 else torch.cat(raw)
@@ -221,8 +226,7 @@ class QuantCodec(Codec):
             t.add_(torch.rand(t.shape, dtype=cdt, device=t.device, generator=generator))
         if clip or self.rounding == "stochastic":
             t.clamp_(0.0, float(self.qmax))
-        codes = t.to(torch.uint8)
-        return torch.cat([stored.view(torch.uint8), pack_bits(codes, self.bits)])
+        return stored, t.to(torch.uint8)
 
     # -- decode ------------------------------------------------------------------------------------
     def _decode(self, packet: Packet) -> torch.Tensor:
@@ -237,6 +241,13 @@ class QuantCodec(Codec):
         if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
             raise PacketError(f"{self.spec}: packet holds invalid (non-finite or negative) scales")
         codes = unpack_bits(payload[nsb:], self.bits, groups.numel)
+        return self.dequantize(scales, codes, packet.shape, out_dtype)
+
+    def dequantize(self, scales: torch.Tensor, codes: torch.Tensor, shape: Sequence[int],
+                   out_dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of :meth:`quantize`: stored scales and flat codes to a tensor of ``shape``."""
+        groups = self._groups(shape)
+        cdt = _compute_dtype(out_dtype)
         out = _signed_levels(codes, self.bits).to(cdt)
         # signed level k (an exact small integer) times scale / L; bits == 1: +-1 times the scale
         step = scales.to(cdt) / (1 if self.bits == 1 else self.qmax // 2)
@@ -245,7 +256,7 @@ class QuantCodec(Codec):
             n = v.shape[1 - d] if d == 0 else v.shape[0]
             v.mul_(_Groups.bcast(step[start : start + n], d))
             start += n
-        out = out.view(packet.shape)
+        out = out.view(shape)
         return out if out_dtype == cdt else out.to(out_dtype)
 
 
@@ -267,14 +278,19 @@ def quantize_groups(
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_groups expects a 2-D tensor [groups, n], got shape {tuple(x.shape)}")
+    if x.numel() and float(x.abs().max()) > _FP16_MAX:  # NaN compares False: the codec reports it below
+        raise CodecError(f"quantize_groups: magnitudes above {_FP16_MAX} do not fit fp16 scales")
     codec = QuantCodec(bits, granularity="token", rounding=rounding)
     g, n = x.shape
     n8 = -(-n // 8) * 8
-    xp = x if n8 == n else torch.nn.functional.pad(x, (0, n8 - n))
-    payload = codec.encode(xp.contiguous(), generator=generator).payload
-    scales = payload[: 2 * g].view(torch.float16)
-    packed = payload[2 * g :].view(g, n8 * bits // 8)[:, : packed_nbytes(n, bits)]
-    return packed.contiguous(), scales.clone()
+    if g * n == 0:
+        return x.new_zeros((g, packed_nbytes(n, bits)), dtype=torch.uint8), x.new_zeros(g, dtype=torch.float16)
+    scales, codes = codec.quantize(x.contiguous(), generator)
+    codes = codes.view(g, n)
+    if n8 != n:  # zero padding codes, so each row packs on its own and its spare bits are zero
+        codes = torch.nn.functional.pad(codes, (0, n8 - n))
+    packed = pack_bits(codes.reshape(-1), bits).view(g, n8 * bits // 8)[:, : packed_nbytes(n, bits)]
+    return packed.contiguous(), scales
 
 
 def dequantize_groups(
@@ -286,7 +302,6 @@ def dequantize_groups(
     row = n8 * bits // 8
     if packed.shape[1] != row:
         packed = torch.nn.functional.pad(packed, (0, row - packed.shape[1]))
+    codes = unpack_bits(packed.reshape(-1), bits, g * n8).view(g, n8)[:, :n].reshape(-1)
     codec = QuantCodec(bits, granularity="token")
-    payload = torch.cat([scales.to(torch.float16).reshape(-1).view(torch.uint8), packed.reshape(-1)])
-    pk = Packet(Family.QUANT, dtype, (g, n8), codec.fingerprint, payload)
-    return codec.decode(pk)[:, :n]
+    return codec.dequantize(scales.to(torch.float16).reshape(-1), codes, (g, n), dtype)

@@ -62,12 +62,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-try:
-    from aqsgd.compress.quant import dequantize_groups, quantize_groups
-except ImportError as _exc:  # the shared implementation is not there yet: use the private fallback
-    if isinstance(_exc, ModuleNotFoundError) and _exc.name not in ("aqsgd.compress", "aqsgd.compress.quant"):
-        raise
-    from aqsgd.schemes._lowbit_fallback import dequantize_groups, quantize_groups
+from aqsgd.compress.quant import dequantize_groups, quantize_groups
+from aqsgd.errors import CacheError
 
 __all__ = [
     "ActivationCache",
@@ -78,8 +74,6 @@ __all__ = [
 ]
 
 
-class CacheError(ValueError):
-    """Invalid use of an activation cache (bad ids or shapes, unknown rows, incompatible checkpoint)."""
 
 
 _FORMAT = "aqsgd-activation-cache"
