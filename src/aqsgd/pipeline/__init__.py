@@ -1,0 +1,1 @@
+"""Pipeline parallelism: model partitioning into stages, schedules, and a local reference executor."""
