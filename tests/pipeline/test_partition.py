@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from aqsgd.models.resnet import ResNet
 from aqsgd.pipeline.local_exec import Boundary, run_pipeline_locally
-from aqsgd.pipeline.partition import balanced_counts, partition_model
+from aqsgd.pipeline.partition import balanced_counts, partition_model, shared_parameters
 from aqsgd.pipeline.stage import Batch
 
 transformers = pytest.importorskip("transformers")
@@ -132,10 +132,19 @@ def bert_case(attn: str = "eager", family: str = "bert") -> Case:
 def mlp_case() -> Case:
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 5)
+        nn.Linear(10, 32),
+        nn.Tanh(),
+        nn.Linear(32, 32),
+        nn.GELU(),
+        nn.Linear(32, 16),
+        nn.ReLU(),
+        nn.Linear(16, 5),
     )
     gen = torch.Generator().manual_seed(3)
-    batch = {"input": torch.randn(BATCH, 10, generator=gen), "labels": torch.randint(0, 5, (BATCH,), generator=gen)}
+    batch = {
+        "input": torch.randn(BATCH, 10, generator=gen),
+        "labels": torch.randint(0, 5, (BATCH,), generator=gen),
+    }
     return Case(model, batch, lambda m, b: F.cross_entropy(m(b["input"]), b["labels"]))
 
 
@@ -178,7 +187,9 @@ def reference_step(case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), grads
 
 
-def assert_matches_reference(case: Case, stages: list[nn.Module], schedule: str, num_microbatches: int) -> None:
+def assert_matches_reference(
+    case: Case, stages: list[nn.Module], schedule: str, num_microbatches: int
+) -> None:
     ref_loss, ref_grads = reference_step(case)
     loss = run_pipeline_locally(stages, schedule, split_batch(case.batch, num_microbatches))
     torch.testing.assert_close(loss, ref_loss)
@@ -192,7 +203,9 @@ def assert_matches_reference(case: Case, stages: list[nn.Module], schedule: str,
 @pytest.mark.parametrize("num_microbatches", [1, 4])
 @pytest.mark.parametrize("num_stages", [2, 4])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_pipeline_matches_unsplit_model(name: str, num_stages: int, num_microbatches: int, schedule: str) -> None:
+def test_pipeline_matches_unsplit_model(
+    name: str, num_stages: int, num_microbatches: int, schedule: str
+) -> None:
     case = CASES[name]()
     stages = partition_model(case.model, num_stages)
     assert_matches_reference(case, stages, schedule, num_microbatches)
@@ -237,10 +250,13 @@ def test_boundary_hooks_see_every_transfer() -> None:
 
     case = gpt2_case()
     recorder = Recorder()
-    run_pipeline_locally(partition_model(case.model, 3), "gpipe", split_batch(case.batch, 2), boundary=recorder)
+    run_pipeline_locally(
+        partition_model(case.model, 3), "gpipe", split_batch(case.batch, 2), boundary=recorder
+    )
     hidden = (BATCH // 2, SEQ, 32)
     assert sorted(recorder.log) == sorted(
-        [("a", s, m, hidden) for s in (0, 1) for m in (0, 1)] + [("g", s, m, hidden) for s in (1, 2) for m in (0, 1)]
+        [("a", s, m, hidden) for s in (0, 1) for m in (0, 1)]
+        + [("g", s, m, hidden) for s in (1, 2) for m in (0, 1)]
     )
 
 
@@ -290,7 +306,9 @@ def test_params_balance() -> None:
     assert balanced_counts([5, 1, 1, 1], 4) == [1, 1, 1, 1]
     # A wide first layer pulls the cut forward; the parameter-free ReLU stays with it (ties favour
     # earlier stages).
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2), nn.ReLU(), nn.Linear(2, 2), nn.Linear(2, 2))
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2), nn.ReLU(), nn.Linear(2, 2), nn.Linear(2, 2)
+    )
     stages = partition_model(model, 2, balance="params")
     assert [s.layer_range for s in stages] == [(0, 2), (2, 6)]
     assert [s.layer_range for s in partition_model(model, 2)] == [(0, 3), (3, 6)]
@@ -316,3 +334,23 @@ def test_partition_errors() -> None:
         partition_model(nn.Linear(2, 2), 1)
     with pytest.raises(ValueError, match="unsupported model type GPT2Model"):
         partition_model(model.transformer, 2)
+
+
+def test_shared_parameters() -> None:
+    gpt2 = gpt2_case().model  # lm_head is tied to the token embedding
+    assert shared_parameters(partition_model(gpt2, 2)) == [{0: "wte.weight", 1: "lm_head.weight"}]
+    assert shared_parameters(partition_model(gpt2, 1)) == []
+    assert shared_parameters(partition_model(llama_case().model, 2)) == []
+
+
+def test_package_does_not_import_transformers_eagerly() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import aqsgd
+
+    src = str(Path(aqsgd.__file__).resolve().parents[1])
+    code = "import sys, aqsgd.pipeline; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": src})

@@ -78,9 +78,7 @@ def test_textual_forms() -> None:
 def test_known_plans() -> None:
     assert format_plan(gpipe(0, 2, 2)) == "F0 SF0 F1 SF1 RB0 B0 RB1 B1"
     assert format_plan(gpipe(1, 2, 2)) == "RF0 F0 RF1 F1 B0 SB0 B1 SB1"
-    assert format_plan(one_f_one_b(0, 3, 4)) == (
-        "F0 SF0 F1 SF1 F2 SF2 RB0 B0 F3 SF3 RB1 B1 RB2 B2 RB3 B3"
-    )
+    assert format_plan(one_f_one_b(0, 3, 4)) == ("F0 SF0 F1 SF1 F2 SF2 RB0 B0 F3 SF3 RB1 B1 RB2 B2 RB3 B3")
     assert format_plan(one_f_one_b(2, 3, 2)) == "RF0 F0 B0 SB0 RF1 F1 B1 SB1"
     assert format_plan(gpipe(0, 1, 2)) == "F0 F1 B0 B1"
 

@@ -30,7 +30,9 @@ def _norm(kind: NormKind, channels: int) -> nn.Module:
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions with a residual connection (projection shortcut when the shape changes)."""
 
-    def __init__(self, in_channels: int, out_channels: int, stride: int = 1, norm: NormKind = "batch") -> None:
+    def __init__(
+        self, in_channels: int, out_channels: int, stride: int = 1, norm: NormKind = "batch"
+    ) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
         self.norm1 = _norm(norm, out_channels)

@@ -114,7 +114,8 @@ def model_layout(model: nn.Module, loss_fn: LossFn | None = None) -> ModelLayout
         raise ValueError(f"unsupported model type {type(model).__name__}; supported: {SUPPORTED_MODELS}")
     if loss_fn is not None:
         raise ValueError(
-            f"loss_fn is only used for torch.nn.Sequential and ResNet; {type(model).__name__} computes its own loss"
+            f"loss_fn is only used for torch.nn.Sequential and ResNet; "
+            f"{type(model).__name__} computes its own loss"
         )
     if hf_family == "gpt2":
         t = model.transformer
@@ -223,9 +224,13 @@ def stage_layer_counts(
             raise ValueError(f"layers={layers} has {len(layers)} entries but num_stages={num_stages}")
         for i, count in enumerate(layers):
             if count < 1:
-                raise ValueError(f"layers={layers}: stage {i} has {count} layers; every stage needs at least one")
+                raise ValueError(
+                    f"layers={layers}: stage {i} has {count} layers; every stage needs at least one"
+                )
         if sum(layers) != num_layers:
-            raise ValueError(f"layers={layers} adds up to {sum(layers)} but the model has {num_layers} layers")
+            raise ValueError(
+                f"layers={layers} adds up to {sum(layers)} but the model has {num_layers} layers"
+            )
         return layers
     if balance == "layers":
         return even_counts(num_layers, num_stages)
@@ -237,6 +242,19 @@ def stage_layer_counts(
             last_extra=count_parameters(layout.post),
         )
     raise ValueError(f"unknown balance {balance!r}; expected one of {', '.join(BALANCE_MODES)}")
+
+
+def shared_parameters(stages: Sequence[nn.Module]) -> list[dict[int, str]]:
+    """Parameters held by more than one stage (e.g. GPT-2's embedding tied to its LM head).
+
+    Returns one dict per shared parameter, mapping stage index -> the parameter's name in that stage.
+    A distributed runtime must sum the gradients of these parameters across the listed stages.
+    """
+    holders: dict[int, dict[int, str]] = {}
+    for index, stage in enumerate(stages):
+        for name, param in stage.named_parameters():
+            holders.setdefault(id(param), {}).setdefault(index, name)
+    return [names for names in holders.values() if len(names) > 1]
 
 
 def partition_model(

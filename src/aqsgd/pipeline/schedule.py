@@ -293,7 +293,7 @@ def execution_order(plans: Sequence[Sequence[Action]]) -> list[tuple[int, Action
             break
         if not progressed:
             blocked = ", ".join(
-                f"stage {s} at {plan[p]}" for s, (p, plan) in enumerate(zip(pointers, plans)) if p < len(plan)
+                f"stage {s} at {plans[s][p]}" for s, p in enumerate(pointers) if p < len(plans[s])
             )
             raise ScheduleError(f"deadlock: {blocked}")
     leftovers = {key: list(q) for key, q in channels.items() if q}
@@ -322,7 +322,10 @@ def validate(plans: Sequence[Sequence[Action]]) -> None:
     if counts[0] == 0:
         raise ScheduleError("the plan processes no micro-batch")
     for stage in range(len(plans) - 1):
-        for send_kind, recv_kind, src, dst in ((SEND_F, RECV_F, stage, stage + 1), (SEND_B, RECV_B, stage + 1, stage)):
+        for send_kind, recv_kind, src, dst in (
+            (SEND_F, RECV_F, stage, stage + 1),
+            (SEND_B, RECV_B, stage + 1, stage),
+        ):
             sends = [a.microbatch for a in plans[src] if a.kind is send_kind]
             recvs = [a.microbatch for a in plans[dst] if a.kind is recv_kind]
             if sends != recvs:

@@ -78,7 +78,8 @@ class PipelineStage(nn.Module):
         raise NotImplementedError
 
     def extra_repr(self) -> str:
-        return f"stage={self.stage_index}/{self.num_stages}, layers=[{self.layer_range[0]}, {self.layer_range[1]})"
+        start, end = self.layer_range
+        return f"stage={self.stage_index}/{self.num_stages}, layers=[{start}, {end})"
 
 
 class GPT2Stage(PipelineStage):
@@ -249,7 +250,9 @@ class EncoderClassifierStage(PipelineStage):
                 config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None
             )
         else:
-            mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
+            mask = create_bidirectional_mask(
+                config=self.config, inputs_embeds=hidden, attention_mask=attention_mask
+            )
         for layer in self.layers:
             hidden = layer(hidden, mask)
         if not self.is_last:
@@ -266,7 +269,10 @@ class EncoderClassifierStage(PipelineStage):
 
 
 class SequentialStage(PipelineStage):
-    """A slice of an ``nn.Sequential``; the first stage reads ``batch["input"]``, the last applies ``loss_fn``."""
+    """A slice of an ``nn.Sequential``.
+
+    The first stage reads ``batch["input"]``; the last applies ``loss_fn`` to ``batch["labels"]``.
+    """
 
     def __init__(
         self,
