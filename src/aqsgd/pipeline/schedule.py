@@ -58,7 +58,7 @@ RECV_B = ActionKind.RECV_B
 _ACTION_RE = re.compile(r"^(SF|RF|SB|RB|F|B)(\d+)$")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Action:
     """One step of a stage's plan, e.g. ``Action(FORWARD, 3)``, written ``F3``."""
 
