@@ -1,0 +1,293 @@
+"""Split a model into pipeline stages.
+
+:func:`partition_model` cuts a supported model between its repeated blocks (transformer layers,
+residual blocks, ``nn.Sequential`` children).  The first stage also holds the embeddings / stem, the
+last stage the final norm, the head and the loss.  Stages reference the original sub-modules (no
+copies, no data access), so partitioning works on a model built on the ``meta`` device and the
+stages' gradients can be compared directly with the unsplit model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from aqsgd.models.resnet import ResNet
+from aqsgd.pipeline.stage import (
+    EncoderClassifierStage,
+    GPT2Stage,
+    LlamaStage,
+    LossFn,
+    PipelineStage,
+    ResNetStage,
+    SequentialStage,
+)
+
+SUPPORTED_MODELS = (
+    "transformers GPT2LMHeadModel, transformers LlamaForCausalLM, "
+    "BERT-family *ForSequenceClassification (e.g. BertForSequenceClassification, "
+    "RobertaForSequenceClassification), torch.nn.Sequential, aqsgd.models.resnet.ResNet"
+)
+BALANCE_MODES = ("layers", "params")
+
+StageFactory = Callable[[int, int, int, int], PipelineStage]
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """How a model splits: its repeated ``blocks``, the ``pre`` modules of the first stage and the
+    ``post`` modules of the last stage, and a factory ``make_stage(index, num_stages, start, end)``."""
+
+    family: str
+    blocks: Sequence[nn.Module]
+    pre: Sequence[nn.Module]
+    post: Sequence[nn.Module]
+    make_stage: StageFactory
+
+
+def _is_transformers_model(model: nn.Module, class_name: str) -> bool:
+    """isinstance check against a transformers class, without importing transformers needlessly."""
+    if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
+        return False
+    import transformers
+
+    cls = getattr(transformers, class_name, None)
+    return cls is not None and isinstance(model, cls)
+
+
+def _is_encoder_classifier(model: nn.Module) -> bool:
+    """BERT-family sequence classifier: ``<base>.embeddings``, ``<base>.encoder.layer`` and ``classifier``."""
+    if not type(model).__name__.endswith("ForSequenceClassification"):
+        return False
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    encoder = getattr(base, "encoder", None)
+    return (
+        isinstance(getattr(base, "embeddings", None), nn.Module)
+        and isinstance(getattr(encoder, "layer", None), nn.ModuleList)
+        and isinstance(getattr(model, "classifier", None), nn.Module)
+    )
+
+
+def _default_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against ``batch["labels"]`` (the default ``loss_fn``)."""
+    return F.cross_entropy(logits, labels)
+
+
+def model_layout(model: nn.Module, loss_fn: LossFn | None = None) -> ModelLayout:
+    """Describe how ``model`` splits into stages.
+
+    Raises:
+        ValueError: the model type is not supported (the message lists the supported ones), or
+            ``loss_fn`` was given for a model that computes its own loss.
+    """
+    if isinstance(model, nn.Sequential):
+        children = list(model)
+        fn = loss_fn or _default_loss
+        return ModelLayout(
+            "sequential",
+            children,
+            [],
+            [],
+            lambda i, s, a, b: SequentialStage(children[a:b], i, s, a, b, fn),
+        )
+    if isinstance(model, ResNet):
+        fn = loss_fn or _default_loss
+        return ModelLayout(
+            "resnet",
+            list(model.blocks),
+            [model.stem],
+            [model.head],
+            lambda i, s, a, b: ResNetStage(model, i, s, a, b, fn),
+        )
+    hf_family: str | None = None
+    if _is_transformers_model(model, "GPT2LMHeadModel"):
+        hf_family = "gpt2"
+    elif _is_transformers_model(model, "LlamaForCausalLM"):
+        hf_family = "llama"
+    elif _is_encoder_classifier(model):
+        hf_family = "encoder_classifier"
+    if hf_family is None:
+        raise ValueError(f"unsupported model type {type(model).__name__}; supported: {SUPPORTED_MODELS}")
+    if loss_fn is not None:
+        raise ValueError(
+            f"loss_fn is only used for torch.nn.Sequential and ResNet; "
+            f"{type(model).__name__} computes its own loss"
+        )
+    if hf_family == "gpt2":
+        t = model.transformer
+        return ModelLayout(
+            "gpt2",
+            list(t.h),
+            [t.wte, t.wpe],
+            [t.ln_f, model.lm_head],
+            lambda i, s, a, b: GPT2Stage(model, i, s, a, b),
+        )
+    if hf_family == "llama":
+        inner = model.model
+        return ModelLayout(
+            "llama",
+            list(inner.layers[: model.config.num_hidden_layers]),
+            [inner.embed_tokens],
+            [inner.norm, model.lm_head],
+            lambda i, s, a, b: LlamaStage(model, i, s, a, b),
+        )
+    base = getattr(model, model.base_model_prefix)
+    post = [m for m in (getattr(base, "pooler", None), model.classifier) if m is not None]
+    return ModelLayout(
+        "encoder_classifier",
+        list(base.encoder.layer),
+        [base.embeddings],
+        post,
+        lambda i, s, a, b: EncoderClassifierStage(model, i, s, a, b),
+    )
+
+
+def count_parameters(modules: Sequence[nn.Module]) -> int:
+    """Number of parameter elements in ``modules``, counting a shared parameter once (meta-safe)."""
+    seen: dict[int, int] = {}
+    for module in modules:
+        for p in module.parameters():
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
+def even_counts(num_layers: int, num_stages: int) -> list[int]:
+    """Blocks per stage as even as possible; the first ``num_layers % num_stages`` stages get one more."""
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if i < extra else 0) for i in range(num_stages)]
+
+
+def balanced_counts(
+    costs: Sequence[float], num_stages: int, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[int]:
+    """Contiguous split of blocks with ``costs`` into ``num_stages`` non-empty groups minimising the
+    largest stage cost, where the first stage also pays ``first_extra`` and the last ``last_extra``.
+
+    Ties are broken towards putting blocks in earlier stages.
+    """
+    n = len(costs)
+    _check_stage_count(n, num_stages)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(stage: int, start: int, end: int) -> float:
+        extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == num_stages - 1 else 0.0)
+        return prefix[end] - prefix[start] + extra
+
+    inf = float("inf")
+    # best[s][e]: minimal max cost of splitting blocks [0, e) into stages 0..s; cut[s][e]: start of stage s.
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    cut = [[0] * (n + 1) for _ in range(num_stages)]
+    for e in range(1, n + 1):
+        best[0][e] = stage_cost(0, 0, e)
+    for s in range(1, num_stages):
+        for e in range(s + 1, n + 1):
+            for start in range(e - 1, s - 1, -1):
+                value = max(best[s - 1][start], stage_cost(s, start, e))
+                if value < best[s][e]:
+                    best[s][e] = value
+                    cut[s][e] = start
+    counts: list[int] = []
+    end = n
+    for s in range(num_stages - 1, 0, -1):
+        start = cut[s][end]
+        counts.append(end - start)
+        end = start
+    counts.append(end)
+    return counts[::-1]
+
+
+def _check_stage_count(num_layers: int, num_stages: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_stages > num_layers:
+        raise ValueError(
+            f"cannot split a model with {num_layers} layers into {num_stages} stages: "
+            "every stage needs at least one layer"
+        )
+
+
+def stage_layer_counts(
+    layout: ModelLayout, num_stages: int, layers: Sequence[int] | None = None, balance: str = "layers"
+) -> list[int]:
+    """Number of blocks per stage for ``layout`` (explicit ``layers`` or a ``balance`` strategy)."""
+    num_layers = len(layout.blocks)
+    _check_stage_count(num_layers, num_stages)
+    if layers is not None:
+        layers = list(layers)
+        if len(layers) != num_stages:
+            raise ValueError(f"layers={layers} has {len(layers)} entries but num_stages={num_stages}")
+        for i, count in enumerate(layers):
+            if count < 1:
+                raise ValueError(
+                    f"layers={layers}: stage {i} has {count} layers; every stage needs at least one"
+                )
+        if sum(layers) != num_layers:
+            raise ValueError(
+                f"layers={layers} adds up to {sum(layers)} but the model has {num_layers} layers"
+            )
+        return layers
+    if balance == "layers":
+        return even_counts(num_layers, num_stages)
+    if balance == "params":
+        return balanced_counts(
+            [count_parameters([b]) for b in layout.blocks],
+            num_stages,
+            first_extra=count_parameters(layout.pre),
+            last_extra=count_parameters(layout.post),
+        )
+    raise ValueError(f"unknown balance {balance!r}; expected one of {', '.join(BALANCE_MODES)}")
+
+
+def shared_parameters(stages: Sequence[nn.Module]) -> list[dict[int, str]]:
+    """Parameters held by more than one stage (e.g. GPT-2's embedding tied to its LM head).
+
+    Returns one dict per shared parameter, mapping stage index -> the parameter's name in that stage.
+    A distributed runtime must sum the gradients of these parameters across the listed stages.
+    """
+    holders: dict[int, dict[int, str]] = {}
+    for index, stage in enumerate(stages):
+        for name, param in stage.named_parameters():
+            holders.setdefault(id(param), {}).setdefault(index, name)
+    return [names for names in holders.values() if len(names) > 1]
+
+
+def partition_model(
+    model: nn.Module,
+    num_stages: int,
+    *,
+    layers: list[int] | None = None,
+    balance: str = "layers",
+    loss_fn: LossFn | None = None,
+) -> list[PipelineStage]:
+    """Split ``model`` into ``num_stages`` pipeline stages.
+
+    Args:
+        model: a supported model (see :data:`SUPPORTED_MODELS`); it may live on the ``meta`` device.
+        num_stages: number of stages, between 1 and the number of blocks.
+        layers: explicit number of blocks per stage (overrides ``balance``).
+        balance: ``"layers"`` (even number of blocks per stage) or ``"params"`` (minimise the largest
+            per-stage parameter count; embeddings / stem count toward the first stage, final norm and
+            head toward the last; a tied embedding/head counts for both, since both stages hold it).
+        loss_fn: loss ``(output, labels) -> scalar`` for ``nn.Sequential`` and ResNet (default:
+            cross-entropy against ``batch["labels"]``); transformers models use their own loss.
+
+    Returns:
+        The stages in pipeline order; they share the model's parameter objects.
+
+    Raises:
+        ValueError: unsupported model, more stages than blocks, or bad ``layers`` / ``balance``.
+    """
+    layout = model_layout(model, loss_fn)
+    counts = stage_layer_counts(layout, num_stages, layers, balance)
+    stages: list[PipelineStage] = []
+    start = 0
+    for index, count in enumerate(counts):
+        stages.append(layout.make_stage(index, num_stages, start, start + count))
+        start += count
+    return stages
