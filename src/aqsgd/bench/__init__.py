@@ -1,0 +1,1 @@
+"""Benchmarks behind ``aqsgd bench``: codec throughput (and, with the runtime, pipeline speed)."""

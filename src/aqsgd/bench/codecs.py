@@ -1,0 +1,103 @@
+"""``aqsgd bench codecs``: encode / decode / round-trip throughput of each codec against ``x.clone()``.
+
+Throughput is bytes of the fp32 input per second. ``clone`` (a plain copy of the same tensor, measured in
+the same run, interleaved with the codecs) is the memory-bandwidth reference; ``encode_vs_clone`` is
+``encode_gbps / clone_gbps``. Medians over repeats after warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from aqsgd.bench.timing import interleaved_medians
+from aqsgd.compress import make_codec
+
+__all__ = ["DEFAULT_CODECS", "CodecRow", "bench_codecs", "machine_description"]
+
+DEFAULT_CODECS = (
+    "fp16", "bf16", "q8", "q4", "q3", "q2", "q1", "q2:token", "q4:block64", "q2:stochastic", "q4:l2",
+    "topk0.1", "topk0.1+q8",
+)
+
+
+@dataclass
+class CodecRow:
+    codec: str
+    device: str
+    shape: list[int]
+    dtype: str
+    encode_gbps: float
+    decode_gbps: float
+    roundtrip_gbps: float
+    clone_gbps: float
+    encode_vs_clone: float
+    decode_vs_clone: float
+    wire_bytes: int
+    ratio: float
+    max_abs_err: float
+    rel_err: float
+
+
+def machine_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] = (8, 512, 768),
+                 device: str | torch.device = "cpu", repeats: int = 15, warmup: int = 3,
+                 seed: int = 0) -> list[CodecRow]:
+    """Measure every codec on one activation-like tensor (Gaussian with a few large outlier channels)."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tuple(shape), generator=g, device=device)
+    x[..., :: max(1, shape[-1] // 8)] *= 8.0  # a few outlier channels, as transformer activations have
+    nbytes = x.numel() * x.element_size()
+    rows = []
+    for spec in specs:
+        codec = make_codec(spec)
+        packet = codec.encode(x, generator=g)
+        t = interleaved_medians(
+            {
+                "clone": lambda: x.clone(),
+                "encode": lambda: codec.encode(x, generator=g),
+                "decode": lambda: codec.decode(packet),
+            },
+            device=device, warmup=warmup, repeats=repeats,
+        )
+        y = codec.decode(packet)
+        clone = nbytes / t["clone"] / 1e9
+        enc, dec = nbytes / t["encode"] / 1e9, nbytes / t["decode"] / 1e9
+        rows.append(CodecRow(
+            codec=codec.spec, device=str(device), shape=list(shape), dtype=str(x.dtype).replace("torch.", ""),
+            encode_gbps=enc, decode_gbps=dec, roundtrip_gbps=nbytes / (t["encode"] + t["decode"]) / 1e9,
+            clone_gbps=clone, encode_vs_clone=enc / clone, decode_vs_clone=dec / clone,
+            wire_bytes=packet.nbytes, ratio=nbytes / packet.nbytes,
+            max_abs_err=float((y - x).abs().max()), rel_err=float((y - x).norm() / x.norm()),
+        ))
+    return rows
+
+
+def write_json(rows: list[CodecRow], path: str | Path, *, device: torch.device, command: str) -> None:
+    out = {
+        "benchmark": "codecs",
+        "command": command,
+        "machine": machine_description(device),
+        "rows": [asdict(r) for r in rows],
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1))

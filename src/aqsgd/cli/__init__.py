@@ -1,0 +1,44 @@
+"""The ``aqsgd`` command line. Each subcommand lives in its own module and registers its parser here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from aqsgd import __version__
+from aqsgd.errors import AqsgdError
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from aqsgd.cli import bench, codecs
+
+    parser = argparse.ArgumentParser(
+        prog="aqsgd",
+        description="Pipeline-parallel training over slow networks with compressed activations and gradients.",
+    )
+    parser.add_argument("--version", action="version", version=f"aqsgd {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    codecs.register(sub)
+    bench.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except AqsgdError as e:  # bad input: one clear line, no traceback
+        print(f"aqsgd: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

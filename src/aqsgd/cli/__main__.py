@@ -1,0 +1,5 @@
+import sys
+
+from aqsgd.cli import main
+
+sys.exit(main())

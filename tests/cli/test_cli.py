@@ -1,0 +1,40 @@
+import json
+import subprocess
+import sys
+
+from aqsgd.cli import main
+
+
+def test_codecs_lists_grammar_and_describes(capsys):
+    assert main(["codecs"]) == 0
+    assert "q<bits" in capsys.readouterr().out
+    assert main(["codecs", "q2", "topk0.1+q8", "--shape", "4,8"]) == 0
+    out = capsys.readouterr().out
+    assert "q2" in out and "topk0.1+q8:token" in out
+
+
+def test_bad_codec_is_one_clear_line(capsys):
+    assert main(["codecs", "q9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aqsgd: error: invalid codec spec 'q9'") and "Valid:" in err
+
+
+def test_bench_codecs_json(tmp_path):
+    path = tmp_path / "codecs.json"
+    rc = main(["bench", "codecs", "--codecs", "q2", "fp16", "topk0.1", "--shape", "4,16,32", "--repeats", "2",
+               "--warmup", "1", "--json", str(path)])
+    assert rc == 0
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "codecs" and data["machine"]
+    rows = data["rows"]
+    assert [r["codec"] for r in rows] == ["q2", "fp16", "topk0.1"]
+    for r in rows:
+        for key in ("codec", "device", "shape", "encode_gbps", "decode_gbps", "clone_gbps", "wire_bytes", "ratio"):
+            assert key in r
+        assert r["encode_gbps"] > 0 and r["decode_gbps"] > 0 and r["clone_gbps"] > 0
+    assert rows[0]["wire_bytes"] == 64 + 32 * 2 + 4 * 16 * 32 // 4
+
+
+def test_console_script_entry_point():
+    out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("aqsgd ")
