@@ -1,0 +1,359 @@
+"""The stage runner: one pipeline stage executing its schedule, with every boundary compressed.
+
+A :class:`StageRunner` owns one stage module, the boundary schemes on its sides (created lazily, when
+the first tensor fixes their row shape) and a transport. It runs the plan of a schedule
+(:mod:`aqsgd.pipeline.schedule`) action by action:
+
+* ``RECV_F``: wait for the packets of the previous stage, decode them with the forward receiver scheme
+  (AQ-SGD returns the message ``m``), and make the result a fresh leaf that collects its gradient;
+* ``FORWARD``: run the stage (the last stage returns the micro-batch loss);
+* ``SEND_F``: encode the output with the forward sender scheme and send it, asynchronously;
+* ``RECV_B`` / ``BACKWARD`` / ``SEND_B``: the same for activation gradients, backwards.
+
+The same runner serves the distributed runtime (one process per stage, a torch.distributed transport)
+and the local runtime (:class:`LocalPipeline`: all stages in one process, an in-memory transport), so
+both compute the same numbers. Receives are posted at the start of a step, so a distributed transport
+can receive while the stage computes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from aqsgd.compress import Packet
+from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig
+from aqsgd.pipeline.schedule import (
+    BACKWARD,
+    FORWARD,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    ActionKind,
+    build_plans,
+    execution_order,
+    get_schedule,
+)
+from aqsgd.pipeline.stage import Batch
+from aqsgd.schemes import BoundaryScheme, DeltaScheme, Phase
+
+__all__ = ["StageRunner", "LocalPipeline", "LocalTransport", "StepStats", "Transport", "forward_plan"]
+
+
+class Handle(Protocol):
+    def wait(self, timeout: float | None = None) -> Any: ...
+
+
+class Transport(Protocol):
+    """What a runner needs from a transport (see :mod:`aqsgd.comm` for the torch.distributed one)."""
+
+    def isend(self, packets: Sequence[Packet], dst: int, channel: int) -> Handle: ...
+
+    def irecv(self, src: int, channel: int) -> Handle: ...
+
+
+class _Done:
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self.value
+
+
+class _LocalRecv:
+    def __init__(self, queue: collections.deque) -> None:
+        self.queue = queue
+
+    def wait(self, timeout: float | None = None) -> list[Packet]:
+        if not self.queue:
+            raise RuntimeError("local transport: receive before the matching send (schedule out of order)")
+        return self.queue.popleft()
+
+
+class LocalTransport:
+    """In-memory FIFO channels between the stages of one process. Use :meth:`view` for one stage's side."""
+
+    def __init__(self) -> None:
+        self.queues: dict[tuple[int, int, int], collections.deque] = collections.defaultdict(collections.deque)
+
+    def view(self, rank: int) -> _LocalView:
+        return _LocalView(self, rank)
+
+
+class _LocalView:
+    def __init__(self, hub: LocalTransport, rank: int) -> None:
+        self.hub, self.rank = hub, rank
+
+    def isend(self, packets: Sequence[Packet], dst: int, channel: int) -> Handle:
+        self.hub.queues[(self.rank, dst, channel)].append(list(packets))
+        return _Done()
+
+    def irecv(self, src: int, channel: int) -> Handle:
+        return _LocalRecv(self.hub.queues[(src, self.rank, channel)])
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one stage did in one step: bytes sent per channel and where the time went."""
+
+    bytes_sent: dict[str, int] = dataclasses.field(default_factory=lambda: {"forward": 0, "backward": 0})
+    packets_sent: dict[str, int] = dataclasses.field(default_factory=lambda: {"forward": 0, "backward": 0})
+    raw_bytes: dict[str, int] = dataclasses.field(default_factory=lambda: {"forward": 0, "backward": 0})
+    compute_s: float = 0.0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    wait_s: float = 0.0
+
+    def add(self, other: StepStats) -> None:
+        for k in self.bytes_sent:
+            self.bytes_sent[k] += other.bytes_sent[k]
+            self.packets_sent[k] += other.packets_sent[k]
+            self.raw_bytes[k] += other.raw_bytes[k]
+        self.compute_s += other.compute_s
+        self.encode_s += other.encode_s
+        self.decode_s += other.decode_s
+        self.wait_s += other.wait_s
+
+
+def forward_plan(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """Forward-only plan (evaluation): receive, compute, send, per micro-batch."""
+    plan = []
+    for mb in range(num_microbatches):
+        if stage > 0:
+            plan.append(Action(RECV_F, mb))
+        plan.append(Action(FORWARD, mb))
+        if stage < num_stages - 1:
+            plan.append(Action(SEND_F, mb))
+    return plan
+
+
+class StageRunner:
+    """One stage of a compressed pipeline; see the module docstring."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        compression: CompressionConfig,
+        transport: Transport,
+        *,
+        schedule: str = "1f1b",
+        device: torch.device | str = "cpu",
+        rank_of_stage: Sequence[int] | None = None,
+        trace: list[dict] | None = None,
+    ) -> None:
+        self.module = module
+        self.stage = stage_index
+        self.num_stages = num_stages
+        self.compression = compression
+        self.transport = transport
+        self.schedule = get_schedule(schedule)
+        self.schedule_name = schedule
+        self.device = torch.device(device)
+        self.ranks = list(rank_of_stage) if rank_of_stage is not None else list(range(num_stages))
+        self.trace = trace
+        self.schemes: dict[tuple[int, int, str], BoundaryScheme] = {}
+        self.stats = StepStats()
+        self._t0 = time.perf_counter()
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    # -- schemes -------------------------------------------------------------------------------------
+    def scheme(self, channel: int, side: str, like: torch.Size | tuple[int, ...], dtype: torch.dtype) -> BoundaryScheme:
+        """The scheme for this stage's side of a direction, built on first use."""
+        if channel == FORWARD_CHANNEL:
+            b = self.stage if side == "sender" else self.stage - 1
+        else:
+            b = self.stage - 1 if side == "sender" else self.stage
+        key = (b, channel, side)
+        if key not in self.schemes:
+            self.schemes[key] = self.compression.make(b, channel, side, row_shape=tuple(like[1:]), dtype=dtype,
+                                                      device=self.device)
+        return self.schemes[key]
+
+    def boundary_schemes(self) -> dict[tuple[int, int, str], BoundaryScheme]:
+        return dict(self.schemes)
+
+    # -- one step ------------------------------------------------------------------------------------
+    def begin_step(self, microbatches: Sequence[Batch], phase: Phase, plan: list[Action] | None = None) -> None:
+        """Set up a step: the plan, and every receive of the step posted early."""
+        self.microbatches = microbatches
+        self.phase = Phase(phase)
+        m = len(microbatches)
+        if plan is None:
+            plan = self.schedule(self.stage, self.num_stages, m)
+        self.plan = plan
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.out_grads: dict[int, torch.Tensor] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.stats = StepStats()
+        self.pending_sends: list[Handle] = []
+        self.recvs: dict[tuple[ActionKind, int], Handle] = {}
+        for a in plan:
+            if a.kind is RECV_F:
+                self.recvs[(RECV_F, a.microbatch)] = self.transport.irecv(self.ranks[self.stage - 1], FORWARD_CHANNEL)
+            elif a.kind is RECV_B:
+                self.recvs[(RECV_B, a.microbatch)] = self.transport.irecv(self.ranks[self.stage + 1], BACKWARD_CHANNEL)
+        self._prefetch(0)
+
+    def _prefetch(self, mb: int) -> None:
+        if mb >= len(self.microbatches) or "sample_ids" not in self.microbatches[mb]:
+            return
+        for s in self.schemes.values():
+            if isinstance(s, DeltaScheme):
+                s.prefetch(self.microbatches[mb]["sample_ids"])
+
+    def _ids(self, mb: int) -> torch.Tensor | None:
+        return self.microbatches[mb].get("sample_ids")
+
+    def _event(self, name: str, t0: float, t1: float, cat: str) -> None:
+        if self.trace is not None:
+            self.trace.append({"name": name, "cat": cat, "ph": "X", "pid": self.stage, "tid": 0,
+                               "ts": (t0 - self._t0) * 1e6, "dur": (t1 - t0) * 1e6})
+
+    def run(self, action: Action) -> None:
+        mb, kind = action.microbatch, action.kind
+        batch = self.microbatches[mb]
+        t0 = time.perf_counter()
+        if kind is RECV_F:
+            packets = self.recvs.pop((RECV_F, mb)).wait()
+            t1 = time.perf_counter()
+            self.stats.wait_s += t1 - t0
+            self._event(f"wait F{mb}", t0, t1, "wait")
+            x = self.scheme(FORWARD_CHANNEL, "receiver", packets[0].shape, packets[0].dtype).recv(
+                packets, self._ids(mb), phase=self.phase, slot=mb)
+            t2 = time.perf_counter()
+            self.stats.decode_s += t2 - t1
+            self._event(f"decode F{mb}", t1, t2, "decode")
+            self.inputs[mb] = x.detach().requires_grad_(self.phase in (Phase.TRAIN, Phase.WARMUP))
+            self._prefetch(mb + 1)
+            return
+        if kind is FORWARD:
+            grad = self.phase in (Phase.TRAIN, Phase.WARMUP)
+            with torch.set_grad_enabled(grad):
+                out = self.module(self.inputs.get(mb), batch)
+            if self.is_last:
+                self.losses[mb] = out.detach()
+            if grad or not self.is_last:
+                self.outputs[mb] = out
+            t1 = time.perf_counter()
+            self.stats.compute_s += t1 - t0
+            self._event(f"F{mb}", t0, t1, "compute")
+            return
+        if kind is SEND_F:
+            out = self.outputs[mb] if self.phase in (Phase.TRAIN, Phase.WARMUP) else self.outputs.pop(mb)
+            self._send(out.detach(), FORWARD_CHANNEL, self.ranks[self.stage + 1], mb, "forward", t0)
+            return
+        if kind is RECV_B:
+            packets = self.recvs.pop((RECV_B, mb)).wait()
+            t1 = time.perf_counter()
+            self.stats.wait_s += t1 - t0
+            self._event(f"wait B{mb}", t0, t1, "wait")
+            self.out_grads[mb] = self.scheme(BACKWARD_CHANNEL, "receiver", packets[0].shape, packets[0].dtype).recv(
+                packets, self._ids(mb), phase=self.phase, slot=mb)
+            t2 = time.perf_counter()
+            self.stats.decode_s += t2 - t1
+            self._event(f"decode B{mb}", t1, t2, "decode")
+            return
+        if kind is BACKWARD:
+            out = self.outputs.pop(mb)
+            if self.is_last:
+                grad = torch.full_like(out, 1.0 / len(self.microbatches))
+            else:
+                grad = self.out_grads.pop(mb).to(out.dtype)
+            torch.autograd.backward(out, grad_tensors=grad)
+            t1 = time.perf_counter()
+            self.stats.compute_s += t1 - t0
+            self._event(f"B{mb}", t0, t1, "compute")
+            return
+        if kind is SEND_B:
+            x = self.inputs.pop(mb)
+            if x.grad is None:
+                raise RuntimeError(f"stage {self.stage} produced no gradient for its input of micro-batch {mb}")
+            self._send(x.grad, BACKWARD_CHANNEL, self.ranks[self.stage - 1], mb, "backward", t0)
+            return
+        raise ValueError(f"unknown action {action}")
+
+    def _send(self, x: torch.Tensor, channel: int, dst: int, mb: int, name: str, t0: float) -> None:
+        packets = self.scheme(channel, "sender", x.shape, x.dtype).send(x, self._ids(mb), phase=self.phase, slot=mb)
+        t1 = time.perf_counter()
+        self.stats.encode_s += t1 - t0
+        self._event(f"encode {name[0].upper()}{mb}", t0, t1, "encode")
+        self.pending_sends.append(self.transport.isend(packets, dst, channel))
+        self.stats.bytes_sent[name] += sum(p.nbytes for p in packets)
+        self.stats.packets_sent[name] += len(packets)
+        self.stats.raw_bytes[name] += x.numel() * x.element_size()
+
+    def end_step(self) -> torch.Tensor | None:
+        """Finish a step: wait for outstanding sends; the last stage returns the mean micro-batch loss."""
+        t0 = time.perf_counter()
+        for h in self.pending_sends:
+            h.wait()
+        self.pending_sends = []
+        self.stats.wait_s += time.perf_counter() - t0
+        if self.is_last and self.losses:
+            return torch.stack([self.losses[mb] for mb in sorted(self.losses)]).mean()
+        return None
+
+    def step(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN) -> torch.Tensor | None:
+        """One training step (``TRAIN``/``WARMUP``) or evaluation pass (``EVAL``/``EVAL_RAW``)."""
+        phase = Phase(phase)
+        plan = None if phase in (Phase.TRAIN, Phase.WARMUP) else forward_plan(
+            self.stage, self.num_stages, len(microbatches))
+        self.begin_step(microbatches, phase, plan)
+        for action in self.plan:
+            self.run(action)
+        return self.end_step()
+
+
+class LocalPipeline:
+    """All stages in one process, driven in a valid interleaving of their plans (same numerics as the
+    distributed runtime, no concurrency)."""
+
+    def __init__(self, stages: Sequence[nn.Module], compression: CompressionConfig, *, schedule: str = "1f1b",
+                 device: torch.device | str = "cpu", trace: list[dict] | None = None) -> None:
+        self.hub = LocalTransport()
+        self.schedule = schedule
+        self.runners = [
+            StageRunner(m, i, len(stages), compression, self.hub.view(i), schedule=schedule, device=device,
+                        trace=trace)
+            for i, m in enumerate(stages)
+        ]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.runners)
+
+    def step(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN) -> torch.Tensor:
+        phase = Phase(phase)
+        s, m = self.num_stages, len(microbatches)
+        if phase in (Phase.TRAIN, Phase.WARMUP):
+            plans = build_plans(self.schedule, s, m)
+        else:
+            plans = [forward_plan(i, s, m) for i in range(s)]
+        for r, plan in zip(self.runners, plans):
+            r.begin_step(microbatches, phase, plan)
+        for stage, action in execution_order(plans):
+            self.runners[stage].run(action)
+        losses = [r.end_step() for r in self.runners]
+        loss = losses[-1]
+        assert loss is not None
+        return loss
+
+    def stats(self) -> list[StepStats]:
+        return [r.stats for r in self.runners]
