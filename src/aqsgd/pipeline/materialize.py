@@ -24,13 +24,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -38,6 +39,9 @@ from torch import nn
 from aqsgd.errors import SpecError, WeightsError
 from aqsgd.pipeline.partition import partition_model
 from aqsgd.pipeline.stage import LossFn, PipelineStage
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 MODEL_KINDS = ("gpt2", "llama", "bert-cls", "resnet", "sequential-mlp")
 """The model families a :class:`ModelRecipe` can build."""
@@ -103,6 +107,9 @@ class ModelRecipe:
         object.__setattr__(self, "config", normalised)
         if self.weights is not None:
             object.__setattr__(self, "weights", os.fspath(self.weights))
+
+    def __hash__(self) -> int:
+        return hash((self.fingerprint(), self.weights))
 
     # -- serialization ------------------------------------------------------------------------------
 
@@ -219,7 +226,7 @@ def _build_mlp(config: Mapping[str, Any]) -> nn.Sequential:
             raise SpecError(f"unknown activation {name!r}; expected one of {', '.join(_MLP_ACTIVATIONS)}")
     bias = bool(config.get("bias", True))
     modules: list[nn.Module] = []
-    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
         modules.append(nn.Linear(fan_in, fan_out, bias=bias))
         if i < hidden:
             modules.append(_MLP_ACTIVATIONS[names[i]]())
@@ -273,7 +280,7 @@ class _WeightSource:
     @staticmethod
     def _resolve(location: Path) -> dict[str, Path]:
         """Map every tensor name to the file holding it."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         if location.is_file():
             files = [location]
@@ -283,7 +290,9 @@ class _WeightSource:
                 try:
                     weight_map = json.loads(index.read_text())["weight_map"]
                 except (ValueError, KeyError) as exc:
-                    raise WeightsError(f"{index} is not a safetensors index (no 'weight_map'): {exc}") from None
+                    raise WeightsError(
+                        f"{index} is not a safetensors index (no 'weight_map'): {exc}"
+                    ) from None
                 mapping = {key: location / name for key, name in weight_map.items()}
                 absent = sorted({str(p) for p in mapping.values() if not p.is_file()})
                 if absent:
@@ -300,7 +309,7 @@ class _WeightSource:
             try:
                 with safe_open(str(file), framework="pt") as handle:
                     keys = list(handle.keys())
-            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            except (OSError, SafetensorError) as exc:
                 raise WeightsError(f"cannot read safetensors file {file}: {exc}") from None
             for key in keys:
                 if key in mapping:
@@ -308,7 +317,7 @@ class _WeightSource:
                 mapping[key] = file
         return mapping
 
-    def __enter__(self) -> _WeightSource:
+    def __enter__(self) -> Self:
         for file in sorted(set(self._files.values())):
             metadata = self._handle(file).metadata() or {}
             # safetensors.torch.save_model records each dropped shared tensor as {dropped: kept}.
@@ -402,7 +411,9 @@ def embedding_index_buffers(module: nn.Module, device: torch.device) -> dict[str
         ).expand(position_ids.shape)
     token_type_ids = module._buffers.get("token_type_ids")
     if token_type_ids is not None:
-        values["token_type_ids"] = torch.zeros(token_type_ids.shape, dtype=token_type_ids.dtype, device=device)
+        values["token_type_ids"] = torch.zeros(
+            token_type_ids.shape, dtype=token_type_ids.dtype, device=device
+        )
     return values
 
 
@@ -505,7 +516,17 @@ def _check_no_meta_attributes(root: nn.Module) -> None:
         if isinstance(value, torch.Tensor) and value.is_meta
     ]
     if leftovers:
-        raise WeightsError(f"tensor attributes that are neither parameters nor buffers stay on meta: {leftovers}")
+        raise WeightsError(
+            f"tensor attributes that are neither parameters nor buffers stay on meta: {leftovers}"
+        )
+
+
+def _abbreviate(items: Sequence[str], limit: int = 12) -> str:
+    """``items`` sorted, as a list literal, cut after ``limit`` entries."""
+    ordered = sorted(items)
+    if len(ordered) <= limit:
+        return str(ordered)
+    return f"{ordered[:limit]} and {len(ordered) - limit} more"
 
 
 def _materialize(
@@ -542,17 +563,15 @@ def _materialize(
     if missing or mismatched:
         parts = []
         if missing:
-            parts.append(f"missing keys {sorted(missing)}")
+            parts.append(f"missing keys ({len(missing)}) {_abbreviate(missing)}")
         if mismatched:
-            parts.append(f"shape mismatches {sorted(mismatched)}")
+            parts.append(f"shape mismatches ({len(mismatched)}) {_abbreviate(mismatched)}")
         raise WeightsError(f"weights {source.location} do not fit the stage: {'; '.join(parts)}")
 
     # Non-persistent buffers, grouped by owning module, from the registered initializers.
     computed: dict[int, torch.Tensor] = {}
     for module in stage.modules():
-        wanted = [
-            a for a in module._non_persistent_buffers_set if module._buffers.get(a) is not None
-        ]
+        wanted = [a for a in module._non_persistent_buffers_set if module._buffers.get(a) is not None]
         if not wanted:
             continue
         initializer = buffer_initializer(module)
@@ -697,7 +716,7 @@ def load_weights(model: nn.Module, weights: str | os.PathLike[str]) -> nn.Module
             else:
                 keys[key_id] = key
         if missing:
-            raise WeightsError(f"weights {source.location} lack keys {sorted(missing)}")
+            raise WeightsError(f"weights {source.location} lack keys ({len(missing)}) {_abbreviate(missing)}")
         with torch.no_grad():
             for key_id, key in keys.items():
                 tensor = slots[key_id][0]
