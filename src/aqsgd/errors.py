@@ -37,3 +37,8 @@ class CacheError(AqsgdError, ValueError):
 
 class SchemeError(AqsgdError, ValueError):
     """Bad use of a boundary scheme (wrong side, wrong phase, inconsistent state)."""
+
+
+class WeightsError(AqsgdError, ValueError):
+    """A weights file that does not fit the model: missing keys, wrong shapes, unreadable layout, or a
+    module state that cannot be materialized (e.g. an unknown non-persistent buffer)."""

@@ -1,6 +1,15 @@
 """Pipeline parallelism: model partitioning into stages, schedules as data, and a local executor."""
 
 from aqsgd.pipeline.local_exec import Boundary, run_pipeline_locally
+from aqsgd.pipeline.materialize import (
+    ModelRecipe,
+    init_weights_file,
+    load_weights,
+    materialize_stage,
+    register_buffer_initializer,
+    save_weights,
+    stage_nbytes,
+)
 from aqsgd.pipeline.partition import SUPPORTED_MODELS, partition_model, shared_parameters
 from aqsgd.pipeline.schedule import (
     Action,
@@ -20,15 +29,22 @@ __all__ = [
     "Action",
     "ActionKind",
     "Boundary",
+    "ModelRecipe",
     "PipelineStage",
     "ScheduleError",
     "build_plans",
     "execution_order",
     "get_schedule",
     "gpipe",
+    "init_weights_file",
+    "load_weights",
+    "materialize_stage",
     "one_f_one_b",
     "partition_model",
+    "register_buffer_initializer",
     "run_pipeline_locally",
+    "save_weights",
     "shared_parameters",
+    "stage_nbytes",
     "validate",
 ]

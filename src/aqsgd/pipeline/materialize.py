@@ -1,0 +1,742 @@
+"""Materialize one pipeline stage without ever building the full model in memory.
+
+In the distributed runtime every process owns one stage.  Loading the full model in every process
+would cost ``num_stages`` times the memory of the model, so a stage process instead:
+
+1. builds the model *skeleton* on the ``meta`` device from a :class:`ModelRecipe` (no storage at all);
+2. partitions it with :func:`~aqsgd.pipeline.partition.partition_model` and keeps its own stage;
+3. allocates only that stage's tensors on the target device and reads them, key by key, from a
+   safetensors file (or a directory of shards) with :func:`safetensors.safe_open`;
+4. recomputes the stage's non-persistent buffers (rotary ``inv_freq``, BERT ``position_ids`` ...),
+   which are not stored in weights files, with the initializer registered for the owning module class
+   (see :func:`register_buffer_initializer`).
+
+Weights files are the full model's ``state_dict`` (as written by :func:`save_weights`,
+:func:`init_weights_file` or transformers' ``save_pretrained``), so every stage process reads the same
+file and only touches the bytes of its own tensors.  Tied parameters (GPT-2's embedding and LM head) are
+stored once; the loader finds a tensor under any of its names in the full model, under the aliases
+that :func:`safetensors.torch.save_model` records in the file metadata, and, for transformers models,
+under the name without the base-model prefix (``h.0.attn...`` for ``transformer.h.0.attn...``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from aqsgd.errors import SpecError, WeightsError
+from aqsgd.pipeline.partition import partition_model
+from aqsgd.pipeline.stage import LossFn, PipelineStage
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+MODEL_KINDS = ("gpt2", "llama", "bert-cls", "resnet", "sequential-mlp")
+"""The model families a :class:`ModelRecipe` can build."""
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+_MLP_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "tanh": nn.Tanh,
+    "sigmoid": nn.Sigmoid,
+    "silu": nn.SiLU,
+    "identity": nn.Identity,
+}
+
+DeviceLike = str | torch.device
+BufferInitializer = Callable[[nn.Module, torch.device], dict[str, torch.Tensor]]
+"""``fn(module, device) -> {buffer_name: value}`` for the module's own (non-recursive) non-persistent
+buffers; values may be computed on any device, they are moved to ``device`` and cast to the skeleton
+buffer's dtype by the caller."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Recipes
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """A JSON-serializable description of how to build a model skeleton.
+
+    Attributes:
+        kind: one of :data:`MODEL_KINDS`.
+        config: ``"gpt2"`` / ``"llama"``: a transformers config dict (``GPT2Config`` / ``LlamaConfig``
+            keyword arguments, or ``config.to_dict()``); ``"bert-cls"``: the same for a BERT-family
+            config, whose ``model_type`` (default ``"bert"``) selects the config class, with
+            ``num_labels`` for the classifier head; ``"resnet"``: keyword arguments of
+            :class:`aqsgd.models.resnet.ResNet`; ``"sequential-mlp"``: ``sizes`` (layer widths, input
+            first), ``activation`` (one name, or one per hidden layer, from ``relu``, ``gelu``, ``tanh``,
+            ``sigmoid``, ``silu``, ``identity``; default ``relu``) and ``bias`` (default true).
+            The dict is normalised through JSON (tuples become lists, dict keys strings).
+        weights: a safetensors file, or a directory holding ``model.safetensors``, sharded weights with
+            ``model.safetensors.index.json``, or any ``*.safetensors`` files; ``None`` for a recipe that
+            only describes the architecture.
+        attn_implementation: attention kernel of transformers models (``"eager"`` or ``"sdpa"``).
+    """
+
+    kind: str
+    config: dict[str, Any] = field(default_factory=dict)
+    weights: str | None = None
+    attn_implementation: str = "eager"
+
+    def __post_init__(self) -> None:
+        if self.kind not in MODEL_KINDS:
+            raise SpecError(f"unknown model kind {self.kind!r}; expected one of {', '.join(MODEL_KINDS)}")
+        if not isinstance(self.config, Mapping):
+            raise SpecError(f"recipe config must be a dict, got {type(self.config).__name__}")
+        try:
+            normalised = json.loads(json.dumps(dict(self.config), sort_keys=True))
+        except (TypeError, ValueError) as exc:
+            raise SpecError(f"recipe config is not JSON-serializable: {exc}") from None
+        object.__setattr__(self, "config", normalised)
+        if self.weights is not None:
+            object.__setattr__(self, "weights", os.fspath(self.weights))
+
+    def __hash__(self) -> int:
+        return hash((self.fingerprint(), self.weights))
+
+    # -- serialization ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as a plain dict (inverse of :meth:`from_dict`)."""
+        return {
+            "kind": self.kind,
+            "config": json.loads(json.dumps(self.config)),
+            "weights": self.weights,
+            "attn_implementation": self.attn_implementation,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelRecipe:
+        """Rebuild a recipe from :meth:`to_dict` output; unknown keys are an error."""
+        known = {"kind", "config", "weights", "attn_implementation"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(f"unknown recipe keys {unknown}; expected {sorted(known)}")
+        if "kind" not in data:
+            raise SpecError("recipe needs a 'kind'")
+        return cls(
+            kind=data["kind"],
+            config=dict(data.get("config") or {}),
+            weights=data.get("weights"),
+            attn_implementation=data.get("attn_implementation", "eager"),
+        )
+
+    def to_json(self) -> str:
+        """Canonical JSON text of the recipe."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelRecipe:
+        """Inverse of :meth:`to_json`."""
+        return cls.from_dict(json.loads(text))
+
+    def with_weights(self, weights: str | os.PathLike[str] | None) -> ModelRecipe:
+        """A copy of this recipe that reads its weights from ``weights``."""
+        return replace(self, weights=None if weights is None else os.fspath(weights))
+
+    def fingerprint(self) -> str:
+        """A short stable hash (16 hex digits) of ``kind``, ``config`` and ``attn_implementation``.
+
+        The weights path is left out: it may legitimately differ between machines.  Stage processes
+        compare fingerprints to check that they all build the same architecture.
+        """
+        canonical = json.dumps(
+            {"kind": self.kind, "config": self.config, "attn_implementation": self.attn_implementation},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    # -- building -----------------------------------------------------------------------------------
+
+    def build(self, device: DeviceLike = "meta") -> nn.Module:
+        """Build the full model on ``device``.
+
+        On ``"meta"`` no storage is allocated (every parameter and buffer ``is_meta``): this is the
+        skeleton that :func:`materialize_stage` partitions.  On a real device the model gets the
+        library's random initialisation (seed it with :func:`torch.manual_seed`).
+        """
+        with torch.device(device):
+            return self._build()
+
+    def _build(self) -> nn.Module:
+        if self.kind == "resnet":
+            from aqsgd.models.resnet import ResNet
+
+            try:
+                return ResNet(**self.config)
+            except TypeError as exc:
+                raise SpecError(f"bad resnet recipe config {self.config}: {exc}") from None
+        if self.kind == "sequential-mlp":
+            return _build_mlp(self.config)
+        return self._build_transformers()
+
+    def _build_transformers(self) -> nn.Module:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        config_dict = dict(self.config)
+        expected = {"gpt2": "gpt2", "llama": "llama"}.get(self.kind)
+        model_type = config_dict.pop("model_type", expected or "bert")
+        if expected is not None and model_type != expected:
+            raise SpecError(f"recipe kind {self.kind!r} needs model_type {expected!r}, got {model_type!r}")
+        if model_type not in CONFIG_MAPPING:
+            raise SpecError(f"unknown transformers model_type {model_type!r}")
+        config = CONFIG_MAPPING[model_type].from_dict(config_dict)
+        auto = (
+            transformers.AutoModelForSequenceClassification
+            if self.kind == "bert-cls"
+            else transformers.AutoModelForCausalLM
+        )
+        return auto.from_config(config, attn_implementation=self.attn_implementation)
+
+
+def _build_mlp(config: Mapping[str, Any]) -> nn.Sequential:
+    """``Linear -> act -> ... -> Linear`` from a ``sequential-mlp`` recipe config."""
+    unknown = sorted(set(config) - {"sizes", "activation", "bias"})
+    if unknown:
+        raise SpecError(f"unknown sequential-mlp config keys {unknown}; expected sizes, activation, bias")
+    sizes = list(config.get("sizes", []))
+    if len(sizes) < 2 or not all(isinstance(s, int) and s > 0 for s in sizes):
+        raise SpecError(f"sequential-mlp needs 'sizes' with at least two positive ints, got {sizes}")
+    activation = config.get("activation", "relu")
+    hidden = len(sizes) - 2
+    names = [activation] * hidden if isinstance(activation, str) else list(activation)
+    if len(names) != hidden:
+        raise SpecError(f"sequential-mlp has {hidden} hidden layers but {len(names)} activations")
+    for name in names:
+        if name not in _MLP_ACTIVATIONS:
+            raise SpecError(f"unknown activation {name!r}; expected one of {', '.join(_MLP_ACTIVATIONS)}")
+    bias = bool(config.get("bias", True))
+    modules: list[nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
+        modules.append(nn.Linear(fan_in, fan_out, bias=bias))
+        if i < hidden:
+            modules.append(_MLP_ACTIVATIONS[names[i]]())
+    return nn.Sequential(*modules)
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights files
+# --------------------------------------------------------------------------------------------------
+
+
+def save_weights(
+    model: nn.Module, path: str | os.PathLike[str], metadata: Mapping[str, str] | None = None
+) -> Path:
+    """Write ``model.state_dict()`` to the safetensors file ``path``.
+
+    Tensors that share storage (tied weights) are stored once; the dropped names are recorded in the
+    file metadata as aliases of the kept name (:func:`safetensors.torch.save_model` semantics), and
+    the loaders here also resolve them through the model's own tying.
+    """
+    from safetensors.torch import save_model
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(path), metadata={"format": "pt", **(metadata or {})}, force_contiguous=True)
+    return path
+
+
+def init_weights_file(recipe: ModelRecipe, path: str | os.PathLike[str], seed: int) -> Path:
+    """Build the full model once on CPU with ``torch.manual_seed(seed)`` and save its weights.
+
+    This is the one place where the whole model is materialized, so it is meant for tests, toy runs
+    and launchers that create a random-init checkpoint once; real checkpoints come from
+    ``save_pretrained``.  The file metadata records the recipe fingerprint and the seed.
+    """
+    torch.manual_seed(seed)
+    model = recipe.build("cpu")
+    return save_weights(model, path, {"aqsgd.fingerprint": recipe.fingerprint(), "aqsgd.seed": str(seed)})
+
+
+class _WeightSource:
+    """Lazy, key-by-key access to a safetensors file or a directory of shards (a context manager)."""
+
+    def __init__(self, location: str | os.PathLike[str]) -> None:
+        self.location = Path(location)
+        self._files = self._resolve(self.location)
+        self._stack = ExitStack()
+        self._handles: dict[Path, Any] = {}
+        self.aliases: dict[str, str] = {}
+
+    @staticmethod
+    def _resolve(location: Path) -> dict[str, Path]:
+        """Map every tensor name to the file holding it."""
+        from safetensors import SafetensorError, safe_open
+
+        if location.is_file():
+            files = [location]
+        elif location.is_dir():
+            index = location / SAFETENSORS_INDEX
+            if index.is_file():
+                try:
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                except (ValueError, KeyError) as exc:
+                    raise WeightsError(
+                        f"{index} is not a safetensors index (no 'weight_map'): {exc}"
+                    ) from None
+                mapping = {key: location / name for key, name in weight_map.items()}
+                absent = sorted({str(p) for p in mapping.values() if not p.is_file()})
+                if absent:
+                    raise WeightsError(f"{index} names shard files that do not exist: {absent}")
+                return mapping
+            single = location / SAFETENSORS_SINGLE
+            files = [single] if single.is_file() else sorted(location.glob("*.safetensors"))
+            if not files:
+                raise WeightsError(f"no safetensors files in directory {location}")
+        else:
+            raise WeightsError(f"weights path {location} does not exist")
+        mapping = {}
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    keys = list(handle.keys())
+            except (OSError, SafetensorError) as exc:
+                raise WeightsError(f"cannot read safetensors file {file}: {exc}") from None
+            for key in keys:
+                if key in mapping:
+                    raise WeightsError(f"tensor {key!r} is stored both in {mapping[key]} and {file}")
+                mapping[key] = file
+        return mapping
+
+    def __enter__(self) -> Self:
+        for file in sorted(set(self._files.values())):
+            metadata = self._handle(file).metadata() or {}
+            # safetensors.torch.save_model records each dropped shared tensor as {dropped: kept}.
+            self.aliases.update({k: v for k, v in metadata.items() if v in self._files})
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def _handle(self, file: Path) -> Any:
+        from safetensors import safe_open
+
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+            self._handles[file] = handle
+        return handle
+
+    def find(self, names: Sequence[str], prefixes: Sequence[str]) -> str | None:
+        """The stored key for a tensor known under ``names``, or None."""
+        candidates = list(names)
+        for name in names:
+            for prefix in prefixes:
+                if name.startswith(prefix + "."):
+                    candidates.append(name[len(prefix) + 1 :])
+        for key in candidates:
+            if key in self._files:
+                return key
+        for key in candidates:
+            if key in self.aliases:
+                return self.aliases[key]
+        return None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """Shape of a stored tensor, from the header only."""
+        return tuple(self._handle(self._files[key]).get_slice(key).get_shape())
+
+    def get(self, key: str) -> torch.Tensor:
+        """Read one stored tensor (a fresh CPU tensor)."""
+        return self._handle(self._files[key]).get_tensor(key)
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-persistent buffers
+# --------------------------------------------------------------------------------------------------
+
+_BUFFER_INITIALIZERS: dict[type, BufferInitializer] = {}
+
+
+def register_buffer_initializer(module_type: type[nn.Module], initializer: BufferInitializer) -> None:
+    """Teach :func:`materialize_stage` how to recompute the non-persistent buffers of ``module_type``
+    (and its subclasses without an initializer of their own)."""
+    _ensure_builtin_initializers()
+    _BUFFER_INITIALIZERS[module_type] = initializer
+
+
+def rotary_embedding_buffers(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """``inv_freq`` / ``original_inv_freq`` of a transformers rotary embedding.
+
+    Uses the module's own ``compute_default_rope_parameters`` for ``rope_type == "default"`` and
+    ``ROPE_INIT_FUNCTIONS[rope_type]`` otherwise, exactly as the rotary ``__init__`` (and
+    ``PreTrainedModel._init_weights``) of transformers 5 do.  Computed on CPU as in a CPU build.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = module.rope_type
+    init_fns: dict[str, Callable[..., tuple[torch.Tensor, float]] | None] = {
+        "default": getattr(module, "compute_default_rope_parameters", None),
+        **ROPE_INIT_FUNCTIONS,
+    }
+    init_fn = init_fns.get(rope_type)
+    if init_fn is None:
+        raise WeightsError(f"{type(module).__name__}: no rope initializer for rope_type {rope_type!r}")
+    with torch.device("cpu"):
+        inv_freq, _ = init_fn(module.config)
+    values = {"inv_freq": inv_freq}
+    if "original_inv_freq" in module._buffers:
+        values["original_inv_freq"] = inv_freq.clone()
+    return values
+
+
+def embedding_index_buffers(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """``position_ids`` (``arange`` expanded to ``[1, max_positions]``) and ``token_type_ids`` (zeros)
+    of BERT-family embedding modules."""
+    values: dict[str, torch.Tensor] = {}
+    position_ids = module._buffers.get("position_ids")
+    if position_ids is not None:
+        values["position_ids"] = torch.arange(
+            position_ids.shape[-1], dtype=position_ids.dtype, device=device
+        ).expand(position_ids.shape)
+    token_type_ids = module._buffers.get("token_type_ids")
+    if token_type_ids is not None:
+        values["token_type_ids"] = torch.zeros(
+            token_type_ids.shape, dtype=token_type_ids.dtype, device=device
+        )
+    return values
+
+
+_BUILTIN_INITIALIZERS: tuple[tuple[str, str, BufferInitializer], ...] = (
+    ("transformers.models.llama.modeling_llama", "LlamaRotaryEmbedding", rotary_embedding_buffers),
+    ("transformers.models.bert.modeling_bert", "BertEmbeddings", embedding_index_buffers),
+    ("transformers.models.roberta.modeling_roberta", "RobertaEmbeddings", embedding_index_buffers),
+    ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaEmbeddings", embedding_index_buffers),
+    ("transformers.models.camembert.modeling_camembert", "CamembertEmbeddings", embedding_index_buffers),
+    ("transformers.models.electra.modeling_electra", "ElectraEmbeddings", embedding_index_buffers),
+)
+
+
+@functools.cache
+def _ensure_builtin_initializers() -> None:
+    """Register the initializers of the transformers modules this library builds (once, lazily, so
+    that importing this module does not import transformers)."""
+    for module_name, class_name, initializer in _BUILTIN_INITIALIZERS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        _BUFFER_INITIALIZERS.setdefault(cls, initializer)
+
+
+def buffer_initializer(module: nn.Module) -> BufferInitializer | None:
+    """The initializer registered for ``type(module)`` or its nearest registered base class."""
+    _ensure_builtin_initializers()
+    for cls in type(module).__mro__:
+        initializer = _BUFFER_INITIALIZERS.get(cls)
+        if initializer is not None:
+            return initializer
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Materialization
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Slot:
+    """Where one tensor lives in the module tree: ``owner._parameters[attr]`` or ``owner._buffers[attr]``."""
+
+    owner: nn.Module
+    attr: str
+    is_param: bool
+
+
+def _tensor_slots(root: nn.Module) -> dict[int, tuple[torch.Tensor, list[_Slot]]]:
+    """Every parameter and buffer under ``root``, by ``id``, with all the slots that hold it."""
+    found: dict[int, tuple[torch.Tensor, list[_Slot]]] = {}
+    for module in root.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                found.setdefault(id(param), (param, []))[1].append(_Slot(module, attr, True))
+        for attr, buffer in module._buffers.items():
+            if buffer is not None:
+                found.setdefault(id(buffer), (buffer, []))[1].append(_Slot(module, attr, False))
+    return found
+
+
+def _is_persistent(slots: Sequence[_Slot]) -> bool:
+    return any(s.is_param or s.attr not in s.owner._non_persistent_buffers_set for s in slots)
+
+
+def _full_names(model: nn.Module) -> dict[int, list[str]]:
+    """``id(tensor)`` -> every name of that parameter/buffer in ``model`` (several when tied)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(tensor), []).append(name)
+    for name, tensor in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(tensor), []).append(name)
+    return names
+
+
+def _name_prefixes(model: nn.Module) -> list[str]:
+    """Prefixes a checkpoint may omit (transformers' ``base_model_prefix``)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return [prefix] if isinstance(prefix, str) and prefix else []
+
+
+def _set(slots: Sequence[_Slot], value: torch.Tensor, requires_grad: bool) -> None:
+    """Put ``value`` into every slot (one Parameter object shared by all parameter slots: ties survive)."""
+    param = nn.Parameter(value, requires_grad=requires_grad) if any(s.is_param for s in slots) else None
+    for slot in slots:
+        if slot.is_param:
+            slot.owner._parameters[slot.attr] = param
+        else:
+            slot.owner._buffers[slot.attr] = value
+
+
+def _check_no_meta_attributes(root: nn.Module) -> None:
+    """Reject plain tensor attributes left on ``meta`` (state a module computed in ``__init__`` outside
+    its parameters and buffers, which nothing here could restore)."""
+    leftovers = [
+        f"{name or '<root>'}.{attr} ({type(module).__name__})"
+        for name, module in root.named_modules()
+        for attr, value in vars(module).items()
+        if isinstance(value, torch.Tensor) and value.is_meta
+    ]
+    if leftovers:
+        raise WeightsError(
+            f"tensor attributes that are neither parameters nor buffers stay on meta: {leftovers}"
+        )
+
+
+def _abbreviate(items: Sequence[str], limit: int = 12) -> str:
+    """``items`` sorted, as a list literal, cut after ``limit`` entries."""
+    ordered = sorted(items)
+    if len(ordered) <= limit:
+        return str(ordered)
+    return f"{ordered[:limit]} and {len(ordered) - limit} more"
+
+
+def _materialize(
+    stage: nn.Module,
+    full_names: Mapping[int, list[str]],
+    prefixes: Sequence[str],
+    source: _WeightSource,
+    device: torch.device,
+    dtype: torch.dtype | None,
+) -> None:
+    """Replace every meta tensor of ``stage`` by a real one on ``device`` (see :func:`materialize_stage`)."""
+    slots = _tensor_slots(stage)
+    persistent: dict[int, str] = {}
+    missing: list[str] = []
+    mismatched: list[str] = []
+    for key_id, (tensor, where) in slots.items():
+        if not _is_persistent(where):
+            continue
+        names = full_names.get(key_id)
+        if names is None:
+            owner = where[0]
+            raise WeightsError(
+                f"{type(owner.owner).__name__}.{owner.attr} of the stage is not part of the partitioned model"
+            )
+        key = source.find(names, prefixes)
+        if key is None:
+            missing.append(names[0])
+            continue
+        stored = source.shape(key)
+        if stored != tuple(tensor.shape):
+            mismatched.append(f"{key}: file {list(stored)} vs model {list(tensor.shape)}")
+            continue
+        persistent[key_id] = key
+    if missing or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"missing keys ({len(missing)}) {_abbreviate(missing)}")
+        if mismatched:
+            parts.append(f"shape mismatches ({len(mismatched)}) {_abbreviate(mismatched)}")
+        raise WeightsError(f"weights {source.location} do not fit the stage: {'; '.join(parts)}")
+
+    # Non-persistent buffers, grouped by owning module, from the registered initializers.
+    computed: dict[int, torch.Tensor] = {}
+    for module in stage.modules():
+        wanted = [a for a in module._non_persistent_buffers_set if module._buffers.get(a) is not None]
+        if not wanted:
+            continue
+        initializer = buffer_initializer(module)
+        if initializer is None:
+            raise WeightsError(
+                f"don't know how to recompute the non-persistent buffers {sorted(wanted)} of "
+                f"{type(module).__module__}.{type(module).__qualname__}; register an initializer with "
+                "aqsgd.pipeline.materialize.register_buffer_initializer"
+            )
+        values = initializer(module, device)
+        unexpected = sorted(set(values) - set(wanted))
+        absent = sorted(set(wanted) - set(values))
+        if unexpected or absent:
+            raise WeightsError(
+                f"buffer initializer of {type(module).__name__} returned {sorted(values)}, "
+                f"expected the non-persistent buffers {sorted(wanted)}"
+            )
+        for attr in wanted:
+            meta = module._buffers[attr]
+            assert meta is not None
+            value = values[attr]
+            if tuple(value.shape) != tuple(meta.shape):
+                raise WeightsError(
+                    f"buffer initializer of {type(module).__name__} made {attr} with shape "
+                    f"{list(value.shape)}, the module expects {list(meta.shape)}"
+                )
+            computed[id(meta)] = value.to(device=device, dtype=meta.dtype)
+
+    with torch.no_grad():
+        for key_id, (tensor, where) in slots.items():
+            if key_id in persistent:
+                target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+                value = source.get(persistent[key_id]).to(device=device, dtype=target)
+            else:
+                value = computed[key_id]
+            _set(where, value, tensor.requires_grad)
+    _check_no_meta_attributes(stage)
+
+
+def materialize_model_stage(
+    model: nn.Module,
+    weights: str | os.PathLike[str],
+    num_stages: int,
+    stage_index: int,
+    *,
+    layers: list[int] | None = None,
+    balance: str = "layers",
+    loss_fn: LossFn | None = None,
+    device: DeviceLike = "cpu",
+    dtype: torch.dtype | None = None,
+) -> PipelineStage:
+    """Like :func:`materialize_stage`, for a supported model already built on the ``meta`` device.
+
+    Partitions ``model`` in place (the returned stage references its sub-modules, whose meta tensors
+    are replaced by real ones) and reads only that stage's tensors from ``weights``.
+    """
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index {stage_index} is out of range for {num_stages} stages")
+    not_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if not t.is_meta]
+    if not_meta:
+        raise ValueError(f"the model must be built on the meta device; already materialized: {not_meta[:5]}")
+    full_names = _full_names(model)
+    stage = partition_model(model, num_stages, layers=layers, balance=balance, loss_fn=loss_fn)[stage_index]
+    with _WeightSource(weights) as source:
+        _materialize(stage, full_names, _name_prefixes(model), source, torch.device(device), dtype)
+    return stage
+
+
+def materialize_stage(
+    recipe: ModelRecipe,
+    num_stages: int,
+    stage_index: int,
+    *,
+    layers: list[int] | None = None,
+    balance: str = "layers",
+    loss_fn: LossFn | None = None,
+    device: DeviceLike = "cpu",
+    dtype: torch.dtype | None = None,
+) -> PipelineStage:
+    """Build stage ``stage_index`` of ``num_stages`` with only that stage's weights in memory.
+
+    The model skeleton is built on ``meta`` and partitioned exactly as
+    :func:`~aqsgd.pipeline.partition.partition_model` would partition the full model (same ``layers``
+    / ``balance`` / ``loss_fn``).  Then every persistent parameter and buffer of the stage is read from
+    ``recipe.weights`` (each must be stored there, with the model's shape), and every non-persistent
+    buffer is recomputed by the initializer registered for its module class.
+
+    Args:
+        recipe: the model; ``recipe.weights`` is required (create a random-init file once with
+            :func:`init_weights_file`).
+        num_stages, stage_index: the pipeline size and this process's stage.
+        layers, balance, loss_fn: as for :func:`~aqsgd.pipeline.partition.partition_model`.
+        device: where the stage's tensors are allocated.
+        dtype: cast floating-point parameters and persistent buffers to this dtype; ``None`` keeps the
+            skeleton's dtype (float32, as ``recipe.build("cpu")`` followed by loading the file).
+            Non-persistent buffers keep their natural dtype (rotary ``inv_freq`` stays float32).
+
+    Returns:
+        The stage, with tied parameters inside it still tied; :func:`stage_nbytes` tells its size.
+
+    Raises:
+        WeightsError: no weights in the recipe, unreadable weights, missing keys or wrong shapes (all
+            named in the message), or a non-persistent buffer without a registered initializer.
+    """
+    if recipe.weights is None:
+        raise WeightsError(
+            "materialize_stage needs recipe.weights; create a weights file once with "
+            "init_weights_file(recipe, path, seed) and use recipe.with_weights(path)"
+        )
+    return materialize_model_stage(
+        recipe.build("meta"),
+        recipe.weights,
+        num_stages,
+        stage_index,
+        layers=layers,
+        balance=balance,
+        loss_fn=loss_fn,
+        device=device,
+        dtype=dtype,
+    )
+
+
+def load_weights(model: nn.Module, weights: str | os.PathLike[str]) -> nn.Module:
+    """Copy every persistent parameter/buffer of an already materialized ``model`` from ``weights``.
+
+    The reference path (full model in memory); names are resolved as in :func:`materialize_stage`.
+    Returns ``model``.
+    """
+    full_names = _full_names(model)
+    slots = _tensor_slots(model)
+    with _WeightSource(weights) as source:
+        keys: dict[int, str] = {}
+        missing = []
+        for key_id, (tensor, where) in slots.items():
+            if not _is_persistent(where):
+                continue
+            if tensor.is_meta:
+                raise ValueError("load_weights needs a materialized model; use materialize_stage for meta")
+            key = source.find(full_names[key_id], _name_prefixes(model))
+            if key is None:
+                missing.append(full_names[key_id][0])
+            else:
+                keys[key_id] = key
+        if missing:
+            raise WeightsError(f"weights {source.location} lack keys ({len(missing)}) {_abbreviate(missing)}")
+        with torch.no_grad():
+            for key_id, key in keys.items():
+                tensor = slots[key_id][0]
+                stored = source.get(key)
+                if stored.shape != tensor.shape:
+                    raise WeightsError(
+                        f"{key}: file shape {list(stored.shape)} vs model shape {list(tensor.shape)}"
+                    )
+                tensor.copy_(stored)
+    return model
+
+
+def _unique_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    seen: set[int] = set()
+    for tensor in (*module.parameters(), *module.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield tensor
+
+
+def stage_nbytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (each shared tensor once; works on meta too)."""
+    return sum(t.numel() * t.element_size() for t in _unique_tensors(module))
