@@ -66,6 +66,8 @@ def parse_bandwidth(text: str | float | int | None) -> float | None:
         if not m:
             raise ValueError(f"invalid bandwidth {text!r}; valid {BANDWIDTH_HELP}")
         value = _number(m.group(1), m.group(2)) * _BANDWIDTH_UNITS[m.group(3)]
+        if math.isinf(value):
+            raise ValueError(f"invalid bandwidth {text!r}: out of range; valid {BANDWIDTH_HELP}")
     if math.isinf(value) and value > 0:
         return None
     if not (value > 0 and math.isfinite(value)):

@@ -62,7 +62,14 @@ Link emulation
 With ``links`` given, each directed link to a destination has a :class:`~aqsgd.comm.link.Pacer` shared
 by all channels to it. The sender thread reserves the line for the message's wire bytes, sends at once,
 then sleeps until the message has left the emulated line; the preamble carries the wall-clock arrival time
-(``time.time()``; comparable between processes on one machine) and the receiver delivers no earlier.
+(``time.time()``; comparable between processes on one machine) and ``RecvHandle.wait``/``done`` deliver no
+earlier. The receiver *thread* does not sleep: a gloo send only completes once the receiver has posted the
+matching receive (a rendezvous, even for 100 bytes), so a sleeping receiver thread would stall the sender
+and serialize the latency of pipelined messages. The same rendezvous means a send to a peer that has not
+posted its ``irecv`` yet waits on the sender thread (the training thread is not blocked); the message's
+arrival time was fixed when it was scheduled, so the emulated timing is that of a buffered network as long
+as receivers post early. Each message costs two rendezvous on top of the emulated time (~2-4 ms on a
+loaded machine), which bounds how fast a link can be emulated faithfully.
 """
 
 from __future__ import annotations
@@ -176,15 +183,18 @@ class _Handle:
         self._event = threading.Event()
         self._packets: list[Packet] | None = None
         self._error: BaseException | None = None
+        self._deliver_at = 0.0
 
     def done(self) -> bool:
         """True once the operation completed or failed (``wait`` then returns or raises at once)."""
-        return self._event.is_set()
+        return self._event.is_set() and (self._error is not None or time.time() >= self._deliver_at)
 
-    def _finish(self, packets: list[Packet] | None = None, error: BaseException | None = None) -> None:
+    def _finish(
+        self, packets: list[Packet] | None = None, error: BaseException | None = None, deliver_at: float = 0.0
+    ) -> None:
         if self._event.is_set():
             return
-        self._packets, self._error = packets, error
+        self._packets, self._error, self._deliver_at = packets, error, deliver_at
         self._event.set()
 
     def _wait(self, timeout: float | None, verb: str) -> list[Packet] | None:
@@ -192,6 +202,12 @@ class _Handle:
         t0 = time.monotonic()
         try:
             finished = self._event.wait(limit)
+            if finished and self._error is None:
+                # Emulated latency: the message was received but is not delivered before its arrival time.
+                # (This is not a failure, so it is not bounded by the timeout.)
+                remaining = self._deliver_at - time.time()
+                if remaining > 0:
+                    time.sleep(remaining)
         finally:
             self._transport._add_wait(self.peer, self.channel, self._direction, time.monotonic() - t0)
         if not finished:
@@ -366,9 +382,7 @@ class _Receiver(_Worker):
                 )
                 self._reject(handle)
                 continue
-            if arrival:
-                self._sleep_until_wall(arrival)
-            handle._finish(packets)
+            handle._finish(packets, deliver_at=arrival)
 
     def _recv(self) -> tuple[list[Packet], float]:
         t = self.transport
