@@ -33,7 +33,8 @@ import math
 import re
 import threading
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 __all__ = ["LinkSpec", "Pacer", "Transmission", "parse_bandwidth", "parse_latency"]
 
@@ -52,7 +53,7 @@ def _number(mantissa: str, exponent: str | None) -> float:
     return float(mantissa + (f"e{exponent}" if exponent else ""))
 
 
-def parse_bandwidth(text: str | float | int | None) -> float | None:
+def parse_bandwidth(text: str | float | None) -> float | None:
     """Bits per second from a spec string (numbers are taken as bit/s); None means unlimited."""
     if text is None:
         return None
@@ -75,7 +76,7 @@ def parse_bandwidth(text: str | float | int | None) -> float | None:
     return value
 
 
-def parse_latency(text: str | float | int) -> float:
+def parse_latency(text: str | float) -> float:
     """Seconds from a spec string (a bare number, or a number of seconds)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)

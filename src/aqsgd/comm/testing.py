@@ -20,13 +20,14 @@ import queue as queue_mod
 import socket
 import time
 import traceback
-from typing import Any, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch.multiprocessing as mp
 
 from aqsgd.errors import AqsgdError
 
-__all__ = ["run_processes", "free_port", "ProcessFailure", "ProcessTimeout"]
+__all__ = ["ProcessFailure", "ProcessTimeout", "free_port", "run_processes"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def _child(
     # Tear down without a collective: peers may already be gone, and a barrier here could hang.
     try:
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.debug("rank %d: destroy_process_group failed", rank, exc_info=True)
 
 

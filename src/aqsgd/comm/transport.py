@@ -60,16 +60,17 @@ stuck in ``dist.recv`` for a peer that never sends is left behind as a daemon (l
 Link emulation
 --------------
 With ``links`` given, each directed link to a destination has a :class:`~aqsgd.comm.link.Pacer` shared
-by all channels to it. The sender thread reserves the line for the message's wire bytes, sends at once,
-then sleeps until the message has left the emulated line; the preamble carries the wall-clock arrival time
+by all channels to it. The sender thread reserves the line for the message's wire bytes (from the time
+``isend`` handed the message over), sends at once, then sleeps until the message has left the emulated line; the preamble carries the wall-clock arrival time
 (``time.time()``; comparable between processes on one machine) and ``RecvHandle.wait``/``done`` deliver no
 earlier. The receiver *thread* does not sleep: a gloo send only completes once the receiver has posted the
 matching receive (a rendezvous, even for 100 bytes), so a sleeping receiver thread would stall the sender
 and serialize the latency of pipelined messages. The same rendezvous means a send to a peer that has not
 posted its ``irecv`` yet waits on the sender thread (the training thread is not blocked); the message's
 arrival time was fixed when it was scheduled, so the emulated timing is that of a buffered network as long
-as receivers post early. Each message costs two rendezvous on top of the emulated time (~2-4 ms on a
-loaded machine), which bounds how fast a link can be emulated faithfully.
+as receivers post early. Each message also costs two real rendezvous (~1-4 ms on a loaded machine); since
+the schedule runs from hand-over times these costs do not accumulate, but a link is only emulated
+faithfully while the real path is faster than the emulated one.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ import struct
 import threading
 import time
 import zlib
-from typing import Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -91,16 +93,16 @@ from aqsgd.compress.packet import HEADER_BYTES, Packet, parse_header
 from aqsgd.errors import PacketError, PeerFailure, PeerTimeout, TransportError
 
 __all__ = [
-    "Transport",
-    "SendHandle",
-    "RecvHandle",
-    "LinkStats",
-    "StatsKey",
-    "FORWARD",
     "BACKWARD",
-    "MAX_PACKETS",
+    "FORWARD",
     "MAX_CHANNEL",
+    "MAX_PACKETS",
     "PREAMBLE_BYTES",
+    "LinkStats",
+    "RecvHandle",
+    "SendHandle",
+    "StatsKey",
+    "Transport",
 ]
 
 log = logging.getLogger(__name__)
@@ -252,6 +254,7 @@ class _SendItem:
     packets: tuple[Packet, ...]
     handle: SendHandle
     ready: object | None  # a CUDA event recorded on the caller's stream, or None
+    enqueued: float  # time.monotonic() when isend was called: when the message was handed to the link
 
 
 class _Worker(threading.Thread):
@@ -331,7 +334,9 @@ class _Sender(_Worker):
         arrival = 0.0
         departure = None
         if self.pacer is not None:
-            slot = self.pacer.schedule(PREAMBLE_BYTES + total)
+            # Scheduled from the hand-over time, not from when this thread got to it: real per-message
+            # costs (gloo rendezvous) then do not accumulate into the emulated schedule.
+            slot = self.pacer.schedule(PREAMBLE_BYTES + total, now=item.enqueued)
             now_mono, now_wall = time.monotonic(), time.time()
             departure = now_wall + (slot.depart - now_mono)
             arrival = now_wall + (slot.arrive - now_mono)
@@ -505,7 +510,7 @@ class Transport:
             ready = torch.cuda.Event()
             ready.record()
         handle = SendHandle(self, dst, channel)
-        worker.requests.put(_SendItem(packets, handle, ready))
+        worker.requests.put(_SendItem(packets, handle, ready, time.monotonic()))
         return handle
 
     def irecv(self, src: int, channel: int) -> RecvHandle:
