@@ -42,3 +42,32 @@ class SchemeError(AqsgdError, ValueError):
 class WeightsError(AqsgdError, ValueError):
     """A weights file that does not fit the model: missing keys, wrong shapes, unreadable layout, or a
     module state that cannot be materialized (e.g. an unknown non-persistent buffer)."""
+
+
+class PeerFailure(AqsgdError):
+    """A peer process failed: its connection closed, it sent something malformed, or it stopped responding.
+
+    The message names the peer (its rank and, when the transport knows one, a label such as ``stage 2``).
+    ``rank`` holds the peer's rank in the process group, ``label`` its label (or None).
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, label: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.label = label
+
+    def __reduce__(self):  # keyword-only arguments need an explicit reduce to survive pickling
+        return (_rebuild_peer_error, (type(self), str(self), self.rank, self.label))
+
+
+class PeerTimeout(PeerFailure):
+    """A peer that did not send (or did not accept) a message within the transport's timeout."""
+
+
+def _rebuild_peer_error(cls: type[PeerFailure], message: str, rank: int | None, label: str | None) -> PeerFailure:
+    return cls(message, rank=rank, label=label)
+
+
+class TransportError(AqsgdError, ValueError):
+    """Bad use of a transport: a rank outside the group or the own rank, a bad channel, too many packets,
+    use after ``close()``."""

@@ -1,0 +1,645 @@
+"""Packets between processes over ``torch.distributed``: background threads, link emulation, accounting.
+
+Wire protocol
+-------------
+One *message* carries 0..8 :class:`~aqsgd.compress.packet.Packet` s from one rank to another on one
+*channel* (an integer 0..255; :data:`FORWARD` = 0 for activations, :data:`BACKWARD` = 1 for gradients by
+convention). It is two tensors, sent with the same tag:
+
+1. the *preamble*, a fixed :data:`PREAMBLE_BYTES` = 576-byte uint8 tensor (no pickle)::
+
+       offset bytes field
+       0      4     magic b"AQTP"
+       4      1     protocol version (1)
+       5      1     number of packets n (0..8)
+       6      2     channel
+       8      8     sequence number of the message on its (sender, receiver, channel)
+       16     8     total payload bytes (sum of the packets' payload lengths)
+       24     8     arrival time, float64 wall-clock seconds (0 = deliver at once); see link emulation
+       32     28    reserved (zero)
+       60     4     CRC-32 of bytes 0..59 and 64..575
+       64     512   the n packets' 64-byte headers, then zeros
+
+2. when the total is non-zero, one uint8 tensor with the packets' payloads concatenated, exactly the
+   announced size.
+
+The receiver checks magic, version, CRC, channel and sequence number, parses every header with
+:func:`~aqsgd.compress.packet.parse_header` and builds the packets with ``Packet.from_header`` (payload
+length and, for CPU payloads, payload CRC). What the wire carries per message is therefore
+``PREAMBLE_BYTES + sum(payload bytes)`` = ``sum(packet.nbytes)`` (the codec's wire formula) plus a protocol
+overhead of ``PREAMBLE_BYTES - 64 n`` bytes; :attr:`Transport.stats` reports both.
+
+Channels are separated by tags: gloo matches a send to a receive by (peer, tag), and every channel has its
+own tag (``_TAG_BASE + channel``), so forward and backward traffic between the same two ranks never mix.
+NCCL ignores tags; there the transport instead builds one sub-group per (channel, direction) at
+construction (a collective: every rank must construct its Transport with the same ``channels``), so each
+NCCL communicator carries one ordered stream of messages and concurrent sends and receives cannot deadlock.
+The NCCL path is written to that design but has only been exercised here without a GPU.
+
+Threads
+-------
+``isend`` only enqueues: one sender thread per (dst, channel) paces and sends messages in FIFO order.
+``irecv`` enqueues a receive request: one receiver thread per (src, channel) serves requests in order, so
+several irecvs posted on the same (src, channel) complete in order. A receiver thread only has a
+``dist.recv`` outstanding while some request is pending, so an idle transport holds nothing in gloo.
+Concurrent use of one gloo process group from several threads is safe for point-to-point operations:
+``ProcessGroupGloo::send/recv`` post an unbound buffer on the calling thread and the TCP pair serializes
+the writes (the tests run four threads per process on one pair).
+
+Failures
+--------
+An exception on a background thread (the peer's connection closed, a malformed message) marks the link
+failed: the handle being served and every later one on that link raise :class:`~aqsgd.errors.PeerFailure`
+naming the peer in ``wait()``. A peer that is alive but silent makes ``wait()`` raise
+:class:`~aqsgd.errors.PeerTimeout` after ``timeout_s`` (measured from the ``wait`` call). Gloo's own
+timeouts are not used for this: a timed-out gloo operation poisons the whole gloo context. After a timeout
+the request stays queued (it completes if the message comes later); callers normally give up and close.
+``close()`` fails every queued request, wakes sleeping threads and joins them with a bounded wait; a thread
+stuck in ``dist.recv`` for a peer that never sends is left behind as a daemon (logged), never waited on.
+
+Link emulation
+--------------
+With ``links`` given, each directed link to a destination has a :class:`~aqsgd.comm.link.Pacer` shared
+by all channels to it. The sender thread reserves the line for the message's wire bytes (from the time
+``isend`` handed the message over), sends at once, then sleeps until the message has left the emulated line; the preamble carries the wall-clock arrival time
+(``time.time()``; comparable between processes on one machine) and ``RecvHandle.wait``/``done`` deliver no
+earlier. The receiver *thread* does not sleep: a gloo send only completes once the receiver has posted the
+matching receive (a rendezvous, even for 100 bytes), so a sleeping receiver thread would stall the sender
+and serialize the latency of pipelined messages. The same rendezvous means a send to a peer that has not
+posted its ``irecv`` yet waits on the sender thread (the training thread is not blocked); the message's
+arrival time was fixed when it was scheduled, so the emulated timing is that of a buffered network as long
+as receivers post early. Each message also costs two real rendezvous (~1-4 ms on a loaded machine); since
+the schedule runs from hand-over times these costs do not accumulate, but a link is only emulated
+faithfully while the real path is faster than the emulated one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from aqsgd.comm.link import LinkSpec, Pacer
+from aqsgd.compress.packet import HEADER_BYTES, Packet, parse_header
+from aqsgd.errors import PacketError, PeerFailure, PeerTimeout, TransportError
+
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "MAX_CHANNEL",
+    "MAX_PACKETS",
+    "PREAMBLE_BYTES",
+    "LinkStats",
+    "RecvHandle",
+    "SendHandle",
+    "StatsKey",
+    "Transport",
+]
+
+log = logging.getLogger(__name__)
+
+FORWARD = 0
+BACKWARD = 1
+MAX_PACKETS = 8
+MAX_CHANNEL = 255
+_PREFIX = struct.Struct("<4sBBHQQd28sI")
+_PREFIX_BYTES = _PREFIX.size
+PREAMBLE_BYTES = _PREFIX_BYTES + MAX_PACKETS * HEADER_BYTES
+_MAGIC = b"AQTP"
+_VERSION = 1
+_TAG_BASE = 0x7100
+_DEFAULT_CHANNEL_NAMES = {FORWARD: "forward activations", BACKWARD: "backward gradients"}
+_JOIN_TIMEOUT_S = 2.0
+assert _PREFIX_BYTES == 64
+
+
+class StatsKey(NamedTuple):
+    """Key of :attr:`Transport.stats`: the peer's rank, the channel and ``"send"`` or ``"recv"``."""
+
+    peer: int
+    channel: int
+    direction: str
+
+
+@dataclasses.dataclass
+class LinkStats:
+    """Traffic on one (peer, channel, direction).
+
+    ``packet_bytes`` is the sum of ``packet.nbytes`` (headers + payloads), ``overhead_bytes`` the rest of
+    the preambles; their sum is what crossed the wire. ``wait_s`` is the time the caller spent blocked in
+    ``wait()`` on handles of this link.
+    """
+
+    messages: int = 0
+    packets: int = 0
+    packet_bytes: int = 0
+    overhead_bytes: int = 0
+    wait_s: float = 0.0
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.packet_bytes + self.overhead_bytes
+
+
+def _build_preamble(n: int, channel: int, seq: int, total: int, arrival: float, headers: bytes) -> bytes:
+    region = headers.ljust(MAX_PACKETS * HEADER_BYTES, b"\0")
+    head = _PREFIX.pack(_MAGIC, _VERSION, n, channel, seq, total, arrival, b"", 0)[:60]
+    crc = zlib.crc32(region, zlib.crc32(head))
+    return head + struct.pack("<I", crc) + region
+
+
+def _parse_preamble(buf: bytes) -> tuple[int, int, int, int, float]:
+    """(n, channel, seq, total, arrival) of a preamble; raises :class:`PacketError` when malformed."""
+    if len(buf) != PREAMBLE_BYTES:
+        raise PacketError(f"preamble of {len(buf)} bytes, expected {PREAMBLE_BYTES}")
+    magic, version, n, channel, seq, total, arrival, reserved, crc = _PREFIX.unpack(buf[:_PREFIX_BYTES])
+    if magic != _MAGIC:
+        raise PacketError(f"not an aqsgd transport message (magic {magic!r}, expected {_MAGIC!r})")
+    if version != _VERSION:
+        raise PacketError(f"unsupported transport protocol version {version} (this build speaks {_VERSION})")
+    if zlib.crc32(buf[_PREFIX_BYTES:], zlib.crc32(buf[:60])) != crc:
+        raise PacketError("corrupted message preamble (CRC mismatch)")
+    if n > MAX_PACKETS or any(reserved):
+        raise PacketError(f"malformed message preamble ({n} packets, at most {MAX_PACKETS})")
+    return n, channel, seq, total, arrival
+
+
+class _Handle:
+    """Completion of one queued operation; set exactly once by a background thread."""
+
+    _direction = ""
+
+    def __init__(self, transport: Transport, peer: int, channel: int) -> None:
+        self._transport = transport
+        self.peer = peer
+        self.channel = channel
+        self._event = threading.Event()
+        self._packets: list[Packet] | None = None
+        self._error: BaseException | None = None
+        self._deliver_at = 0.0
+
+    def done(self) -> bool:
+        """True once the operation completed or failed (``wait`` then returns or raises at once)."""
+        return self._event.is_set() and (self._error is not None or time.time() >= self._deliver_at)
+
+    def _finish(
+        self, packets: list[Packet] | None = None, error: BaseException | None = None, deliver_at: float = 0.0
+    ) -> None:
+        if self._event.is_set():
+            return
+        self._packets, self._error, self._deliver_at = packets, error, deliver_at
+        self._event.set()
+
+    def _wait(self, timeout: float | None, verb: str) -> list[Packet] | None:
+        limit = self._transport.timeout_s if timeout is None else timeout
+        t0 = time.monotonic()
+        try:
+            finished = self._event.wait(limit)
+            if finished and self._error is None:
+                # Emulated latency: the message was received but is not delivered before its arrival time.
+                # (This is not a failure, so it is not bounded by the timeout.)
+                remaining = self._deliver_at - time.time()
+                if remaining > 0:
+                    time.sleep(remaining)
+        finally:
+            self._transport._add_wait(self.peer, self.channel, self._direction, time.monotonic() - t0)
+        if not finished:
+            peer = self._transport.describe_peer(self.peer)
+            raise PeerTimeout(
+                f"{peer} did not {verb} {self._transport.channel_name(self.channel)} within {limit:g} s",
+                rank=self.peer,
+                label=self._transport.peer_labels.get(self.peer),
+            )
+        if self._error is not None:
+            raise self._error
+        return self._packets
+
+
+class SendHandle(_Handle):
+    """A queued send. ``wait`` returns once the message has been handed to the peer (and, on an emulated
+    link, has left the line). The packets' payloads must not be modified before that."""
+
+    _direction = "send"
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until sent; raises :class:`PeerFailure`, or :class:`PeerTimeout` after ``timeout``
+        seconds (default: the transport's ``timeout_s``)."""
+        self._wait(timeout, "accept")
+
+
+class RecvHandle(_Handle):
+    """A posted receive; ``wait`` returns the message's packets."""
+
+    _direction = "recv"
+
+    def wait(self, timeout: float | None = None) -> list[Packet]:
+        """Block until the message arrived; raises :class:`PeerFailure`, or :class:`PeerTimeout` after
+        ``timeout`` seconds (default: the transport's ``timeout_s``)."""
+        packets = self._wait(timeout, "send")
+        assert packets is not None
+        return packets
+
+
+@dataclasses.dataclass
+class _SendItem:
+    packets: tuple[Packet, ...]
+    handle: SendHandle
+    ready: object | None  # a CUDA event recorded on the caller's stream, or None
+    enqueued: float  # time.monotonic() when isend was called: when the message was handed to the link
+
+
+class _Worker(threading.Thread):
+    """Base of the per-link background threads: a FIFO of requests, a sticky failure."""
+
+    def __init__(self, transport: Transport, peer: int, channel: int, role: str) -> None:
+        super().__init__(name=f"aqsgd-{role}-rank{peer}-ch{channel}", daemon=True)
+        self.transport = transport
+        self.peer = peer
+        self.channel = channel
+        self.requests: queue.Queue = queue.Queue()
+        self.failure: tuple[str, BaseException] | None = None
+        self.seq = 0
+
+    def _error_for(self, message: str, cause: BaseException | None) -> PeerFailure:
+        err = PeerFailure(message, rank=self.peer, label=self.transport.peer_labels.get(self.peer))
+        err.__cause__ = cause
+        return err
+
+    def _fail_link(self, message: str, cause: BaseException) -> None:
+        log.warning("%s", message)
+        self.failure = (message, cause)
+
+    def _reject(self, handle: _Handle) -> None:
+        if self.transport._closing.is_set():
+            handle._finish(error=TransportError("the transport was closed before this request was served"))
+        else:
+            assert self.failure is not None
+            handle._finish(error=self._error_for(*self.failure))
+
+    def _sleep_until_wall(self, deadline: float) -> None:
+        remaining = deadline - time.time()
+        if remaining > 0:
+            self.transport._closing.wait(remaining)
+
+    def _group_and_tag(self, direction: str) -> tuple[dist.ProcessGroup | None, int]:
+        return self.transport._route(self.peer, self.channel, direction)
+
+
+class _Sender(_Worker):
+    def __init__(self, transport: Transport, dst: int, channel: int, pacer: Pacer | None) -> None:
+        super().__init__(transport, dst, channel, "send")
+        self.pacer = pacer
+
+    def run(self) -> None:
+        while True:
+            item: _SendItem | None = self.requests.get()
+            if item is None:
+                return
+            if self.failure is not None or self.transport._closing.is_set():
+                self._reject(item.handle)
+                continue
+            try:
+                self._send(item)
+            except BaseException as e:  # noqa: BLE001 - surfaces in the caller's wait()
+                t = self.transport
+                if t._closing.is_set():
+                    item.handle._finish(error=TransportError("the transport was closed during a send"))
+                    continue
+                self._fail_link(
+                    f"sending {t.channel_name(self.channel)} to {t.describe_peer(self.peer)} failed "
+                    f"(the peer is unreachable or crashed): {_first_line(e)}",
+                    e,
+                )
+                self._reject(item.handle)
+            else:
+                item.handle._finish()
+
+    def _send(self, item: _SendItem) -> None:
+        t = self.transport
+        wire = t._wire_device
+        if item.ready is not None:
+            item.ready.synchronize()  # type: ignore[attr-defined]
+        packets = item.packets
+        headers = b"".join(p.header_bytes() for p in packets)
+        total = sum(p.payload.numel() for p in packets)
+        arrival = 0.0
+        departure = None
+        if self.pacer is not None:
+            # Scheduled from the hand-over time, not from when this thread got to it: real per-message
+            # costs (gloo rendezvous) then do not accumulate into the emulated schedule.
+            slot = self.pacer.schedule(PREAMBLE_BYTES + total, now=item.enqueued)
+            now_mono, now_wall = time.monotonic(), time.time()
+            departure = now_wall + (slot.depart - now_mono)
+            arrival = now_wall + (slot.arrive - now_mono)
+        preamble = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers)
+        pre = torch.frombuffer(bytearray(preamble), dtype=torch.uint8).to(wire)
+        group, tag = self._group_and_tag("send")
+        dist.send(pre, self.peer, group=group, tag=tag)
+        if total:
+            if len(packets) == 1:
+                payload = packets[0].payload.to(wire)
+            else:
+                payload = torch.cat([p.payload.to(wire) for p in packets if p.payload.numel()])
+            dist.send(payload.contiguous(), self.peer, group=group, tag=tag)
+        self.seq += 1
+        t._account(self.peer, self.channel, "send", packets)
+        if departure is not None:
+            self._sleep_until_wall(departure)
+
+
+class _Receiver(_Worker):
+    def __init__(self, transport: Transport, src: int, channel: int) -> None:
+        super().__init__(transport, src, channel, "recv")
+
+    def run(self) -> None:
+        while True:
+            handle: RecvHandle | None = self.requests.get()
+            if handle is None:
+                return
+            if self.failure is not None or self.transport._closing.is_set():
+                self._reject(handle)
+                continue
+            t = self.transport
+            peer, chan = t.describe_peer(self.peer), t.channel_name(self.channel)
+            try:
+                packets, arrival = self._recv()
+            except PacketError as e:
+                self._fail_link(f"{peer} sent a malformed message on {chan}: {e}", e)
+                self._reject(handle)
+                continue
+            except BaseException as e:  # noqa: BLE001 - surfaces in the caller's wait()
+                if t._closing.is_set():
+                    handle._finish(error=TransportError("the transport was closed during a receive"))
+                    continue
+                self._fail_link(
+                    f"lost {peer} while receiving {chan} (the peer crashed or closed its connection): "
+                    f"{_first_line(e)}",
+                    e,
+                )
+                self._reject(handle)
+                continue
+            handle._finish(packets, deliver_at=arrival)
+
+    def _recv(self) -> tuple[list[Packet], float]:
+        t = self.transport
+        wire = t._wire_device
+        group, tag = self._group_and_tag("recv")
+        pre = torch.empty(PREAMBLE_BYTES, dtype=torch.uint8, device=wire)
+        dist.recv(pre, self.peer, group=group, tag=tag)
+        buf = pre.cpu().numpy().tobytes()
+        n, channel, seq, total, arrival = _parse_preamble(buf)
+        if channel != self.channel:
+            raise PacketError(f"message for channel {channel} arrived on channel {self.channel}")
+        if seq != self.seq:
+            raise PacketError(f"message number {seq} arrived where number {self.seq} was due (out of step)")
+        headers = [parse_header(buf[_PREFIX_BYTES + i * HEADER_BYTES:][:HEADER_BYTES]) for i in range(n)]
+        if sum(h.payload_len for h in headers) != total:
+            raise PacketError(
+                f"preamble announces {total} payload bytes, its headers {sum(h.payload_len for h in headers)}"
+            )
+        if total:
+            payload = torch.empty(total, dtype=torch.uint8, device=wire)
+            dist.recv(payload, self.peer, group=group, tag=tag)
+            if wire.type == "cuda":
+                torch.cuda.current_stream(wire).synchronize()
+        else:
+            payload = torch.empty(0, dtype=torch.uint8, device=wire)
+        self.seq += 1
+        packets, offset = [], 0
+        for h in headers:
+            body = payload[offset:offset + h.payload_len]
+            offset += h.payload_len
+            packet = Packet.from_header(h, body)
+            if packet.payload.device != t.device:
+                packet = dataclasses.replace(packet, payload=packet.payload.to(t.device))
+            packets.append(packet)
+        t._account(self.peer, self.channel, "recv", packets)
+        return packets, arrival
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+class Transport:
+    """Sends and receives lists of packets to and from other ranks of a process group.
+
+    ``group``: an initialized process group (default: the world). Ranks in this API are global ranks, as in
+    ``dist.send``. ``timeout_s``: default timeout of ``wait()``. ``links``: link emulation, one
+    :class:`LinkSpec` for every outgoing link or a ``{dst: LinkSpec}`` dict (links not in it are
+    unlimited). ``peer_labels``: names for error messages (``{2: "stage 2"}``). ``channel_names``: names of
+    channels for error messages (default: 0 = "forward activations", 1 = "backward gradients").
+    ``device``: where received packets are placed; with a CUDA device and an NCCL group every tensor goes
+    through NCCL on the GPU, with gloo it is staged through host memory. ``channels``: the channels used
+    (only needed for NCCL, which builds sub-groups for them at construction, collectively).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout_s: float = 60.0,
+        links: Mapping[int, LinkSpec] | LinkSpec | None = None,
+        peer_labels: Mapping[int, str] | None = None,
+        channel_names: Mapping[int, str] | None = None,
+        device: str | torch.device = "cpu",
+        channels: Sequence[int] = (FORWARD, BACKWARD),
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise TransportError("torch.distributed is not initialized: call dist.init_process_group first")
+        if not timeout_s > 0:
+            raise TransportError(f"timeout_s must be positive, got {timeout_s}")
+        self.group = group
+        self.timeout_s = float(timeout_s)
+        self.rank = dist.get_rank()
+        self.ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        self.peer_labels: dict[int, str] = dict(peer_labels or {})
+        self.channel_names: dict[int, str] = {**_DEFAULT_CHANNEL_NAMES, **dict(channel_names or {})}
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        backend = str(dist.get_backend(group)).lower()
+        self._nccl = self.device.type == "cuda" and "nccl" in backend
+        self._wire_device = self.device if self._nccl else torch.device("cpu")
+        self._links = links
+        self._pacers: dict[int, Pacer | None] = {}
+        self._senders: dict[tuple[int, int], _Sender] = {}
+        self._receivers: dict[tuple[int, int], _Receiver] = {}
+        self._stats: dict[StatsKey, LinkStats] = {}
+        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._subgroups: dict[tuple[int, bool], dist.ProcessGroup] = {}
+        if self._nccl:
+            # NCCL has no tags: one sub-group per (channel, direction of rank order); see the module docs.
+            for ch in channels:
+                self._check_channel(ch)
+                for upward in (True, False):
+                    self._subgroups[(ch, upward)] = dist.new_group(list(self.ranks), backend="nccl")
+
+    # ---------------------------------------------------------------- naming
+    def describe_peer(self, rank: int) -> str:
+        """``"stage 2 (rank 2)"`` when a label is known, else ``"rank 2"``."""
+        label = self.peer_labels.get(rank)
+        return f"{label} (rank {rank})" if label else f"rank {rank}"
+
+    def channel_name(self, channel: int) -> str:
+        return self.channel_names.get(channel, f"channel {channel}")
+
+    # ---------------------------------------------------------------- API
+    def isend(self, packets: Sequence[Packet], dst: int, channel: int) -> SendHandle:
+        """Queue a message of 0..8 packets for ``dst`` on ``channel`` and return at once."""
+        packets = tuple(packets)
+        if len(packets) > MAX_PACKETS:
+            raise TransportError(f"a message carries at most {MAX_PACKETS} packets, got {len(packets)}")
+        if not all(isinstance(p, Packet) for p in packets):
+            raise TransportError("isend takes a sequence of Packet")
+        worker = self._sender(dst, channel)
+        ready = None
+        if any(p.payload.is_cuda for p in packets):
+            ready = torch.cuda.Event()
+            ready.record()
+        handle = SendHandle(self, dst, channel)
+        worker.requests.put(_SendItem(packets, handle, ready, time.monotonic()))
+        return handle
+
+    def irecv(self, src: int, channel: int) -> RecvHandle:
+        """Post a receive of the next message from ``src`` on ``channel`` and return at once."""
+        worker = self._receiver(src, channel)
+        handle = RecvHandle(self, src, channel)
+        worker.requests.put(handle)
+        return handle
+
+    def send(self, packets: Sequence[Packet], dst: int, channel: int, timeout: float | None = None) -> None:
+        """``isend(...).wait(timeout)``."""
+        self.isend(packets, dst, channel).wait(timeout)
+
+    def recv(self, src: int, channel: int, timeout: float | None = None) -> list[Packet]:
+        """``irecv(...).wait(timeout)``."""
+        return self.irecv(src, channel).wait(timeout)
+
+    @property
+    def stats(self) -> dict[StatsKey, LinkStats]:
+        """A snapshot of the traffic counters per (peer, channel, direction)."""
+        with self._stats_lock:
+            return {k: dataclasses.replace(v) for k, v in self._stats.items()}
+
+    def total_stats(self, direction: str | None = None) -> LinkStats:
+        """The counters summed over every link (of one direction, ``"send"`` or ``"recv"``, if given)."""
+        total = LinkStats()
+        for key, s in self.stats.items():
+            if direction is None or key.direction == direction:
+                total.messages += s.messages
+                total.packets += s.packets
+                total.packet_bytes += s.packet_bytes
+                total.overhead_bytes += s.overhead_bytes
+                total.wait_s += s.wait_s
+        return total
+
+    def reset_stats(self) -> None:
+        with self._stats_lock:
+            self._stats.clear()
+
+    def close(self) -> None:
+        """Fail queued requests, stop the threads (bounded wait) and forget them. Idempotent."""
+        self._closing.set()
+        with self._lock:
+            workers: list[_Worker] = [*self._senders.values(), *self._receivers.values()]
+            self._senders.clear()
+            self._receivers.clear()
+        for w in workers:
+            while True:  # fail what is still queued, then stop
+                try:
+                    item = w.requests.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    (item.handle if isinstance(item, _SendItem) else item)._finish(
+                        error=TransportError("the transport was closed before this request was served")
+                    )
+            w.requests.put(None)
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S
+        for w in workers:
+            w.join(max(0.0, deadline - time.monotonic()))
+            if w.is_alive():
+                log.warning("%s is still blocked in torch.distributed after close(); leaving it (daemon)", w.name)
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- internals
+    def _check_channel(self, channel: int) -> None:
+        if not (isinstance(channel, int) and 0 <= channel <= MAX_CHANNEL):
+            raise TransportError(f"channel must be an int in 0..{MAX_CHANNEL}, got {channel!r}")
+
+    def _check_peer(self, peer: int) -> None:
+        if peer == self.rank:
+            raise TransportError(f"rank {peer} is this process: a transport only talks to other ranks")
+        if peer not in self.ranks:
+            raise TransportError(f"rank {peer} is not in the process group (ranks {list(self.ranks)})")
+
+    def _usable(self, peer: int, channel: int) -> None:
+        if self._closing.is_set():
+            raise TransportError("the transport is closed")
+        self._check_peer(peer)
+        self._check_channel(channel)
+        if self._nccl and (channel, True) not in self._subgroups:
+            raise TransportError(
+                f"channel {channel} was not declared in channels=... (NCCL needs its sub-groups up front)"
+            )
+
+    def _pacer(self, dst: int) -> Pacer | None:
+        if dst not in self._pacers:
+            spec = self._links.get(dst) if isinstance(self._links, Mapping) else self._links
+            self._pacers[dst] = None if spec is None or spec.unlimited else Pacer(spec)
+        return self._pacers[dst]
+
+    def _sender(self, dst: int, channel: int) -> _Sender:
+        self._usable(dst, channel)
+        with self._lock:
+            worker = self._senders.get((dst, channel))
+            if worker is None:
+                worker = self._senders[(dst, channel)] = _Sender(self, dst, channel, self._pacer(dst))
+                worker.start()
+            return worker
+
+    def _receiver(self, src: int, channel: int) -> _Receiver:
+        self._usable(src, channel)
+        with self._lock:
+            worker = self._receivers.get((src, channel))
+            if worker is None:
+                worker = self._receivers[(src, channel)] = _Receiver(self, src, channel)
+                worker.start()
+            return worker
+
+    def _route(self, peer: int, channel: int, direction: str) -> tuple[dist.ProcessGroup | None, int]:
+        if not self._nccl:
+            return self.group, _TAG_BASE + channel
+        sender, receiver = (self.rank, peer) if direction == "send" else (peer, self.rank)
+        return self._subgroups[(channel, sender < receiver)], 0
+
+    def _account(self, peer: int, channel: int, direction: str, packets: Sequence[Packet]) -> None:
+        with self._stats_lock:
+            s = self._stats.setdefault(StatsKey(peer, channel, direction), LinkStats())
+            s.messages += 1
+            s.packets += len(packets)
+            s.packet_bytes += sum(p.nbytes for p in packets)
+            s.overhead_bytes += PREAMBLE_BYTES - HEADER_BYTES * len(packets)
+
+    def _add_wait(self, peer: int, channel: int, direction: str, seconds: float) -> None:
+        with self._stats_lock:
+            self._stats.setdefault(StatsKey(peer, channel, direction), LinkStats()).wait_s += seconds
+

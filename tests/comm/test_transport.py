@@ -1,0 +1,268 @@
+"""Transport between real processes (2 spawned ranks over gloo on 127.0.0.1).
+
+Each multi-process scenario runs once per module (a fixture) and the tests check its observations; the
+rank functions live at module level so that spawned children can import them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from aqsgd.comm import (
+    BACKWARD,
+    FORWARD,
+    PREAMBLE_BYTES,
+    LinkSpec,
+    PeerFailure,
+    StatsKey,
+    Transport,
+    TransportError,
+)
+from aqsgd.comm.testing import ProcessFailure, run_processes
+from aqsgd.comm.transport import _build_preamble, _parse_preamble
+from aqsgd.compress import HEADER_BYTES, make_codec
+from aqsgd.errors import PacketError
+
+CODECS = ["none", "fp16", "bf16", "q2", "q4:token", "q3:block16:stochastic", "topk0.1", "topk0.25+q8"]
+MESSAGES = 10
+
+
+# ---------------------------------------------------------------------------- rank functions
+def _messages(src: int, channel: int) -> list[list]:
+    """The packet lists ``src`` sends on ``channel``: deterministic, so both sides and the parent agree."""
+    g = torch.Generator().manual_seed(1000 * src + channel)
+    out = []
+    for i in range(MESSAGES):
+        n = 0 if i == 3 else 1 + int(torch.randint(0, 3, (1,), generator=g))
+        packets = []
+        for _ in range(n):
+            codec = make_codec(CODECS[int(torch.randint(0, len(CODECS), (1,), generator=g))])
+            shape = (int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g)))
+            x = torch.randn(shape, generator=g)
+            packets.append(codec.encode(x, generator=g).with_tag(int(torch.randint(0, 2**31, (1,), generator=g))))
+        out.append(packets)
+    return out
+
+
+def _roundtrip_rank(rank: int, world_size: int) -> dict:
+    peer = 1 - rank
+    with Transport(timeout_s=20) as t:
+        recvs = {ch: [t.irecv(peer, ch) for _ in range(MESSAGES)] for ch in (FORWARD, BACKWARD)}
+        sends = [t.isend(msg, peer, ch) for i in range(MESSAGES) for ch in (FORWARD, BACKWARD)
+                 for msg in [_messages(rank, ch)[i]]]
+        received = {ch: [[p.to_bytes() for p in h.wait()] for h in hs] for ch, hs in recvs.items()}
+        for h in sends:
+            h.wait()
+        stats = {tuple(k): (v.messages, v.packets, v.packet_bytes, v.overhead_bytes, v.wait_s)
+                 for k, v in t.stats.items()}
+        t.reset_stats()
+        after_reset = t.stats
+    return {"received": received, "stats": stats, "after_reset": after_reset}
+
+
+def _emulation_rank(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    raw = make_codec("none")
+    big = raw.encode(torch.zeros(500_000))  # 2,000,000 payload bytes
+    chunks = [raw.encode(torch.zeros(62_500)) for _ in range(8)]  # 8 x 250,000 bytes
+    small = raw.encode(torch.zeros(256))  # 1 KiB
+    medium = [raw.encode(torch.zeros(5_000)) for _ in range(10)]  # 10 x 20 kB (4.1 ms each)
+    # Bandwidth only: one 2 MB message, then 8 x 250 kB spread over both channels (one shared line).
+    with Transport(timeout_s=20, links={1: LinkSpec(40e6, 0.0)}) as t:
+        if rank == 0:
+            t.recv(1, BACKWARD)  # both sides ready
+            t0 = time.time()
+            t.isend([big], 1, FORWARD).wait()
+            out["big_sender_s"] = time.time() - t0
+            out["big_t0"] = t0
+            out["chunks_t0"] = time.time()
+            hs = [t.isend([c], 1, FORWARD if i % 2 else BACKWARD) for i, c in enumerate(chunks)]
+            for h in hs:
+                h.wait()
+        else:
+            fwd = [t.irecv(0, FORWARD) for _ in range(5)]
+            bwd = [t.irecv(0, BACKWARD) for _ in range(4)]
+            t.send([], 0, BACKWARD)
+            fwd[0].wait()
+            out["big_t1"] = time.time()
+            for h in fwd[1:] + bwd:
+                h.wait()
+            out["chunks_t1"] = time.time()
+    # Latency: 20 ms one-way on a 40 Mbit/s line.
+    with Transport(timeout_s=20, links=LinkSpec(40e6, 0.02)) as t:
+        if rank == 0:
+            t.recv(1, BACKWARD)
+            out["small_t0"] = time.time()
+            t.send([small], 1, FORWARD)
+            t.recv(1, BACKWARD)  # the receiver got it
+            out["burst_t0"] = time.time()
+            for h in [t.isend([m], 1, FORWARD) for m in medium]:
+                h.wait()
+        else:
+            small_h = t.irecv(0, FORWARD)
+            burst = [t.irecv(0, FORWARD) for _ in range(10)]
+            t.isend([], 0, BACKWARD)
+            small_h.wait()
+            out["small_t1"] = time.time()
+            t.isend([], 0, BACKWARD)
+            for h in burst:
+                h.wait()
+            out["burst_t1"] = time.time()
+    return out
+
+
+def _failure_rank(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    t = Transport(timeout_s=2.0, peer_labels={0: "stage 0", 1: "stage 1"})
+    if rank == 1:
+        t.recv(0, BACKWARD, timeout=30)  # "exit now"
+        os._exit(0)
+    silent = t.irecv(1, FORWARD)
+    t0 = time.monotonic()
+    try:
+        silent.wait()
+    except PeerFailure as e:
+        out["timeout"] = (type(e).__name__, str(e), e.rank, e.label, time.monotonic() - t0)
+    t.send([], 1, BACKWARD)
+    t0 = time.monotonic()
+    try:
+        t.recv(1, BACKWARD, timeout=30)
+    except PeerFailure as e:
+        out["death"] = (type(e).__name__, str(e), e.rank, e.label, time.monotonic() - t0)
+    try:  # the stale receive on the other channel fails too, instead of waiting forever
+        silent.wait(10)
+    except PeerFailure as e:
+        out["stale"] = (type(e).__name__, str(e))
+    try:
+        h = t.isend([make_codec("q2").encode(torch.ones(4, 4))], 1, FORWARD)
+        h.wait(10)
+        out["send_after_death"] = ("ok", "")
+    except PeerFailure as e:
+        out["send_after_death"] = (type(e).__name__, str(e))
+    t0 = time.monotonic()
+    t.close()
+    out["close_s"] = time.monotonic() - t0
+    try:
+        t.irecv(1, FORWARD)
+    except TransportError as e:
+        out["after_close"] = str(e)
+    return out
+
+
+def _raising_rank(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise RuntimeError("boom on purpose")
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def roundtrip():
+    return run_processes(_roundtrip_rank, 2, timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def emulation():
+    r0, r1 = run_processes(_emulation_rank, 2, timeout_s=60)
+    return {**r0, **r1}
+
+
+@pytest.fixture(scope="module")
+def failure():
+    r0, _ = run_processes(_failure_rank, 2, timeout_s=60, may_exit={1})
+    return r0
+
+
+# ---------------------------------------------------------------------------- tests
+def test_packets_roundtrip_exactly_in_fifo_order_on_two_channels_both_ways(roundtrip):
+    for rank, result in enumerate(roundtrip):
+        peer = 1 - rank
+        for ch in (FORWARD, BACKWARD):
+            expected = [[p.to_bytes() for p in msg] for msg in _messages(peer, ch)]
+            assert result["received"][ch] == expected
+
+
+def test_stats_count_exactly_the_packet_bytes(roundtrip):
+    for rank, result in enumerate(roundtrip):
+        peer = 1 - rank
+        stats = result["stats"]
+        for ch in (FORWARD, BACKWARD):
+            for direction, src in (("send", rank), ("recv", peer)):
+                msgs = _messages(src, ch)
+                n_packets = sum(len(m) for m in msgs)
+                messages, packets, packet_bytes, overhead, wait_s = stats[(peer, ch, direction)]
+                assert messages == MESSAGES and packets == n_packets
+                assert packet_bytes == sum(p.nbytes for m in msgs for p in m)
+                assert overhead == MESSAGES * PREAMBLE_BYTES - n_packets * HEADER_BYTES
+                assert wait_s >= 0.0
+        assert result["after_reset"] == {}
+
+
+def test_bandwidth_emulation(emulation):
+    e2e = emulation["big_t1"] - emulation["big_t0"]
+    assert 0.3 <= e2e <= 0.5, e2e
+    assert 0.3 <= emulation["big_sender_s"] <= 0.5, emulation["big_sender_s"]
+    spread = emulation["chunks_t1"] - emulation["chunks_t0"]  # 2 MB on two channels sharing one line
+    assert 0.3 <= spread <= 0.5, spread
+
+
+def test_latency_emulation_overlaps(emulation):
+    small = emulation["small_t1"] - emulation["small_t0"]
+    tx_small = 8 * (PREAMBLE_BYTES + 1024) / 40e6
+    assert 0.02 + tx_small <= small + 1e-3 <= 0.02 + tx_small + 0.02, small
+    burst = emulation["burst_t1"] - emulation["burst_t0"]
+    expected = 0.02 + 10 * 8 * (PREAMBLE_BYTES + 20_000) / 40e6  # ~61 ms; serialized latency: ~241 ms
+    # Upper slack: gloo's two rendezvous per message cost ~2-4 ms each on a loaded 2-core machine.
+    assert expected - 1e-3 <= burst <= expected + 0.05, burst
+
+
+def test_silent_peer_times_out_naming_it(failure):
+    kind, message, rank, label, elapsed = failure["timeout"]
+    assert kind == "PeerTimeout" and rank == 1 and label == "stage 1"
+    assert "stage 1 (rank 1) did not send forward activations within 2 s" in message
+    assert 2.0 <= elapsed < 3.0
+
+
+def test_dead_peer_raises_peer_failure_quickly(failure):
+    kind, message, rank, label, elapsed = failure["death"]
+    assert kind == "PeerFailure" and rank == 1 and label == "stage 1"
+    assert "stage 1 (rank 1)" in message and "backward gradients" in message
+    assert elapsed < 5.0
+    kind, message = failure["stale"]
+    assert kind == "PeerFailure" and "stage 1 (rank 1)" in message
+    kind, message = failure["send_after_death"]
+    assert kind == "PeerFailure" and "stage 1 (rank 1)" in message
+    assert failure["close_s"] < 3.0
+    assert "closed" in failure["after_close"]
+
+
+def test_run_processes_reraises_with_rank():
+    with pytest.raises(ProcessFailure, match=r"rank 1 failed: RuntimeError: boom on purpose") as info:
+        run_processes(_raising_rank, 2, timeout_s=60)
+    assert info.value.rank == 1
+
+
+def test_preamble_roundtrip_and_corruption():
+    headers = bytes(range(64)) * 2
+    buf = _build_preamble(2, 1, 7, 123, 1.5, headers)
+    assert len(buf) == PREAMBLE_BYTES
+    assert _parse_preamble(buf) == (2, 1, 7, 123, 1.5)
+    for pos in (0, 5, 9, 70, PREAMBLE_BYTES - 1):
+        bad = bytearray(buf)
+        bad[pos] ^= 0x40
+        with pytest.raises(PacketError):
+            _parse_preamble(bytes(bad))
+    with pytest.raises(PacketError, match="preamble"):
+        _parse_preamble(buf[:-1])
+
+
+def test_transport_needs_an_initialized_process_group():
+    with pytest.raises(TransportError, match="init_process_group"):
+        Transport()
+
+
+def test_stats_key_is_a_named_tuple():
+    assert StatsKey(1, FORWARD, "send") == (1, 0, "send")
