@@ -71,3 +71,7 @@ def _rebuild_peer_error(cls: type[PeerFailure], message: str, rank: int | None, 
 class TransportError(AqsgdError, ValueError):
     """Bad use of a transport: a rank outside the group or the own rank, a bad channel, too many packets,
     use after ``close()``."""
+
+
+class ConfigMismatchError(AqsgdError, ValueError):
+    """Processes of one job started with different settings (codecs, stage counts, shapes, ...)."""

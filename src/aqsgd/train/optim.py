@@ -19,9 +19,10 @@ __all__ = ["param_groups", "make_optimizer", "warmup_linear_decay", "squared_gra
 _NO_DECAY_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.Embedding)
 
 
-def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: weight decay on weight matrices, none on biases, norms (incl. RMSNorm) and 1-D params."""
-    decay, no_decay, seen = [], [], set()
+def param_groups(module: nn.Module, weight_decay: float, exclude: set[int] | None = None) -> list[dict]:
+    """Two groups: weight decay on weight matrices, none on biases, norms (incl. RMSNorm) and 1-D params.
+    Parameters whose ``id`` is in ``exclude`` are left out (they belong to another stage's optimizer)."""
+    decay, no_decay, seen = [], [], set(exclude or ())
     for mod_name, mod in module.named_modules():
         is_norm = isinstance(mod, _NO_DECAY_TYPES[:4]) or "norm" in type(mod).__name__.lower()
         for name, p in mod.named_parameters(recurse=False):
@@ -38,8 +39,9 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def make_optimizer(module: nn.Module, name: str, lr: float, weight_decay: float = 0.0,
-                   betas: tuple[float, float] = (0.9, 0.999), momentum: float = 0.0) -> torch.optim.Optimizer:
-    groups = param_groups(module, weight_decay)
+                   betas: tuple[float, float] = (0.9, 0.999), momentum: float = 0.0,
+                   exclude: set[int] | None = None) -> torch.optim.Optimizer:
+    groups = param_groups(module, weight_decay, exclude)
     if not groups:
         groups = [{"params": [], "weight_decay": 0.0}]
     if name == "adamw":

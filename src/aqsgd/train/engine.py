@@ -1,0 +1,184 @@
+"""The pipeline engine: the stages one process runs, their optimizers, clipping and tied weights.
+
+Locally (one process) the engine owns every stage and drives them through a
+:class:`~aqsgd.pipeline.runner.LocalPipeline`. Distributed, it owns one stage and its
+:class:`~aqsgd.pipeline.runner.StageRunner` talks to the neighbours through a transport. Everything around the
+step (optimizer, learning-rate schedule, clipping by the global norm, tied weights across stages) is written
+once against "the stages this process owns", so both runtimes do the same arithmetic in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from aqsgd.pipeline.compression import CompressionConfig
+from aqsgd.pipeline.partition import shared_parameters
+from aqsgd.pipeline.runner import LocalPipeline, StageRunner, StepStats, Transport
+from aqsgd.pipeline.stage import Batch
+from aqsgd.schemes import BoundaryScheme, Phase
+from aqsgd.train.optim import clip_coefficient, make_optimizer, squared_grad_norm, warmup_linear_decay
+
+__all__ = ["PipelineEngine", "OptimConfig"]
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    total_steps: int = 0  # 0: constant after warm-up
+    max_grad_norm: float = 1.0  # <= 0: no clipping
+
+
+class PipelineEngine:
+    """See the module docstring. ``stages`` maps stage index -> module for the stages this process owns."""
+
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        num_stages: int,
+        compression: CompressionConfig,
+        optim: OptimConfig,
+        *,
+        schedule: str = "1f1b",
+        device: torch.device | str = "cpu",
+        transport: Transport | None = None,
+        rank_of_stage: Sequence[int] | None = None,
+        ties: Sequence[dict[int, str]] = (),
+        trace: list[dict] | None = None,
+    ) -> None:
+        self.num_stages = num_stages
+        self.stages = dict(stages)
+        self.distributed = transport is not None
+        self.ranks = list(rank_of_stage) if rank_of_stage is not None else list(range(num_stages))
+        if self.distributed:
+            if len(self.stages) != 1:
+                raise ValueError("a distributed engine runs exactly one stage per process")
+            (index, module), = self.stages.items()
+            self.runners = {index: StageRunner(module, index, num_stages, compression, transport, schedule=schedule,
+                                               device=device, rank_of_stage=self.ranks, trace=trace)}
+            self.local = None
+        else:
+            if sorted(self.stages) != list(range(num_stages)):
+                raise ValueError(f"a local engine needs all {num_stages} stages, got {sorted(self.stages)}")
+            self.local = LocalPipeline([self.stages[i] for i in range(num_stages)], compression, schedule=schedule,
+                                       device=device, trace=trace)
+            self.runners = dict(enumerate(self.local.runners))
+        self.optim_config = optim
+        # A parameter shared by several local stages (tied embeddings) is updated once, by the lowest stage.
+        self.optimizers = {}
+        claimed: set[int] = set()
+        for i in sorted(self.stages):
+            self.optimizers[i] = make_optimizer(self.stages[i], optim.name, optim.lr, optim.weight_decay,
+                                                exclude=set(claimed))
+            claimed.update(id(p) for p in self.stages[i].parameters())
+        factor = warmup_linear_decay(optim.warmup_steps, optim.total_steps)
+        self.schedulers = {i: torch.optim.lr_scheduler.LambdaLR(o, factor) for i, o in self.optimizers.items()}
+        if not self.distributed and not ties:
+            ties = shared_parameters([self.stages[i] for i in range(num_stages)])
+        self._not_counted: dict[int, set[str]] = {}
+        for tie in ties:
+            for s, name in tie.items():
+                if s != min(tie):
+                    self._not_counted.setdefault(s, set()).add(name)
+        self._tie_groups = self._build_ties(ties)
+        self.last_grad_norm = 0.0
+
+    # -- ties ----------------------------------------------------------------------------------------
+    def _build_ties(self, ties: Sequence[dict[int, str]]) -> list[tuple[object, torch.nn.Parameter]]:
+        """Distributed only: one process group per tied parameter spanning its stages (every rank takes part
+        in creating every group, in the same order, as torch.distributed requires)."""
+        groups = []
+        if not self.distributed:
+            return groups  # local stages share the Parameter object itself
+        for tie in ties:
+            ranks = sorted(self.ranks[s] for s in tie)
+            group = dist.new_group(ranks=ranks)
+            for s, name in tie.items():
+                if s in self.stages:
+                    groups.append((group, self.stages[s].get_parameter(name)))
+        return groups
+
+    def _sync_tied_grads(self) -> None:
+        for group, param in self._tie_groups:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def forward_backward(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN) -> float | None:
+        """One pipelined pass. Training phases accumulate gradients; returns the mean loss where the last
+        stage runs (None elsewhere)."""
+        if self.local is not None:
+            return float(self.local.step(microbatches, phase))
+        (runner,) = self.runners.values()
+        loss = runner.step(microbatches, phase)
+        return None if loss is None else float(loss)
+
+    def train_step(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN) -> float | None:
+        for o in self.optimizers.values():
+            o.zero_grad(set_to_none=True)
+        loss = self.forward_backward(microbatches, phase)
+        self._sync_tied_grads()
+        self.clip()
+        for i in sorted(self.optimizers):
+            self.optimizers[i].step()
+            self.schedulers[i].step()
+        return loss
+
+    def evaluate(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.EVAL) -> float | None:
+        for m in self.stages.values():
+            m.eval()
+        try:
+            with torch.no_grad():
+                return self.forward_backward(microbatches, phase)
+        finally:
+            for m in self.stages.values():
+                m.train()
+
+    def stage_sq_norms(self) -> list[float]:
+        """Every stage's squared gradient norm, in stage order (gathered across processes when distributed).
+        A parameter tied across stages counts once, on the lowest stage that holds it."""
+        values = [0.0] * self.num_stages
+        for i, m in self.stages.items():
+            params = [p for n, p in m.named_parameters() if n not in self._not_counted.get(i, ())]
+            values[i] = float(squared_grad_norm(params))
+        if self.distributed:
+            t = torch.tensor(values, dtype=torch.float64)
+            dist.all_reduce(t)  # each entry has exactly one non-zero contributor: the sum is exact
+            values = t.tolist()
+        return values
+
+    def clip(self) -> None:
+        cfg = self.optim_config
+        if cfg.max_grad_norm <= 0:
+            return
+        norm, factor = clip_coefficient(self.stage_sq_norms(), cfg.max_grad_norm)
+        self.last_grad_norm = norm
+        if factor < 1.0:
+            seen: set[int] = set()
+            for m in self.stages.values():
+                for p in m.parameters():
+                    if p.grad is not None and id(p) not in seen:
+                        seen.add(id(p))
+                        p.grad.mul_(factor)
+
+    # -- introspection -------------------------------------------------------------------------------
+    def stats(self) -> dict[int, StepStats]:
+        return {i: r.stats for i, r in self.runners.items()}
+
+    def schemes(self) -> dict[tuple[int, int, str], BoundaryScheme]:
+        out = {}
+        for r in self.runners.values():
+            out.update(r.schemes)
+        return out
+
+    @property
+    def lr(self) -> float:
+        return next(iter(self.schedulers.values())).get_last_lr()[0]
