@@ -213,8 +213,13 @@ def run_worker(job: JobConfig) -> JobResult:
     """One stage per process; ``torch.distributed`` is initialized from the environment if needed."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(job.timeout_s, 30)))
-    rank, world = dist.get_rank(), dist.get_world_size()
     check_same_settings(dataclasses.asdict(job))
+    return run_stage(job)
+
+
+def run_stage(job: JobConfig) -> JobResult:
+    """Train this process's stage (rank = stage) of an already checked job."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     if world != job.num_stages:
         raise ConfigMismatchError(f"{world} processes for {job.num_stages} stages; start one process per stage")
     recipe = ModelRecipe.from_dict(job.recipe)

@@ -1,0 +1,148 @@
+"""``aqsgd bench pipeline``: training throughput of real stage processes over emulated links.
+
+For each stage count, one set of processes (started with PyTorch's elastic launcher) runs every
+(setting, bandwidth) combination in turn, so process start-up is paid once. Each combination trains a small
+Llama-style model on synthetic data: one warm-up epoch uncompressed (AQ-SGD fills its cache there; it is not
+timed), then ``measure_steps`` timed steps; samples/s is the batch size over the median step time of the first
+stage (its last backward ends a step).
+
+Next to each measured speed-up against fp32 at the same bandwidth we print the *ideal* speed-up of a simple
+steady-state model (DESIGN.md §4): a micro-batch costs a stage ``max(c, l)``, with ``c`` the measured compute
+plus encode/decode time per micro-batch of the busiest stage, and ``l`` the link time of the larger of the
+per-micro-batch forward/backward messages (links are full duplex). Ideal speed-up = ``max(c32, l32) /
+max(cX, lX)``; efficiency = measured / ideal. ``comm_compute_ratio`` = ``l32 / c32``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from aqsgd.comm import LinkSpec
+from aqsgd.train.job import JobConfig, JobResult, ensure_weights, run_stage, tiny_lm_recipe
+
+__all__ = ["SETTINGS", "PipelineBenchConfig", "bench_pipeline", "summarize"]
+
+SETTINGS = {
+    "fp32": ("none", "none"),
+    "fp16": ("fp16", "fp16"),
+    "direct fw2/bw4": ("direct:q2", "direct:q4"),
+    "aqsgd fw2/bw4": ("delta:q2", "direct:q4"),
+}
+
+
+@dataclasses.dataclass
+class PipelineBenchConfig:
+    stages: Sequence[int] = (2, 4)
+    bandwidths_mbps: Sequence[float] = (1000, 300, 100, 30, 10)
+    settings: Sequence[str] = tuple(SETTINGS)
+    hidden: int = 256
+    layers: int = 4
+    seq_len: int = 128
+    vocab: int = 512
+    microbatch_size: int = 4
+    num_microbatches: int = 4
+    measure_steps: int = 6
+    latency_ms: float = 0.0
+    schedule: str = "1f1b"
+
+
+def _jobs(cfg: PipelineBenchConfig, stages: int, weights_dir: str) -> list[tuple[str, float, JobConfig]]:
+    recipe = tiny_lm_recipe("llama", layers=cfg.layers, hidden=cfg.hidden, vocab=cfg.vocab, seq_len=cfg.seq_len)
+    batch = cfg.microbatch_size * cfg.num_microbatches
+    base = JobConfig(recipe=recipe.to_dict(), num_stages=stages, schedule=cfg.schedule,
+                     num_microbatches=cfg.num_microbatches, microbatch_size=cfg.microbatch_size,
+                     seq_len=cfg.seq_len, num_samples=batch, steps=1 + cfg.measure_steps, warmup_steps=1,
+                     max_grad_norm=1.0, timeout_s=300)
+    base = ensure_weights(base, weights_dir)
+    out = []
+    for bw in cfg.bandwidths_mbps:
+        for name in cfg.settings:
+            fw, bwd = SETTINGS[name]
+            link = f"{bw:g}mbit,{cfg.latency_ms:g}ms"
+            out.append((name, bw, dataclasses.replace(base, forward=fw, backward=bwd, link=link)))
+    return out
+
+
+def _worker(jobs_json: str) -> list[dict[str, Any]]:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    results = []
+    for job_json in json.loads(jobs_json):
+        job = JobConfig.from_json(job_json)
+        results.append(dataclasses.asdict(run_stage(job)))
+        dist.barrier()
+    return results
+
+
+def _launch(jobs: list[JobConfig], stages: int) -> list[list[JobResult]]:
+    """Run the jobs in one set of stage processes; returns results[job][stage]."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from aqsgd.comm.testing import free_port
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=stages, run_id="aqsgd-bench",
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+                          monitor_interval=0.2, start_method="spawn")
+    out = elastic_launch(config, _bench_entry)(json.dumps([j.to_json() for j in jobs]))
+    per_rank = [out[r] for r in sorted(out)]
+    return [[JobResult(**per_rank[s][j]) for s in range(stages)] for j in range(len(jobs))]
+
+
+def _bench_entry(jobs_json: str) -> list[dict[str, Any]]:
+    results = _worker(jobs_json)
+    dist.destroy_process_group()
+    return results
+
+
+def _measure(job: JobConfig, per_stage: list[JobResult]) -> dict[str, Any]:
+    timed = slice(job.warmup_steps, job.steps)
+    step_s = statistics.median(per_stage[0].step_s[timed])
+    m = job.num_microbatches
+    # busiest stage's compute + codec time per micro-batch, and its largest per-micro-batch message
+    c = max(statistics.median(r.compute_s[timed]) + statistics.median(r.encode_s[timed])
+            + statistics.median(r.decode_s[timed]) for r in per_stage) / m
+    msg = max(max(statistics.median(r.bytes_sent["forward"][timed]), statistics.median(r.bytes_sent["backward"][timed]))
+              for r in per_stage) / m
+    return {"step_s": step_s, "compute_per_mb_s": c, "bytes_per_mb": msg,
+            "samples_per_s": job.batch_size / step_s}
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add speed-ups, ideal speed-ups, efficiency and the fp32 comm:compute ratio (same stages and bandwidth)."""
+    base = {(r["stages"], r["bandwidth_mbps"]): r for r in rows if r["setting"] == "fp32"}
+    for r in rows:
+        b = base[(r["stages"], r["bandwidth_mbps"])]
+        bps = r["bandwidth_mbps"] * 1e6
+        link = lambda row: row["bytes_per_mb"] * 8 / bps  # noqa: E731
+        r["speedup_vs_fp32"] = r["samples_per_s"] / b["samples_per_s"]
+        r["ideal_speedup"] = max(b["compute_per_mb_s"], link(b)) / max(r["compute_per_mb_s"], link(r))
+        r["efficiency"] = r["speedup_vs_fp32"] / r["ideal_speedup"]
+        r["comm_compute_ratio"] = link(b) / b["compute_per_mb_s"]
+    return rows
+
+
+def bench_pipeline(cfg: PipelineBenchConfig, weights_dir: str, progress=None) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for stages in cfg.stages:
+        plan = _jobs(cfg, stages, weights_dir)
+        if progress:
+            progress(f"{stages} stages: {len(plan)} runs ({len(cfg.settings)} settings x "
+                     f"{len(cfg.bandwidths_mbps)} bandwidths), {cfg.measure_steps} timed steps each")
+        results = _launch([j for _, _, j in plan], stages)
+        for (name, bw, job), per_stage in zip(plan, results):
+            rows.append({"setting": name, "stages": stages, "bandwidth_mbps": bw, "forward": job.forward,
+                         "backward": job.backward, **_measure(job, per_stage)})
+    return summarize(rows)
+
+
+def write_json(rows: list[dict[str, Any]], path: str | Path, *, cfg: PipelineBenchConfig, command: str,
+               machine: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"benchmark": "pipeline", "command": command, "machine": machine,
+                                      "config": dataclasses.asdict(cfg), "rows": rows}, indent=1, default=list))
