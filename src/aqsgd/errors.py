@@ -37,3 +37,11 @@ class CacheError(AqsgdError, ValueError):
 
 class SchemeError(AqsgdError, ValueError):
     """Bad use of a boundary scheme (wrong side, wrong phase, inconsistent state)."""
+
+
+class DataSourceError(AqsgdError, RuntimeError):
+    """A data set, tokenizer or model source that is not available and cannot be prepared here.
+
+    The message always names the command that fixes it (``aqsgd data prepare NAME``, a ``pip`` or
+    ``apt-get`` line, or the offline task to use instead).
+    """
