@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-
-WORDS = "a b c d e f g h i j k l m n o p q r s t u v w x y z".split()
+WORDS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 
 
 @pytest.fixture(scope="session")

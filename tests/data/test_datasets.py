@@ -277,7 +277,7 @@ def test_hub_task_unreachable_hub_fails_fast(monkeypatch, tmp_path):
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
     fake = types.ModuleType("datasets")
-    fake.load_dataset = lambda *a, **k: pytest.fail("must not reach load_dataset")  # type: ignore[attr-defined]
+    fake.load_dataset = lambda *a, **k: pytest.fail("must not reach it")  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "datasets", fake)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
     monkeypatch.setattr(D, "HUB_PROBE_TIMEOUT_S", 2.0)

