@@ -590,7 +590,7 @@ def _load_wikitext2(a: _Args) -> DictDataset:
                                split=_hub_split(a.split, "validation"))
     tok = load_tokenizer(a.tokenizer or "gpt2-tokenizer", a.cache_dir)
     # WikiText lines keep their newlines: concatenate them as they are (no separator), like run_clm.
-    return lm_chunks(ds["text"], tok, a.seq_len, add_eos=False, max_chunks=a.max_samples)
+    return lm_chunks(list(ds["text"]), tok, a.seq_len, add_eos=False, max_chunks=a.max_samples)
 
 
 def _load_glue(a: _Args, config: str, fields: tuple[str, ...], label_names: list[str]) -> DictDataset:
@@ -598,8 +598,8 @@ def _load_glue(a: _Args, config: str, fields: tuple[str, ...], label_names: list
     ds = datasets.load_dataset("nyu-mll/glue", config, split=_hub_split(a.split, "validation"))
     ds = ds.select(range(_max(len(ds), a.max_samples)))
     tok = load_tokenizer(a.tokenizer or "minilm", a.cache_dir)
-    pairs = ds[fields[1]] if len(fields) > 1 else None
-    return text_classification(ds[fields[0]], ds["label"], tok, a.max_length, text_pairs=pairs,
+    pairs = list(ds[fields[1]]) if len(fields) > 1 else None
+    return text_classification(list(ds[fields[0]]), list(ds["label"]), tok, a.max_length, text_pairs=pairs,
                                label_names=label_names)
 
 

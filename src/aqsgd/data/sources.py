@@ -26,6 +26,7 @@ packages becomes a dependency of aqsgd or is installed into ``site-packages``.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.metadata
 import importlib.util
@@ -232,7 +233,7 @@ def prepare(
             "licence": src.licence,
             "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "seconds": round(seconds, 2),
-            "bytes": dir_size(out),
+            "bytes": (nbytes := dir_size(out)),
         }
         (out / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         if target.exists() or target.is_symlink():
@@ -244,7 +245,7 @@ def prepare(
                 raise
             log.info("data source %s: prepared concurrently by another process", name)
             return target
-    log.info("data source %s: ready in %.1f s (%.1f MB) at %s", name, seconds, marker["bytes"] / 1e6, target)
+    log.info("data source %s: ready in %.1f s (%.1f MB) at %s", name, seconds, nbytes / 1e6, target)
     return target
 
 
@@ -358,7 +359,7 @@ def _archive_members(archive: Path) -> Iterator[tuple[str, Callable[[], bytes]]]
         with zipfile.ZipFile(archive) as zf:
             for info in zf.infolist():
                 if not info.is_dir():
-                    yield info.filename, (lambda i=info: zf.read(i))
+                    yield info.filename, functools.partial(zf.read, info)
     elif archive.name.endswith((".tar.gz", ".tgz")):
         with tarfile.open(archive, "r:gz") as tf:
             for member in tf:
@@ -410,10 +411,10 @@ def extract_package_dir(package: str, version: str, module_dir: str, dest: Path,
         for path, read in _archive_members(archive):
             if not path.startswith(prefix):
                 continue
-            rel = _safe_relpath(path[len(prefix):])
-            if include is not None and not include(rel.as_posix()):
+            member = _safe_relpath(path[len(prefix):])
+            if include is not None and not include(member.as_posix()):
                 continue
-            out = dest.joinpath(*rel.parts)
+            out = dest.joinpath(*member.parts)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(read())
             count += 1
