@@ -75,3 +75,11 @@ class TransportError(AqsgdError, ValueError):
 
 class ConfigMismatchError(AqsgdError, ValueError):
     """Processes of one job started with different settings (codecs, stage counts, shapes, ...)."""
+
+
+class DataSourceError(AqsgdError, RuntimeError):
+    """A data set, tokenizer or model source that is not available and cannot be prepared here.
+
+    The message always names the command that fixes it (``aqsgd data prepare NAME``, a ``pip`` or
+    ``apt-get`` line, or the offline task to use instead).
+    """
