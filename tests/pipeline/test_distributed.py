@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 import pytest
+import torch
 
 from aqsgd.comm.testing import run_processes
 from aqsgd.compress import make_codec
@@ -37,10 +38,15 @@ def test_distributed_equals_local_with_aqsgd(tmp_path, kind, schedule):
     job = _job(tmp_path, kind, schedule=schedule)
     local = run_local(job)
     ranks = run_processes(_worker, job.num_stages, args=(job.to_json(),), timeout_s=180)
-    # Same weights, data, schemes and arithmetic order: bit-identical losses on CPU. (GPT-2 ties its
-    # embedding and head across the first and last stage; their gradients are summed by an all-reduce of
-    # two tensors, a + b, the same single addition the local run does, so it is exact too.)
-    assert ranks[-1]["losses"] == local.losses
+    # Same weights, data, schemes and arithmetic order: bit-identical losses on CPU for untied models.
+    # GPT-2 ties its embedding (stage 0) and head (last stage): locally one gradient tensor accumulates both
+    # stages' contributions micro-batch by micro-batch, distributed each stage sums its own and an all-reduce
+    # adds the two sums. Float addition is not associative, so the tied gradient differs in the last bits
+    # (relative ~1e-7) and the losses within a few float32 ulps; 1e-5 relative bounds that over 5 steps.
+    if kind == "llama":
+        assert ranks[-1]["losses"] == local.losses
+    else:
+        torch.testing.assert_close(torch.tensor(ranks[-1]["losses"]), torch.tensor(local.losses), rtol=1e-5, atol=0)
     assert all(r["losses"] == [None] * job.steps for r in ranks[:-1])
     # bytes per boundary: the warm-up epoch (2 steps) in full, then one q2 delta forward / q4 gradient backward per micro-batch
     shape = (job.microbatch_size, job.seq_len, 32)

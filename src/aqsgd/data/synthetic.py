@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["SyntheticLM", "collate", "microbatches", "epoch_order"]
+__all__ = ["SyntheticLM", "microbatches"]
 
 
 class SyntheticLM(Dataset):
@@ -35,18 +35,7 @@ class SyntheticLM(Dataset):
         for i in range(1, self.seq_len):
             tokens[i] = randoms[i] if jumps[i] else (5 * tokens[i - 1] + 3) % v
         return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "labels": tokens.clone(),
-                "sample_ids": torch.tensor(index)}
-
-
-def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack([it[k] for it in items]) for k in items[0]}
-
-
-def epoch_order(num_samples: int, epoch: int, seed: int, shuffle: bool = True) -> torch.Tensor:
-    """The sample order of an epoch: the same on every process for the same seed and epoch."""
-    if not shuffle:
-        return torch.arange(num_samples)
-    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+                "sample_id": index}
 
 
 def microbatches(batch: dict[str, torch.Tensor], num_microbatches: int) -> list[dict[str, torch.Tensor]]:

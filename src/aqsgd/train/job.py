@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from aqsgd.comm import LinkSpec, Transport
-from aqsgd.data.synthetic import SyntheticLM, collate, epoch_order, microbatches
+from aqsgd.data.datasets import collate, epoch_order
+from aqsgd.data.synthetic import SyntheticLM, microbatches
 from aqsgd.errors import ConfigMismatchError
 from aqsgd.pipeline.compression import CompressionConfig
 from aqsgd.pipeline.materialize import ModelRecipe, init_weights_file, load_weights, materialize_stage
@@ -112,7 +113,7 @@ class JobConfig:
     def step_batches(self, step: int, dataset: SyntheticLM) -> list[dict[str, torch.Tensor]]:
         per_epoch = math.ceil(self.num_samples / self.batch_size)
         epoch, i = divmod(step, per_epoch)
-        ids = epoch_order(self.num_samples, epoch, self.data_seed)[i * self.batch_size : (i + 1) * self.batch_size]
+        ids = epoch_order(self.num_samples, seed=self.data_seed, epoch=epoch)[i * self.batch_size : (i + 1) * self.batch_size]
         return microbatches(collate([dataset[int(j)] for j in ids]), self.num_microbatches)
 
     def phase(self, step: int) -> Phase:
