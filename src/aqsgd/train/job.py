@@ -271,3 +271,26 @@ def ensure_weights(job: JobConfig, directory: str | None = None) -> JobConfig:
     if not path.exists():
         init_weights_file(recipe, path, job.seed)
     return dataclasses.replace(job, recipe=recipe.with_weights(path).to_dict())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m aqsgd.train.job JOB.json [--result PATH]``: run this process's stage of a job, with the
+    rank, world size and rendezvous taken from the environment (``torchrun`` or any launcher that sets
+    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT). Writes this stage's :class:`JobResult` as JSON."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m aqsgd.train.job", description=main.__doc__)
+    parser.add_argument("job", help="job JSON file (JobConfig fields)")
+    parser.add_argument("--result", default=None, help="write this stage's result JSON here ({rank} is replaced)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    job = JobConfig.from_json(Path(args.job).read_text())
+    result = run_worker(job)
+    if args.result:
+        Path(args.result.format(rank=dist.get_rank())).write_text(json.dumps(dataclasses.asdict(result)))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
