@@ -149,8 +149,10 @@ class StageRunner:
         device: torch.device | str = "cpu",
         rank_of_stage: Sequence[int] | None = None,
         trace: list[dict] | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self.module = module
+        self.autocast = autocast
         self.stage = stage_index
         self.num_stages = num_stages
         self.compression = compression
@@ -161,6 +163,7 @@ class StageRunner:
         self.ranks = list(rank_of_stage) if rank_of_stage is not None else list(range(num_stages))
         self.trace = trace
         self.schemes: dict[tuple[int, int, str], BoundaryScheme] = {}
+        self.scheme_shapes: dict[tuple[int, int, str], dict] = {}  # what each scheme was built for (checkpoints)
         self.stats = StepStats()
         self._t0 = time.perf_counter()
 
@@ -183,15 +186,19 @@ class StageRunner:
         if key not in self.schemes:
             self.schemes[key] = self.compression.make(b, channel, side, row_shape=tuple(like[1:]), dtype=dtype,
                                                       device=self.device)
+            self.scheme_shapes[key] = {"shape": list(like), "dtype": str(dtype).removeprefix("torch.")}
         return self.schemes[key]
 
     def boundary_schemes(self) -> dict[tuple[int, int, str], BoundaryScheme]:
         return dict(self.schemes)
 
     # -- one step ------------------------------------------------------------------------------------
-    def begin_step(self, microbatches: Sequence[Batch], phase: Phase, plan: list[Action] | None = None) -> None:
-        """Set up a step: the plan, and every receive of the step posted early."""
+    def begin_step(self, microbatches: Sequence[Batch], phase: Phase, plan: list[Action] | None = None, *,
+                   loss_scale: float = 1.0) -> None:
+        """Set up a step: the plan, and every receive of the step posted early. The gradients are those of
+        ``loss_scale`` times the mean micro-batch loss (``1 / k`` when k passes accumulate into one update)."""
         self.microbatches = microbatches
+        self.loss_scale = loss_scale
         self.phase = Phase(phase)
         m = len(microbatches)
         if plan is None:
@@ -201,6 +208,7 @@ class StageRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.out_grads: dict[int, torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.kept_logits: dict[int, torch.Tensor] = {}
         self.stats = StepStats()
         self.pending_sends: list[Handle] = []
         self.recvs: dict[tuple[ActionKind, int], Handle] = {}
@@ -245,10 +253,13 @@ class StageRunner:
             return
         if kind is FORWARD:
             grad = self.phase in (Phase.TRAIN, Phase.WARMUP)
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(grad), torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16,
+                                                               enabled=self.autocast is not None):
                 out = self.module(self.inputs.get(mb), batch)
             if self.is_last:
                 self.losses[mb] = out.detach()
+                if getattr(self.module, "keep_logits", False):
+                    self.kept_logits[mb] = self.module.last_logits
             if grad or not self.is_last:
                 self.outputs[mb] = out
             t1 = time.perf_counter()
@@ -273,7 +284,7 @@ class StageRunner:
         if kind is BACKWARD:
             out = self.outputs.pop(mb)
             if self.is_last:
-                grad = torch.full_like(out, 1.0 / len(self.microbatches))
+                grad = torch.full_like(out, self.loss_scale / len(self.microbatches))
             else:
                 grad = self.out_grads.pop(mb).to(out.dtype)
             torch.autograd.backward(out, grad_tensors=grad)
@@ -310,12 +321,13 @@ class StageRunner:
             return torch.stack([self.losses[mb] for mb in sorted(self.losses)]).mean()
         return None
 
-    def step(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN) -> torch.Tensor | None:
+    def step(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN, *,
+             loss_scale: float = 1.0) -> torch.Tensor | None:
         """One training step (``TRAIN``/``WARMUP``) or evaluation pass (``EVAL``/``EVAL_RAW``)."""
         phase = Phase(phase)
         plan = None if phase in (Phase.TRAIN, Phase.WARMUP) else forward_plan(
             self.stage, self.num_stages, len(microbatches))
-        self.begin_step(microbatches, phase, plan)
+        self.begin_step(microbatches, phase, plan, loss_scale=loss_scale)
         for action in self.plan:
             self.run(action)
         return self.end_step()
@@ -326,12 +338,13 @@ class LocalPipeline:
     distributed runtime, no concurrency)."""
 
     def __init__(self, stages: Sequence[nn.Module], compression: CompressionConfig, *, schedule: str = "1f1b",
-                 device: torch.device | str = "cpu", trace: list[dict] | None = None) -> None:
+                 device: torch.device | str = "cpu", trace: list[dict] | None = None,
+                 autocast: torch.dtype | None = None) -> None:
         self.hub = LocalTransport()
         self.schedule = schedule
         self.runners = [
             StageRunner(m, i, len(stages), compression, self.hub.view(i), schedule=schedule, device=device,
-                        trace=trace)
+                        trace=trace, autocast=autocast)
             for i, m in enumerate(stages)
         ]
 
@@ -339,7 +352,8 @@ class LocalPipeline:
     def num_stages(self) -> int:
         return len(self.runners)
 
-    def step(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN) -> torch.Tensor:
+    def step(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN, *,
+             loss_scale: float = 1.0) -> torch.Tensor:
         phase = Phase(phase)
         s, m = self.num_stages, len(microbatches)
         if phase in (Phase.TRAIN, Phase.WARMUP):
@@ -347,7 +361,7 @@ class LocalPipeline:
         else:
             plans = [forward_plan(i, s, m) for i in range(s)]
         for r, plan in zip(self.runners, plans):
-            r.begin_step(microbatches, phase, plan)
+            r.begin_step(microbatches, phase, plan, loss_scale=loss_scale)
         for stage, action in execution_order(plans):
             self.runners[stage].run(action)
         losses = [r.end_step() for r in self.runners]

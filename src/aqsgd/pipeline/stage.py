@@ -57,6 +57,15 @@ class PipelineStage(nn.Module):
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.layer_range = layer_range
+        # Evaluation hook: when ``keep_logits`` is set, the last stage keeps its latest logits (detached) in
+        # ``last_logits`` so that metrics beyond the loss (accuracy, MCC) can be computed where they live.
+        self.keep_logits = False
+        self.last_logits: torch.Tensor | None = None
+
+    def _kept(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.keep_logits:
+            self.last_logits = logits.detach()
+        return logits
 
     @property
     def is_first(self) -> bool:
@@ -128,7 +137,7 @@ class GPT2Stage(PipelineStage):
             hidden = block(hidden, None, causal_mask, None, use_cache=False, position_ids=position_ids)
         if not self.is_last:
             return hidden
-        logits = self.lm_head(self.ln_f(hidden))
+        logits = self._kept(self.lm_head(self.ln_f(hidden)))
         labels = _require(batch, "labels", self)
         return self.loss_function(logits, labels, vocab_size=self.config.vocab_size)
 
@@ -181,7 +190,7 @@ class LlamaStage(PipelineStage):
             )
         if not self.is_last:
             return hidden
-        logits = self.lm_head(self.norm(hidden))
+        logits = self._kept(self.lm_head(self.norm(hidden)))
         labels = _require(batch, "labels", self)
         return self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
 
@@ -265,7 +274,7 @@ class EncoderClassifierStage(PipelineStage):
         else:
             logits = self.classifier(hidden)
         labels = _require(batch, "labels", self)
-        return sequence_classification_loss(self.config, logits, labels)
+        return sequence_classification_loss(self.config, self._kept(logits), labels)
 
 
 class SequentialStage(PipelineStage):
@@ -294,7 +303,7 @@ class SequentialStage(PipelineStage):
         out = self.layers(self._check_hidden(hidden))
         if not self.is_last:
             return out
-        return self.loss_fn(out, _require(batch, "labels", self))
+        return self.loss_fn(self._kept(out), _require(batch, "labels", self))
 
 
 class ResNetStage(PipelineStage):
@@ -323,4 +332,4 @@ class ResNetStage(PipelineStage):
             hidden = block(hidden)
         if not self.is_last:
             return hidden
-        return self.loss_fn(self.head(hidden), _require(batch, "labels", self))
+        return self.loss_fn(self._kept(self.head(hidden)), _require(batch, "labels", self))

@@ -52,6 +52,7 @@ class PipelineEngine:
         rank_of_stage: Sequence[int] | None = None,
         ties: Sequence[dict[int, str]] = (),
         trace: list[dict] | None = None,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self.num_stages = num_stages
         self.stages = dict(stages)
@@ -62,13 +63,14 @@ class PipelineEngine:
                 raise ValueError("a distributed engine runs exactly one stage per process")
             (index, module), = self.stages.items()
             self.runners = {index: StageRunner(module, index, num_stages, compression, transport, schedule=schedule,
-                                               device=device, rank_of_stage=self.ranks, trace=trace)}
+                                               device=device, rank_of_stage=self.ranks, trace=trace,
+                                               autocast=autocast)}
             self.local = None
         else:
             if sorted(self.stages) != list(range(num_stages)):
                 raise ValueError(f"a local engine needs all {num_stages} stages, got {sorted(self.stages)}")
             self.local = LocalPipeline([self.stages[i] for i in range(num_stages)], compression, schedule=schedule,
-                                       device=device, trace=trace)
+                                       device=device, trace=trace, autocast=autocast)
             self.runners = dict(enumerate(self.local.runners))
         self.optim_config = optim
         # A parameter shared by several local stages (tied embeddings) is updated once, by the lowest stage.
@@ -112,35 +114,54 @@ class PipelineEngine:
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
 
     # -- steps ---------------------------------------------------------------------------------------
-    def forward_backward(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN) -> float | None:
-        """One pipelined pass. Training phases accumulate gradients; returns the mean loss where the last
-        stage runs (None elsewhere)."""
+    def forward_backward(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN, *,
+                         loss_scale: float = 1.0) -> float | None:
+        """One pipelined pass. Training phases accumulate gradients (of ``loss_scale`` times the mean
+        micro-batch loss); returns the mean loss where the last stage runs (None elsewhere)."""
         if self.local is not None:
-            return float(self.local.step(microbatches, phase))
+            return float(self.local.step(microbatches, phase, loss_scale=loss_scale))
         (runner,) = self.runners.values()
-        loss = runner.step(microbatches, phase)
+        loss = runner.step(microbatches, phase, loss_scale=loss_scale)
         return None if loss is None else float(loss)
 
-    def train_step(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN) -> float | None:
+    def train_step(self, passes: Sequence[Sequence[Batch]] | Sequence[Batch], phase: Phase | str = Phase.TRAIN,
+                   ) -> float | None:
+        """One optimizer update from one pipelined pass (a list of micro-batches) or several accumulated
+        passes (a list of lists); returns the mean loss over passes where the last stage runs."""
+        if passes and isinstance(passes[0], dict):
+            passes = [passes]  # type: ignore[list-item]
         for o in self.optimizers.values():
             o.zero_grad(set_to_none=True)
-        loss = self.forward_backward(microbatches, phase)
+        losses = [self.forward_backward(p, phase, loss_scale=1.0 / len(passes)) for p in passes]  # type: ignore[arg-type]
         self._sync_tied_grads()
         self.clip()
         for i in sorted(self.optimizers):
             self.optimizers[i].step()
             self.schedulers[i].step()
-        return loss
+        return None if losses[0] is None else sum(losses) / len(losses)  # type: ignore[arg-type]
 
-    def evaluate(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.EVAL) -> float | None:
+    def evaluate(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.EVAL, *,
+                 keep_logits: bool = False) -> tuple[float | None, list[torch.Tensor] | None]:
+        """Forward-only pass in eval mode; returns the mean loss and (if asked) the last stage's logits per
+        micro-batch, where the last stage runs."""
+        last = self.stages.get(self.num_stages - 1)
         for m in self.stages.values():
             m.eval()
+        if last is not None:
+            last.keep_logits = keep_logits
         try:
             with torch.no_grad():
-                return self.forward_backward(microbatches, phase)
+                loss = self.forward_backward(microbatches, phase)
         finally:
             for m in self.stages.values():
                 m.train()
+            if last is not None:
+                last.keep_logits = False
+        logits = None
+        if keep_logits and last is not None:
+            runner = self.runners[self.num_stages - 1]
+            logits = [runner.kept_logits[mb] for mb in sorted(runner.kept_logits)]
+        return loss, logits
 
     def stage_sq_norms(self) -> list[float]:
         """Every stage's squared gradient norm, in stage order (gathered across processes when distributed).

@@ -1,0 +1,73 @@
+"""The trainer end to end on the synthetic task: metrics, evaluation both ways, checkpoints and resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aqsgd.errors import SpecError
+from aqsgd.train.config import TrainConfig
+from aqsgd.train.trainer import Trainer
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(task="synthetic-lm", max_train_samples=48, max_eval_samples=16, max_length=12, stages=3,
+                micro_batches=2, micro_batch_size=4, epochs=3, lr=3e-3, output_dir=str(tmp_path), progress=False,
+                tensorboard=False, forward="delta:q2:stochastic", backward="direct:q4", cache_dir=str(tmp_path / "cache"))
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if r["kind"] == "train"]
+
+
+def test_metrics_summary_and_both_evals(tmp_path):
+    summary = Trainer(_cfg(tmp_path, run_name="a", tensorboard=True)).run()
+    run = tmp_path / "a"
+    assert (run / "summary.json").exists() and (run / "config.json").exists()
+    assert any((run / "tensorboard").iterdir())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert len(train) == 3 * 6 and len(evals) == 3
+    assert [r["phase"] for r in train[:6]] == ["warmup"] * 6 and train[6]["phase"] == "train"
+    # warm-up sends fp32; afterwards 2-bit activations / 4-bit gradients cut traffic several-fold
+    assert train[0]["ratio"] == pytest.approx(1.0, rel=0.05)
+    assert train[-1]["ratio"] > 5
+    assert set(train[-1]["bytes"]) == {"b0.forward", "b0.backward", "b1.forward", "b1.backward"}
+    for e in evals:
+        assert {"loss", "perplexity"} <= set(e["compressed"]) and {"loss", "perplexity"} <= set(e["uncompressed"])
+    assert summary["steps"] == 18 and summary["compression_ratio"] > 1 and 0 < summary["traffic_saved"] < 1
+    assert train[-1]["loss"] < train[0]["loss"]
+
+
+def test_resume_continues_exactly(tmp_path):
+    full = Trainer(_cfg(tmp_path, run_name="full")).run()
+    interrupted = Trainer(_cfg(tmp_path, run_name="part", checkpoint_every=4))
+    interrupted.run(stop_at=10)  # checkpoints at steps 4 and 8, then "dies" after step 10
+    resumed = Trainer(_cfg(tmp_path, run_name="part", checkpoint_every=4, resume=str(tmp_path / "part"))).run()
+    expect = dict(_losses(tmp_path / "full"))
+    got = _losses(tmp_path / "part")
+    # steps 9 and 10 appear twice (before the interruption and again after resuming from step 8)
+    assert [s for s, _ in got] == list(range(1, 11)) + list(range(9, 19))
+    for step, loss in got:
+        assert loss == expect[step], step  # bit-identical on CPU
+    assert resumed["final_train_loss"] == full["final_train_loss"]
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    Trainer(_cfg(tmp_path, run_name="r", epochs=1, warmup_epochs=0)).run()
+    with pytest.raises(Exception, match="forward"):
+        Trainer(_cfg(tmp_path, run_name="r2", epochs=1, warmup_epochs=0, forward="direct:q8",
+                     resume=str(tmp_path / "r"))).run()
+
+
+@pytest.mark.parametrize("field,value,needle", [("stages", 0, "--stages"), ("forward", "q9", "--forward"),
+                                                ("schedule", "zigzag", "--schedule"), ("warmup_epochs", 5, "--warmup-epochs"),
+                                                ("runtime", "cloud", "--runtime"), ("layers", [1, 1], "--layers")])
+def test_invalid_values_name_the_option(tmp_path, field, value, needle):
+    with pytest.raises(SpecError, match=needle):
+        _cfg(tmp_path, **{field: value}).validate()
