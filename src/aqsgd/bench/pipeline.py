@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
 
 from aqsgd.comm import LinkSpec
@@ -46,7 +48,7 @@ class PipelineBenchConfig:
     seq_len: int = 128
     vocab: int = 512
     microbatch_size: int = 4
-    num_microbatches: int = 4
+    num_microbatches: int = 8
     measure_steps: int = 6
     latency_ms: float = 0.0
     schedule: str = "1f1b"
@@ -72,6 +74,8 @@ def _jobs(cfg: PipelineBenchConfig, stages: int, weights_dir: str) -> list[tuple
 def _worker(jobs_json: str) -> list[dict[str, Any]]:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
+    # one share of the cores per stage process: oversubscribed threads would slow every stage down
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     results = []
     for job_json in json.loads(jobs_json):
         job = JobConfig.from_json(job_json)

@@ -14,18 +14,28 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from aqsgd.cli import bench, codecs
+    from aqsgd.cli import bench, codecs, train
+    from aqsgd.data.cli import register_cli as register_data
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="aqsgd",
         description="Pipeline-parallel training over slow networks with compressed activations and gradients.",
     )
     parser.add_argument("--version", action="version", version=f"aqsgd {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+    train.register(sub)
     codecs.register(sub)
     bench.register(sub)
+    register_data(sub)
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad options end with one line that names the option (and a pointer to --help), not the full usage."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

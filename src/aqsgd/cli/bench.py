@@ -31,6 +31,76 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
     c.set_defaults(func=run_codecs)
 
+    from aqsgd.bench.pipeline import SETTINGS, PipelineBenchConfig
+
+    d = PipelineBenchConfig()
+    pp = bsub.add_parser("pipeline", help="training throughput of stage processes over emulated links",
+                         description="Samples/s of real stage processes (PyTorch's elastic launcher, gloo) over "
+                                     "links emulated in the transport, for each setting and bandwidth; speed-up vs "
+                                     "fp32 next to the ideal speed-up of a steady-state model from the measured "
+                                     "compute time and bytes per micro-batch.")
+    pp.add_argument("--stages", type=_ints, default=list(d.stages), help="stage counts (default: 2,4)")
+    pp.add_argument("--bandwidths", type=_floats, default=list(d.bandwidths_mbps),
+                    help="link bandwidths in Mbit/s (default: 1000,300,100,30,10)")
+    pp.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(d.settings), metavar="SETTING",
+                    help=f"settings to compare (default: all of {', '.join(SETTINGS)})")
+    pp.add_argument("--latency-ms", type=float, default=d.latency_ms, help="one-way link latency (default: 0)")
+    pp.add_argument("--hidden", type=positive_int, default=d.hidden, help="model width (default: 256)")
+    pp.add_argument("--layers", type=positive_int, default=d.layers, help="transformer blocks (default: 4)")
+    pp.add_argument("--seq-len", type=positive_int, default=d.seq_len, help="tokens per sample (default: 128)")
+    pp.add_argument("--micro-batch-size", type=positive_int, default=d.microbatch_size, help="(default: 4)")
+    pp.add_argument("--micro-batches", type=positive_int, default=d.num_microbatches, help="(default: 8)")
+    pp.add_argument("--measure-steps", type=positive_int, default=d.measure_steps,
+                    help="timed steps after the warm-up epoch (default: 6)")
+    pp.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
+    pp.set_defaults(func=run_pipeline)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from aqsgd.bench.codecs import machine_description
+    from aqsgd.bench.pipeline import PipelineBenchConfig, bench_pipeline, write_json
+
+    cfg = PipelineBenchConfig(stages=args.stages, bandwidths_mbps=args.bandwidths, settings=args.settings,
+                              hidden=args.hidden, layers=args.layers, seq_len=args.seq_len,
+                              microbatch_size=args.micro_batch_size, num_microbatches=args.micro_batches,
+                              measure_steps=args.measure_steps, latency_ms=args.latency_ms)
+    console = Console(width=max(Console().width, 150))
+    machine = machine_description(torch.device("cpu"))
+    console.print(f"[bold]pipeline throughput[/] on {machine}: Llama-style model, {cfg.layers} blocks x {cfg.hidden}, "
+                  f"{cfg.seq_len} tokens, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size}; median of "
+                  f"{cfg.measure_steps} steps after an uncompressed warm-up epoch")
+    with tempfile.TemporaryDirectory(prefix="aqsgd-bench-") as tmp:
+        rows = bench_pipeline(cfg, tmp, progress=lambda m: console.print(m))
+    table = Table()
+    for col in ("stages", "Mbit/s", "setting", "samples/s", "speed-up", "ideal", "efficiency", "fp32 comm:compute",
+                "bytes/micro-batch"):
+        table.add_column(col, justify="left" if col == "setting" else "right")
+    for r in rows:
+        table.add_row(str(r["stages"]), f"{r['bandwidth_mbps']:g}", r["setting"], f"{r['samples_per_s']:.1f}",
+                      f"{r['speedup_vs_fp32']:.2f}x", f"{r['ideal_speedup']:.2f}x", f"{r['efficiency']:.2f}",
+                      f"{r['comm_compute_ratio']:.2f}", f"{int(r['bytes_per_mb']):,}")
+    console.print(table)
+    if args.json:
+        write_json(rows, args.json, cfg=cfg, command="aqsgd " + shlex.join(sys.argv[1:]), machine=machine)
+        console.print(f"wrote {args.json}")
+    return 0
+
 
 def run_codecs(args: argparse.Namespace) -> int:
     from aqsgd.bench.codecs import DEFAULT_CODECS, bench_codecs, machine_description, write_json
