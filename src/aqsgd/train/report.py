@@ -2,7 +2,7 @@
 
 A training run writes a run directory::
 
-    RUN_DIR/config.json     the resolved config ({"task", "forward": "delta:q2", "backward": "direct:q4", ...})
+    RUN_DIR/config.json     the resolved config: {"task", "forward": "delta:q2", "backward": "direct:q4", ...}
     RUN_DIR/metrics.jsonl   one JSON object per line: {"kind": "train", ...} and {"kind": "eval", ...} rows
     RUN_DIR/summary.json    written at the end: final metrics, bytes, compression ratio, throughput
 
@@ -23,26 +23,28 @@ or wire the command into a parser with :func:`register_cli`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Literal
 
 from aqsgd.errors import AqsgdError, ReportError
 
 __all__ = [
+    "METRIC_PRIORITY",
     "Run",
+    "comparison_table",
+    "is_uncompressed",
     "load_run",
     "main_metric",
-    "select_baseline",
-    "comparison_table",
     "plot_runs",
-    "is_uncompressed",
     "register_cli",
     "run_report",
-    "METRIC_PRIORITY",
+    "select_baseline",
 ]
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ _UNCOMPRESSED_CODECS = ("none", "fp32")
 
 Mode = Literal["compressed", "uncompressed"]
 MODES: tuple[Mode, Mode] = ("compressed", "uncompressed")
+ByteKey = Literal["bytes_sent", "raw_bytes"]
 
 
 def _is_number(x: object) -> bool:
@@ -91,10 +94,11 @@ def _accumulate(points: Sequence[tuple[int, float]], total: float | None) -> lis
     when every step is logged).
     """
     vals = [v for _, v in points]
-    if all(b >= a for a, b in zip(vals, vals[1:])):
+    if all(b >= a for a, b in itertools.pairwise(vals)):
         if total is not None and total > 0 and _close(vals[-1], total) and not _close(sum(vals), total):
             return vals
-        if (total is None or not _close(sum(vals), total)) and all(b > a for a, b in zip(vals, vals[1:])):
+        increasing = all(b > a for a, b in itertools.pairwise(vals))
+        if increasing and (total is None or not _close(sum(vals), total)):
             return vals
     out: list[float] = []
     acc, prev = 0.0, None
@@ -126,7 +130,8 @@ class Run:
     def _setting_parts(self) -> tuple[str | None, str | None]:
         fwd, bwd = self.config.get("forward"), self.config.get("backward")
         setting = self.summary.get("setting")
-        if isinstance(setting, str) and "/" in setting and (not isinstance(fwd, str) or not isinstance(bwd, str)):
+        known = isinstance(fwd, str) and isinstance(bwd, str)
+        if isinstance(setting, str) and "/" in setting and not known:
             sf, _, sb = setting.partition("/")
             fwd = fwd if isinstance(fwd, str) else sf
             bwd = bwd if isinstance(bwd, str) else sb
@@ -199,7 +204,7 @@ class Run:
                 vals.append(v)
         return steps, vals
 
-    def cumulative(self, key: Literal["bytes_sent", "raw_bytes"] = "bytes_sent") -> tuple[list[int], list[float]]:
+    def cumulative(self, key: ByteKey = "bytes_sent") -> tuple[list[int], list[float]]:
         """Steps and running total of a train-row byte counter (see :func:`_accumulate` for how per-step and
         cumulative counters are told apart)."""
         points = [(int(r["step"]), float(r[key])) for r in self.train_rows if _finite(r.get(key)) is not None]
@@ -289,7 +294,8 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
         raise ReportError(f"run directory {str(path)!r} does not exist or is not a directory")
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
-        raise ReportError(f"run directory {str(path)!r} has no metrics.jsonl (is it a training run directory?)")
+        raise ReportError(f"run directory {str(path)!r} has no metrics.jsonl "
+                          "(is it a training run directory?)")
     train: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
     skipped: list[int] = []
@@ -420,12 +426,13 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
     """Write one PNG with four panels and return its path.
 
     1. training loss vs step (warm-up steps shaded in the run's colour; a moving average over long runs),
-    2. the main eval metric (``metric`` or :func:`main_metric`) vs step, compression on solid, off dashed,
+    2. the main eval metric (``metric`` or :func:`main_metric`) vs step, compression on solid, off dashed
+       (a run with eval results only in its summary shows them as one point at its last step),
     3. cumulative bytes sent vs step (log scale),
     4. total bytes sent per run, each bar annotated with how many times fewer bytes than the baseline (the
        ``baseline`` run or an uncompressed one) or, without either, the run's own compression ratio.
 
-    Each run keeps its colour across panels; the legend above the panels names the runs.
+    Each run keeps its colour across panels; the legend below the panels names the runs.
     """
     try:
         import matplotlib
@@ -453,7 +460,8 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
     any_warmup = False
     for run in runs:
         c = colors[run.name]
-        pts = [(int(r["step"]), float(r["loss"])) for r in run.train_rows if _finite(r.get("loss")) is not None]
+        pts = [(int(r["step"]), float(r["loss"])) for r in run.train_rows
+               if _finite(r.get("loss")) is not None]
         if pts:
             steps, loss = [s for s, _ in pts], [v for _, v in pts]
             window = max(1, len(loss) // 50)
@@ -481,6 +489,9 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
         for run in runs:
             for mode, style in (("compressed", "-"), ("uncompressed", "--")):
                 steps, vals = run.metric_series(metric, mode)  # type: ignore[arg-type]
+                final = run.final_eval(mode).get(metric)  # type: ignore[arg-type]
+                if not steps and final is not None and run.steps is not None:  # only a summary: one point
+                    steps, vals = [run.steps], [final]
                 values += vals
                 if steps:
                     ax_eval.plot(steps, vals, linestyle=style, color=colors[run.name], linewidth=1.6,
@@ -489,6 +500,9 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
         ax_eval.set(title=f"eval {metric} ({direction} is better)", xlabel="step", ylabel=metric)
         if metric == "perplexity" and values and min(values) > 0 and max(values) / min(values) > 20:
             ax_eval.set_yscale("log")
+            plain = FuncFormatter(lambda x, _pos: f"{x:g}")
+            ax_eval.yaxis.set_major_formatter(plain)
+            ax_eval.yaxis.set_minor_formatter(plain)
         ax_eval.legend(handles=[Line2D([], [], color="0.3", linestyle="-", label="compression on"),
                                 Line2D([], [], color="0.3", linestyle="--", label="compression off")],
                        loc="best")
@@ -503,7 +517,7 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
     if ax_cum.lines:
         ax_cum.set_yscale("log")
     ax_cum.yaxis.set_major_formatter(bytes_fmt)
-    ax_cum.grid(alpha=0.3, which="both")
+    ax_cum.grid(alpha=0.3, which="major")
 
     # 4. total bytes per run
     explicit = baseline is not None
@@ -513,7 +527,9 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
     totals = [run.total_bytes or 0.0 for run in runs]
     bars = ax_bar.bar(range(len(runs)), totals, color=[colors[n] for n in names])
     for run, bar, total in zip(runs, bars, totals):
-        if ref_bytes and total:
+        if run is ref and ref_bytes:
+            note = "baseline"
+        elif ref_bytes and total:
             note = f"{ref_bytes / total:.3g}x fewer"
         elif run.compression_ratio:
             note = f"{run.compression_ratio:.3g}x vs fp32"
@@ -530,7 +546,8 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
 
     handles = [Line2D([], [], color=colors[run.name], linewidth=3, label=f"{run.name} ({run.setting})")
                for run in runs]
-    fig.legend(handles=handles, loc="outside upper center", ncol=min(len(runs), 4), frameon=False, fontsize=10)
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(runs), 4), frameon=False,
+               fontsize=10)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=dpi)
     plt.close(fig)
@@ -544,19 +561,21 @@ def register_cli(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     [--metric NAME]`` to an argparse subparsers object. The parser sets ``func`` (``args.func(args)``
     returns the exit code). Returns the ``report`` parser."""
     p = sub.add_parser("report", help="compare training runs: a table and a 4-panel figure",
-                       description="Compare run directories (config.json, metrics.jsonl, summary.json): print a "
-                                   "table of final metrics, bytes and throughput, and write one PNG with loss, "
-                                   "eval metric, cumulative bytes and total bytes.")
+                       description="Compare run directories (config.json, metrics.jsonl, summary.json): "
+                                   "print a table of final metrics, bytes and throughput, and write one PNG "
+                                   "with loss, eval metric, cumulative bytes and total bytes.")
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories")
     p.add_argument("--out", type=Path, default=Path("report.png"), metavar="PATH.png",
                    help="where to write the figure (default: report.png)")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the table as JSON to PATH")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="also write the table as JSON to PATH")
     p.add_argument("--baseline", default=None, metavar="NAME",
                    help="run to compare against (default: the uncompressed none/fp32 run, else the first)")
     p.add_argument("--labels", default=None, metavar="a,b,...",
                    help="comma-separated run names, one per RUN_DIR (default: the directory names)")
     p.add_argument("--metric", default=None, choices=METRIC_PRIORITY,
-                   help="eval metric to compare (default: the first of accuracy, mcc, perplexity, loss present)")
+                   help="eval metric to compare (default: the first present of accuracy, mcc, "
+                        "perplexity, loss; mcc first for CoLA)")
     p.set_defaults(func=run_report)
     return p
 
@@ -609,28 +628,29 @@ def run_report(args: argparse.Namespace) -> int:
             f"vs {escape(base)}", "bytes sent", "ratio", "samples/s"]
     for col in cols:
         table.add_column(col, justify="left" if col in left else "right", overflow="fold")
-    pct = ".2f" if metric in ("accuracy", "mcc") else ".4g"
+    metric_fmt = ".4f" if metric in ("accuracy", "mcc") else ".4g"
     for r in rows:
         diff = "-" if r["rel_diff"] is None else f"{100 * r['rel_diff']:+.2f}%"
         if r["rel_diff"] and r["higher_is_better"] is not None:
             better = (r["rel_diff"] > 0) == r["higher_is_better"]
             diff = f"[{'green' if better else 'red'}]{diff}[/]"
-        table.add_row(escape(r["run"]), escape(r["setting"]), _fmt(r["steps"], "d"), _fmt(r["final_train_loss"], ".4f"),
-                      _fmt(r["metric_on"], pct), _fmt(r["metric_off"], pct), diff,
+        table.add_row(escape(r["run"]), escape(r["setting"]), _fmt(r["steps"], "d"),
+                      _fmt(r["final_train_loss"], ".4f"),
+                      _fmt(r["metric_on"], metric_fmt), _fmt(r["metric_off"], metric_fmt), diff,
                       "-" if r["bytes_sent"] is None else _fmt_bytes(r["bytes_sent"]),
                       _fmt(r["compression_ratio"], ".1f") + ("x" if r["compression_ratio"] else ""),
                       _fmt(r["samples_per_s"], ",.1f"))
-    console = Console()
+    console = Console(width=max(Console().width, 150))
     console.print(table)
     for run in runs:
         if run.skipped_lines:
             console.print(escape(f"{run.name}: skipped {run.skipped_lines} malformed line(s) in "
-                                 f"{run.path / 'metrics.jsonl'}"))
+                                 f"{run.path / 'metrics.jsonl'}"), soft_wrap=True)
     out = plot_runs(runs, args.out, baseline=args.baseline, metric=args.metric)
-    console.print(escape(f"wrote {out}"))
+    console.print(escape(f"wrote {out}"), soft_wrap=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"metric": metric, "baseline": base, "rows": rows}, indent=2) + "\n",
                              encoding="utf-8")
-        console.print(escape(f"wrote {args.json}"))
+        console.print(escape(f"wrote {args.json}"), soft_wrap=True)
     return 0
