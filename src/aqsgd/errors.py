@@ -83,3 +83,8 @@ class DataSourceError(AqsgdError, RuntimeError):
     The message always names the command that fixes it (``aqsgd data prepare NAME``, a ``pip`` or
     ``apt-get`` line, or the offline task to use instead).
     """
+
+
+class ReportError(AqsgdError, ValueError):
+    """A run directory that cannot be reported on (missing, no ``metrics.jsonl``), or a bad report option
+    (unknown baseline, wrong number of labels)."""

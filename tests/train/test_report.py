@@ -1,0 +1,307 @@
+"""``aqsgd report``: run directories -> comparison table, figure, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+
+from aqsgd.errors import AqsgdError, ReportError
+from aqsgd.train.report import (
+    Run,
+    comparison_table,
+    is_uncompressed,
+    load_run,
+    main_metric,
+    plot_runs,
+    register_cli,
+    select_baseline,
+)
+
+STEPS = 200          # train steps 0..199, one row each
+EVAL_EVERY = 50      # eval at steps 49, 99, 149, 199
+RAW = 1_000_000      # fp32 bytes per step over all boundaries (half forward, half backward)
+
+# name -> (forward, backward, bytes per step after warm-up, warm-up steps, final acc on, final acc off)
+SETTINGS = {
+    "fp32": ("direct:fp32", "direct:fp32", RAW, 0, 0.80, 0.80),
+    "aqsgd": ("delta:q2", "direct:q4", RAW // 32 + RAW // 16, 50, 0.79, 0.795),
+    "q2": ("direct:q2", "direct:q2", RAW // 32 * 2, 0, 0.70, 0.78),
+}
+
+
+def make_run(root: Path, name: str, *, summary: bool = True, cumulative: bool = False) -> Path:
+    """A plausible run directory: per-step train rows (bytes per step, or running totals), eval rows that
+    approach the final accuracies, and a summary consistent with the rows."""
+    fwd, bwd, per_step, warmup, acc_on, acc_off = SETTINGS[name]
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"task": "synthetic-cls", "forward": fwd, "backward": bwd,
+                                               "stages": 4, "lr": 0.01}))
+    lines, sent_total, raw_total = [], 0, 0
+    for step in range(STEPS):
+        sent = RAW if step < warmup else per_step
+        sent_total += sent
+        raw_total += RAW
+        loss = 2.3 * math.exp(-step / 80) + 0.3 + (0.1 if name == "q2" else 0.0)
+        lines.append({
+            "kind": "train", "step": step, "epoch": step // 50,
+            "phase": "warmup" if step < warmup else "train", "loss": loss, "lr": 0.01,
+            "samples_per_s": 100.0 if name == "fp32" else 400.0, "tokens_per_s": None,
+            "bytes_sent": sent_total if cumulative else sent, "raw_bytes": raw_total if cumulative else RAW,
+            "bytes": {"b0.forward": sent // 2, "b0.backward": sent // 2},
+            "time": {"compute": 0.1, "codec": 0.01, "wait": 0.05, "step": 0.16},
+        })
+        if (step + 1) % EVAL_EVERY == 0:
+            frac = (step + 1) / STEPS
+            lines.append({"kind": "eval", "step": step, "epoch": step // 50,
+                          "compressed": {"loss": 1.0 - 0.5 * frac, "accuracy": acc_on * frac},
+                          "uncompressed": {"loss": 0.9 - 0.5 * frac, "accuracy": acc_off * frac}})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    if summary:
+        (d / "summary.json").write_text(json.dumps({
+            "task": "synthetic-cls", "setting": f"{fwd}/{bwd}", "steps": STEPS,
+            "final_train_loss": lines[-2]["loss"],
+            "eval": {"compressed": {"loss": 0.5, "accuracy": acc_on},
+                     "uncompressed": {"loss": 0.4, "accuracy": acc_off}},
+            "bytes_sent": sent_total, "raw_bytes": raw_total, "compression_ratio": raw_total / sent_total,
+            "samples_per_s": 100.0 if name == "fp32" else 400.0, "wall_s": 12.5,
+        }))
+    return d
+
+
+@pytest.fixture
+def run_dirs(tmp_path: Path) -> list[Path]:
+    # The baseline is deliberately not first: it must be found by its setting.
+    return [make_run(tmp_path, n) for n in ("aqsgd", "fp32", "q2")]
+
+
+def expected_bytes(name: str) -> int:
+    _, _, per_step, warmup, _, _ = SETTINGS[name]
+    return warmup * RAW + (STEPS - warmup) * per_step
+
+
+def test_load_run(run_dirs):
+    run = load_run(run_dirs[0])
+    assert isinstance(run, Run)
+    assert run.name == "aqsgd" and run.path == run_dirs[0]
+    assert run.config["stages"] == 4 and run.summary["steps"] == STEPS
+    assert len(run.train_rows) == STEPS and len(run.eval_rows) == STEPS // EVAL_EVERY
+    assert run.skipped_lines == 0
+    assert (run.forward, run.backward, run.setting) == ("delta:q2", "direct:q4", "delta:q2/direct:q4")
+    assert run.warmup_span() == (0, 49) and not run.uncompressed
+    assert load_run(run_dirs[1], label="baseline").name == "baseline"
+    assert load_run(run_dirs[1]).uncompressed
+
+
+def test_comparison_table_values(run_dirs):
+    runs = [load_run(d) for d in run_dirs]
+    assert main_metric(runs) == "accuracy"
+    rows = comparison_table(runs)
+    by = {r["run"]: r for r in rows}
+    assert [r["run"] for r in rows] == ["aqsgd", "fp32", "q2"]
+    assert {r["baseline"] for r in rows} == {"fp32"} and {r["metric"] for r in rows} == {"accuracy"}
+    for name, (fwd, bwd, _, _, acc_on, acc_off) in SETTINGS.items():
+        r = by[name]
+        assert r["setting"] == f"{fwd}/{bwd}" and r["steps"] == STEPS and r["higher_is_better"] is True
+        assert r["metric_on"] == pytest.approx(acc_on) and r["metric_off"] == pytest.approx(acc_off)
+        assert r["bytes_sent"] == expected_bytes(name)
+        assert r["compression_ratio"] == pytest.approx(STEPS * RAW / expected_bytes(name))
+        assert r["final_train_loss"] == pytest.approx(2.3 * math.exp(-(STEPS - 1) / 80) + 0.3
+                                                      + (0.1 if name == "q2" else 0.0))
+    assert by["fp32"]["rel_diff"] == 0.0
+    assert by["aqsgd"]["rel_diff"] == pytest.approx((0.79 - 0.80) / 0.80)
+    assert by["q2"]["rel_diff"] == pytest.approx((0.70 - 0.80) / 0.80)
+    assert by["aqsgd"]["compression_ratio"] == pytest.approx(200 / (50 + 150 * 3 / 32))
+    assert by["q2"]["samples_per_s"] == 400.0
+
+    # An explicit baseline, and an unknown one.
+    rows = comparison_table(runs, baseline="q2")
+    assert rows[1]["rel_diff"] == pytest.approx((0.80 - 0.70) / 0.70) and rows[2]["rel_diff"] == 0.0
+    with pytest.raises(ReportError, match="'nope' is not one of the runs: aqsgd, fp32, q2"):
+        comparison_table(runs, baseline="nope")
+    # Another metric on request: loss, lower is better.
+    rows = comparison_table(runs, metric="loss")
+    assert rows[0]["metric_on"] == 0.5 and rows[0]["metric_off"] == 0.4
+    assert rows[0]["higher_is_better"] is False
+
+
+def test_values_fall_back_to_rows_without_summary(tmp_path):
+    with_summary = load_run(make_run(tmp_path / "a", "aqsgd"))
+    without = load_run(make_run(tmp_path / "b", "aqsgd", summary=False))
+    cumulative = load_run(make_run(tmp_path / "c", "aqsgd", summary=False, cumulative=True))
+    cumulative_with_summary = load_run(make_run(tmp_path / "d", "aqsgd", cumulative=True))
+    assert without.summary == {}
+    for run in (without, cumulative, cumulative_with_summary):
+        assert run.total_bytes == with_summary.total_bytes == expected_bytes("aqsgd")
+        assert run.raw_bytes == STEPS * RAW
+        assert run.compression_ratio == pytest.approx(with_summary.compression_ratio)
+        assert run.steps == (STEPS if run.summary else STEPS - 1)  # without a summary: the last step logged
+        assert run.final_eval("compressed")["accuracy"] == pytest.approx(0.79)
+        assert run.final_train_loss == pytest.approx(with_summary.final_train_loss)
+        assert run.samples_per_s == 400.0
+        steps, cum = run.cumulative()
+        assert steps == list(range(STEPS)) and cum[-1] == expected_bytes("aqsgd") and cum[49] == 50 * RAW
+    # The setting also comes from the summary when the config lacks it.
+    (tmp_path / "a" / "aqsgd" / "config.json").unlink()
+    run = load_run(tmp_path / "a" / "aqsgd")
+    assert run.config == {} and run.setting == "delta:q2/direct:q4" and run.task == "synthetic-cls"
+
+
+def test_sparse_logging_counts_steps_between_rows(tmp_path):
+    d = tmp_path / "sparse"
+    d.mkdir()
+    rows = [{"kind": "train", "step": s, "loss": 1.0, "bytes_sent": 100} for s in (0, 10, 20)]
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert load_run(d).cumulative() == ([0, 10, 20], [100.0, 1100.0, 2100.0])
+
+
+def test_uncompressed_settings():
+    assert all(map(is_uncompressed, ("none", "fp32", "direct:fp32", "direct:none", " fp32")))
+    assert not any(map(is_uncompressed, (None, "", "fp16", "direct:q8", "delta:q2", "q4", "direct")))
+
+
+def test_baseline_defaults_to_first_run_without_uncompressed(tmp_path):
+    runs = [load_run(make_run(tmp_path, n)) for n in ("q2", "aqsgd")]
+    assert select_baseline(runs).name == "q2"
+    rows = comparison_table(runs)
+    assert rows[0]["rel_diff"] == 0.0 and rows[1]["rel_diff"] == pytest.approx((0.79 - 0.70) / 0.70)
+
+
+def test_plot_writes_readable_png(run_dirs, tmp_path):
+    import matplotlib.image as mpimg
+
+    runs = [load_run(d) for d in run_dirs]
+    out = plot_runs(runs, tmp_path / "figs" / "report.png", dpi=100)
+    assert out == tmp_path / "figs" / "report.png"
+    assert out.stat().st_size > 10_000
+    img = mpimg.imread(out)
+    assert img.shape[:2] == (950, 1400)  # figsize (14, 9.5) inches at 100 dpi
+    assert img.std() > 0.05  # not a blank canvas
+
+
+def test_plot_without_eval_rows_or_bytes(tmp_path):
+    d = tmp_path / "bare"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 0, "loss": 1.0}) + "\n")
+    run = load_run(d)
+    assert main_metric([run]) is None
+    row, = comparison_table([run])
+    assert row["metric"] is None and row["metric_on"] is None and row["bytes_sent"] is None
+    assert row["setting"] == "?/?" and row["steps"] == 0
+    assert plot_runs([run], tmp_path / "bare.png").stat().st_size > 10_000
+
+
+def test_malformed_lines_are_skipped_and_counted(run_dirs, caplog):
+    metrics = run_dirs[0] / "metrics.jsonl"
+    good = metrics.read_text().splitlines()
+    bad = [
+        "not json",
+        '["a", "list"]',
+        '{"kind": "train", "step": "7", "loss": 1.0}',     # step is not an int
+        '{"kind": "train", "step": 7}',                     # no loss
+        '{"kind": "eval", "step": 7, "compressed": 0.5}',   # no metrics object
+        '{"kind": "train", "step": 7, "loss": 1.0',         # truncated (a run still writing)
+    ]
+    lines = good[:3] + bad[:3] + good[3:] + ["", '{"kind": "checkpoint", "step": 9}'] + bad[3:]
+    metrics.write_text("\n".join(lines))
+    with caplog.at_level(logging.WARNING, logger="aqsgd.train.report"):
+        run = load_run(run_dirs[0])
+    assert run.skipped_lines == len(bad)
+    assert len(run.train_rows) == STEPS and len(run.eval_rows) == STEPS // EVAL_EVERY
+    assert "skipped 6 malformed line(s)" in caplog.text and str(metrics) in caplog.text
+    # Bad JSON in the optional files is ignored with a warning, too.
+    (run_dirs[0] / "summary.json").write_text("{")
+    assert load_run(run_dirs[0]).summary == {}
+
+
+def test_missing_run_dir_errors(tmp_path):
+    with pytest.raises(ReportError, match="does not exist") as e:
+        load_run(tmp_path / "nope")
+    assert str(tmp_path / "nope") in str(e.value)
+    assert isinstance(e.value, AqsgdError) and isinstance(e.value, ValueError)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportError, match="has no metrics.jsonl") as e:
+        load_run(tmp_path / "empty")
+    assert str(tmp_path / "empty") in str(e.value)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aqsgd")
+    register_cli(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_cli_end_to_end(run_dirs, tmp_path, capsys):
+    out, js = tmp_path / "r.png", tmp_path / "r.json"
+    args = _parser().parse_args(["report", *map(str, run_dirs), "--out", str(out), "--json", str(js),
+                                 "--labels", "AQ-SGD,FP32,Q2"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert f"wrote {out}\n" in text
+    for s in ("AQ-SGD", "FP32", "Q2", "delta:q2/direct:q4", "-1.25%", "-12.50%", "baseline: FP32", "3.1x",
+              "16.0x", "0.7950"):
+        assert s in text
+    assert out.stat().st_size > 10_000
+    data = json.loads(js.read_text())
+    assert data["metric"] == "accuracy" and data["baseline"] == "FP32"
+    assert [r["run"] for r in data["rows"]] == ["AQ-SGD", "FP32", "Q2"]
+    assert data["rows"][2]["rel_diff"] == pytest.approx(-0.125)
+
+    args = _parser().parse_args(["report", *map(str, run_dirs), "--out", str(out), "--baseline", "q2"])
+    assert args.func(args) == 0
+    assert "baseline: q2" in capsys.readouterr().out
+
+
+def test_cli_bad_options(run_dirs, tmp_path):
+    parser = _parser()
+    png = str(tmp_path / "x.png")
+    args = parser.parse_args(["report", *map(str, run_dirs), "--out", png, "--labels", "a,b"])
+    with pytest.raises(ReportError, match="2 name.* for 3 run directories"):
+        args.func(args)
+    args = parser.parse_args(["report", str(run_dirs[0]), str(tmp_path / "missing"), "--out", png])
+    with pytest.raises(ReportError, match="missing"):
+        args.func(args)
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_same_directory_names_are_told_apart(tmp_path, capsys):
+    a, b = make_run(tmp_path / "seed0", "aqsgd"), make_run(tmp_path / "seed1", "aqsgd")
+    args = _parser().parse_args(["report", str(a), str(b), "--out", str(tmp_path / "r.png"),
+                                 "--json", str(tmp_path / "r.json")])
+    assert args.func(args) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["run"] for r in rows] == ["seed0/aqsgd", "seed1/aqsgd"]
+
+
+def test_main_metric_follows_the_task(tmp_path):
+    def run_with(task: str, metrics: dict[str, float]) -> Run:
+        d = tmp_path / task
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"task": task, "forward": "fp32", "backward": "fp32"}))
+        (d / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 5, "compressed": metrics,
+                                                     "uncompressed": metrics}) + "\n")
+        return load_run(d)
+
+    lm = run_with("wikitext", {"loss": 3.0, "perplexity": 20.1})
+    assert main_metric([lm]) == "perplexity"
+    assert comparison_table([lm])[0]["higher_is_better"] is False
+    assert main_metric([run_with("lm-loss-only", {"loss": 3.0})]) == "loss"
+    both = {"loss": 0.5, "accuracy": 0.8, "mcc": 0.4}
+    assert main_metric([run_with("sst2", both)]) == "accuracy"
+    assert main_metric([run_with("glue-cola", both)]) == "mcc"
+    assert plot_runs([lm], tmp_path / "lm.png").is_file()
+
+
+def test_eval_only_in_summary(tmp_path):
+    d = make_run(tmp_path, "aqsgd")
+    metrics = d / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines() if '"eval"' not in line))
+    run = load_run(d)
+    assert run.eval_rows == [] and main_metric([run]) == "accuracy"
+    assert comparison_table([run])[0]["metric_on"] == pytest.approx(0.79)
+    assert plot_runs([run], tmp_path / "summary-only.png").stat().st_size > 10_000
