@@ -16,6 +16,7 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     from aqsgd.cli import bench, codecs, train
     from aqsgd.data.cli import register_cli as register_data
+    from aqsgd.train.report import register_cli as register_report
 
     parser = _Parser(
         prog="aqsgd",
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     codecs.register(sub)
     bench.register(sub)
     register_data(sub)
+    register_report(sub)
     return parser
 
 
