@@ -55,6 +55,62 @@ def register(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
     pp.set_defaults(func=run_pipeline)
 
+    from aqsgd.bench.convergence import SETTINGS as CONV_SETTINGS
+    from aqsgd.bench.convergence import TASKS as CONV_TASKS
+
+    cv = bsub.add_parser("convergence", help="fp32 vs direct quantization vs AQ-SGD vs TopK/EF, same seed and data",
+                         description="Train every setting with the same seed, data order and steps on reduced "
+                                     "tasks; write curves and final metrics (compression on and off at eval) as "
+                                     "JSON, a PNG per task and a table.")
+    cv.add_argument("tasks", nargs="*", choices=list(CONV_TASKS), default=list(CONV_TASKS), metavar="TASK",
+                    help=f"tasks (default: all of {', '.join(CONV_TASKS)})")
+    cv.add_argument("--settings", nargs="+", choices=list(CONV_SETTINGS), default=None, metavar="SETTING",
+                    help="settings (default: all)")
+    cv.add_argument("--runs-dir", default="runs/convergence", help="run directories (default: runs/convergence); "
+                    "an interrupted study continues where it stopped")
+    cv.add_argument("--results-dir", default="benchmarks/results", help="JSON and PNG output (default: benchmarks/results)")
+    cv.add_argument("--epochs", type=positive_int, default=None, help="override the task's epochs")
+    cv.add_argument("--max-train-samples", type=positive_int, default=None, help="override the task's training samples")
+    cv.set_defaults(func=run_convergence)
+
+
+def run_convergence(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from aqsgd.bench.codecs import machine_description
+    from aqsgd.bench.convergence import _slug, run_study, study_table
+    from aqsgd.train.report import load_run, plot_runs
+
+    console = Console(width=max(Console().width, 150))
+    overrides = {k: v for k, v in (("epochs", args.epochs), ("max_train_samples", args.max_train_samples)) if v}
+    out = Path(args.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for task in args.tasks:
+        results = run_study(task, args.runs_dir, settings=args.settings, overrides=overrides,
+                            progress=lambda m: console.print(m))
+        rows = study_table(results)
+        results["table"] = rows
+        results["machine"] = machine_description(torch.device("cpu"))
+        results["command"] = "aqsgd " + shlex.join(sys.argv[1:])
+        (out / f"convergence-{task}.json").write_text(json.dumps(results, indent=1))
+        runs = [load_run(Path(args.runs_dir) / task / _slug(name), label=name) for name in results["runs"]]
+        plot_runs(runs, out / f"convergence-{task}.png", baseline="fp32" if "fp32" in results["runs"] else None)
+        table = Table(title=f"convergence: {task}")
+        for col in ("setting", "forward", "backward", "train loss", "metric", "eval (comp. on)", "eval (comp. off)",
+                    "on vs fp32", "off vs fp32", "traffic ratio"):
+            table.add_column(col, justify="left" if col in ("setting", "forward", "backward", "metric") else "right")
+        for r in rows:
+            fmt = lambda v, p=4: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+            table.add_row(r["setting"], r["forward"], r["backward"], fmt(r["final_train_loss"]), r["metric"],
+                          fmt(r["eval_on"]), fmt(r["eval_off"]),
+                          "-" if r["rel_vs_fp32"] is None else f"{100 * r['rel_vs_fp32']:+.2f}%",
+                          "-" if r["rel_off_vs_fp32"] is None else f"{100 * r['rel_off_vs_fp32']:+.2f}%",
+                          fmt(r["compression_ratio"], 2))
+        console.print(table)
+        console.print(f"wrote {out / f'convergence-{task}.json'} and {out / f'convergence-{task}.png'}")
+    return 0
+
 
 def _ints(text: str) -> list[int]:
     try:

@@ -58,7 +58,7 @@ class TrainConfig:
     epochs: int = _f(2, "training epochs", "optim")
     max_steps: int | None = _f(None, "stop after this many optimizer steps", "optim")
     optimizer: str = _f("adamw", "adamw or sgd", "optim")
-    lr: float = _f(5e-5, "peak learning rate", "optim")
+    lr: float = _f(2e-4, "peak learning rate", "optim")
     weight_decay: float = _f(0.01, "AdamW weight decay (none on norms and biases)", "optim")
     lr_warmup: float = _f(0.1, "linear LR warm-up, as a fraction of the total steps", "optim")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm (0: off)", "optim")
