@@ -86,15 +86,9 @@ def _worker(jobs_json: str) -> list[dict[str, Any]]:
 
 def _launch(jobs: list[JobConfig], stages: int) -> list[list[JobResult]]:
     """Run the jobs in one set of stage processes; returns results[job][stage]."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from aqsgd.comm.launch import launch_local
 
-    from aqsgd.comm.testing import free_port
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=stages, run_id="aqsgd-bench",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                          monitor_interval=0.2, start_method="spawn")
-    out = elastic_launch(config, _bench_entry)(json.dumps([j.to_json() for j in jobs]))
-    per_rank = [out[r] for r in sorted(out)]
+    per_rank = launch_local(_bench_entry, stages, json.dumps([j.to_json() for j in jobs]), run_id="aqsgd-bench")
     return [[JobResult(**per_rank[s][j]) for s in range(stages)] for j in range(len(jobs))]
 
 

@@ -108,19 +108,13 @@ def run(args: argparse.Namespace) -> int:
             print_summary(summary)
         return 0
     if cfg.runtime == "distributed":
-        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-        from aqsgd.comm.testing import free_port
+        from aqsgd.comm.launch import launch_local
         from aqsgd.train.tasks import setup_task
         from aqsgd.train.trainer import default_run_name
 
         cfg = dataclasses.replace(cfg, run_name=cfg.run_name or default_run_name(cfg))
         setup_task(cfg)  # prepare data sources and the weights file once, before the stage processes start
-        launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.stages, run_id=f"aqsgd-{os.getpid()}",
-                              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                              monitor_interval=0.5, start_method="spawn")
-        results = elastic_launch(launch, _worker)(cfg.to_json())
-        summary = next((r for r in results.values() if r), None)
+        summary = next((r for r in launch_local(_worker, cfg.stages, cfg.to_json()) if r), None)
     else:
         from aqsgd.train.trainer import Trainer
 

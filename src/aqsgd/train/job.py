@@ -250,15 +250,9 @@ def _elastic_entry(job_json: str) -> dict[str, Any]:
 def launch(job: JobConfig, *, log_dir: str | None = None) -> list[JobResult]:
     """Start one local process per stage with PyTorch's elastic launcher (what ``torchrun`` uses) on
     loopback and return their results in stage order. A failing stage stops the others (non-zero exit)."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from aqsgd.comm.launch import launch_local
 
-    from aqsgd.comm.testing import free_port
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=job.num_stages, run_id=f"aqsgd-{os.getpid()}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                          monitor_interval=0.2, start_method="spawn")
-    out = elastic_launch(config, _elastic_entry)(job.to_json())  # raises ChildFailedError naming the rank
-    return [JobResult(**out[r]) for r in sorted(out)]
+    return [JobResult(**r) for r in launch_local(_elastic_entry, job.num_stages, job.to_json())]
 
 
 def ensure_weights(job: JobConfig, directory: str | None = None) -> JobConfig:
