@@ -1,0 +1,57 @@
+"""``python -m benchmarks.render RESULT.json``: print a result file of ``benchmarks/results/`` as a markdown
+table (the README's tables are pasted from this output, with the command and machine the file records)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+def codecs(d: dict) -> list[str]:
+    out = ["| codec | encode GB/s | decode GB/s | clone GB/s | encode / clone | decode / clone | wire bytes | ratio |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        out.append(f"| `{r['codec']}` | {r['encode_gbps']:.2f} | {r['decode_gbps']:.2f} | {r['clone_gbps']:.1f} | "
+                   f"{r['encode_vs_clone']:.2f} | {r['decode_vs_clone']:.2f} | {r['wire_bytes']:,} | {r['ratio']:.1f}x |")
+    return out
+
+
+def pipeline(d: dict) -> list[str]:
+    out = ["| stages | Mbit/s | setting | samples/s | speed-up vs fp32 | ideal | efficiency | fp32 comm:compute |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        out.append(f"| {r['stages']} | {r['bandwidth_mbps']:g} | {r['setting']} | {r['samples_per_s']:.1f} | "
+                   f"{r['speedup_vs_fp32']:.2f}x | {r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} | "
+                   f"{r['comm_compute_ratio']:.2f} |")
+    return out
+
+
+def convergence(d: dict) -> list[str]:
+    out = ["| setting | forward | backward | final train loss | metric | eval, compression on | eval, compression off "
+           "| on vs fp32 | off vs fp32 | traffic ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda v: "-" if v is None else f"{100 * v:+.2f}%"  # noqa: E731
+    for r in d["table"]:
+        out.append(f"| {r['setting']} | `{r['forward']}` | `{r['backward']}` | {_fmt(r['final_train_loss'], '.4f')} | "
+                   f"{r['metric']} | {_fmt(r['eval_on'], '.4f')} | {_fmt(r['eval_off'], '.4f')} | {pct(r['rel_vs_fp32'])} | "
+                   f"{pct(r.get('rel_off_vs_fp32'))} | {_fmt(r['compression_ratio'])}x |")
+    return out
+
+
+def main(paths: list[str]) -> int:
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        kind = d.get("benchmark") or ("convergence" if "table" in d else None)
+        lines = {"codecs": codecs, "pipeline": pipeline, "convergence": convergence}[kind](d)
+        print(f"<!-- {p}: {d.get('command', '')} on {d.get('machine', '')} -->")
+        print("\n".join(lines))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
