@@ -58,7 +58,7 @@ def _worker(rank: int, world: int) -> dict:
     s = make_grad_sync("allreduce", bucket_mb=0.004)
     out["allreduce_bytes"] = s.sync(ps)
     out["allreduce_err"], out["allreduce_same"] = err(), _all_same(ps)
-    out["buckets"] = [b.numel for b in s._buckets]
+    out["buckets"] = s.bucket_numels
 
     # q8: identical on every rank, close to the average, exact byte count
     for spec in ("q8", "q4:block32"):

@@ -232,6 +232,11 @@ class GradSync(abc.ABC):
         self._buckets: list[_Bucket] = []
         self._key: tuple[int, ...] = ()
 
+    @property
+    def bucket_numels(self) -> list[int]:
+        """Values per bucket of the current plan (empty before the first ``sync``)."""
+        return [b.numel for b in self._buckets]
+
     def buckets(self, params: Sequence[nn.Parameter]) -> list[_Bucket]:
         key = tuple(id(p) for p in params)
         if key != self._key:
