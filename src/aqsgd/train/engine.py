@@ -10,7 +10,7 @@ once against "the stages this process owns", so both runtimes do the same arithm
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,9 @@ from aqsgd.pipeline.runner import LocalPipeline, StageRunner, StepStats, Transpo
 from aqsgd.pipeline.stage import Batch
 from aqsgd.schemes import BoundaryScheme, Phase
 from aqsgd.train.optim import clip_coefficient, make_optimizer, squared_grad_norm, warmup_linear_decay
+
+if TYPE_CHECKING:
+    from aqsgd.parallel import GradSync, ProcessGrid
 
 __all__ = ["PipelineEngine", "OptimConfig"]
 
@@ -53,11 +56,24 @@ class PipelineEngine:
         ties: Sequence[dict[int, str]] = (),
         trace: list[dict] | None = None,
         autocast: torch.dtype | None = None,
+        grid: ProcessGrid | None = None,
+        grad_sync: GradSync | None = None,
     ) -> None:
+        """``grid`` (distributed, data parallel): this process's place in the stages x replicas grid; it gives
+        the pipeline ranks (unless ``rank_of_stage`` is given), the group for the global gradient norm and the
+        replicas for tied-weight groups. ``grad_sync`` averages this stage's gradients over its replicas after
+        backward and tied-weight sync, before clipping (compressed except in the warm-up phase)."""
         self.num_stages = num_stages
         self.stages = dict(stages)
         self.distributed = transport is not None
+        self.grid = grid
+        self.grad_sync = grad_sync
+        self.last_sync_bytes = 0
+        if rank_of_stage is None and grid is not None:
+            rank_of_stage = grid.rank_of_stage
         self.ranks = list(rank_of_stage) if rank_of_stage is not None else list(range(num_stages))
+        if grad_sync is not None and not self.distributed:
+            raise ValueError("grad_sync needs a distributed engine (one stage per process in a process grid)")
         if self.distributed:
             if len(self.stages) != 1:
                 raise ValueError("a distributed engine runs exactly one stage per process")
@@ -99,12 +115,17 @@ class PipelineEngine:
         groups = []
         if not self.distributed:
             return groups  # local stages share the Parameter object itself
+        # With data parallelism every replica pipeline has its own group per tie; all ranks create them all.
+        pipelines = ([self.grid.layout.rank_of_stage(r) for r in range(self.grid.data_parallel)]
+                     if self.grid is not None else [self.ranks])
         for tie in ties:
-            ranks = sorted(self.ranks[s] for s in tie)
-            group = dist.new_group(ranks=ranks)
-            for s, name in tie.items():
-                if s in self.stages:
-                    groups.append((group, self.stages[s].get_parameter(name)))
+            for pipeline in pipelines:
+                group = dist.new_group(ranks=sorted(pipeline[s] for s in tie))
+                if pipeline != self.ranks:
+                    continue
+                for s, name in tie.items():
+                    if s in self.stages:
+                        groups.append((group, self.stages[s].get_parameter(name)))
         return groups
 
     def _sync_tied_grads(self) -> None:
@@ -134,11 +155,19 @@ class PipelineEngine:
             o.zero_grad(set_to_none=True)
         losses = [self.forward_backward(p, phase, loss_scale=1.0 / len(passes)) for p in passes]  # type: ignore[arg-type]
         self._sync_tied_grads()
+        self._sync_replicas(phase)
         self.clip()
         for i in sorted(self.optimizers):
             self.optimizers[i].step()
             self.schedulers[i].step()
         return None if losses[0] is None else sum(losses) / len(losses)  # type: ignore[arg-type]
+
+    def _sync_replicas(self, phase: Phase | str) -> None:
+        """Average gradients over this stage's data-parallel replicas; uncompressed in the warm-up phase."""
+        if self.grad_sync is None:
+            return
+        params = [p for i in sorted(self.stages) for p in self.stages[i].parameters()]
+        self.last_sync_bytes = self.grad_sync.sync(params, compress=Phase(phase) != Phase.WARMUP)
 
     def evaluate(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.EVAL, *,
                  keep_logits: bool = False) -> tuple[float | None, list[torch.Tensor] | None]:
@@ -172,7 +201,8 @@ class PipelineEngine:
             values[i] = float(squared_grad_norm(params))
         if self.distributed:
             t = torch.tensor(values, dtype=torch.float64)
-            dist.all_reduce(t)  # each entry has exactly one non-zero contributor: the sum is exact
+            # each entry has exactly one non-zero contributor in the pipeline: the sum is exact
+            dist.all_reduce(t, group=self.grid.pipeline_group if self.grid is not None else None)
             values = t.tolist()
         return values
 

@@ -3,7 +3,15 @@
 
 ``run_local(job)`` runs every stage in this process; ``run_worker(job)`` runs one stage per process (rank =
 stage) over torch.distributed; ``launch(job)`` starts ``job.num_stages`` local processes through PyTorch's own
-elastic launcher (the API behind ``torchrun``) and returns every rank's result. All three load the same
+elastic launcher (the API behind ``torchrun``) and returns every rank's result.
+
+Data parallelism (``data_parallel = D > 1``): ``num_stages * D`` processes in the grid of
+:mod:`aqsgd.parallel.grid` (rank = replica * num_stages + stage). Each step's global batch is
+``D * num_microbatches * microbatch_size`` samples; replica ``r`` trains on the contiguous shard
+``[r * batch_size, (r + 1) * batch_size)`` of it (the same sample ids on every stage of its pipeline, so AQ-SGD
+caches stay consistent), and every stage averages its gradients over its replicas with ``grad_sync`` (see
+:mod:`aqsgd.parallel.sync`). Replica ``r``'s micro-batch ``m`` is micro-batch ``r * num_microbatches + m`` of a
+single pipeline run with ``D * num_microbatches`` micro-batches, which is what the tests compare against. All three load the same
 weights file and draw the same micro-batches, so their losses can be compared directly.
 
 Start-up checks: every rank publishes its settings (the whole job, as JSON) and compares them with rank 0's
@@ -31,6 +39,7 @@ from aqsgd.comm import LinkSpec, Transport
 from aqsgd.data.datasets import collate, epoch_order
 from aqsgd.data.synthetic import SyntheticLM, microbatches
 from aqsgd.errors import ConfigMismatchError
+from aqsgd.parallel import ProcessGrid, make_grad_sync, parse_grad_sync
 from aqsgd.pipeline.compression import CompressionConfig
 from aqsgd.pipeline.materialize import ModelRecipe, init_weights_file, load_weights, materialize_stage
 from aqsgd.pipeline.partition import partition_model, shared_parameters
@@ -87,6 +96,14 @@ class JobConfig:
     link: str | None = None  # emulated link, e.g. "100mbit,5ms"
     timeout_s: float = 60.0
     trace: str | None = None  # chrome-trace JSON path (one file per stage: PATH.stageN.json)
+    data_parallel: int = 1  # replicas of the pipeline (world size = num_stages * data_parallel)
+    grad_sync: str = "allreduce"  # gradient sync between replicas: allreduce | q<b>[:block<N>] | powersgd[:rank<R>]
+    grad_bucket_mb: float = 25.0  # gradient bucket size for grad_sync
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
+            raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}")
+        parse_grad_sync(self.grad_sync)  # SpecError naming the valid forms
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -99,6 +116,11 @@ class JobConfig:
     def batch_size(self) -> int:
         return self.num_microbatches * self.microbatch_size
 
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step over all replicas."""
+        return self.batch_size * self.data_parallel
+
     def compression(self) -> CompressionConfig:
         return CompressionConfig.simple(self.forward, self.backward, num_samples=self.num_samples, cache=self.cache,
                                         ef_key=self.ef_key, seed=self.seed)
@@ -110,10 +132,12 @@ class JobConfig:
         vocab = ModelRecipe.from_dict(self.recipe).config.get("vocab_size", 128)
         return SyntheticLM(self.num_samples, self.seq_len, vocab, seed=self.data_seed)
 
-    def step_batches(self, step: int, dataset: SyntheticLM) -> list[dict[str, torch.Tensor]]:
-        per_epoch = math.ceil(self.num_samples / self.batch_size)
+    def step_batches(self, step: int, dataset: SyntheticLM, replica: int = 0) -> list[dict[str, torch.Tensor]]:
+        """Replica ``replica``'s micro-batches of step ``step`` (its contiguous shard of the global batch)."""
+        per_epoch = math.ceil(self.num_samples / self.global_batch_size)
         epoch, i = divmod(step, per_epoch)
-        ids = epoch_order(self.num_samples, seed=self.data_seed, epoch=epoch)[i * self.batch_size : (i + 1) * self.batch_size]
+        start = i * self.global_batch_size + replica * self.batch_size
+        ids = epoch_order(self.num_samples, seed=self.data_seed, epoch=epoch)[start : start + self.batch_size]
         return microbatches(collate([dataset[int(j)] for j in ids]), self.num_microbatches)
 
     def phase(self, step: int) -> Phase:
@@ -131,6 +155,8 @@ class JobResult:
     encode_s: list[float]
     decode_s: list[float]
     wait_s: list[float]
+    replica: int = 0
+    sync_bytes: list[int] = dataclasses.field(default_factory=list)  # data-parallel gradient sync, per step
 
 
 def _record(result: JobResult, engine: PipelineEngine, stages: list[int]) -> None:
@@ -142,13 +168,15 @@ def _record(result: JobResult, engine: PipelineEngine, stages: list[int]) -> Non
     result.encode_s.append(sum(stats[s].encode_s for s in stages))
     result.decode_s.append(sum(stats[s].decode_s for s in stages))
     result.wait_s.append(sum(stats[s].wait_s for s in stages))
+    result.sync_bytes.append(engine.last_sync_bytes)
 
 
 def _new_result(stage: int | None) -> JobResult:
     return JobResult(stage, [], [], {"forward": [], "backward": []}, {"forward": [], "backward": []}, [], [], [], [])
 
 
-def _train(job: JobConfig, engine: PipelineEngine, stages: list[int], result: JobResult) -> JobResult:
+def _train(job: JobConfig, engine: PipelineEngine, stages: list[int], result: JobResult,
+           replica: int = 0) -> JobResult:
     data = job.dataset()
     fault = os.environ.get("AQSGD_FAULT")  # fault injection for tests: "STAGE:STEP:exit" or "STAGE:STEP:hang:SECONDS"
     for step in range(job.steps):
@@ -159,7 +187,7 @@ def _train(job: JobConfig, engine: PipelineEngine, stages: list[int], result: Jo
                 if kind == "exit":
                     os._exit(3)
                 time.sleep(float(secs[0]) if secs else 3600.0)
-        batches = job.step_batches(step, data)
+        batches = job.step_batches(step, data, replica)
         t0 = time.perf_counter()
         loss = engine.train_step(batches, job.phase(step))
         result.step_s.append(time.perf_counter() - t0)
@@ -174,7 +202,13 @@ def _write_trace(path: str | None, events: list[dict], suffix: str) -> None:
 
 
 def run_local(job: JobConfig) -> JobResult:
-    """All stages in this process (same numerics as :func:`run_worker`)."""
+    """All stages in this process (same numerics as :func:`run_worker`). One pipeline only: for the
+    equivalent of ``data_parallel = D`` run ``num_microbatches * D`` micro-batches with ``data_parallel = 1``."""
+    if job.data_parallel != 1:
+        raise ConfigMismatchError(
+            f"run_local runs one pipeline, got data_parallel={job.data_parallel}; use run_worker/launch with "
+            f"{job.num_stages * job.data_parallel} processes, or data_parallel=1 with "
+            f"num_microbatches={job.num_microbatches * job.data_parallel} for the same global batch")
     recipe = ModelRecipe.from_dict(job.recipe)
     torch.manual_seed(job.seed)
     model = load_weights(recipe.build("cpu"), recipe.weights)
@@ -219,25 +253,35 @@ def run_worker(job: JobConfig) -> JobResult:
 
 
 def run_stage(job: JobConfig) -> JobResult:
-    """Train this process's stage (rank = stage) of an already checked job."""
+    """Train this process's stage of an already checked job (rank = stage, or with data parallelism the
+    grid of :mod:`aqsgd.parallel.grid`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != job.num_stages:
+    if job.data_parallel == 1 and world != job.num_stages:
         raise ConfigMismatchError(f"{world} processes for {job.num_stages} stages; start one process per stage")
+    grid = ProcessGrid.build(job.num_stages, job.data_parallel) if job.data_parallel > 1 else None
+    stage, replica = (grid.stage, grid.replica) if grid is not None else (rank, 0)
     recipe = ModelRecipe.from_dict(job.recipe)
     torch.manual_seed(job.seed)
-    module = materialize_stage(recipe, job.num_stages, rank, layers=job.layers, balance=job.balance)
+    module = materialize_stage(recipe, job.num_stages, stage, layers=job.layers, balance=job.balance)
     ties = shared_parameters(partition_model(recipe.build("meta"), job.num_stages, layers=job.layers,
                                              balance=job.balance))
     links = LinkSpec.parse(job.link) if job.link else None
-    transport = Transport(timeout_s=job.timeout_s, links=links, peer_labels={r: f"stage {r}" for r in range(world)})
+    labels = grid.peer_labels() if grid is not None else {r: f"stage {r}" for r in range(world)}
+    grad_sync = (make_grad_sync(job.grad_sync, grid.dp_group, bucket_mb=job.grad_bucket_mb, link=links,
+                                seed=job.seed) if grid is not None else None)
+    transport = Transport(timeout_s=job.timeout_s, links=links, peer_labels=labels)
     trace: list[dict] | None = [] if job.trace else None
+    suffix = f".stage{stage}" if grid is None else f".stage{stage}.replica{replica}"
     try:
-        engine = PipelineEngine({rank: module}, job.num_stages, job.compression(), job.optim(),
-                                schedule=job.schedule, transport=transport, ties=ties, trace=trace)
-        return _train(job, engine, [rank], _new_result(rank))
+        engine = PipelineEngine({stage: module}, job.num_stages, job.compression(), job.optim(),
+                                schedule=job.schedule, transport=transport, ties=ties, trace=trace, grid=grid,
+                                grad_sync=grad_sync)
+        result = _new_result(stage)
+        result.replica = replica
+        return _train(job, engine, [stage], result, replica)
     finally:
         transport.close()
-        _write_trace(job.trace, trace or [], f".stage{rank}")
+        _write_trace(job.trace, trace or [], suffix)
 
 
 def _elastic_entry(job_json: str) -> dict[str, Any]:
@@ -249,10 +293,11 @@ def _elastic_entry(job_json: str) -> dict[str, Any]:
 
 def launch(job: JobConfig, *, log_dir: str | None = None) -> list[JobResult]:
     """Start one local process per stage with PyTorch's elastic launcher (what ``torchrun`` uses) on
-    loopback and return their results in stage order. A failing stage stops the others (non-zero exit)."""
+    loopback (``num_stages * data_parallel`` with data parallelism) and return their results in rank order. A
+    failing stage stops the others (non-zero exit)."""
     from aqsgd.comm.launch import launch_local
 
-    return [JobResult(**r) for r in launch_local(_elastic_entry, job.num_stages, job.to_json())]
+    return [JobResult(**r) for r in launch_local(_elastic_entry, job.num_stages * job.data_parallel, job.to_json())]
 
 
 def ensure_weights(job: JobConfig, directory: str | None = None) -> JobConfig:

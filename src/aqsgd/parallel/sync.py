@@ -1,0 +1,522 @@
+"""Gradient synchronization inside one stage's data-parallel group, optionally compressed.
+
+One interface, :class:`GradSync`: ``sync(params, compress=...)`` replaces every parameter's ``.grad`` with the
+average over the group's replicas (exactly, or as a compressed estimate) and returns the bytes this rank
+sent. Three implementations, chosen by a spec string (:func:`make_grad_sync`):
+
+``allreduce``
+    fp32 all-reduce (sum, then divide by ``D``): the baseline.
+
+``q<b>[:block<N>]`` (e.g. ``q8``, ``q4:block256``; b = 1..8, default block 64)
+    Quantized all-reduce with error feedback in both phases, on ``torch.distributed`` collectives; nothing
+    is ever exchanged in full precision. Per bucket of ``n`` values (zero-padded to ``D`` equal chunks of
+    ``c`` values, ``c`` a multiple of the block so no scale group straddles two chunks):
+
+    1. *compressed reduce-scatter*: ``v = g + e1``; every chunk of ``v`` is quantized (one fp16 scale per
+       block, bit-packed codes); ``e1 = v - Q(v)``; one ``all_to_all_single`` of uint8 payloads sends chunk
+       ``j`` to group rank ``j``, so rank ``r`` receives every replica's quantized chunk ``r``;
+    2. rank ``r`` decodes them, sums in replica order and divides by ``D``: ``s = mean_j Q(v_j)[r]``;
+       ``w = s + e2``; ``e2 = w - Q(w)`` (a second error-feedback buffer, one chunk long);
+    3. *compressed all-gather*: ``all_gather_single`` of the uint8 payloads ``Q(w)``; every rank decodes
+       all ``D`` chunks from the same bytes, so all replicas end with bit-identical gradients.
+
+    gloo in torch 2.13 implements ``all_to_all_single`` and ``all_gather_single`` (checked by running
+    them; ``reduce_scatter`` exists too but only reduces by value, which would need the decoded fp32 data),
+    so phase 1 is a true all-to-all of compressed bytes, not an all-gather of everything.
+
+``powersgd[:rank<R>]`` (default rank 1)
+    PyTorch's own ``powerSGD_hook`` (with ``PowerSGDState``: error feedback and warm start on), driven
+    without DistributedDataParallel: the hook only calls ``buffer()``, ``index()``, ``is_last()`` and
+    ``gradients()`` on its bucket (and ``parameters()`` is there for completeness), so
+    :class:`HookBucket` provides them over our own flat bucket. ``dist.GradBucket`` itself has no Python
+    constructor. Warm-up is decided here, not by the state's iteration counter (see below).
+
+Warm-up and phases
+    ``sync(..., compress=False)`` runs the fp32 all-reduce for every method and leaves the error-feedback
+    state untouched (the caller passes it from the training phase; no global flag).
+
+Buckets
+    Parameters are grouped, in the order given, into buckets of about ``bucket_mb`` MB of fp32 gradients
+    (a parameter never splits; one larger than the limit has a bucket of its own); each bucket's gradients
+    are flattened into one fp32 buffer. The plan is rebuilt if the parameter list changes.
+
+Overlap
+    Every bucket's first collective is launched asynchronously before any is waited for, so the
+    communication of bucket ``i`` overlaps the encoding of bucket ``i+1`` (and, for ``q<b>``, the
+    all-gather of bucket ``i`` overlaps the decode/re-encode of bucket ``i+1``). PowerSGD is the exception:
+    its buckets run one after another (see :meth:`PowerSGDSync._sync`). Synchronization starts after
+    the stage's last backward (the engine calls it then); it does *not* overlap the backward pass itself.
+    In a 1F1B pipeline a stage's parameters receive gradient contributions from every micro-batch up to
+    its last backward, so per-bucket early launch would only hide the last micro-batch's backward.
+
+Byte accounting (``last_bytes``, the return value of ``sync``)
+    Bytes this rank puts on the wire under the bandwidth-optimal algorithm of each collective: an
+    all-reduce of ``B`` bytes costs ``2 (D-1) B / D`` (ring: reduce-scatter + all-gather; rounded up);
+    ``all_to_all`` of equal chunks and ``all_gather`` cost ``(D-1)`` chunk payloads each. The quantized
+    counts are exact payload bytes (codes + fp16 scales); gloo's own framing is not counted.
+    ``last_raw_bytes`` is what the fp32 all-reduce of the same buckets would have cost.
+
+Link emulation
+    With ``link`` given, ``sync`` does not return before ``link.tx_time(last_bytes) + k * latency`` seconds
+    after it started (``k`` = sequential collective rounds: 1 for all-reduce, 2 for ``q<b>``, 3 for
+    PowerSGD): one full-duplex link of that bandwidth per rank, transfers starting when ``sync`` starts.
+
+Checkpoints
+    ``state_dict()`` holds only tensors (error buffers, PowerSGD's P/Q memories and iteration counter);
+    ``load_state_dict`` restores them.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from aqsgd.comm.link import LinkSpec
+from aqsgd.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
+from aqsgd.compress.quant import QuantCodec
+from aqsgd.errors import SpecError
+
+__all__ = [
+    "GRAD_SYNC_HELP",
+    "AllReduceSync",
+    "GradSync",
+    "GradSyncSpec",
+    "HookBucket",
+    "PowerSGDSync",
+    "QuantizedSync",
+    "allreduce_bytes",
+    "make_grad_sync",
+    "parse_grad_sync",
+]
+
+log = logging.getLogger(__name__)
+
+GRAD_SYNC_HELP = "grad sync spec: allreduce | q<bits 1-8>[:block<N>] | powersgd[:rank<R>] (e.g. q8, q4:block256, powersgd:rank4)"
+DEFAULT_BUCKET_MB = 25.0
+DEFAULT_BLOCK = 64
+
+
+def allreduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``: ``2 (D-1) nbytes / D``, rounded up."""
+    return -(-2 * (world - 1) * nbytes // world) if world > 1 else 0
+
+
+# -- spec -------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GradSyncSpec:
+    """A parsed grad-sync spec: ``kind`` is ``allreduce``, ``quant`` or ``powersgd``."""
+
+    kind: str
+    bits: int = 0
+    block: int = DEFAULT_BLOCK
+    rank: int = 1
+
+
+def _spec_error(spec: str, why: str) -> SpecError:
+    return SpecError(f"invalid grad sync spec {spec!r}: {why}. Valid: {GRAD_SYNC_HELP}")
+
+
+def parse_grad_sync(spec: str) -> GradSyncSpec:
+    """Parse and validate a spec string (no process group needed); raises :class:`SpecError`."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise _spec_error(str(spec), "empty")
+    head, *opts = spec.strip().split(":")
+    if head in ("allreduce", "none", "fp32"):
+        if opts:
+            raise _spec_error(spec, f"{head} takes no options")
+        return GradSyncSpec("allreduce")
+    if m := re.fullmatch(r"q(\d+)", head):
+        bits = int(m.group(1))
+        if not 1 <= bits <= 8:
+            raise _spec_error(spec, f"bits must be 1..8, got {bits}")
+        block = DEFAULT_BLOCK
+        if len(opts) > 1:
+            raise _spec_error(spec, "at most one option (block<N>)")
+        for opt in opts:
+            if not (b := re.fullmatch(r"block(\d+)", opt)) or int(b.group(1)) < 1:
+                raise _spec_error(spec, f"unknown option {opt!r} (quantized gradients take block<N>, N >= 1)")
+            block = int(b.group(1))
+        return GradSyncSpec("quant", bits=bits, block=block)
+    if head == "powersgd":
+        rank = 1
+        if len(opts) > 1:
+            raise _spec_error(spec, "at most one option (rank<R>)")
+        for opt in opts:
+            if not (r := re.fullmatch(r"rank(\d+)", opt)) or int(r.group(1)) < 1:
+                raise _spec_error(spec, f"unknown option {opt!r} (powersgd takes rank<R>, R >= 1)")
+            rank = int(r.group(1))
+        return GradSyncSpec("powersgd", rank=rank)
+    raise _spec_error(spec, f"unknown method {head!r}")
+
+
+# -- buckets ----------------------------------------------------------------------------------------------
+class _Bucket:
+    """A group of parameters whose gradients travel as one flat fp32 buffer."""
+
+    def __init__(self, index: int, params: list[nn.Parameter]) -> None:
+        self.index = index
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.numel = sum(self.sizes)
+
+    def flatten(self) -> torch.Tensor:
+        flat = torch.empty(self.numel, dtype=torch.float32)
+        offset = 0
+        for p, n in zip(self.params, self.sizes):
+            if p.grad is None:
+                flat[offset : offset + n].zero_()
+            else:
+                flat[offset : offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, offset = [], 0
+        for p, n in zip(self.params, self.sizes):
+            out.append(flat[offset : offset + n].view(p.shape))
+            offset += n
+        return out
+
+    def unflatten(self, flat: torch.Tensor) -> None:
+        for p, v in zip(self.params, self.views(flat)):
+            if p.grad is None:
+                p.grad = v.to(p.dtype).clone()
+            else:
+                p.grad.copy_(v)
+
+
+def _plan(params: Sequence[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+    buckets: list[_Bucket] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * 4
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(_Bucket(len(buckets), current))
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(_Bucket(len(buckets), current))
+    return buckets
+
+
+# -- interface --------------------------------------------------------------------------------------------
+class GradSync(abc.ABC):
+    """Average the gradients of a stage's parameters over its data-parallel group (module docstring)."""
+
+    #: sequential collective rounds per compressed sync (for link emulation)
+    rounds = 1
+
+    def __init__(self, group: Any = None, *, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 link: LinkSpec | None = None) -> None:
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.group_rank = dist.get_rank(group)
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.link = link
+        self.last_bytes = 0
+        self.last_raw_bytes = 0
+        self.last_compressed = False
+        self._buckets: list[_Bucket] = []
+        self._key: tuple[int, ...] = ()
+
+    @property
+    def bucket_numels(self) -> list[int]:
+        """Values per bucket of the current plan (empty before the first ``sync``)."""
+        return [b.numel for b in self._buckets]
+
+    def buckets(self, params: Sequence[nn.Parameter]) -> list[_Bucket]:
+        key = tuple(id(p) for p in params)
+        if key != self._key:
+            self._buckets, self._key = _plan(params, self.bucket_bytes), key
+            log.debug("grad sync: %d parameters in %d buckets", len(params), len(self._buckets))
+        return self._buckets
+
+    def sync(self, params: Sequence[nn.Parameter], *, compress: bool = True) -> int:
+        """Replace every ``p.grad`` with the group average (a missing grad counts as zeros); returns the bytes
+        this rank sent. ``compress=False`` (warm-up) is the fp32 all-reduce whatever the method."""
+        t0 = time.monotonic()
+        buckets = self.buckets([p for p in params if p.requires_grad])
+        self.last_raw_bytes = sum(allreduce_bytes(4 * b.numel, self.world) for b in buckets)
+        if self.world == 1:
+            self.last_bytes, self.last_compressed = 0, compress
+            return 0
+        if compress:
+            nbytes, rounds = self._sync(buckets), self.rounds
+        else:
+            nbytes, rounds = _allreduce(buckets, self.group, self.world), 1
+        self.last_bytes, self.last_compressed = nbytes, compress
+        if self.link is not None and not self.link.unlimited:
+            remaining = t0 + self.link.tx_time(nbytes) + rounds * self.link.latency_s - time.monotonic()
+            if remaining > 0:
+                time.sleep(remaining)
+        return nbytes
+
+    @abc.abstractmethod
+    def _sync(self, buckets: list[_Bucket]) -> int:
+        """The compressed synchronization of every bucket; returns the bytes sent."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        if state:
+            raise KeyError(f"{type(self).__name__} has no state, got keys {sorted(state)}")
+
+
+def _allreduce(buckets: list[_Bucket], group: Any, world: int) -> int:
+    flats = [b.flatten() for b in buckets]
+    works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
+    for b, f, w in zip(buckets, flats, works):
+        w.wait()
+        b.unflatten(f.div_(world))
+    return sum(allreduce_bytes(4 * b.numel, world) for b in buckets)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    """Async all-gather into one flat tensor (``all_gather_single``, named ``all_gather_into_tensor`` before)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+class AllReduceSync(GradSync):
+    """Uncompressed fp32 all-reduce (the baseline)."""
+
+    def _sync(self, buckets: list[_Bucket]) -> int:
+        return _allreduce(buckets, self.group, self.world)
+
+
+# -- quantized, error feedback in both phases -------------------------------------------------------------
+class QuantizedSync(GradSync):
+    """``q<b>[:block<N>]``: compressed reduce-scatter (all-to-all) + compressed all-gather, two EF buffers."""
+
+    rounds = 2
+
+    def __init__(self, group: Any = None, *, bits: int = 8, block: int = DEFAULT_BLOCK,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, link: LinkSpec | None = None) -> None:
+        super().__init__(group, bucket_mb=bucket_mb, link=link)
+        self.codec = QuantCodec(bits, granularity="block", block=block)
+        self.bits, self.block = bits, block
+        self.ef1: dict[int, torch.Tensor] = {}  # per bucket, padded length D * c: before the all-to-all
+        self.ef2: dict[int, torch.Tensor] = {}  # per bucket, length c: this rank's chunk before the all-gather
+
+    def chunk_numel(self, numel: int) -> int:
+        """Values per chunk: ``ceil(numel / D)`` rounded up to a whole number of blocks."""
+        per = -(-numel // self.world)
+        return -(-per // self.block) * self.block
+
+    def payload_bytes(self, chunk: int) -> int:
+        """Exact bytes of one quantized chunk: fp16 scales, then bit-packed codes."""
+        return (chunk // self.block) * 2 + packed_nbytes(chunk, self.bits)
+
+    def expected_bytes(self, numel: int) -> int:
+        """Bytes one rank sends for a bucket of ``numel`` values: ``(D-1)`` payloads in each phase."""
+        return 2 * (self.world - 1) * self.payload_bytes(self.chunk_numel(numel))
+
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize ``x`` ([k, c]) row by row: ``(uint8 payloads [k, L], dequantized [k, c])``."""
+        k, c = x.shape
+        scales, codes = self.codec.quantize(x.reshape(-1))
+        deq = self.codec.dequantize(scales, codes, (k * c,), torch.float32).view(k, c)
+        nsb = c // self.block
+        sv = scales.view(k, nsb).view(torch.uint8)
+        cv = codes.view(k, c)
+        payload = torch.cat([torch.cat([sv[i], pack_bits(cv[i], self.bits)]).unsqueeze(0) for i in range(k)])
+        return payload, deq
+
+    def _decode(self, payloads: torch.Tensor, c: int) -> torch.Tensor:
+        """Inverse of the payload part of :meth:`_encode`: [k, L] uint8 -> [k, c] float32."""
+        nsb = c // self.block
+        rows = []
+        for row in payloads:
+            scales = row[: 2 * nsb].view(torch.float16)
+            codes = unpack_bits(row[2 * nsb :], self.bits, c)
+            rows.append(self.codec.dequantize(scales, codes, (c,), torch.float32))
+        return torch.stack(rows)
+
+    def _buffer(self, store: dict[int, torch.Tensor], index: int, numel: int) -> torch.Tensor:
+        buf = store.get(index)
+        if buf is None:
+            buf = store[index] = torch.zeros(numel, dtype=torch.float32)
+        elif buf.numel() != numel:
+            raise ValueError(f"error-feedback buffer of bucket {index} has {buf.numel()} values, expected {numel} "
+                             "(state from another model, bucket size or group size?)")
+        return buf
+
+    def _sync(self, buckets: list[_Bucket]) -> int:
+        d = self.world
+        # phase 1: encode every bucket and launch its all-to-all before waiting for any
+        launched = []
+        for b in buckets:
+            c = self.chunk_numel(b.numel)
+            e1 = self._buffer(self.ef1, b.index, d * c)
+            v = e1.clone()
+            v[: b.numel].add_(b.flatten())
+            payload, deq = self._encode(v.view(d, c))
+            torch.sub(v, deq.view(-1), out=e1)
+            recv = torch.empty_like(payload)
+            work = dist.all_to_all_single(recv, payload, group=self.group, async_op=True)
+            launched.append((b, c, recv, work))
+        # phase 2: reduce my chunk, re-encode with the second error buffer, launch the all-gather
+        gathers = []
+        for b, c, recv, work in launched:
+            work.wait()
+            s = self._decode(recv, c).sum(dim=0).div_(d)  # summed in replica order: same on every run
+            e2 = self._buffer(self.ef2, b.index, c)
+            w = s.add_(e2)
+            payload, deq = self._encode(w.view(1, c))
+            torch.sub(w, deq.view(-1), out=e2)
+            out = torch.empty(d * payload.shape[1], dtype=torch.uint8)
+            gathers.append((b, c, out, _all_gather(out, payload.view(-1), self.group)))
+        # phase 3: everyone decodes every chunk from the same bytes
+        nbytes = 0
+        for b, c, out, work in gathers:
+            work.wait()
+            avg = self._decode(out.view(d, -1), c).view(-1)
+            b.unflatten(avg[: b.numel])
+            nbytes += self.expected_bytes(b.numel)
+        return nbytes
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {f"ef1.{i}": t.clone() for i, t in self.ef1.items()}
+        out.update({f"ef2.{i}": t.clone() for i, t in self.ef2.items()})
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        ef1, ef2 = {}, {}
+        for key, value in state.items():
+            m = re.fullmatch(r"(ef1|ef2)\.(\d+)", key)
+            if m is None:
+                raise KeyError(f"unexpected key {key!r} in a quantized grad sync state (ef1.<i>, ef2.<i>)")
+            (ef1 if m.group(1) == "ef1" else ef2)[int(m.group(2))] = value.detach().to(torch.float32).clone()
+        self.ef1, self.ef2 = ef1, ef2
+
+
+# -- PowerSGD through PyTorch's hook ----------------------------------------------------------------------
+class HookBucket:
+    """What a DDP communication hook reads from ``dist.GradBucket``, over a flat buffer of our own.
+
+    ``gradients()`` are views of ``buffer()`` shaped like the parameters: the hook writes its
+    decompressed low-rank products into them, and so into the buffer it returns.
+    """
+
+    def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor],
+                 parameters: list[torch.Tensor], is_last: bool) -> None:
+        self._index, self._buffer, self._gradients = index, buffer, gradients
+        self._parameters, self._is_last = parameters, is_last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._gradients
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._parameters
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+
+class PowerSGDSync(GradSync):
+    """``powersgd[:rank<R>]``: ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` per bucket.
+
+    Error feedback and warm start are on; matrices whose rank-R factors would not save at least 2x
+    (``min_compression_rate``; biases and norms) are all-reduced in fp32 by the hook itself, as in DDP.
+    """
+
+    rounds = 3  # fp32 remainder, P, Q: three dependent all-reduces
+
+    def __init__(self, group: Any = None, *, rank: int = 1, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 link: LinkSpec | None = None, seed: int = 0, min_compression_rate: float = 2.0) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+        super().__init__(group, bucket_mb=bucket_mb, link=link)
+        self.rank = rank
+        # start_powerSGD_iter only has to satisfy the state's own check (> 1 with error feedback): sync()
+        # decides warm-up through ``compress`` and moves the counter past it before calling the hook.
+        self.state = PowerSGDState(process_group=group, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                                   min_compression_rate=min_compression_rate, use_error_feedback=True,
+                                   warm_start=True, orthogonalization_epsilon=0.0, random_seed=seed,
+                                   batch_tensors_with_same_shape=False)
+
+    def _bucket_bytes(self, b: _Bucket) -> int:
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+        plain = ps = qs = 0
+        for p in b.params:
+            n = p.shape[0] if p.dim() else 1
+            m = p.numel() // n if n else 0
+            r = min(n, m, self.rank)
+            if _should_compress(n, m, r, self.state.min_compression_rate)[0]:
+                ps, qs = ps + n * r, qs + m * r
+            else:
+                plain += p.numel()
+        return sum(allreduce_bytes(4 * k, self.world) for k in (plain, ps, qs))
+
+    def _sync(self, buckets: list[_Bucket]) -> int:
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+        self.state.iter = max(self.state.iter, self.state.start_powerSGD_iter)
+        # One bucket at a time: the hook issues its P and Q all-reduces from future callbacks, which run on
+        # whichever thread completes the previous collective, so with several buckets in flight the order of
+        # collectives on the group differs between ranks (gloo then fails with a size mismatch; observed).
+        for b in buckets:
+            flat = b.flatten()
+            hb = HookBucket(b.index, flat, b.views(flat), list(b.params), b.index == len(buckets) - 1)
+            b.unflatten(powerSGD_hook(self.state, hb).wait())  # type: ignore[arg-type]
+        return sum(self._bucket_bytes(b) for b in buckets)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        s = self.state
+        out = {"iter": torch.tensor(s.iter, dtype=torch.long)}
+        for name, store in (("error", s.error_dict), ("p", s.p_memory_dict), ("q", s.q_memory_dict)):
+            out.update({f"{name}.{i}": t.detach().clone() for i, t in store.items()})
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        stores: dict[str, dict[int, torch.Tensor]] = {"error": {}, "p": {}, "q": {}}
+        it = self.state.iter
+        for key, value in state.items():
+            if key == "iter":
+                it = int(value)
+                continue
+            m = re.fullmatch(r"(error|p|q)\.(\d+)", key)
+            if m is None:
+                raise KeyError(f"unexpected key {key!r} in a PowerSGD grad sync state (iter, error.<i>, p.<i>, q.<i>)")
+            stores[m.group(1)][int(m.group(2))] = value.detach().clone()
+        self.state.iter = it
+        self.state.error_dict = stores["error"]
+        self.state.p_memory_dict = stores["p"]
+        self.state.q_memory_dict = stores["q"]
+
+
+def make_grad_sync(spec: str, group: Any = None, *, bucket_mb: float = DEFAULT_BUCKET_MB,
+                   link: LinkSpec | None = None, seed: int = 0) -> GradSync:
+    """The :class:`GradSync` for a spec (``allreduce``, ``q8``, ``q4:block256``, ``powersgd:rank4``) over
+    ``group`` (None: the default group)."""
+    parsed = parse_grad_sync(spec)
+    if parsed.kind == "allreduce":
+        return AllReduceSync(group, bucket_mb=bucket_mb, link=link)
+    if parsed.kind == "quant":
+        return QuantizedSync(group, bits=parsed.bits, block=parsed.block, bucket_mb=bucket_mb, link=link)
+    return PowerSGDSync(group, rank=parsed.rank, bucket_mb=bucket_mb, link=link, seed=seed)
+
