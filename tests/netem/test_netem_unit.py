@@ -51,6 +51,7 @@ def test_bandwidth_grid():
 def test_last_exception_line():
     log = "Traceback...\n  File x\naqsgd.errors.PeerTimeout: stage 1 did not send forward within 4 s\n"
     assert _last_exception(log) == "aqsgd.errors.PeerTimeout: stage 1 did not send forward within 4 s"
+    assert _last_exception("[rank0]: aqsgd.errors.PeerFailure: lost stage 1\n") == "aqsgd.errors.PeerFailure: lost stage 1"
     assert _last_exception("all good\n") is None
 
 

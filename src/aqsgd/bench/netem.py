@@ -100,7 +100,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -155,7 +155,7 @@ class NetemError(AqsgdError, RuntimeError):
 
 
 def _run_cmd(argv: Sequence[str], *, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
     if check and proc.returncode != 0:
         raise NetemError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -344,12 +344,13 @@ class StageOutcome:
         return self.returncode == 0 and self.result is not None
 
 
-_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Failure|Timeout|Exception|Interrupt)): (.*)$")
+# torch prefixes an uncaught exception's traceback lines with "[rankN]: " under torch.distributed
+_EXC_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Failure|Timeout|Exception|Interrupt): .*)$")
 
 
 def _last_exception(text: str) -> str | None:
-    lines = [ln for ln in text.splitlines() if _EXC_LINE.match(ln)]
-    return lines[-1] if lines else None
+    found = [m.group(1) for m in map(_EXC_LINE.match, text.splitlines()) if m]
+    return found[-1] if found else None
 
 
 class NetemJob:
@@ -937,9 +938,10 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 
 def _config_from_args(args: argparse.Namespace) -> NetemBenchConfig:
-    kw: dict[str, Any] = dict(stages=args.stages, bandwidths_mbps=args.bandwidths, max_mbps=args.max_mbps,
-                              target_ratio=args.target_ratio, settings=tuple(args.settings),
-                              delay_ms=args.delay_ms, runs=args.runs, hidden=args.hidden, seq_len=args.seq_len)
+    kw: dict[str, Any] = {"stages": args.stages, "bandwidths_mbps": args.bandwidths, "max_mbps": args.max_mbps,
+                          "target_ratio": args.target_ratio, "settings": tuple(args.settings),
+                          "delay_ms": args.delay_ms, "runs": args.runs, "hidden": args.hidden,
+                          "seq_len": args.seq_len}
     if args.steps:
         kw["measure_steps"] = args.steps
     return NetemBenchConfig.quick(**kw) if args.quick else NetemBenchConfig(**kw)
