@@ -1,0 +1,72 @@
+"""The parts of bench/netem that need neither root nor namespaces."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from aqsgd.bench.netem import (
+    NETEM_SETTINGS,
+    LinkShape,
+    NetemBenchConfig,
+    _config_from_args,
+    _last_exception,
+    bandwidth_grid,
+    markdown_table,
+    plot_speedups,
+    register_cli,
+)
+from aqsgd.bench.netem_wire import Impairment
+
+
+def test_tbf_sizes_scale_with_rate():
+    (cmd,) = LinkShape(rate_mbit=1000).tc_commands("ns", "east")
+    assert cmd[cmd.index("rate") + 1] == "1000000kbit"
+    assert int(cmd[cmd.index("burst") + 1]) == 125_000  # 1 ms at line rate
+    assert int(cmd[cmd.index("limit") + 1]) == 12_500_000  # 100 ms
+    (cmd,) = LinkShape(rate_mbit=1).tc_commands("ns", "east")
+    assert int(cmd[cmd.index("burst") + 1]) == 4096 and int(cmd[cmd.index("limit") + 1]) == 256 * 1024
+    assert LinkShape(delay_ms=5).tc_commands("ns", "east") == []
+
+
+def test_link_shape_validation_and_impairment():
+    assert not LinkShape(rate_mbit=10).impaired and LinkShape(loss_pct=1).impaired
+    with pytest.raises(ValueError):
+        LinkShape(delay_ms=5, jitter_ms=10)
+    with pytest.raises(ValueError):
+        LinkShape(loss_pct=101)
+    shape = LinkShape(delay_ms=50, jitter_ms=10, loss_pct=1)
+    assert Impairment.from_json(shape.impairment_json()) == Impairment(50, 10, 1)
+    assert shape.describe() == "unlimited, 50±10 ms, 1% loss"
+
+
+def test_bandwidth_grid():
+    assert bandwidth_grid(1000, 3.45, step=10) == [1000, 100, 10, 3.45]
+    assert bandwidth_grid(1000, 9, step=10) == [1000, 100, 9]  # no extra point a hair above the last
+    assert bandwidth_grid(100, 200) == [100]
+
+
+def test_last_exception_line():
+    log = "Traceback...\n  File x\naqsgd.errors.PeerTimeout: stage 1 did not send forward within 4 s\n"
+    assert _last_exception(log) == "aqsgd.errors.PeerTimeout: stage 1 did not send forward within 4 s"
+    assert _last_exception("[rank0]: aqsgd.errors.PeerFailure: lost stage 1\n") == "aqsgd.errors.PeerFailure: lost stage 1"
+    assert _last_exception("all good\n") is None
+
+
+def test_cli_options_and_reports(tmp_path):
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers(dest="b"))
+    args = parser.parse_args(["netem", "--quick", "--settings", "fp32", "aqsgd fw2/bw4", "--stages", "4"])
+    cfg = _config_from_args(args)
+    assert isinstance(cfg, NetemBenchConfig) and cfg.stages == 4 and cfg.measure_steps == 3
+    assert cfg.settings == ("fp32", "aqsgd fw2/bw4") and set(cfg.settings) <= set(NETEM_SETTINGS)
+    rows = [{"setting": s, "bandwidth_mbps": bw, "link_mbps": bw * 0.95, "samples_per_s": 10.0 * k,
+             "speedup_vs_fp32": float(k), "ideal_speedup": float(k), "efficiency": 1.0, "comm_compute_ratio": 1.0}
+            for bw in (100, 10) for k, s in enumerate(("fp32", "aqsgd fw2/bw4"), start=1)]
+    table = markdown_table(rows)
+    assert table.count("\n") == 1 + len(rows) and "| 10 | 9.5 | aqsgd fw2/bw4 | 20.0 |" in table
+    plot_speedups(rows, tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    json.dumps(rows)
