@@ -73,6 +73,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     cv.add_argument("--max-train-samples", type=positive_int, default=None, help="override the task's training samples")
     cv.set_defaults(func=run_convergence)
 
+    from aqsgd.bench.netem import register_cli as register_netem
+
+    register_netem(bsub)
+
 
 def run_convergence(args: argparse.Namespace) -> int:
     import json
