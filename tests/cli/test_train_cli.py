@@ -29,7 +29,8 @@ def test_every_option_is_documented():
 
 @pytest.mark.parametrize("argv,needle", [(["--lr", "fast"], "--lr"), (["--stages", "0"], "--stages"),
                                          (["--backward", "q0"], "--backward"), (["--cache", "tape"], "--cache"),
-                                         (["--config", "/nonexistent.toml"], "--config")])
+                                         (["--config", "/nonexistent.toml"], "--config"),
+                                         (["--data-parallel", "2"], "--data-parallel")])
 def test_invalid_value_is_one_line_naming_the_option(argv, needle):
     out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", *argv], capture_output=True, text=True)
     assert out.returncode == 2

@@ -4,9 +4,11 @@ Every field of :class:`~aqsgd.train.config.TrainConfig` is an option; ``--config
 first and the options given on the command line override it. With no arguments it runs the embedded default:
 MiniLM fine-tuned on BBC news over a 4-stage local pipeline, AQ-SGD fw2/bw4 after one uncompressed epoch.
 
-``--runtime distributed`` starts one process per stage on this machine through PyTorch's elastic launcher.
-Across machines, start the same command under ``torchrun`` (it sets RANK/WORLD_SIZE/MASTER_ADDR): every
-process then runs its own stage, e.g.::
+``--runtime distributed`` starts one process per stage on this machine through PyTorch's elastic launcher;
+with ``--data-parallel D`` it starts ``stages x D`` (D replicas of the pipeline, each on its own shard of every
+global batch, gradients averaged per stage with ``--grad-sync``). Across machines, start the same command
+under ``torchrun`` (it sets RANK/WORLD_SIZE/MASTER_ADDR) with a world size of exactly ``stages x D``: every
+process then runs its own stage of its own replica (rank = replica x stages + stage), e.g.::
 
     torchrun --nnodes 4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m aqsgd train --runtime distributed --stages 4 --run-name bbc-aqsgd
@@ -80,7 +82,8 @@ def _under_torchrun() -> bool:
 
 
 def _worker(cfg_json: str) -> dict[str, Any] | None:
-    """One stage process: run the trainer for this rank; the last stage returns the summary."""
+    """One stage process: run the trainer for this rank; the process that writes the metrics (last stage of
+    replica 0) returns the summary."""
     import datetime
 
     import torch.distributed as dist
@@ -88,7 +91,7 @@ def _worker(cfg_json: str) -> dict[str, Any] | None:
     from aqsgd.train.job import check_same_settings
     from aqsgd.train.trainer import Trainer
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [stage %(process)d] %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [pid %(process)d] %(message)s")
     cfg = TrainConfig.from_dict(json.loads(cfg_json))
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(cfg.timeout, 30)))
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
         cfg = dataclasses.replace(cfg, run_name=cfg.run_name or default_run_name(cfg))
         setup_task(cfg)  # prepare data sources and the weights file once, before the stage processes start
-        summary = next((r for r in launch_local(_worker, cfg.stages, cfg.to_json()) if r), None)
+        summary = next((r for r in launch_local(_worker, cfg.world_size, cfg.to_json()) if r), None)
     else:
         from aqsgd.train.trainer import Trainer
 
@@ -128,7 +131,9 @@ def print_summary(s: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{s['task']} · {s['setting']} · {s['stages']} stages ({s['runtime']})")
+    replicas = s.get("data_parallel", 1)
+    layout = f"{s['stages']} stages" + (f" x {replicas} replicas" if replicas > 1 else "")
+    table = Table(title=f"{s['task']} · {s['setting']} · {layout} ({s['runtime']})")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("steps", str(s["steps"]))
@@ -141,6 +146,8 @@ def print_summary(s: dict[str, Any]) -> None:
     table.add_row("bytes at fp32", f"{s['raw_bytes']:,}")
     if s.get("traffic_saved") is not None:
         table.add_row("traffic saved vs fp32", f"{100 * s['traffic_saved']:.1f}% ({s['compression_ratio']:.2f}x less)")
+    if replicas > 1:
+        table.add_row(f"bytes sent between replicas ({s['grad_sync']})", f"{s['grad_sync_bytes']:,}")
     if s.get("samples_per_s"):
         table.add_row("samples/s", f"{s['samples_per_s']:.1f}")
     table.add_row("run directory", s["run_dir"])

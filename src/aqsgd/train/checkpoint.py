@@ -10,6 +10,19 @@ Layout of ``RUN_DIR/checkpoints/step-NNNNNNNN/``::
     stage{i}/schemes/<key>/      each boundary scheme's state on this stage's sides (AQ-SGD caches, EF buffers)
     COMPLETE                     written last; a folder without it is ignored
 
+With data parallelism (``D > 1`` replicas of the pipeline, see :mod:`aqsgd.parallel.grid`) the replicas of a
+stage hold bit-identical parameters and optimizer states (every replica applies the same averaged gradient),
+so ``model.safetensors``, ``optimizer.pt`` and ``scheduler.json`` are written once per stage, by replica 0,
+and every replica loads them. What differs between replicas is kept per replica (``rank{r}`` files are per
+global rank as always)::
+
+    stage{i}/replica{r}/schemes/<key>/        replica r's boundary schemes (its samples' AQ-SGD cache rows,
+                                              its EF buffers)
+    stage{i}/replica{r}/grad_sync.safetensors the gradient synchronization's error-feedback state (quantized
+                                              sync, PowerSGD), one per rank
+
+With ``D = 1`` the layout is the one above (no ``replica{r}`` level), as before data parallelism.
+
 A checkpoint is written into ``step-N.tmp`` and renamed when complete (in a distributed run every process
 writes its stages there, then rank 0 renames after a barrier: the run directory must be shared by the stage
 processes, as it is on one machine or a shared filesystem).
@@ -47,6 +60,17 @@ def _parse_scheme_key(name: str) -> tuple[int, int, str]:
     return int(b[1:]), 0 if direction == "forward" else 1, side
 
 
+def _replica(engine: Any) -> tuple[int, int]:
+    """``(replica, data_parallel)`` of this process's engine (``(0, 1)`` without a process grid)."""
+    grid = getattr(engine, "grid", None)
+    return (grid.replica, grid.data_parallel) if grid is not None else (0, 1)
+
+
+def _per_replica_dir(stage_dir: Path, replica: int, data_parallel: int) -> Path:
+    """Where this replica's own state of a stage lives (the stage folder itself without data parallelism)."""
+    return stage_dir if data_parallel == 1 else stage_dir / f"replica{replica}"
+
+
 def latest_checkpoint(path: str | Path) -> Path | None:
     """The newest complete checkpoint under a run directory (or ``path`` itself if it is one)."""
     p = Path(path)
@@ -70,17 +94,23 @@ def save_checkpoint(run_dir: Path, step: int, engine: Any, position: dict[str, A
         tmp.mkdir(parents=True)
     if distributed:
         dist.barrier()
+    replica, data_parallel = _replica(engine)
     for i, module in engine.stages.items():
         d = tmp / f"stage{i}"
-        d.mkdir(parents=True, exist_ok=True)
-        save_model(module, str(d / "model.safetensors"))
-        torch.save(engine.optimizers[i].state_dict(), d / "optimizer.pt")
-        (d / "scheduler.json").write_text(json.dumps(engine.schedulers[i].state_dict(), default=_jsonable))
+        own = _per_replica_dir(d, replica, data_parallel)
+        own.mkdir(parents=True, exist_ok=True)
+        if replica == 0:  # replicas hold identical weights and optimizer states: written once per stage
+            save_model(module, str(d / "model.safetensors"))
+            torch.save(engine.optimizers[i].state_dict(), d / "optimizer.pt")
+            (d / "scheduler.json").write_text(json.dumps(engine.schedulers[i].state_dict(), default=_jsonable))
         runner = engine.runners[i]
         for key, scheme in runner.schemes.items():
-            sd = d / "schemes" / _scheme_key(key)
+            sd = own / "schemes" / _scheme_key(key)
             scheme.save(sd)
             (sd / "shape.json").write_text(json.dumps(runner.scheme_shapes[key]))
+        if engine.grad_sync is not None:
+            state = {k: v.detach().contiguous() for k, v in engine.grad_sync.state_dict().items()}
+            save_file(state, str(own / "grad_sync.safetensors"))
     py_state = random.getstate()
     (tmp / f"rank{rank}.rng.json").write_text(json.dumps({"python": [py_state[0], list(py_state[1]), py_state[2]]}))
     save_file({"torch": torch.get_rng_state()}, str(tmp / f"rank{rank}.rng.safetensors"))
@@ -112,10 +142,15 @@ def load_checkpoint(path: Path, engine: Any) -> dict[str, Any]:
     if not (path / "COMPLETE").exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
     rank = dist.get_rank() if (dist.is_initialized() and engine.distributed) else 0
+    replica, data_parallel = _replica(engine)
     for i, module in engine.stages.items():
         d = path / f"stage{i}"
         if not d.is_dir():
             raise CheckpointError(f"{path} has no stage{i}: was it written with another number of stages?")
+        own = _per_replica_dir(d, replica, data_parallel)
+        if not own.is_dir():
+            raise CheckpointError(f"{path} has no stage{i}/replica{replica}: was it written with another number "
+                                  f"of data-parallel replicas?")
         missing, unexpected = load_model(module, str(d / "model.safetensors"), strict=False)
         if missing or unexpected:
             raise CheckpointError(f"{d}: weights do not fit stage {i} (missing {missing[:5]}, unexpected {unexpected[:5]})")
@@ -124,13 +159,18 @@ def load_checkpoint(path: Path, engine: Any) -> dict[str, Any]:
         sched.pop("lr_lambdas", None)
         engine.schedulers[i].load_state_dict({**engine.schedulers[i].state_dict(), **sched})
         runner = engine.runners[i]
-        sdir = d / "schemes"
+        sdir = own / "schemes"
         if sdir.is_dir():
             for sd in sorted(sdir.iterdir()):
                 key = _parse_scheme_key(sd.name)
                 shape = json.loads((sd / "shape.json").read_text())
                 scheme = runner.scheme(key[1], key[2], tuple(shape["shape"]), getattr(torch, shape["dtype"]))
                 scheme.load(sd)
+        if engine.grad_sync is not None:
+            sync_file = own / "grad_sync.safetensors"
+            if not sync_file.exists():
+                raise CheckpointError(f"{own} has no grad_sync.safetensors: was it written without data parallelism?")
+            engine.grad_sync.load_state_dict(load_file(str(sync_file)))
     rng = json.loads((path / f"rank{rank}.rng.json").read_text())["python"]
     random.setstate((rng[0], tuple(rng[1]), rng[2]))
     torch.set_rng_state(load_file(str(path / f"rank{rank}.rng.safetensors"))["torch"])

@@ -46,6 +46,11 @@ class TrainConfig:
                       "here with PyTorch's launcher, or by torchrun)", "pipeline")
     timeout: float = _f(60.0, "seconds a stage waits for a neighbour before failing (distributed)", "pipeline")
     link: str | None = _f(None, "emulated link between stages, e.g. 100mbit,5ms (distributed)", "pipeline")
+    data_parallel: int = _f(1, "replicas of the pipeline (distributed runtime); world size = stages x data_parallel",
+                            "pipeline")
+    grad_sync: str = _f("allreduce", "data-parallel gradient synchronization: allreduce, q<bits>[:block<N>], "
+                        "powersgd[:rank<R>] (e.g. q8, q4:block256, powersgd:rank4)", "pipeline")
+    grad_bucket_mb: float = _f(25.0, "gradient bucket size of the data-parallel synchronization, in MB", "pipeline")
     # -- compression -------------------------------------------------------------------------------------
     forward: str = _f("delta:q2", "activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`)",
                       "compression")
@@ -79,10 +84,22 @@ class TrainConfig:
     # -- derived -------------------------------------------------------------------------------------------
     @property
     def batch_size(self) -> int:
+        """Samples per pipeline pass of one replica."""
         return self.micro_batches * self.micro_batch_size
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per pipeline pass over all data-parallel replicas."""
+        return self.batch_size * self.data_parallel
+
+    @property
+    def world_size(self) -> int:
+        """Processes of a distributed run: one per stage and replica."""
+        return self.stages * self.data_parallel
 
     def validate(self) -> TrainConfig:
         """Check every value; raise SpecError naming the option (as it is spelled on the command line)."""
+        from aqsgd.parallel.sync import parse_grad_sync
         from aqsgd.pipeline.compression import DirectionSpec
         from aqsgd.pipeline.schedule import get_schedule
         from aqsgd.schemes.factory import make_cache
@@ -91,7 +108,7 @@ class TrainConfig:
             return SpecError(f"--{name.replace('_', '-')}: {why}")
 
         for name in ("stages", "micro_batches", "micro_batch_size", "epochs", "grad_accum", "max_length",
-                     "keep_checkpoints"):
+                     "keep_checkpoints", "data_parallel"):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "eval_every", "checkpoint_every", "model_layers"):
@@ -109,6 +126,15 @@ class TrainConfig:
                             ("ef_key", ("slot", "sample"))):
             if getattr(self, name) not in valid:
                 raise bad(name, f"{getattr(self, name)!r} is not one of {', '.join(valid)}")
+        if self.data_parallel > 1 and self.runtime != "distributed":
+            raise bad("data_parallel", f"{self.data_parallel} replicas need --runtime distributed (one process per "
+                      f"stage and replica); the local runtime runs one pipeline")
+        try:
+            parse_grad_sync(self.grad_sync)
+        except ValueError as e:
+            raise bad("grad_sync", str(e)) from None
+        if not self.grad_bucket_mb > 0:
+            raise bad("grad_bucket_mb", f"must be > 0, got {self.grad_bucket_mb}")
         try:
             get_schedule(self.schedule)
         except ValueError as e:

@@ -2,7 +2,17 @@
 
 One :class:`Trainer` runs in every process of a run: locally a single process owns every stage; distributed
 (``torch.distributed`` initialized, one process per stage) each process owns its stage and the last one, which
-holds the loss, writes the metrics. The loop:
+holds the loss, writes the metrics.
+
+Data parallelism (distributed, ``data_parallel = D > 1``): ``stages x D`` processes in the grid of
+:mod:`aqsgd.parallel.grid` (rank = replica * stages + stage), ``D`` replicas of the pipeline. Every pipeline
+pass reads a global batch of ``micro_batches x micro_batch_size x D`` samples (steps per epoch follow from
+it); replica ``r`` trains on the contiguous shard ``[r B, (r+1) B)`` of it (a partial last batch is split
+into ``D`` nearly equal shards; a trailing batch with fewer than ``D`` samples is dropped), so the stages of
+one replica agree on the sample ids and its AQ-SGD caches stay consistent. After backward each stage averages
+its gradients over its replicas with ``grad_sync`` (:mod:`aqsgd.parallel.sync`; uncompressed during warm-up).
+The logged loss is the mean over replicas, and stage ``S-1`` of replica 0 writes the metrics. Evaluation is
+sharded the same way and its sums are reduced over the replicas of the last stage. The loop:
 
 * epochs ``< warmup_epochs`` run in ``WARMUP`` (uncompressed; AQ-SGD fills its caches), the rest in ``TRAIN``;
 * every optimizer step logs loss, learning rate, samples/s and tokens/s, bytes per boundary and direction,
@@ -28,9 +38,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aqsgd.data.datasets import epoch_batches, num_batches
+from aqsgd.data.datasets import epoch_batches
 from aqsgd.data.synthetic import microbatches
-from aqsgd.errors import AqsgdError
+from aqsgd.errors import ConfigMismatchError
+from aqsgd.parallel import ProcessGrid, make_grad_sync
 from aqsgd.pipeline.compression import CompressionConfig
 from aqsgd.pipeline.materialize import load_weights, materialize_stage
 from aqsgd.pipeline.partition import partition_model, shared_parameters
@@ -44,7 +55,9 @@ from aqsgd.train.tasks import TaskSetup, setup_task
 __all__ = ["Trainer", "default_run_name"]
 
 log = logging.getLogger(__name__)
-_STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute", "encode", "decode", "wait")
+_STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute", "encode", "decode", "wait", "sync_bytes")
+# evaluation sums, reduced over the replicas: loss x samples, samples, correct predictions, binary confusion counts
+_EVAL_KEYS = ("loss_sum", "count", "correct", "tp", "tn", "fp", "fn")
 
 
 def default_run_name(cfg: TrainConfig) -> str:
@@ -52,13 +65,18 @@ def default_run_name(cfg: TrainConfig) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")
 
 
-def _mcc(preds: torch.Tensor, labels: torch.Tensor) -> float:
-    tp = float(((preds == 1) & (labels == 1)).sum())
-    tn = float(((preds == 0) & (labels == 0)).sum())
-    fp = float(((preds == 1) & (labels == 0)).sum())
-    fn = float(((preds == 0) & (labels == 1)).sum())
+def _mcc(tp: float, tn: float, fp: float, fn: float) -> float:
+    """Matthews correlation coefficient from binary confusion counts (0 where undefined)."""
     den = math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
     return (tp * tn - fp * fn) / den if den else 0.0
+
+
+def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of part ``index`` when ``n`` items are cut into ``parts`` contiguous, nearly equal
+    parts (the first ``n % parts`` one longer, as :func:`torch.tensor_split`)."""
+    q, rem = divmod(n, parts)
+    start = index * q + min(index, rem)
+    return start, start + q + (1 if index < rem else 0)
 
 
 class Trainer:
@@ -66,54 +84,94 @@ class Trainer:
         self.cfg = cfg.validate()
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
-        if self.distributed and dist.get_world_size() != cfg.stages:
-            raise AqsgdError(f"{dist.get_world_size()} processes for {cfg.stages} stages: start one process per stage")
+        if self.distributed and dist.get_world_size() != cfg.world_size:
+            raise ConfigMismatchError(
+                f"{dist.get_world_size()} processes for {cfg.stages} stages x {cfg.data_parallel} data-parallel "
+                f"replicas: start exactly stages x data_parallel = {cfg.world_size} processes (one per stage and "
+                f"replica)")
+        self.grid = ProcessGrid.build(cfg.stages, cfg.data_parallel) if self.distributed else None
+        self.replica = self.grid.replica if self.grid is not None else 0
         self.run_dir = Path(run_dir) if run_dir else Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
         self.task: TaskSetup = setup_task(cfg)
         n_train = len(self.task.train)
-        self.steps_per_epoch = math.ceil(num_batches(n_train, cfg.batch_size) / cfg.grad_accum)
+        self.steps_per_epoch = math.ceil(self._train_batches_per_epoch(n_train) / cfg.grad_accum)
         total = self.steps_per_epoch * cfg.epochs
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         optim = OptimConfig(cfg.optimizer, cfg.lr, cfg.weight_decay, int(cfg.lr_warmup * self.total_steps),
                             self.total_steps, cfg.max_grad_norm)
-        cache_dir = str(self.run_dir / "cache") if cfg.cache.startswith("disk") else None
+        cache_dir = None
+        if cfg.cache.startswith("disk"):  # one disk cache per replica: each holds its own samples' rows
+            cache_path = self.run_dir / "cache"
+            cache_dir = str(cache_path / f"replica{self.replica}" if cfg.data_parallel > 1 else cache_path)
         comp = CompressionConfig.simple(cfg.forward, cfg.backward, num_samples=n_train, cache=cfg.cache,
                                         cache_dir=cache_dir, ef_key=cfg.ef_key, seed=cfg.seed)
         autocast = torch.bfloat16 if cfg.dtype == "bf16" else None
         torch.manual_seed(cfg.seed)
         recipe = self.task.recipe
         self.transport = None
-        if self.distributed:
+        if self.grid is not None:
             from aqsgd.comm import LinkSpec, Transport
 
-            module = materialize_stage(recipe, cfg.stages, self.rank, layers=cfg.layers, balance=cfg.balance)
+            links = LinkSpec.parse(cfg.link) if cfg.link else None
+            module = materialize_stage(recipe, cfg.stages, self.grid.stage, layers=cfg.layers, balance=cfg.balance)
             ties = shared_parameters(partition_model(recipe.build("meta"), cfg.stages, layers=cfg.layers,
                                                      balance=cfg.balance))
-            self.transport = Transport(timeout_s=cfg.timeout, links=LinkSpec.parse(cfg.link) if cfg.link else None,
-                                       peer_labels={r: f"stage {r}" for r in range(cfg.stages)})
-            self.engine = PipelineEngine({self.rank: module}, cfg.stages, comp, optim, schedule=cfg.schedule,
-                                         transport=self.transport, ties=ties, autocast=autocast)
+            grad_sync = (make_grad_sync(cfg.grad_sync, self.grid.dp_group, bucket_mb=cfg.grad_bucket_mb, link=links,
+                                        seed=cfg.seed) if cfg.data_parallel > 1 else None)
+            self.transport = Transport(timeout_s=cfg.timeout, links=links, peer_labels=self.grid.peer_labels())
+            self.engine = PipelineEngine({self.grid.stage: module}, cfg.stages, comp, optim, schedule=cfg.schedule,
+                                         transport=self.transport, ties=ties, autocast=autocast, grid=self.grid,
+                                         grad_sync=grad_sync)
         else:
             model = load_weights(recipe.build("cpu"), recipe.weights)
             stages = partition_model(model, cfg.stages, layers=cfg.layers, balance=cfg.balance)
             self.engine = PipelineEngine(dict(enumerate(stages)), cfg.stages, comp, optim, schedule=cfg.schedule,
                                          autocast=autocast)
-        self.holds_loss = (not self.distributed) or self.rank == cfg.stages - 1
+        # every replica's last stage has a loss; one of them (replica 0's) writes the metrics
+        self.holds_loss = self.grid is None or self.grid.stage == cfg.stages - 1
+        self.writes_metrics = self.holds_loss and self.replica == 0
         self.position = {"epoch": 0, "batch": 0, "step": 0}
-        self.totals = {"bytes_sent": 0, "raw_bytes": 0, "samples": 0, "train_s": 0.0}
+        self.totals = {"bytes_sent": 0, "raw_bytes": 0, "grad_sync_bytes": 0, "samples": 0, "train_s": 0.0}
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None
 
+    # -- data ----------------------------------------------------------------------------------------------
+    def _train_batches_per_epoch(self, n: int) -> int:
+        """Global batches of one epoch: a trailing partial batch counts if it has a sample for every replica."""
+        full, rest = divmod(n, self.cfg.global_batch_size)
+        return full + (1 if rest >= self.cfg.data_parallel else 0)
+
+    def _train_batches(self, epoch: int) -> list[dict[str, torch.Tensor]]:
+        """The global batches of one epoch (the same on every process), in the order fixed by (seed, epoch)."""
+        batches = epoch_batches(self.task.train, self.cfg.global_batch_size, seed=self.cfg.seed, epoch=epoch)
+        return [b for b in batches if b["sample_ids"].numel() >= self.cfg.data_parallel]
+
+    def _shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This replica's contiguous shard of a global batch (the whole batch without data parallelism)."""
+        if self.cfg.data_parallel == 1:
+            return batch
+        start, stop = shard_bounds(batch["sample_ids"].numel(), self.cfg.data_parallel, self.replica)
+        return {k: v[start:stop] for k, v in batch.items()}
+
+    def _replica_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a float64 tensor over the replicas of this (last) stage; identity without data parallelism."""
+        if self.grid is not None and self.cfg.data_parallel > 1:
+            dist.all_reduce(values, group=self.grid.dp_group)
+        return values
+
     # -- helpers -----------------------------------------------------------------------------------------
     def _gathered_stats(self) -> list[list[float]]:
-        """Per stage: bytes and seconds of the last step (gathered from every process when distributed)."""
+        """Per stage: bytes and seconds of the last step, gathered from every process when distributed. With
+        data parallelism each row is summed over the stage's replicas (boundary bytes of all D pipelines,
+        their seconds, and the gradient-sync bytes each rank sent)."""
         rows = [[0.0] * len(_STAT_KEYS) for _ in range(self.cfg.stages)]
         for i, st in self.engine.stats().items():
             rows[i] = [st.bytes_sent["forward"], st.bytes_sent["backward"], st.raw_bytes["forward"],
-                       st.raw_bytes["backward"], st.compute_s, st.encode_s, st.decode_s, st.wait_s]
+                       st.raw_bytes["backward"], st.compute_s, st.encode_s, st.decode_s, st.wait_s,
+                       self.engine.last_sync_bytes]
         if self.distributed:
             t = torch.tensor(rows, dtype=torch.float64)
-            dist.all_reduce(t)  # each row has one contributor
+            dist.all_reduce(t)  # row i: one contributor per replica of stage i
             rows = t.tolist()
         return rows
 
@@ -125,30 +183,39 @@ class Trainer:
 
     # -- evaluation --------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
+        """Evaluate with compression on and off. Every process must call it (collective when distributed);
+        the metrics are returned where the loss is held (empty elsewhere). With data parallelism each replica
+        evaluates its shard of every global batch and the sums are reduced over the last stage's replicas."""
         out: dict[str, Any] = {}
         classify = self.task.kind != "causal-lm"
         for name, phase in (("compressed", Phase.EVAL), ("uncompressed", Phase.EVAL_RAW)):
-            total, count, preds, labels = 0.0, 0, [], []
-            for batch in epoch_batches(self.task.eval, self.cfg.batch_size, seed=self.cfg.seed, epoch=0,
+            sums = torch.zeros(len(_EVAL_KEYS), dtype=torch.float64)
+            for batch in epoch_batches(self.task.eval, self.cfg.global_batch_size, seed=self.cfg.seed, epoch=0,
                                        shuffle=False):
-                mbs = microbatches(batch, self.cfg.micro_batches)
-                loss, logits = self.engine.evaluate(mbs, phase, keep_logits=classify)
+                shard = self._shard(batch)
+                n = shard["sample_ids"].numel()
+                if n == 0:  # fewer samples than replicas in a last batch: every stage of this replica skips it
+                    continue
+                loss, logits = self.engine.evaluate(microbatches(shard, self.cfg.micro_batches), phase,
+                                                    keep_logits=classify)
                 if loss is None:
                     continue
-                n = batch["sample_ids"].numel()
-                total += loss * n
-                count += n
+                sums[0] += loss * n
+                sums[1] += n
                 if classify and logits is not None:
-                    preds.append(torch.cat(logits).argmax(-1))
-                    labels.append(batch["labels"])
+                    p, y = torch.cat(logits).argmax(-1), shard["labels"]
+                    sums[2:] += torch.tensor([float((p == y).sum()), float(((p == 1) & (y == 1)).sum()),
+                                              float(((p == 0) & (y == 0)).sum()), float(((p == 1) & (y == 0)).sum()),
+                                              float(((p == 0) & (y == 1)).sum())], dtype=torch.float64)
             if not self.holds_loss:
                 continue
-            metrics: dict[str, float] = {"loss": total / max(count, 1)}
+            tally = dict(zip(_EVAL_KEYS, self._replica_sum(sums).tolist()))
+            count = max(tally["count"], 1.0)
+            metrics: dict[str, float] = {"loss": tally["loss_sum"] / count}
             if classify:
-                p, y = torch.cat(preds), torch.cat(labels)
-                metrics["accuracy"] = float((p == y).float().mean())
+                metrics["accuracy"] = tally["correct"] / count
                 if self.task.main_metric == "mcc":
-                    metrics["mcc"] = _mcc(p, y)
+                    metrics["mcc"] = _mcc(tally["tp"], tally["tn"], tally["fp"], tally["fn"])
             else:
                 metrics["perplexity"] = perplexity(metrics["loss"])
             out[name] = metrics
@@ -164,14 +231,16 @@ class Trainer:
         path = latest_checkpoint(self.cfg.resume)  # type: ignore[arg-type]
         if path is None:
             raise CheckpointError(f"--resume: no complete checkpoint under {self.cfg.resume}")
+        saved = json.loads((path / "trainer.json").read_text()).get("config", {})
+        defaults = TrainConfig()  # checkpoints written before a setting existed ran with its default
+        for key in ("task", "stages", "forward", "backward", "micro_batches", "micro_batch_size", "seed",
+                    "data_parallel", "grad_sync"):
+            value = saved.get(key, getattr(defaults, key))
+            if value != getattr(self.cfg, key):
+                raise CheckpointError(f"--resume: checkpoint has {key}={value!r}, this run {getattr(self.cfg, key)!r}")
         state = load_checkpoint(path, self.engine)
-        saved = state.get("config", {})
-        for key in ("task", "stages", "forward", "backward", "micro_batches", "micro_batch_size", "seed"):
-            if saved.get(key) != getattr(self.cfg, key):
-                raise CheckpointError(f"--resume: checkpoint has {key}={saved.get(key)!r}, this run "
-                                      f"{getattr(self.cfg, key)!r}")
         self.position = {k: state[k] for k in ("epoch", "batch", "step")}
-        self.totals = state["totals"]
+        self.totals = {**self.totals, **state["totals"]}
         log.info("resumed from %s at epoch %d, batch %d, step %d", path, *self.position.values())
 
     # -- the loop ----------------------------------------------------------------------------------------
@@ -181,13 +250,13 @@ class Trainer:
         cfg = self.cfg
         if cfg.resume:
             self._resume()
-        writer = MetricsWriter(self.run_dir, enabled=self.holds_loss, tensorboard=cfg.tensorboard)
-        if self.holds_loss:
+        writer = MetricsWriter(self.run_dir, enabled=self.writes_metrics, tensorboard=cfg.tensorboard)
+        if self.writes_metrics:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeRemainingColumn(), disable=not (self.holds_loss and cfg.progress))
+                            TimeRemainingColumn(), disable=not (self.writes_metrics and cfg.progress))
         start = time.perf_counter()
         try:
             with progress:
@@ -203,10 +272,9 @@ class Trainer:
 
     def _loop(self, writer: MetricsWriter, progress: Any, bar: Any) -> None:
         cfg = self.cfg
-        B = cfg.batch_size
         for epoch in range(self.position["epoch"], cfg.epochs):
             phase = self._phase(epoch)
-            batches = list(epoch_batches(self.task.train, B, seed=cfg.seed, epoch=epoch))
+            batches = self._train_batches(epoch)
             first = self.position["batch"] if epoch == self.position["epoch"] else 0
             for b in range(first, len(batches), cfg.grad_accum):
                 if self.position["step"] >= self.total_steps or self.position["step"] == self._stop_at:
@@ -216,7 +284,9 @@ class Trainer:
                     for r in self.engine.runners.values():
                         r.trace = []
                 t0 = time.perf_counter()
-                loss = self.engine.train_step(self._passes(group), phase)
+                loss = self.engine.train_step(self._passes([self._shard(g) for g in group]), phase)
+                if loss is not None and cfg.data_parallel > 1:  # the mean over the replicas' losses
+                    loss = float(self._replica_sum(torch.tensor([loss], dtype=torch.float64))) / cfg.data_parallel
                 dt = time.perf_counter() - t0
                 self.position.update(epoch=epoch, batch=b + cfg.grad_accum, step=self.position["step"] + 1)
                 self._log_step(writer, epoch, phase, loss, dt, sum(g["sample_ids"].numel() for g in group))
@@ -235,29 +305,34 @@ class Trainer:
         self._write_trace()
 
     def _write_trace(self) -> None:
+        suffix = f".replica{self.replica}" if self.cfg.data_parallel > 1 else ""
         for i, r in self.engine.runners.items():
             if r.trace:
-                path = self.run_dir / f"trace.stage{i}.json"
+                path = self.run_dir / f"trace.stage{i}{suffix}.json"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps({"traceEvents": r.trace}))
 
     def _eval(self, writer: MetricsWriter, epoch: int) -> None:
         result = self.evaluate()
-        if self.holds_loss:
+        if self.writes_metrics:
             self.last_eval = result
             writer.write({"kind": "eval", "step": self.position["step"], "epoch": epoch, **result})
             log.info("eval step %d: %s", self.position["step"], json.dumps(result))
 
     def _log_step(self, writer: MetricsWriter, epoch: int, phase: Phase, loss: float | None, dt: float,
                   samples: int) -> None:
+        # Boundary bytes are summed over the D replica pipelines (each has its own boundaries); grad_sync_bytes
+        # is what every rank sent in its stage's data-parallel group, summed over all ranks (0 when D = 1).
         stats = self._gathered_stats()
         sent = int(sum(r[0] + r[1] for r in stats))
         raw = int(sum(r[2] + r[3] for r in stats))
+        sync = int(sum(r[8] for r in stats))
         self.totals["bytes_sent"] += sent
         self.totals["raw_bytes"] += raw
+        self.totals["grad_sync_bytes"] += sync
         self.totals["samples"] += samples
         self.totals["train_s"] += dt
-        if not self.holds_loss:
+        if not self.writes_metrics:
             return
         per_boundary = {}
         for b in range(self.cfg.stages - 1):
@@ -268,6 +343,7 @@ class Trainer:
             "kind": "train", "step": self.position["step"], "epoch": epoch, "phase": phase.value, "loss": loss,
             "lr": self.engine.lr, "samples_per_s": samples / dt, "tokens_per_s": samples * tokens / dt if tokens else None,
             "bytes_sent": sent, "raw_bytes": raw, "ratio": raw / sent if sent else None, "bytes": per_boundary,
+            "grad_sync_bytes": sync,
             "grad_norm": self.engine.last_grad_norm,
             "time": {"step": dt, "compute": sum(r[4] for r in stats), "codec": sum(r[5] + r[6] for r in stats),
                      "wait": sum(r[7] for r in stats)},
@@ -280,12 +356,14 @@ class Trainer:
         t = self.totals
         return {
             "task": self.cfg.task, "model": self.task.recipe.kind, "setting": f"{self.cfg.forward}/{self.cfg.backward}",
-            "stages": self.cfg.stages, "runtime": self.cfg.runtime, "steps": self.position["step"],
+            "stages": self.cfg.stages, "data_parallel": self.cfg.data_parallel, "grad_sync": self.cfg.grad_sync,
+            "runtime": self.cfg.runtime, "steps": self.position["step"],
             "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
             "eval": self.last_eval, "main_metric": self.task.main_metric,
             "bytes_sent": t["bytes_sent"], "raw_bytes": t["raw_bytes"],
             "compression_ratio": t["raw_bytes"] / t["bytes_sent"] if t["bytes_sent"] else None,
             "traffic_saved": 1 - t["bytes_sent"] / t["raw_bytes"] if t["raw_bytes"] else None,
+            "grad_sync_bytes": t["grad_sync_bytes"],
             "samples_per_s": t["samples"] / t["train_s"] if t["train_s"] else None,
             "wall_s": wall, "run_dir": str(self.run_dir),
         }
