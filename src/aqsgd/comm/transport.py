@@ -75,6 +75,7 @@ faithfully while the real path is faster than the emulated one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -83,7 +84,7 @@ import threading
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -550,6 +551,18 @@ class Transport:
         with self._stats_lock:
             self._stats.clear()
 
+    def failed_peers(self) -> list[str]:
+        """Labels (or ranks) of the peers whose links have failed so far, for error messages elsewhere."""
+        with self._lock:
+            workers = [*self._senders.values(), *self._receivers.values()]
+        names = []
+        for w in workers:
+            if w.failure is not None:
+                name = self.peer_labels.get(w.peer) or f"rank {w.peer}"
+                if name not in names:
+                    names.append(name)
+        return names
+
     def close(self) -> None:
         """Fail queued requests, stop the threads (bounded wait) and forget them. Idempotent."""
         self._closing.set()
@@ -643,3 +656,21 @@ class Transport:
         with self._stats_lock:
             self._stats.setdefault(StatsKey(peer, channel, direction), LinkStats()).wait_s += seconds
 
+
+_COMM_ERROR_HINTS = ("connection closed", "connection reset", "broken pipe", "gloo", "timed out", "peer")
+
+
+@contextlib.contextmanager
+def naming_peer_failures(transport: Transport | None, what: str) -> Iterator[None]:
+    """Turn a collective's communication error (gloo raises a bare RuntimeError naming an address) into a
+    :class:`PeerFailure` that names the failed stages this process's transport has seen, if any."""
+    try:
+        yield
+    except PeerFailure:
+        raise
+    except RuntimeError as e:
+        if not any(h in str(e).lower() for h in _COMM_ERROR_HINTS):
+            raise
+        names = transport.failed_peers() if transport is not None else []
+        who = " and ".join(names) if names else "a peer process (its neighbours' errors name it)"
+        raise PeerFailure(f"lost {who} during {what}: {type(e).__name__}: {str(e).splitlines()[0]}") from e

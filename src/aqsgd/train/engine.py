@@ -66,6 +66,7 @@ class PipelineEngine:
         self.num_stages = num_stages
         self.stages = dict(stages)
         self.distributed = transport is not None
+        self.transport = transport
         self.grid = grid
         self.grad_sync = grad_sync
         self.last_sync_bytes = 0

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from aqsgd.comm import LinkSpec, Transport
+from aqsgd.comm.transport import naming_peer_failures
 from aqsgd.data.datasets import collate, epoch_order
 from aqsgd.data.synthetic import SyntheticLM, microbatches
 from aqsgd.errors import ConfigMismatchError
@@ -189,7 +190,8 @@ def _train(job: JobConfig, engine: PipelineEngine, stages: list[int], result: Jo
                 time.sleep(float(secs[0]) if secs else 3600.0)
         batches = job.step_batches(step, data, replica)
         t0 = time.perf_counter()
-        loss = engine.train_step(batches, job.phase(step))
+        with naming_peer_failures(getattr(engine, "transport", None), f"training step {step}"):
+            loss = engine.train_step(batches, job.phase(step))
         result.step_s.append(time.perf_counter() - t0)
         result.losses.append(loss)
         _record(result, engine, stages)

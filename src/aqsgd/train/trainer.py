@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from aqsgd.comm.transport import naming_peer_failures
 from aqsgd.data.datasets import epoch_batches
 from aqsgd.data.synthetic import microbatches
 from aqsgd.errors import ConfigMismatchError
@@ -284,12 +285,14 @@ class Trainer:
                     for r in self.engine.runners.values():
                         r.trace = []
                 t0 = time.perf_counter()
-                loss = self.engine.train_step(self._passes([self._shard(g) for g in group]), phase)
-                if loss is not None and cfg.data_parallel > 1:  # the mean over the replicas' losses
-                    loss = float(self._replica_sum(torch.tensor([loss], dtype=torch.float64))) / cfg.data_parallel
+                with naming_peer_failures(self.transport, f"training step {self.position['step'] + 1}"):
+                    loss = self.engine.train_step(self._passes([self._shard(g) for g in group]), phase)
+                    if loss is not None and cfg.data_parallel > 1:  # the mean over the replicas' losses
+                        loss = float(self._replica_sum(torch.tensor([loss], dtype=torch.float64))) / cfg.data_parallel
                 dt = time.perf_counter() - t0
                 self.position.update(epoch=epoch, batch=b + cfg.grad_accum, step=self.position["step"] + 1)
-                self._log_step(writer, epoch, phase, loss, dt, sum(g["sample_ids"].numel() for g in group))
+                with naming_peer_failures(self.transport, "the metrics all-reduce"):
+                    self._log_step(writer, epoch, phase, loss, dt, sum(g["sample_ids"].numel() for g in group))
                 progress.update(bar, advance=1, description=f"epoch {epoch} {phase.value} loss "
                                 f"{loss if loss is not None else float('nan'):.4f}")
                 step = self.position["step"]
