@@ -22,11 +22,14 @@ def codecs(d: dict) -> list[str]:
 
 
 def pipeline(d: dict) -> list[str]:
-    out = ["| stages | Mbit/s | setting | samples/s | speed-up vs fp32 | ideal | efficiency | fp32 comm:compute |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| stages | D | grad sync | Mbit/s | setting | samples/s | speed-up vs fp32 | ideal | efficiency "
+           "| vs pipeline-only | fp32 comm:compute |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
-        out.append(f"| {r['stages']} | {r['bandwidth_mbps']:g} | {r['setting']} | {r['samples_per_s']:.1f} | "
-                   f"{r['speedup_vs_fp32']:.2f}x | {r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} | "
+        dp = r.get("data_parallel", 1)
+        vs = r.get("speedup_vs_pipeline_only")
+        out.append(f"| {r['stages']} | {dp} | {r.get('grad_sync', '-') if dp > 1 else '-'} | {r['bandwidth_mbps']:g} | "
+                   f"{r['setting']} | {r['samples_per_s']:.1f} | {r['speedup_vs_fp32']:.2f}x | "
+                   f"{r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} | {'-' if vs is None else f'{vs:.2f}x'} | "
                    f"{r['comm_compute_ratio']:.2f} |")
     return out
 

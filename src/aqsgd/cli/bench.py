@@ -52,6 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--micro-batches", type=positive_int, default=d.num_microbatches, help="(default: 8)")
     pp.add_argument("--measure-steps", type=positive_int, default=d.measure_steps,
                     help="timed steps after the warm-up epoch (default: 6)")
+    pp.add_argument("--data-parallel", type=_ints, default=list(d.data_parallel),
+                    help="replica counts; D > 1 runs stages x D processes (default: 1)")
+    pp.add_argument("--grad-syncs", type=lambda t: t.split(","), default=list(d.grad_syncs),
+                    help="gradient syncs compared when D > 1, e.g. allreduce,q8,q4,powersgd:rank4 (default: allreduce,q8)")
     pp.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
     pp.set_defaults(func=run_pipeline)
 
@@ -139,7 +143,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
     cfg = PipelineBenchConfig(stages=args.stages, bandwidths_mbps=args.bandwidths, settings=args.settings,
                               hidden=args.hidden, layers=args.layers, seq_len=args.seq_len,
                               microbatch_size=args.micro_batch_size, num_microbatches=args.micro_batches,
-                              measure_steps=args.measure_steps, latency_ms=args.latency_ms)
+                              measure_steps=args.measure_steps, latency_ms=args.latency_ms,
+                              data_parallel=args.data_parallel, grad_syncs=args.grad_syncs)
     console = Console(width=max(Console().width, 150))
     machine = machine_description(torch.device("cpu"))
     console.print(f"[bold]pipeline throughput[/] on {machine}: Llama-style model, {cfg.layers} blocks x {cfg.hidden}, "
@@ -148,12 +153,15 @@ def run_pipeline(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="aqsgd-bench-") as tmp:
         rows = bench_pipeline(cfg, tmp, progress=lambda m: console.print(m))
     table = Table()
-    for col in ("stages", "Mbit/s", "setting", "samples/s", "speed-up", "ideal", "efficiency", "fp32 comm:compute",
-                "bytes/micro-batch"):
-        table.add_column(col, justify="left" if col == "setting" else "right")
+    for col in ("stages", "D", "grad sync", "Mbit/s", "setting", "samples/s", "speed-up", "ideal", "efficiency",
+                "vs pipeline-only", "fp32 comm:compute", "bytes/micro-batch"):
+        table.add_column(col, justify="left" if col in ("setting", "grad sync") else "right")
     for r in rows:
-        table.add_row(str(r["stages"]), f"{r['bandwidth_mbps']:g}", r["setting"], f"{r['samples_per_s']:.1f}",
-                      f"{r['speedup_vs_fp32']:.2f}x", f"{r['ideal_speedup']:.2f}x", f"{r['efficiency']:.2f}",
+        vs = r.get("speedup_vs_pipeline_only")
+        table.add_row(str(r["stages"]), str(r.get("data_parallel", 1)),
+                      r.get("grad_sync", "-") if r.get("data_parallel", 1) > 1 else "-", f"{r['bandwidth_mbps']:g}",
+                      r["setting"], f"{r['samples_per_s']:.1f}", f"{r['speedup_vs_fp32']:.2f}x",
+                      f"{r['ideal_speedup']:.2f}x", f"{r['efficiency']:.2f}", "-" if vs is None else f"{vs:.2f}x",
                       f"{r['comm_compute_ratio']:.2f}", f"{int(r['bytes_per_mb']):,}")
     console.print(table)
     if args.json:
