@@ -113,3 +113,20 @@ def study_table(results: dict[str, Any]) -> list[dict[str, Any]]:
                      "rel_off_vs_fp32": (off - ref) / abs(ref) if (off is not None and ref) else None,
                      "compression_ratio": s["compression_ratio"], "steps": s["steps"], "wall_s": r["wall_s"]})
     return rows
+
+
+def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_dir: str | Path, *, command: str,
+                  machine: str) -> tuple[Path, Path]:
+    """The study's JSON (table, curves, final metrics) and a PNG of its runs under ``out_dir``."""
+    from aqsgd.train.report import load_run, plot_runs
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {**results, "table": study_table(results), "machine": machine, "command": command,
+               "complete": set(results["runs"]) >= set(DEFAULT_SETTINGS[task])}
+    path = out / f"convergence-{task}.json"
+    path.write_text(json.dumps(results, indent=1))
+    runs = [load_run(Path(runs_dir) / task / _slug(name), label=name) for name in results["runs"]]
+    png = out / f"convergence-{task}.png"
+    plot_runs(runs, png, baseline="fp32" if "fp32" in results["runs"] else None)
+    return path, png

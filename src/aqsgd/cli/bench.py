@@ -83,12 +83,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_convergence(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
     from aqsgd.bench.codecs import machine_description
-    from aqsgd.bench.convergence import _slug, run_study, study_table
-    from aqsgd.train.report import load_run, plot_runs
+    from aqsgd.bench.convergence import run_study, study_table, write_results
 
     console = Console(width=max(Console().width, 150))
     overrides = {k: v for k, v in (("epochs", args.epochs), ("max_train_samples", args.max_train_samples)) if v}
@@ -97,13 +95,9 @@ def run_convergence(args: argparse.Namespace) -> int:
     for task in args.tasks:
         results = run_study(task, args.runs_dir, settings=args.settings, overrides=overrides,
                             progress=lambda m: console.print(m))
+        path, png = write_results(task, results, args.runs_dir, out, command="aqsgd " + shlex.join(sys.argv[1:]),
+                                  machine=machine_description(torch.device("cpu")))
         rows = study_table(results)
-        results["table"] = rows
-        results["machine"] = machine_description(torch.device("cpu"))
-        results["command"] = "aqsgd " + shlex.join(sys.argv[1:])
-        (out / f"convergence-{task}.json").write_text(json.dumps(results, indent=1))
-        runs = [load_run(Path(args.runs_dir) / task / _slug(name), label=name) for name in results["runs"]]
-        plot_runs(runs, out / f"convergence-{task}.png", baseline="fp32" if "fp32" in results["runs"] else None)
         table = Table(title=f"convergence: {task}")
         for col in ("setting", "forward", "backward", "train loss", "metric", "eval (comp. on)", "eval (comp. off)",
                     "on vs fp32", "off vs fp32", "traffic ratio"):
@@ -116,7 +110,7 @@ def run_convergence(args: argparse.Namespace) -> int:
                           "-" if r["rel_off_vs_fp32"] is None else f"{100 * r['rel_off_vs_fp32']:+.2f}%",
                           fmt(r["compression_ratio"], 2))
         console.print(table)
-        console.print(f"wrote {out / f'convergence-{task}.json'} and {out / f'convergence-{task}.png'}")
+        console.print(f"wrote {path} and {png}")
     return 0
 
 
