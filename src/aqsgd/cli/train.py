@@ -94,7 +94,7 @@ def _worker(cfg_json: str) -> dict[str, Any] | None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [pid %(process)d] %(message)s")
     cfg = TrainConfig.from_dict(json.loads(cfg_json))
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(cfg.timeout, 30)))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(cfg.timeout, 10)))
     check_same_settings(cfg.to_dict())
     try:
         summary = Trainer(cfg).run()

@@ -661,9 +661,11 @@ _COMM_ERROR_HINTS = ("connection closed", "connection reset", "broken pipe", "gl
 
 
 @contextlib.contextmanager
-def naming_peer_failures(transport: Transport | None, what: str) -> Iterator[None]:
+def naming_peer_failures(transport: Transport | None, what: str,
+                         suspects: Sequence[str] = ()) -> Iterator[None]:
     """Turn a collective's communication error (gloo raises a bare RuntimeError naming an address) into a
-    :class:`PeerFailure` that names the failed stages this process's transport has seen, if any."""
+    :class:`PeerFailure` naming the failed stages: those this process's transport has seen fail, else the
+    ``suspects`` (the other members of the collective; exact when there is only one)."""
     try:
         yield
     except PeerFailure:
@@ -672,5 +674,12 @@ def naming_peer_failures(transport: Transport | None, what: str) -> Iterator[Non
         if not any(h in str(e).lower() for h in _COMM_ERROR_HINTS):
             raise
         names = transport.failed_peers() if transport is not None else []
-        who = " and ".join(names) if names else "a peer process (its neighbours' errors name it)"
+        if names:
+            who = " and ".join(names)
+        elif len(suspects) == 1:
+            who = suspects[0]
+        elif suspects:
+            who = "one of " + ", ".join(suspects)
+        else:
+            who = "a peer process"
         raise PeerFailure(f"lost {who} during {what}: {type(e).__name__}: {str(e).splitlines()[0]}") from e

@@ -190,7 +190,8 @@ def _train(job: JobConfig, engine: PipelineEngine, stages: list[int], result: Jo
                 time.sleep(float(secs[0]) if secs else 3600.0)
         batches = job.step_batches(step, data, replica)
         t0 = time.perf_counter()
-        with naming_peer_failures(getattr(engine, "transport", None), f"training step {step}"):
+        others = [f"stage {s}" for s in range(job.num_stages) if s not in stages]
+        with naming_peer_failures(getattr(engine, "transport", None), f"training step {step}", others):
             loss = engine.train_step(batches, job.phase(step))
         result.step_s.append(time.perf_counter() - t0)
         result.losses.append(loss)
@@ -249,7 +250,7 @@ def check_same_settings(settings: dict[str, Any], group: Any = None) -> None:
 def run_worker(job: JobConfig) -> JobResult:
     """One stage per process; ``torch.distributed`` is initialized from the environment if needed."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(job.timeout_s, 30)))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(job.timeout_s, 10)))
     check_same_settings(dataclasses.asdict(job))
     return run_stage(job)
 

@@ -130,6 +130,8 @@ class Trainer:
                                          autocast=autocast)
         # every replica's last stage has a loss; one of them (replica 0's) writes the metrics
         self.holds_loss = self.grid is None or self.grid.stage == cfg.stages - 1
+        # the other stages of this pipeline: who a failed collective may have lost (see naming_peer_failures)
+        self._suspects = [f"stage {s}" for s in range(cfg.stages) if self.grid is None or s != self.grid.stage]
         self.writes_metrics = self.holds_loss and self.replica == 0
         self.position = {"epoch": 0, "batch": 0, "step": 0}
         self.totals = {"bytes_sent": 0, "raw_bytes": 0, "grad_sync_bytes": 0, "samples": 0, "train_s": 0.0}
@@ -285,13 +287,13 @@ class Trainer:
                     for r in self.engine.runners.values():
                         r.trace = []
                 t0 = time.perf_counter()
-                with naming_peer_failures(self.transport, f"training step {self.position['step'] + 1}"):
+                with naming_peer_failures(self.transport, f"training step {self.position['step'] + 1}", self._suspects):
                     loss = self.engine.train_step(self._passes([self._shard(g) for g in group]), phase)
                     if loss is not None and cfg.data_parallel > 1:  # the mean over the replicas' losses
                         loss = float(self._replica_sum(torch.tensor([loss], dtype=torch.float64))) / cfg.data_parallel
                 dt = time.perf_counter() - t0
                 self.position.update(epoch=epoch, batch=b + cfg.grad_accum, step=self.position["step"] + 1)
-                with naming_peer_failures(self.transport, "the metrics all-reduce"):
+                with naming_peer_failures(self.transport, "the metrics all-reduce", self._suspects):
                     self._log_step(writer, epoch, phase, loss, dt, sum(g["sample_ids"].numel() for g in group))
                 progress.update(bar, advance=1, description=f"epoch {epoch} {phase.value} loss "
                                 f"{loss if loss is not None else float('nan'):.4f}")
