@@ -47,8 +47,8 @@ TASKS: dict[str, dict[str, Any]] = {
                        stages=4, micro_batches=4, micro_batch_size=8, epochs=3, warmup_epochs=1, lr=2e-4),
     # the full 30-block SmolLM2-135M (truncating blocks breaks the pretrained model: eval loss 18 instead of 3),
     # so the reduction is in tokens and samples
-    "smollm2-wiki": dict(task="wiki", model="smollm2", max_length=32, max_train_samples=96, max_eval_samples=32,
-                         stages=4, micro_batches=2, micro_batch_size=4, epochs=3, warmup_epochs=1, lr=5e-5),
+    "smollm2-wiki": dict(task="wiki", model="smollm2", max_length=32, max_train_samples=256, max_eval_samples=64,
+                         stages=4, micro_batches=2, micro_batch_size=4, epochs=4, warmup_epochs=1, lr=5e-5),
 }
 
 # the settings each task runs by default (the LM task is ~50x more expensive per sample on CPU)

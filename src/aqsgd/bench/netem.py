@@ -335,7 +335,7 @@ class StageOutcome:
     stage: int
     returncode: int | None
     elapsed_s: float
-    result: JobResult | None
+    result: JobResult | dict[str, Any] | None  # JobResult (run_job) or the run's summary (run_train)
     error: str | None
     log_tail: str
 
@@ -348,8 +348,11 @@ class StageOutcome:
 _EXC_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Failure|Timeout|Exception|Interrupt): .*)$")
 
 
+_CLI_ERROR = re.compile(r"^aqsgd: error: (.*)$")  # how the ``aqsgd`` command reports an AqsgdError
+
+
 def _last_exception(text: str) -> str | None:
-    found = [m.group(1) for m in map(_EXC_LINE.match, text.splitlines()) if m]
+    found = [m.group(1) for line in text.splitlines() for m in (_EXC_LINE.match(line) or _CLI_ERROR.match(line),) if m]
     return found[-1] if found else None
 
 
@@ -616,33 +619,77 @@ class NetemCluster:
                 env: Mapping[str, str] | None = None, stage_env: Mapping[int, Mapping[str, str]] | None = None,
                 extra_args: Sequence[str] = (), during: Callable[[NetemJob], None] | None = None,
                 threads: int = 1) -> list[StageOutcome]:
-        """Run ``job`` with one process per stage, stage ``i`` in namespace ``i``; returns every stage's
-        outcome (in stage order) once all have exited, or after ``deadline_s`` (the rest are killed and
-        have ``returncode`` None). ``env`` goes to every stage, ``stage_env[i]`` to stage ``i`` only (e.g.
-        ``AQSGD_FAULT``); ``extra_args`` to every command line; ``during(job)`` runs on this thread while
-        the processes run (fault injection). ``threads``: torch threads per process (OMP_NUM_THREADS)."""
-        if job.num_stages > self.num_nodes:
-            raise ValueError(f"{job.num_stages} stages need {job.num_stages} namespaces; the cluster has {self.num_nodes}")
+        """Run the synthetic ``job`` (:mod:`aqsgd.train.job`) with one process per stage, stage ``i`` in
+        namespace ``i``; returns every stage's outcome (in stage order, ``result`` a :class:`JobResult`) once
+        all have exited, or after ``deadline_s`` (the rest are killed and have ``returncode`` None). ``env``
+        goes to every stage, ``stage_env[i]`` to stage ``i`` only (e.g. ``AQSGD_FAULT``); ``extra_args`` to
+        every command line; ``during(job)`` runs on this thread while the processes run (fault injection).
+        ``threads``: torch threads per process (OMP_NUM_THREADS)."""
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         job_path = workdir / "job.json"
         job_path.write_text(job.to_json())
+        results = [workdir / f"result{stage}.json" for stage in range(job.num_stages)]
+        for path in results:
+            path.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "aqsgd.train.job", str(job_path), "--result", str(workdir / "result{rank}.json"),
+                *extra_args]
+        outcomes = self._run_processes(job.num_stages, argv, workdir, deadline_s=deadline_s, env=env,
+                                       stage_env=stage_env, during=during, threads=threads)
+        for outcome, path in zip(outcomes, results):
+            if path.exists():
+                outcome.result = JobResult(**json.loads(path.read_text()))
+        return outcomes
+
+    def run_train(self, args: Sequence[str], workdir: str | Path, *, deadline_s: float = 600.0,
+                  env: Mapping[str, str] | None = None, stage_env: Mapping[int, Mapping[str, str]] | None = None,
+                  during: Callable[[NetemJob], None] | None = None, threads: int = 1) -> list[StageOutcome]:
+        """Run ``aqsgd train ARGS --runtime distributed`` across the namespaces, one process per rank (rank
+        ``i`` in namespace ``i``), each started the way torchrun starts it (``RANK``, ``WORLD_SIZE``,
+        ``MASTER_ADDR``/``MASTER_PORT``). The trainer's options are checked here first (a bad option raises
+        :class:`~aqsgd.errors.SpecError` before any process starts). The run directory (``--output-dir`` /
+        ``--run-name``) is shared by the processes, as checkpoints need. The outcome of the rank that writes
+        the metrics (last stage of replica 0) carries the run's ``summary.json`` as ``result``; the others'
+        ``result`` is ``{}`` when they exited cleanly. Other keywords as for :meth:`run_job`."""
+        from aqsgd.cli import build_parser
+        from aqsgd.cli.train import build_config
+
+        argv = ["train", *args, "--runtime", "distributed"]
+        cfg = build_config(build_parser().parse_args(argv))
+        if cfg.run_name is None:
+            raise ValueError("run_train needs --run-name (every process must write into the same run directory)")
+        summary_path = Path(cfg.output_dir) / cfg.run_name / "summary.json"
+        started = summary_path.stat().st_mtime_ns if summary_path.exists() else None
+        outcomes = self._run_processes(cfg.world_size, [sys.executable, "-m", "aqsgd.cli", *argv], Path(workdir),
+                                       deadline_s=deadline_s, env=env, stage_env=stage_env, during=during,
+                                       threads=threads)
+        writer = cfg.stages - 1  # replica 0's last stage writes the metrics
+        fresh = summary_path.exists() and summary_path.stat().st_mtime_ns != started
+        for outcome in outcomes:
+            if outcome.returncode == 0:
+                outcome.result = json.loads(summary_path.read_text()) if outcome.stage == writer and fresh else {}
+        return outcomes
+
+    def _run_processes(self, world: int, argv: Sequence[str], workdir: Path, *, deadline_s: float,
+                       env: Mapping[str, str] | None, stage_env: Mapping[int, Mapping[str, str]] | None,
+                       during: Callable[[NetemJob], None] | None, threads: int) -> list[StageOutcome]:
+        """Start ``argv`` as rank ``i`` of ``world`` in namespace ``i`` (logs to ``workdir/stage{i}.log``),
+        run ``during``, wait for all to exit or the deadline; outcomes without results."""
+        if world > self.num_nodes:
+            raise ValueError(f"{world} processes need {world} namespaces; the cluster has {self.num_nodes}")
+        workdir.mkdir(parents=True, exist_ok=True)
         src_dir = str(Path(aqsgd.__file__).resolve().parent.parent)
         pythonpath = os.pathsep.join(p for p in (src_dir, os.environ.get("PYTHONPATH", "")) if p)
         procs, logs = [], []
         t0 = time.monotonic()
-        for stage in range(job.num_stages):
-            result_path = workdir / f"result{stage}.json"
-            result_path.unlink(missing_ok=True)
-            stage_vars = {"RANK": str(stage), "WORLD_SIZE": str(job.num_stages), "LOCAL_RANK": "0",
-                          "MASTER_ADDR": self.address(0), "MASTER_PORT": str(MASTER_PORT),
-                          "GLOO_SOCKET_IFNAME": self.ifname(stage), "OMP_NUM_THREADS": str(threads),
-                          "PYTHONPATH": pythonpath, **(env or {}), **((stage_env or {}).get(stage, {}))}
-            log_file = open(workdir / f"stage{stage}.log", "w")  # noqa: SIM115 (closed below)
+        for rank in range(world):
+            rank_vars = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+                         "MASTER_ADDR": self.address(0), "MASTER_PORT": str(MASTER_PORT),
+                         "GLOO_SOCKET_IFNAME": self.ifname(rank), "OMP_NUM_THREADS": str(threads),
+                         "PYTHONPATH": pythonpath, **(env or {}), **((stage_env or {}).get(rank, {}))}
+            log_file = open(workdir / f"stage{rank}.log", "w")  # noqa: SIM115 (closed below)
             logs.append(log_file)
-            procs.append(self.popen(stage, [sys.executable, "-m", "aqsgd.train.job", str(job_path), "--result",
-                                            str(workdir / "result{rank}.json"), *extra_args],
-                                    env=stage_vars, stdout=log_file, stderr=subprocess.STDOUT))
+            procs.append(self.popen(rank, argv, env=rank_vars, stdout=log_file, stderr=subprocess.STDOUT))
         handle = NetemJob(procs, t0)
         ended: list[float | None] = [None] * len(procs)
         try:
@@ -662,13 +709,11 @@ class NetemCluster:
             for f in logs:
                 f.close()
         outcomes = []
-        for stage, p in enumerate(procs):
-            text = (workdir / f"stage{stage}.log").read_text(errors="replace")
-            result_path = workdir / f"result{stage}.json"
-            result = JobResult(**json.loads(result_path.read_text())) if result_path.exists() else None
-            code = p.returncode if ended[stage] is not None else None
-            outcomes.append(StageOutcome(stage, code, ended[stage] if ended[stage] is not None else deadline_s,
-                                         result, None if code == 0 else _last_exception(text), text[-3000:]))
+        for rank, p in enumerate(procs):
+            text = (workdir / f"stage{rank}.log").read_text(errors="replace")
+            code = p.returncode if ended[rank] is not None else None
+            outcomes.append(StageOutcome(rank, code, ended[rank] if ended[rank] is not None else deadline_s,
+                                         None, None if code == 0 else _last_exception(text), text[-3000:]))
         return outcomes
 
 
