@@ -17,7 +17,11 @@ from aqsgd.bench.netem import (
     markdown_table,
     plot_speedups,
     register_cli,
+    snake_nodes,
+    sync_link_load,
+    variant_label,
 )
+from aqsgd.bench.pipeline import summarize
 from aqsgd.bench.netem_wire import Impairment
 
 
@@ -53,14 +57,40 @@ def test_last_exception_line():
     assert _last_exception(log) == "aqsgd.errors.PeerTimeout: stage 1 did not send forward within 4 s"
     assert _last_exception("[rank0]: aqsgd.errors.PeerFailure: lost stage 1\n") == "aqsgd.errors.PeerFailure: lost stage 1"
     assert _last_exception("all good\n") is None
+    assert _last_exception("x\naqsgd: error: lost stage 1 (rank 1)\n") == "lost stage 1 (rank 1)"  # the CLI's line
+
+
+def test_snake_placement_gives_every_boundary_its_own_link():
+    assert snake_nodes(2) == [0, 1] and snake_nodes(2, 2) == [0, 1, 3, 2] and snake_nodes(3, 2) == [0, 1, 2, 5, 4, 3]
+    for stages, replicas in ((2, 2), (4, 2), (2, 3), (3, 3)):
+        nodes = snake_nodes(stages, replicas)
+        assert sorted(nodes) == list(range(stages * replicas))
+        for r in range(replicas):  # consecutive stages of a replica are chain neighbours
+            assert all(abs(nodes[r * stages + s + 1] - nodes[r * stages + s]) == 1 for s in range(stages - 1))
+    # 2x2: stage 1's replicas are neighbours (link 1), stage 0's span the chain (links 0-2): link 1 carries both
+    assert sync_link_load(2, 2) == 2 and sync_link_load(4, 2) == 4 and sync_link_load(3, 1) == 0
+
+
+def test_ideal_model_stretches_the_sync_by_the_link_load():
+    row = dict(setting="fp32", stages=2, data_parallel=2, grad_sync="allreduce", bandwidth_mbps=8.0,
+               samples_per_s=1.0, compute_per_mb_s=0.1, bytes_per_mb=1e5, num_microbatches=4, sync_bytes=1e6)
+    q8 = {**row, "grad_sync": "q8", "sync_bytes": 2.5e5, "samples_per_s": 1.5}
+    one, two = summarize([dict(row, sync_load=1), dict(q8, sync_load=1)]), summarize([dict(row, sync_load=2), dict(q8, sync_load=2)])
+    # step = 4 x max(0.1, 0.1) + load x sync_bytes x 8 / 8e6
+    assert one[1]["ideal_speedup"] == pytest.approx((0.4 + 1.0) / (0.4 + 0.25))
+    assert two[1]["ideal_speedup"] == pytest.approx((0.4 + 2.0) / (0.4 + 0.5))
+    assert variant_label(two[1]) == "fp32 | D=2 q8" and variant_label({"setting": "fp16"}) == "fp16"
 
 
 def test_cli_options_and_reports(tmp_path):
     parser = argparse.ArgumentParser()
     register_cli(parser.add_subparsers(dest="b"))
-    args = parser.parse_args(["netem", "--quick", "--settings", "fp32", "aqsgd fw2/bw4", "--stages", "4"])
+    args = parser.parse_args(["netem", "--quick", "--settings", "fp32", "aqsgd fw2/bw4", "--stages", "4",
+                              "--data-parallel", "2", "--grad-syncs", "allreduce", "powersgd:rank4"])
     cfg = _config_from_args(args)
     assert isinstance(cfg, NetemBenchConfig) and cfg.stages == 4 and cfg.measure_steps == 3
+    assert cfg.data_parallel == 2 and cfg.grad_syncs == ("allreduce", "powersgd:rank4")
+    assert cfg.dp_settings == ("fp32", "aqsgd fw2/bw4")
     assert cfg.settings == ("fp32", "aqsgd fw2/bw4") and set(cfg.settings) <= set(NETEM_SETTINGS)
     rows = [{"setting": s, "bandwidth_mbps": bw, "link_mbps": bw * 0.95, "samples_per_s": 10.0 * k,
              "speedup_vs_fp32": float(k), "ideal_speedup": float(k), "efficiency": 1.0, "comm_compute_ratio": 1.0}

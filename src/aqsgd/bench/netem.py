@@ -108,6 +108,7 @@ from typing import Any
 import aqsgd
 from aqsgd.bench.pipeline import _measure, summarize
 from aqsgd.errors import AqsgdError
+from aqsgd.parallel import parse_grad_sync
 from aqsgd.train.job import JobConfig, JobResult, ensure_weights, tiny_lm_recipe
 
 __all__ = [
@@ -374,6 +375,27 @@ class NetemJob:
         return any(p.poll() is None for p in self.procs)
 
 
+def snake_nodes(stages: int, replicas: int = 1) -> list[int]:
+    """The chain node of each rank (``rank = replica * stages + stage``, :mod:`aqsgd.parallel.grid`):
+    replicas lie along the chain alternately forwards and backwards (``0 1 | 3 2 | 4 5 ...``), so that every
+    pipeline boundary is one dedicated link and replica ``r``'s last (or first) stage is the neighbour of
+    replica ``r+1``'s."""
+    if stages < 1 or replicas < 1:
+        raise ValueError(f"stages and replicas must be >= 1, got {stages} and {replicas}")
+    return [r * stages + (s if r % 2 == 0 else stages - 1 - s) for r in range(replicas) for s in range(stages)]
+
+
+def sync_link_load(stages: int, replicas: int = 1) -> int:
+    """How many stages' gradient synchronizations cross the busiest link of the chain under
+    :func:`snake_nodes` (each stage's replicas talk along the stretch of chain between them): the factor by
+    which the ideal model stretches the sync time. 0 without data parallelism."""
+    if replicas < 2:
+        return 0
+    nodes = snake_nodes(stages, replicas)
+    spans = [(min(g), max(g)) for g in ([nodes[r * stages + s] for r in range(replicas)] for s in range(stages))]
+    return max(sum(lo <= link < hi for lo, hi in spans) for link in range(stages * replicas - 1))
+
+
 class NetemCluster:
     """``num_nodes`` network namespaces in a chain of veth links (see the module docs); a context manager
     that always removes them again.
@@ -629,13 +651,15 @@ class NetemCluster:
         workdir.mkdir(parents=True, exist_ok=True)
         job_path = workdir / "job.json"
         job_path.write_text(job.to_json())
-        results = [workdir / f"result{stage}.json" for stage in range(job.num_stages)]
+        world = job.num_stages * job.data_parallel
+        results = [workdir / f"result{rank}.json" for rank in range(world)]
         for path in results:
             path.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "aqsgd.train.job", str(job_path), "--result", str(workdir / "result{rank}.json"),
                 *extra_args]
-        outcomes = self._run_processes(job.num_stages, argv, workdir, deadline_s=deadline_s, env=env,
-                                       stage_env=stage_env, during=during, threads=threads)
+        outcomes = self._run_processes(snake_nodes(job.num_stages, job.data_parallel), argv, workdir,
+                                       deadline_s=deadline_s, env=env, stage_env=stage_env, during=during,
+                                       threads=threads)
         for outcome, path in zip(outcomes, results):
             if path.exists():
                 outcome.result = JobResult(**json.loads(path.read_text()))
@@ -660,7 +684,8 @@ class NetemCluster:
             raise ValueError("run_train needs --run-name (every process must write into the same run directory)")
         summary_path = Path(cfg.output_dir) / cfg.run_name / "summary.json"
         started = summary_path.stat().st_mtime_ns if summary_path.exists() else None
-        outcomes = self._run_processes(cfg.world_size, [sys.executable, "-m", "aqsgd.cli", *argv], Path(workdir),
+        outcomes = self._run_processes(snake_nodes(cfg.stages, cfg.data_parallel),
+                                       [sys.executable, "-m", "aqsgd.cli", *argv], Path(workdir),
                                        deadline_s=deadline_s, env=env, stage_env=stage_env, during=during,
                                        threads=threads)
         writer = cfg.stages - 1  # replica 0's last stage writes the metrics
@@ -670,13 +695,15 @@ class NetemCluster:
                 outcome.result = json.loads(summary_path.read_text()) if outcome.stage == writer and fresh else {}
         return outcomes
 
-    def _run_processes(self, world: int, argv: Sequence[str], workdir: Path, *, deadline_s: float,
+    def _run_processes(self, nodes: Sequence[int], argv: Sequence[str], workdir: Path, *, deadline_s: float,
                        env: Mapping[str, str] | None, stage_env: Mapping[int, Mapping[str, str]] | None,
                        during: Callable[[NetemJob], None] | None, threads: int) -> list[StageOutcome]:
-        """Start ``argv`` as rank ``i`` of ``world`` in namespace ``i`` (logs to ``workdir/stage{i}.log``),
-        run ``during``, wait for all to exit or the deadline; outcomes without results."""
-        if world > self.num_nodes:
-            raise ValueError(f"{world} processes need {world} namespaces; the cluster has {self.num_nodes}")
+        """Start ``argv`` as rank ``i`` of ``len(nodes)`` in namespace ``nodes[i]`` (logs to
+        ``workdir/stage{i}.log``), run ``during``, wait for all to exit or the deadline; outcomes without
+        results."""
+        world = len(nodes)
+        if max(nodes) >= self.num_nodes:
+            raise ValueError(f"{world} processes need {max(nodes) + 1} namespaces; the cluster has {self.num_nodes}")
         workdir.mkdir(parents=True, exist_ok=True)
         src_dir = str(Path(aqsgd.__file__).resolve().parent.parent)
         pythonpath = os.pathsep.join(p for p in (src_dir, os.environ.get("PYTHONPATH", "")) if p)
@@ -684,12 +711,12 @@ class NetemCluster:
         t0 = time.monotonic()
         for rank in range(world):
             rank_vars = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-                         "MASTER_ADDR": self.address(0), "MASTER_PORT": str(MASTER_PORT),
-                         "GLOO_SOCKET_IFNAME": self.ifname(rank), "OMP_NUM_THREADS": str(threads),
+                         "MASTER_ADDR": self.address(nodes[0]), "MASTER_PORT": str(MASTER_PORT),
+                         "GLOO_SOCKET_IFNAME": self.ifname(nodes[rank]), "OMP_NUM_THREADS": str(threads),
                          "PYTHONPATH": pythonpath, **(env or {}), **((stage_env or {}).get(rank, {}))}
             log_file = open(workdir / f"stage{rank}.log", "w")  # noqa: SIM115 (closed below)
             logs.append(log_file)
-            procs.append(self.popen(rank, argv, env=rank_vars, stdout=log_file, stderr=subprocess.STDOUT))
+            procs.append(self.popen(nodes[rank], argv, env=rank_vars, stdout=log_file, stderr=subprocess.STDOUT))
         handle = NetemJob(procs, t0)
         ended: list[float | None] = [None] * len(procs)
         try:
@@ -724,7 +751,8 @@ class NetemCluster:
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One compression setting of the sweep: the boundary codecs, plus ``job_overrides`` (more
-    :class:`JobConfig` fields; the hook for data-parallel compression once the job has it)."""
+    :class:`JobConfig` fields). Data parallelism and its gradient sync are swept separately
+    (:attr:`NetemBenchConfig.data_parallel`, :attr:`NetemBenchConfig.grad_syncs`)."""
 
     forward: str
     backward: str
@@ -762,6 +790,11 @@ class NetemBenchConfig:
     timeout_s: float = 120.0  # the job's transport timeout
     threads: int = 1  # torch threads per stage process
     grid_step: float = math.sqrt(10)  # ratio between consecutive bandwidths of the derived grid
+    # data parallelism: with data_parallel D > 1, dp_settings also run on D replicas of the pipeline (S x D
+    # processes along the chain, see snake_nodes) with each gradient sync of grad_syncs
+    data_parallel: int = 1
+    dp_settings: Sequence[str] = ("fp32", "aqsgd fw2/bw4")
+    grad_syncs: Sequence[str] = ("allreduce", "q8")
 
     @classmethod
     def quick(cls, **kw: Any) -> NetemBenchConfig:
@@ -778,6 +811,27 @@ def _base_job(cfg: NetemBenchConfig, weights_dir: str) -> JobConfig:
     return ensure_weights(job, weights_dir)
 
 
+def _variants(cfg: NetemBenchConfig) -> list[tuple[str, int, str]]:
+    """(setting, replicas, gradient sync) of one bandwidth: every setting on one pipeline, then the
+    data-parallel ones."""
+    out = [(name, 1, "allreduce") for name in cfg.settings]
+    if cfg.data_parallel > 1:
+        out += [(name, cfg.data_parallel, sync) for name in cfg.dp_settings for sync in cfg.grad_syncs]
+    return out
+
+
+def _variant_job(base: JobConfig, name: str, replicas: int, sync: str) -> JobConfig:
+    s = NETEM_SETTINGS[name]
+    return dataclasses.replace(base, forward=s.forward, backward=s.backward, data_parallel=replicas, grad_sync=sync,
+                               num_samples=base.num_samples * replicas, **dict(s.job_overrides))
+
+
+def variant_label(row: Mapping[str, Any]) -> str:
+    """A row's setting with its data parallelism, e.g. ``aqsgd fw2/bw4 | D=2 q8``."""
+    dp = row.get("data_parallel", 1)
+    return row["setting"] if dp == 1 else f"{row['setting']} | D={dp} {row.get('grad_sync', 'allreduce')}"
+
+
 def bandwidth_grid(max_mbps: float, min_mbps: float, *, step: float = math.sqrt(10)) -> list[float]:
     """``max_mbps``, ``max_mbps/step``, ... while above ``min_mbps``, then ``min_mbps`` itself (3
     significant digits), descending."""
@@ -791,16 +845,19 @@ def bandwidth_grid(max_mbps: float, min_mbps: float, *, step: float = math.sqrt(
     return grid
 
 
-def _row(name: str, setting: Setting, bw: float, link_mbps: float, job: JobConfig,
-         runs: list[list[JobResult]]) -> dict[str, Any]:
+def _row(name: str, bw: float, link_mbps: float, job: JobConfig, runs: list[list[JobResult]]) -> dict[str, Any]:
     measured = [_measure(job, per_stage) for per_stage in runs]
     mid = statistics.median(m["samples_per_s"] for m in measured)
-    return {"setting": name, "stages": job.num_stages, "bandwidth_mbps": bw, "link_mbps": link_mbps,
-            "forward": setting.forward, "backward": setting.backward, "runs": len(runs),
+    return {"setting": name, "stages": job.num_stages, "data_parallel": job.data_parallel,
+            "grad_sync": job.grad_sync, "sync_load": sync_link_load(job.num_stages, job.data_parallel),
+            "bandwidth_mbps": bw, "link_mbps": link_mbps,
+            "forward": job.forward, "backward": job.backward, "runs": len(runs),
             "samples_per_s": mid, "samples_per_s_runs": [m["samples_per_s"] for m in measured],
             "step_s": statistics.median(m["step_s"] for m in measured),
             "compute_per_mb_s": statistics.median(m["compute_per_mb_s"] for m in measured),
-            "bytes_per_mb": statistics.median(m["bytes_per_mb"] for m in measured)}
+            "bytes_per_mb": statistics.median(m["bytes_per_mb"] for m in measured),
+            "sync_bytes": statistics.median(m["sync_bytes"] for m in measured),
+            "num_microbatches": job.num_microbatches}
 
 
 def _summarize_with_link_rate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -825,21 +882,29 @@ def bench_netem(cfg: NetemBenchConfig, workdir: str | Path,
     say = progress or (lambda msg: log.info("%s", msg))
     workdir = Path(workdir)
     base = _base_job(cfg, str(workdir / "weights"))
-    results: dict[tuple[float, str], list[list[JobResult]]] = {}
+    unknown = [s for s in cfg.dp_settings if s not in NETEM_SETTINGS] if cfg.data_parallel > 1 else []
+    if unknown or (cfg.data_parallel > 1 and "fp32" not in cfg.dp_settings):
+        raise ValueError(f"dp_settings must include fp32 and come from {list(NETEM_SETTINGS)}; got {list(cfg.dp_settings)}")
+    for sync in cfg.grad_syncs:
+        parse_grad_sync(sync)
+    if cfg.data_parallel > 1 and "allreduce" not in cfg.grad_syncs:
+        raise ValueError(f"grad_syncs must include allreduce (the baseline); got {list(cfg.grad_syncs)}")
+    results: dict[tuple[float, str, int, str], list[list[JobResult]]] = {}
     links: dict[float, dict[str, float]] = {}
 
-    def run(cluster: NetemCluster, name: str, bw: float, tag: str) -> list[JobResult]:
-        s = NETEM_SETTINGS[name]
-        job = dataclasses.replace(base, forward=s.forward, backward=s.backward, **dict(s.job_overrides))
+    def run(cluster: NetemCluster, name: str, bw: float, tag: str, replicas: int = 1,
+            sync: str = "allreduce") -> list[JobResult]:
+        job = _variant_job(base, name, replicas, sync)
+        label = variant_label({"setting": name, "data_parallel": replicas, "grad_sync": sync})
         t0 = time.monotonic()
         outcomes = cluster.run_job(job, workdir / "runs" / tag, deadline_s=900, threads=cfg.threads)
         bad = [o for o in outcomes if not o.ok]
         if bad:
-            raise NetemError(f"{name} at {bw:g} Mbit/s: stage {bad[0].stage} failed "
+            raise NetemError(f"{label} at {bw:g} Mbit/s: rank {bad[0].stage} failed "
                              f"({bad[0].error or bad[0].returncode}):\n{bad[0].log_tail}")
         per_stage = [o.result for o in outcomes]
         m = _measure(job, per_stage)  # type: ignore[arg-type]
-        say(f"  {name:<15} {bw:>7g} Mbit/s: {m['samples_per_s']:8.1f} samples/s "
+        say(f"  {label:<30} {bw:>7g} Mbit/s: {m['samples_per_s']:8.1f} samples/s "
             f"(step {m['step_s'] * 1e3:.0f} ms, run {time.monotonic() - t0:.1f} s)")
         return per_stage  # type: ignore[return-value]
 
@@ -850,7 +915,7 @@ def bench_netem(cfg: NetemBenchConfig, workdir: str | Path,
             f"({min(fw, bwd) / bw:.1%} of nominal)")
         return {"forward_mbps": fw, "backward_mbps": bwd}
 
-    with NetemCluster(cfg.stages) as cluster:
+    with NetemCluster(cfg.stages * max(cfg.data_parallel, 1)) as cluster:
         top = cfg.bandwidths_mbps[0] if cfg.bandwidths_mbps else cfg.max_mbps
         cluster.shape_all(LinkShape(rate_mbit=top, delay_ms=cfg.delay_ms))
         links[top] = measure_links(cluster, top)
@@ -865,27 +930,27 @@ def bench_netem(cfg: NetemBenchConfig, workdir: str | Path,
                        "target_ratio": cfg.target_ratio, "target_mbps": target_mbps, "grid_mbps": grid}
         say(f"compute {c * 1e3:.1f} ms per micro-batch, fp32 message {nbytes / 1024:.0f} KiB: link time = "
             f"{cfg.target_ratio:g}x compute at {target_mbps:.1f} Mbit/s; sweep {grid} Mbit/s, "
-            f"{len(cfg.settings)} settings x {cfg.runs} run(s)")
+            f"{len(_variants(cfg))} settings x {cfg.runs} run(s)")
         for bw in grid:
             if bw not in links:
                 cluster.shape_all(LinkShape(rate_mbit=bw, delay_ms=cfg.delay_ms))
                 links[bw] = measure_links(cluster, bw)
-            for name in cfg.settings:
+            for name, replicas, sync in _variants(cfg):
                 for rep in range(cfg.runs):
-                    if bw == top and name == "fp32" and rep == 0:
-                        results.setdefault((bw, name), []).append(calib)
+                    key = (bw, name, replicas, sync)
+                    if bw == top and name == "fp32" and replicas == 1 and rep == 0:
+                        results.setdefault(key, []).append(calib)
                         continue
-                    results.setdefault((bw, name), []).append(run(cluster, name, bw, f"{bw:g}-{name}-{rep}"
-                                                                  .replace(" ", "_").replace("/", "")))
+                    tag = f"{bw:g}-{name}-D{replicas}-{sync}-{rep}".replace(" ", "_").replace("/", "").replace(":", "")
+                    results.setdefault(key, []).append(run(cluster, name, bw, tag, replicas, sync))
     rows = []
     for bw in grid:
         link = links[bw]
         # the ideal model's line: the slower direction's measured goodput
         link_mbps = min(link["forward_mbps"], link["backward_mbps"], bw)
-        for name in cfg.settings:
-            job = dataclasses.replace(base, forward=NETEM_SETTINGS[name].forward,
-                                      backward=NETEM_SETTINGS[name].backward)
-            rows.append(_row(name, NETEM_SETTINGS[name], bw, link_mbps, job, results[(bw, name)]))
+        for name, replicas, sync in _variants(cfg):
+            rows.append(_row(name, bw, link_mbps, _variant_job(base, name, replicas, sync),
+                             results[(bw, name, replicas, sync)]))
     return {"calibration": calibration, "links": {f"{bw:g}": v for bw, v in links.items()},
             "rows": _summarize_with_link_rate(rows)}
 
@@ -900,7 +965,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
             "fp32 comm:compute |")
     lines = [head, "|" + "---:|" * 2 + ":---|" + "---:|" * 5]
     for r in rows:
-        lines.append(f"| {r['bandwidth_mbps']:g} | {r['link_mbps']:.1f} | {r['setting']} | "
+        lines.append(f"| {r['bandwidth_mbps']:g} | {r['link_mbps']:.1f} | {variant_label(r)} | "
                      f"{r['samples_per_s']:.1f} | {r['speedup_vs_fp32']:.2f} | {r['ideal_speedup']:.2f} | "
                      f"{r['efficiency']:.2f} | {r['comm_compute_ratio']:.2f} |")
     return "\n".join(lines)
@@ -922,10 +987,10 @@ def plot_speedups(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    names = list(dict.fromkeys(r["setting"] for r in rows))
+    names = list(dict.fromkeys(variant_label(r) for r in rows))
     for k, name in enumerate(names):
         pts = sorted((r["bandwidth_mbps"], r["speedup_vs_fp32"], r["ideal_speedup"]) for r in rows
-                     if r["setting"] == name)
+                     if variant_label(r) == name)
         colour = f"C{k}"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colour, label=name)
         ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=colour, alpha=0.7)
@@ -934,7 +999,7 @@ def plot_speedups(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title:
     ax.set_ylabel("speed-up vs fp32 (samples/s)")
     ax.set_title(title or "pipeline over shaped veth links (dotted: ideal)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -974,6 +1039,14 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--runs", type=int, default=1, help="runs per (bandwidth, setting); median (default: 1)")
     p.add_argument("--hidden", type=int, default=256, help="model width (default: 256)")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length (default: 128)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="D",
+                   help="also run --dp-settings on D replicas of the pipeline (S x D processes) with each "
+                        "--grad-syncs (default: 1, off)")
+    p.add_argument("--dp-settings", nargs="+", choices=list(NETEM_SETTINGS), default=["fp32", "aqsgd fw2/bw4"],
+                   metavar="SETTING", help="settings run with data parallelism (default: fp32, aqsgd fw2/bw4)")
+    p.add_argument("--grad-syncs", nargs="+", default=["allreduce", "q8"], metavar="SYNC",
+                   help="gradient syncs between replicas: allreduce | q<b>[:block<N>] | powersgd[:rank<R>] "
+                        "(default: allreduce q8)")
     p.add_argument("--quick", action="store_true", help="fewer timed steps (about 5 minutes on 2 cores)")
     p.add_argument("--workdir", default=None, help="where job files and logs go (default: a temporary folder)")
     p.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON to PATH")
@@ -986,7 +1059,8 @@ def _config_from_args(args: argparse.Namespace) -> NetemBenchConfig:
     kw: dict[str, Any] = {"stages": args.stages, "bandwidths_mbps": args.bandwidths, "max_mbps": args.max_mbps,
                           "target_ratio": args.target_ratio, "settings": tuple(args.settings),
                           "delay_ms": args.delay_ms, "runs": args.runs, "hidden": args.hidden,
-                          "seq_len": args.seq_len}
+                          "seq_len": args.seq_len, "data_parallel": args.data_parallel,
+                          "dp_settings": tuple(args.dp_settings), "grad_syncs": tuple(args.grad_syncs)}
     if args.steps:
         kw["measure_steps"] = args.steps
     return NetemBenchConfig.quick(**kw) if args.quick else NetemBenchConfig(**kw)
@@ -1005,12 +1079,13 @@ def run_cli(args: argparse.Namespace) -> int:
     rows = report["rows"]
     print(markdown_table(rows))
     at = rows[-1]["bandwidth_mbps"]
-    aq = next((r for r in rows if r["bandwidth_mbps"] == at and r["setting"] == "aqsgd fw2/bw4"), None)
+    aq = next((r for r in rows if r["bandwidth_mbps"] == at and variant_label(r) == "aqsgd fw2/bw4"), None)
     if aq is not None:
         print(f"at {at:g} Mbit/s (fp32 comm:compute {aq['comm_compute_ratio']:.1f}): AQ-SGD fw2/bw4 is "
               f"{aq['speedup_vs_fp32']:.2f}x fp32; lowest efficiency {min(r['efficiency'] for r in rows):.2f}")
     machine = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Linux {platform.release()}"
-    command = "aqsgd " + shlex.join(sys.argv[1:])
+    argv = sys.argv[1:]
+    command = "aqsgd bench netem " + shlex.join(argv[argv.index("netem") + 1:] if "netem" in argv else argv)
     if args.json:
         write_json(report, args.json, cfg=cfg, command=command, machine=machine)
         print(f"wrote {args.json}")

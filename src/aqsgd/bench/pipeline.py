@@ -147,7 +147,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         bps = r["bandwidth_mbps"] * 1e6
         link = lambda row: row["bytes_per_mb"] * 8 / bps  # noqa: E731
         step = lambda row: (row.get("num_microbatches", 1) * max(row["compute_per_mb_s"], link(row))  # noqa: E731
-                            + row.get("sync_bytes", 0) * 8 / bps)
+                            + row.get("sync_bytes", 0) * max(row.get("sync_load", 1), 1) * 8 / bps)
         r["speedup_vs_fp32"] = r["samples_per_s"] / b["samples_per_s"]
         if r.get("data_parallel", 1) > 1:
             r["speedup_vs_pipeline_only"] = r["samples_per_s"] / pipeline_only[(key(r), r["setting"])]["samples_per_s"]
