@@ -51,8 +51,10 @@ Processes
 waits for all of them within a deadline (killing the rest when it passes), and returns each stage's exit
 code, its :class:`~aqsgd.train.job.JobResult` and, for a failed stage, the exception it ended with. A
 ``during`` callback runs while the job trains (fault injection: :meth:`NetemCluster.wait_for_traffic`,
-:meth:`NetemCluster.shape`, :meth:`NetemJob.kill`). ``extra_args`` is passed to every stage's command line
-(the hook for ``--resume CHECKPOINT`` once checkpointing exists).
+:meth:`NetemCluster.shape`, :meth:`NetemJob.kill`). ``extra_args`` is passed to every stage's command line.
+:meth:`NetemCluster.run_train` does the same for the real trainer: ``python -m aqsgd.cli train ARGS --runtime
+distributed`` in each namespace, started the way torchrun starts it, with checkpoints in a run directory
+that all processes share, so that a run killed by a fault can be continued with ``--resume``.
 
 Clean-up
 --------
@@ -75,10 +77,14 @@ model uses the *measured* TCP goodput of the link (``link_mbps``), not the nomin
 efficiency measures how well the pipeline overlaps communication and compute rather than TCP/IP header
 overhead; the nominal rate is reported next to it.
 
-Data parallelism is not part of this benchmark yet: a :class:`Setting` carries ``job_overrides`` (extra
-:class:`~aqsgd.train.job.JobConfig` fields), which is where data-parallel degree and gradient compression
-go once ``JobConfig`` has them; the cluster then needs one namespace per process instead of per stage
-(``num_nodes`` is independent of ``num_stages``).
+Data parallelism (``--data-parallel D``): the ``dp_settings`` also run on ``D`` replicas of the pipeline with
+each gradient sync of ``grad_syncs`` (fp32 ``allreduce`` the baseline, ``q8``, ``powersgd:rank4``, ...).
+The ``S x D`` processes lie along the one chain (:func:`snake_nodes`: replica 0 forwards, replica 1
+backwards, ...), so every pipeline boundary keeps a dedicated link, the last stages of replicas 0 and 1
+are neighbours, and the other stages' replicas reach each other through the chain, as on a real line of
+hosts. Their syncs then share links: with 2 stages x 2 replicas the middle link carries both stages'
+syncs, and the ideal model multiplies the sync time by that load (:func:`sync_link_load`). Speed-ups of
+data-parallel rows are against the fp32 pipeline with the fp32 all-reduce at the same ``D``.
 """
 
 from __future__ import annotations
