@@ -37,11 +37,14 @@ def pipeline(d: dict) -> list[str]:
 def convergence(d: dict) -> list[str]:
     out = ["| setting | forward | backward | final train loss | metric | eval, compression on | eval, compression off "
            "| on vs fp32 | off vs fp32 | traffic ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
-    pct = lambda v: "-" if v is None else f"{100 * v:+.2f}%"  # noqa: E731
+    def pct(v, spread=None):
+        return "-" if v is None else f"{100 * v:+.2f}%" + (f" ± {100 * spread:.2f}" if spread is not None else "")
+
     for r in d["table"]:
         out.append(f"| {r['setting']} | `{r['forward']}` | `{r['backward']}` | {_fmt(r['final_train_loss'], '.4f')} | "
-                   f"{r['metric']} | {_fmt(r['eval_on'], '.4f')} | {_fmt(r['eval_off'], '.4f')} | {pct(r['rel_vs_fp32'])} | "
-                   f"{pct(r.get('rel_off_vs_fp32'))} | {_fmt(r['compression_ratio'])}x |")
+                   f"{r['metric']} | {_fmt(r['eval_on'], '.4f')} | {_fmt(r['eval_off'], '.4f')} | "
+                   f"{pct(r['rel_vs_fp32'], r.get('rel_vs_fp32_std'))} | "
+                   f"{pct(r.get('rel_off_vs_fp32'), r.get('rel_off_vs_fp32_std'))} | {_fmt(r['compression_ratio'])}x |")
     return out
 
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from aqsgd.train.config import TrainConfig
 
-__all__ = ["SETTINGS", "TASKS", "run_study"]
+__all__ = ["SETTINGS", "TASKS", "DEFAULT_TASKS", "run_study", "study_table", "write_results"]
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,18 @@ TASKS: dict[str, dict[str, Any]] = {
     # so the reduction is in tokens and samples
     "smollm2-wiki": dict(task="wiki", model="smollm2", max_length=32, max_train_samples=256, max_eval_samples=64,
                          stages=4, micro_batches=2, micro_batch_size=4, epochs=4, warmup_epochs=1, lr=5e-5),
+    # a smoke test of the study itself (seconds; a random-token LM, no data source needed)
+    "synthetic-lm": dict(task="synthetic-lm", max_length=12, max_train_samples=48, max_eval_samples=16, stages=3,
+                         micro_batches=2, micro_batch_size=4, epochs=3, warmup_epochs=1, lr=3e-3),
 }
+DEFAULT_TASKS = ["minilm-bbc", "smollm2-wiki"]
 
 # the settings each task runs by default (the LM task is ~50x more expensive per sample on CPU)
 DEFAULT_SETTINGS: dict[str, list[str]] = {
     "minilm-bbc": [name for name in SETTINGS if name != "topk10% + ef21"],
     "smollm2-wiki": ["fp32", "aqsgd fw2/bw4", "direct fw2/bw4", "aqsgd fw4/bw8", "direct fw4/bw8", "topk30%",
                      "topk30% + ef", "aqsgd + topk30%"],
+    "synthetic-lm": ["fp32", "aqsgd fw2/bw4", "direct fw2/bw4"],
 }
 
 
@@ -63,9 +69,16 @@ def _slug(name: str) -> str:
     return name.replace(" ", "").replace("/", "-").replace("%", "").replace("+", "-")
 
 
+def run_key(name: str, seed: int) -> str:
+    """A run's key in the study: the setting's name, with ``@seed<N>`` for seeds other than 0."""
+    return name if seed == 0 else f"{name} @seed{seed}"
+
+
 def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = None, overrides: dict[str, Any] | None = None,
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run every setting on one task; returns (and writes) the collected results."""
+              seeds: list[int] | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every setting on one task, once per seed (default: seed 0; the seed sets the data order, the
+    initialization of new heads and stochastic rounding); returns (and writes) the collected results. A
+    study is continued from ``<out_dir>/<task>/study.json``; one with other task settings is refused."""
     from aqsgd.train.report import load_run
     from aqsgd.train.trainer import Trainer
 
@@ -74,59 +87,99 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
     results: dict[str, Any] = {"task": task, "base_config": base, "runs": {}}
     result_path = out / "study.json"
     if result_path.exists():  # continue an interrupted study
-        results["runs"] = json.loads(result_path.read_text()).get("runs", {})
-    for name in settings or DEFAULT_SETTINGS[task]:
-        if name in results["runs"]:
-            continue
-        fw, bw = SETTINGS[name]
-        cfg = TrainConfig(**base, forward=fw, backward=bw, output_dir=str(out), run_name=_slug(name),
-                          progress=False, tensorboard=False, seed=0)
-        if progress:
-            progress(f"{task}: {name} ({fw} / {bw})")
-        t0 = time.perf_counter()
-        summary = Trainer(cfg).run()
-        run = load_run(out / _slug(name))
-        results["runs"][name] = {
-            "forward": fw, "backward": bw, "summary": summary, "wall_s": time.perf_counter() - t0,
-            "train_loss": [(r["step"], r["loss"]) for r in run.train_rows],
-            "eval": [{"step": r["step"], "compressed": r["compressed"], "uncompressed": r["uncompressed"]}
-                     for r in run.eval_rows],
-        }
-        out.mkdir(parents=True, exist_ok=True)
-        result_path.write_text(json.dumps(results, indent=1))
+        previous = json.loads(result_path.read_text())
+        if previous.get("base_config", base) != base:
+            raise ValueError(f"{result_path} holds a study of {task} with other settings ({previous['base_config']}, "
+                             f"now {base}); use another --runs-dir")
+        results["runs"] = previous.get("runs", {})
+    for seed in seeds or [0]:
+        for name in settings or DEFAULT_SETTINGS[task]:
+            key = run_key(name, seed)
+            if key in results["runs"]:
+                continue
+            fw, bw = SETTINGS[name]
+            run_name = _slug(name) + (f"-seed{seed}" if seed else "")
+            cfg = TrainConfig(**base, forward=fw, backward=bw, output_dir=str(out), run_name=run_name,
+                              progress=False, tensorboard=False, seed=seed)
+            if progress:
+                progress(f"{task}: {key} ({fw} / {bw})")
+            t0 = time.perf_counter()
+            summary = Trainer(cfg).run()
+            run = load_run(out / run_name)
+            results["runs"][key] = _run_record(name, seed, run_name, fw, bw, summary, run, time.perf_counter() - t0)
+            out.mkdir(parents=True, exist_ok=True)
+            result_path.write_text(json.dumps(results, indent=1))
     return results
 
 
+def _run_record(name: str, seed: int, run_name: str, fw: str, bw: str, summary: dict[str, Any], run: Any,
+                wall_s: float) -> dict[str, Any]:
+    return {"setting": name, "seed": seed, "run_dir": run_name,
+            "forward": fw, "backward": bw, "summary": summary, "wall_s": wall_s,
+            "train_loss": [(r["step"], r["loss"]) for r in run.train_rows],
+            "eval": [{"step": r["step"], "compressed": r["compressed"], "uncompressed": r["uncompressed"]}
+                     for r in run.eval_rows],
+    }
+
+
 def study_table(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Final metrics per setting, with the relative difference of the main metric to fp32."""
-    rows = []
-    base = results["runs"].get("fp32")
-    for name, r in results["runs"].items():
+    """Final metrics per setting (means over its seeds), with the relative difference of the main metric to
+    fp32's with compression off at evaluation; each seed is compared with fp32 of the same seed (paired) and
+    with several seeds the spread of those differences is given too (``*_std``, sample standard deviation)."""
+    groups: dict[str, dict[int, dict[str, Any]]] = {}
+    for key, r in results["runs"].items():
+        groups.setdefault(r.get("setting", key), {})[r.get("seed", 0)] = r
+
+    def final(r: dict[str, Any], which: str) -> float | None:
         s = r["summary"]
-        metric = s["main_metric"]
-        on = (s.get("eval") or {}).get("compressed", {}).get(metric)
-        off = (s.get("eval") or {}).get("uncompressed", {}).get(metric)
-        ref = (base["summary"].get("eval") or {}).get("uncompressed", {}).get(metric) if base else None
-        rows.append({"setting": name, "forward": r["forward"], "backward": r["backward"], "metric": metric,
-                     "final_train_loss": s["final_train_loss"], "eval_on": on, "eval_off": off,
-                     "rel_vs_fp32": (on - ref) / abs(ref) if (on is not None and ref) else None,
-                     "rel_off_vs_fp32": (off - ref) / abs(ref) if (off is not None and ref) else None,
-                     "compression_ratio": s["compression_ratio"], "steps": s["steps"], "wall_s": r["wall_s"]})
+        return (s.get("eval") or {}).get(which, {}).get(s["main_metric"])
+
+    def rel(value: float | None, ref: float | None) -> float | None:
+        return (value - ref) / abs(ref) if (value is not None and ref) else None
+
+    def mean(values: list[float | None]) -> float | None:
+        vals = [v for v in values if v is not None]
+        return statistics.fmean(vals) if vals else None
+
+    def std(values: list[float | None]) -> float | None:
+        vals = [v for v in values if v is not None]
+        return statistics.stdev(vals) if len(vals) > 1 else None
+
+    base = groups.get("fp32", {})
+    rows = []
+    for name, by_seed in groups.items():
+        runs = [by_seed[k] for k in sorted(by_seed)]
+        refs = [final(base[k], "uncompressed") if k in base else None for k in sorted(by_seed)]
+        on, off = [final(r, "compressed") for r in runs], [final(r, "uncompressed") for r in runs]
+        rel_on, rel_off = [rel(v, ref) for v, ref in zip(on, refs)], [rel(v, ref) for v, ref in zip(off, refs)]
+        first = runs[0]
+        rows.append({"setting": name, "forward": first["forward"], "backward": first["backward"],
+                     "metric": first["summary"]["main_metric"], "seeds": sorted(by_seed),
+                     "final_train_loss": mean([r["summary"]["final_train_loss"] for r in runs]),
+                     "eval_on": mean(on), "eval_off": mean(off), "eval_on_runs": on, "eval_off_runs": off,
+                     "rel_vs_fp32": mean(rel_on), "rel_off_vs_fp32": mean(rel_off),
+                     "rel_vs_fp32_std": std(rel_on), "rel_off_vs_fp32_std": std(rel_off),
+                     "compression_ratio": mean([r["summary"]["compression_ratio"] for r in runs]),
+                     "steps": first["summary"]["steps"], "wall_s": sum(r["wall_s"] for r in runs)})
     return rows
 
 
 def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_dir: str | Path, *, command: str,
-                  machine: str) -> tuple[Path, Path]:
-    """The study's JSON (table, curves, final metrics) and a PNG of its runs under ``out_dir``."""
+                  machine: str, tag: str | None = None) -> tuple[Path, Path]:
+    """The study's JSON (table, curves, final metrics) and a PNG of its runs under ``out_dir``, named
+    ``convergence-<task>[-<tag>].json/.png``."""
     from aqsgd.train.report import load_run, plot_runs
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = {**results, "table": study_table(results), "machine": machine, "command": command,
-               "complete": set(results["runs"]) >= set(DEFAULT_SETTINGS[task])}
-    path = out / f"convergence-{task}.json"
+               "complete": {r.get("setting", k) for k, r in results["runs"].items()} >= set(DEFAULT_SETTINGS[task])}
+    stem = f"convergence-{task}" + (f"-{tag}" if tag else "")
+    path = out / f"{stem}.json"
     path.write_text(json.dumps(results, indent=1))
-    runs = [load_run(Path(runs_dir) / task / _slug(name), label=name) for name in results["runs"]]
-    png = out / f"convergence-{task}.png"
+    # the curves of seed 0 (one per setting)
+    runs = [load_run(Path(runs_dir) / task / r.get("run_dir", _slug(key)), label=r.get("setting", key))
+            for key, r in results["runs"].items() if r.get("seed", 0) == 0]
+    png = out / f"{stem}.png"
     plot_runs(runs, png, baseline="fp32" if "fp32" in results["runs"] else None)
     return path, png

@@ -59,6 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
     pp.set_defaults(func=run_pipeline)
 
+    from aqsgd.bench.convergence import DEFAULT_TASKS as CONV_DEFAULT_TASKS
     from aqsgd.bench.convergence import SETTINGS as CONV_SETTINGS
     from aqsgd.bench.convergence import TASKS as CONV_TASKS
 
@@ -66,8 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                          description="Train every setting with the same seed, data order and steps on reduced "
                                      "tasks; write curves and final metrics (compression on and off at eval) as "
                                      "JSON, a PNG per task and a table.")
-    cv.add_argument("tasks", nargs="*", choices=list(CONV_TASKS), default=list(CONV_TASKS), metavar="TASK",
-                    help=f"tasks (default: all of {', '.join(CONV_TASKS)})")
+    cv.add_argument("tasks", nargs="*", choices=list(CONV_TASKS), default=list(CONV_DEFAULT_TASKS), metavar="TASK",
+                    help=f"tasks, of {', '.join(CONV_TASKS)} (default: {' '.join(CONV_DEFAULT_TASKS)})")
     cv.add_argument("--settings", nargs="+", choices=list(CONV_SETTINGS), default=None, metavar="SETTING",
                     help="settings (default: all)")
     cv.add_argument("--runs-dir", default="runs/convergence", help="run directories (default: runs/convergence); "
@@ -75,6 +76,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     cv.add_argument("--results-dir", default="benchmarks/results", help="JSON and PNG output (default: benchmarks/results)")
     cv.add_argument("--epochs", type=positive_int, default=None, help="override the task's epochs")
     cv.add_argument("--max-train-samples", type=positive_int, default=None, help="override the task's training samples")
+    cv.add_argument("--max-eval-samples", type=positive_int, default=None, help="override the task's evaluation samples")
+    cv.add_argument("--seeds", type=_ints, default=[0], metavar="N[,N...]",
+                    help="run every setting once per seed (data order, head initialization, rounding); the table "
+                         "gives means and the spread of the paired differences to fp32 (default: 0)")
+    cv.add_argument("--tag", default=None, help="suffix of the result files: convergence-TASK-TAG.json/.png "
+                    "(use it with another --runs-dir when overriding the task's settings)")
     cv.set_defaults(func=run_convergence)
 
     from aqsgd.bench.netem import register_cli as register_netem
@@ -89,29 +96,34 @@ def run_convergence(args: argparse.Namespace) -> int:
     from aqsgd.bench.convergence import run_study, study_table, write_results
 
     console = Console(width=max(Console().width, 150))
-    overrides = {k: v for k, v in (("epochs", args.epochs), ("max_train_samples", args.max_train_samples)) if v}
+    overrides = {k: v for k, v in (("epochs", args.epochs), ("max_train_samples", args.max_train_samples),
+                                   ("max_eval_samples", args.max_eval_samples)) if v}
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     for task in args.tasks:
-        results = run_study(task, args.runs_dir, settings=args.settings, overrides=overrides,
+        results = run_study(task, args.runs_dir, settings=args.settings, overrides=overrides, seeds=args.seeds,
                             progress=lambda m: console.print(m))
         path, png = write_results(task, results, args.runs_dir, out, command="aqsgd " + shlex.join(sys.argv[1:]),
-                                  machine=machine_description(torch.device("cpu")))
+                                  machine=machine_description(torch.device("cpu")), tag=args.tag)
         rows = study_table(results)
-        table = Table(title=f"convergence: {task}")
+        table = Table(title=f"convergence: {task}" + (f" (means over seeds {args.seeds})" if len(args.seeds) > 1 else ""))
         for col in ("setting", "forward", "backward", "train loss", "metric", "eval (comp. on)", "eval (comp. off)",
                     "on vs fp32", "off vs fp32", "traffic ratio"):
             table.add_column(col, justify="left" if col in ("setting", "forward", "backward", "metric") else "right")
         for r in rows:
             fmt = lambda v, p=4: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
             table.add_row(r["setting"], r["forward"], r["backward"], fmt(r["final_train_loss"]), r["metric"],
-                          fmt(r["eval_on"]), fmt(r["eval_off"]),
-                          "-" if r["rel_vs_fp32"] is None else f"{100 * r['rel_vs_fp32']:+.2f}%",
-                          "-" if r["rel_off_vs_fp32"] is None else f"{100 * r['rel_off_vs_fp32']:+.2f}%",
-                          fmt(r["compression_ratio"], 2))
+                          fmt(r["eval_on"]), fmt(r["eval_off"]), _pct(r["rel_vs_fp32"], r["rel_vs_fp32_std"]),
+                          _pct(r["rel_off_vs_fp32"], r["rel_off_vs_fp32_std"]), fmt(r["compression_ratio"], 2))
         console.print(table)
         console.print(f"wrote {path} and {png}")
     return 0
+
+
+def _pct(value: float | None, spread: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:+.2f}%" + (f" ± {100 * spread:.2f}" if spread is not None else "")
 
 
 def _ints(text: str) -> list[int]:

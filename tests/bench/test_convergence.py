@@ -1,0 +1,65 @@
+"""The convergence study's machinery on the synthetic task: seeds, pairing with fp32, resuming, refusing a
+study with other settings, the result files and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aqsgd.bench.convergence import run_study, study_table, write_results
+from aqsgd.cli import main
+
+SETTINGS = ["fp32", "aqsgd fw2/bw4"]
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    return runs, run_study("synthetic-lm", runs, settings=SETTINGS, seeds=[0, 1], overrides={"epochs": 2})
+
+
+def test_every_setting_runs_once_per_seed(study):
+    runs, results = study
+    assert set(results["runs"]) == {"fp32", "aqsgd fw2/bw4", "fp32 @seed1", "aqsgd fw2/bw4 @seed1"}
+    assert results["runs"]["fp32 @seed1"]["seed"] == 1 and (runs / "synthetic-lm" / "fp32-seed1" / "summary.json").exists()
+    # another seed is another data order: other losses
+    assert results["runs"]["fp32"]["train_loss"] != results["runs"]["fp32 @seed1"]["train_loss"]
+
+
+def test_table_pairs_each_seed_with_fp32_of_that_seed(study):
+    _, results = study
+    rows = {r["setting"]: r for r in study_table(results)}
+    fp32, aq = rows["fp32"], rows["aqsgd fw2/bw4"]
+    assert fp32["seeds"] == aq["seeds"] == [0, 1] and fp32["metric"] == "perplexity"
+    assert fp32["rel_off_vs_fp32"] == 0 and fp32["rel_off_vs_fp32_std"] == 0
+    ref = fp32["eval_off_runs"]
+    paired = [(v - r) / r for v, r in zip(aq["eval_on_runs"], ref)]
+    assert aq["rel_vs_fp32"] == pytest.approx(sum(paired) / 2)
+    assert aq["rel_vs_fp32_std"] == pytest.approx(abs(paired[0] - paired[1]) / 2 ** 0.5)
+    assert aq["eval_on"] == pytest.approx(sum(aq["eval_on_runs"]) / 2)
+
+
+def test_study_continues_and_refuses_other_settings(study):
+    runs, results = study
+    again = run_study("synthetic-lm", runs, settings=SETTINGS, seeds=[0, 1], overrides={"epochs": 2})
+    assert again["runs"] == json.loads(json.dumps(results["runs"]))  # nothing re-run
+    with pytest.raises(ValueError, match="other settings"):
+        run_study("synthetic-lm", runs, settings=SETTINGS, overrides={"epochs": 3})
+
+
+def test_result_files(study, tmp_path):
+    runs, results = study
+    path, png = write_results("synthetic-lm", results, runs, tmp_path, command="test", machine="here", tag="seeds")
+    assert path.name == "convergence-synthetic-lm-seeds.json" and png.read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads(path.read_text())
+    assert saved["complete"] is False  # direct fw2/bw4 of the default settings did not run
+    assert len(saved["table"]) == 2
+
+
+def test_cli(tmp_path, capsys):
+    code = main(["bench", "convergence", "synthetic-lm", "--settings", "fp32", "--epochs", "2", "--seeds", "0,1",
+                 "--runs-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "out"), "--tag", "t"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "means over seeds [0, 1]" in out and (tmp_path / "out" / "convergence-synthetic-lm-t.json").exists()
