@@ -1028,7 +1028,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> argparse.Argum
     p = bench_subparsers.add_parser(
         "netem", help="pipeline throughput over real shaped links (network namespaces, tc; needs root)",
         description="Runs stage processes in Linux network namespaces joined by veth links shaped with tc "
-                    "(netem + tbf), over gloo/TCP, for fp32, fp16, direct and AQ-SGD compression, from "
+                    "(tbf; delay and loss by a user-space wire), over gloo/TCP, for fp32, fp16, direct and AQ-SGD compression (and with --data-parallel, gradient syncs between replicas), from "
                     "--max-mbps down to where the fp32 link time is --target-ratio x the compute time. "
                     "Reports samples/s, speed-up vs fp32, the ideal speed-up (max(compute, link) per "
                     "micro-batch), efficiency and the fp32 comm:compute ratio. Needs root and iproute2.")
@@ -1041,7 +1041,7 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--settings", nargs="+", choices=list(NETEM_SETTINGS), default=list(NETEM_SETTINGS),
                    metavar="SETTING", help=f"settings to run (default: all: {', '.join(NETEM_SETTINGS)})")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per link (default: 0)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: 6; 4 with --quick)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: 6; 3 with --quick)")
     p.add_argument("--runs", type=int, default=1, help="runs per (bandwidth, setting); median (default: 1)")
     p.add_argument("--hidden", type=int, default=256, help="model width (default: 256)")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length (default: 128)")
