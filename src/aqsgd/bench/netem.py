@@ -1028,7 +1028,8 @@ def register_cli(bench_subparsers: argparse._SubParsersAction) -> argparse.Argum
     p = bench_subparsers.add_parser(
         "netem", help="pipeline throughput over real shaped links (network namespaces, tc; needs root)",
         description="Runs stage processes in Linux network namespaces joined by veth links shaped with tc "
-                    "(tbf; delay and loss by a user-space wire), over gloo/TCP, for fp32, fp16, direct and AQ-SGD compression (and with --data-parallel, gradient syncs between replicas), from "
+                    "(tbf; delay and loss by a user-space wire), over gloo/TCP, for fp32, fp16, direct and AQ-SGD "
+                    "compression (with --data-parallel also gradient syncs between replicas), from "
                     "--max-mbps down to where the fp32 link time is --target-ratio x the compute time. "
                     "Reports samples/s, speed-up vs fp32, the ideal speed-up (max(compute, link) per "
                     "micro-batch), efficiency and the fp32 comm:compute ratio. Needs root and iproute2.")
