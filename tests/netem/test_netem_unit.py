@@ -100,3 +100,15 @@ def test_cli_options_and_reports(tmp_path):
     plot_speedups(rows, tmp_path / "s.png")
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
     json.dumps(rows)
+
+
+def test_run_train_checks_the_options_before_starting_anything(tmp_path):
+    from aqsgd.bench.netem import NetemCluster
+    from aqsgd.errors import SpecError
+
+    cluster = NetemCluster(2)  # not entered: no namespaces exist, nothing may be started
+    with pytest.raises(ValueError, match="--run-name"):
+        cluster.run_train(["--task", "synthetic-lm", "--stages", "2"], tmp_path)
+    with pytest.raises(SpecError, match="stages"):
+        cluster.run_train(["--task", "synthetic-lm", "--stages", "0", "--run-name", "x"], tmp_path)
+    assert not cluster._procs
