@@ -40,6 +40,10 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "topk30%": ("direct:topk0.3", "direct:topk0.3"),
     "topk30% + ef": ("ef:topk0.3", "ef:topk0.3"),
     "aqsgd + topk30%": ("delta:topk0.3", "direct:topk0.3"),
+    # ablations (not in the default lists): one direction compressed, the other fp32
+    "aqsgd fw2 only": ("delta:q2", "none"),
+    "direct fw2 only": ("direct:q2", "none"),
+    "bw4 only": ("none", "direct:q4"),
 }
 
 # reduced tasks that fit the CPU budget (well under an hour each on 2 idle cores)
