@@ -44,6 +44,9 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "aqsgd fw2 only": ("delta:q2", "none"),
     "direct fw2 only": ("direct:q2", "none"),
     "bw4 only": ("none", "direct:q4"),
+    # the same bits with one scale per token (row) instead of per channel: +16 bits per row of 384-768 values
+    "aqsgd fw2/bw4 token": ("delta:q2:token", "direct:q4:token"),
+    "direct fw2/bw4 token": ("direct:q2:token", "direct:q4:token"),
 }
 
 # reduced tasks that fit the CPU budget (well under an hour each on 2 idle cores)
