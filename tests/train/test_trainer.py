@@ -71,3 +71,11 @@ def test_resume_refuses_other_settings(tmp_path):
 def test_invalid_values_name_the_option(tmp_path, field, value, needle):
     with pytest.raises(SpecError, match=needle):
         _cfg(tmp_path, **{field: value}).validate()
+
+
+def test_eval_set_larger_than_the_training_set(tmp_path):
+    """Evaluation sample ids go beyond the AQ-SGD caches' capacity (one row per training sample): evaluation
+    must not touch (or prefetch from) the caches."""
+    summary = Trainer(_cfg(tmp_path, run_name="big-eval", max_train_samples=16, max_eval_samples=40, epochs=2,
+                           cache="disk")).run()
+    assert summary["steps"] == 4 and summary["eval"]["compressed"]["loss"] > 0

@@ -220,6 +220,10 @@ class StageRunner:
         self._prefetch(0)
 
     def _prefetch(self, mb: int) -> None:
+        # evaluation never reads the caches, and its sample ids are not the training set's (they may be
+        # beyond the caches' capacity)
+        if self.phase not in (Phase.TRAIN, Phase.WARMUP):
+            return
         if mb >= len(self.microbatches) or "sample_ids" not in self.microbatches[mb]:
             return
         for s in self.schemes.values():
