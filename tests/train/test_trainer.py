@@ -79,3 +79,26 @@ def test_eval_set_larger_than_the_training_set(tmp_path):
     summary = Trainer(_cfg(tmp_path, run_name="big-eval", max_train_samples=16, max_eval_samples=40, epochs=2,
                            cache="disk")).run()
     assert summary["steps"] == 4 and summary["eval"]["compressed"]["loss"] > 0
+
+
+def test_dropout_override_reaches_every_dropout_module():
+    import torch.nn as nn
+
+    from aqsgd.pipeline.materialize import ModelRecipe
+    from aqsgd.train.tasks import _with_dropout
+
+    config = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "intermediate_size": 64, "vocab_size": 50, "max_position_embeddings": 16, "num_labels": 3,
+              "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
+    recipe = ModelRecipe("bert-cls", config)
+    assert _with_dropout(recipe, None) is recipe
+    off = _with_dropout(recipe, 0.0)
+    assert off.config["hidden_dropout_prob"] == off.config["attention_probs_dropout_prob"] == 0.0
+    assert off.config["classifier_dropout"] == 0.0 and off.config["hidden_size"] == 32
+    before = [m.p for m in recipe.build("cpu").modules() if isinstance(m, nn.Dropout)]
+    after = [m.p for m in off.build("cpu").modules() if isinstance(m, nn.Dropout)]
+    assert before and set(before) == {0.1} and len(after) == len(before) and set(after) == {0.0}
+    with pytest.raises(SpecError, match="--dropout"):
+        _with_dropout(ModelRecipe("resnet", {"in_channels": 1, "num_classes": 2}), 0.0)
+    with pytest.raises(SpecError, match="--dropout"):
+        TrainConfig(dropout=1.5).validate()

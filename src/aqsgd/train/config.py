@@ -35,6 +35,9 @@ class TrainConfig:
     cache_dir: str | None = _f(None, "data and weights cache (default $AQSGD_CACHE or ~/.cache/aqsgd)", "task")
     model_layers: int | None = _f(None, "keep only the first N transformer blocks of the model (a reduced model)",
                                   "task")
+    dropout: float | None = _f(None, "set every dropout probability of a transformers model to P (e.g. 0: with "
+                               "dropout a sample's activations differ between epochs, which AQ-SGD's deltas "
+                               "carry; default: the model's own)", "task")
     # -- pipeline ----------------------------------------------------------------------------------------
     stages: int = _f(4, "number of pipeline stages", "pipeline")
     layers: list[int] | None = _f(None, "blocks per stage, comma-separated (default: balanced)", "pipeline")
@@ -115,6 +118,8 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise bad(name, f"must be >= 1, got {v}")
+        if self.dropout is not None and not 0 <= self.dropout < 1:
+            raise bad("dropout", f"must be in [0, 1), got {self.dropout}")
         if self.warmup_epochs < 0 or self.warmup_epochs > self.epochs:
             raise bad("warmup_epochs", f"must be in 0..epochs ({self.epochs}), got {self.warmup_epochs}")
         if not self.lr > 0:

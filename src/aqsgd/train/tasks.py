@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,23 @@ def _model_recipe(cfg: TrainConfig, kind: str, train: Dataset) -> ModelRecipe:
     raise SpecError(f"--model {model} does not fit the {kind} task {cfg.task}")
 
 
+_DROPOUT_KEY = re.compile(r"dropout|pdrop")
+
+
+def _with_dropout(recipe: ModelRecipe, p: float | None) -> ModelRecipe:
+    """``recipe`` with every dropout probability of its transformers config set to ``p`` (None: unchanged).
+    The weights stay the same file: dropout is not a parameter."""
+    if p is None:
+        return recipe
+    if recipe.kind not in ("gpt2", "llama", "bert-cls"):
+        raise SpecError(f"--dropout applies to transformers models; {recipe.kind} has no dropout setting")
+    config = {k: (p if _DROPOUT_KEY.search(k) and (v is None or isinstance(v, (int, float))) else v)
+              for k, v in recipe.config.items()}
+    if recipe.kind == "bert-cls":
+        config["classifier_dropout"] = p  # absent from most configs (then the hidden dropout applies)
+    return dataclasses.replace(recipe, config=config)
+
+
 def _hub_model(name: str, kind: str, weights_dir: Path) -> Path:
     """Download a hub model once into the cache (only where the hub is reachable)."""
     target = weights_dir / "hub" / name.replace("/", "--")
@@ -170,7 +188,7 @@ def setup_task(cfg: TrainConfig) -> TaskSetup:
                       tokenizer=tokenizer)
         train = load_task(cfg.task, "train", max_samples=limit(cfg.max_train_samples), **common)
         evals = load_task(cfg.task, "eval", max_samples=limit(cfg.max_eval_samples), **common)
-    recipe = _model_recipe(cfg, kind, train)
+    recipe = _with_dropout(_model_recipe(cfg, kind, train), cfg.dropout)
     info = getattr(train, "info", {})
     num_labels = int(info["num_labels"]) if "num_labels" in info else None
     metric = {"causal-lm": "perplexity", "sequence-classification": "accuracy",
