@@ -77,6 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cv.add_argument("--epochs", type=positive_int, default=None, help="override the task's epochs")
     cv.add_argument("--max-train-samples", type=positive_int, default=None, help="override the task's training samples")
     cv.add_argument("--max-eval-samples", type=positive_int, default=None, help="override the task's evaluation samples")
+    cv.add_argument("--dropout", type=float, default=None, help="override the model's dropout probabilities "
+                    "(e.g. 0)")
     cv.add_argument("--seeds", type=_ints, default=[0], metavar="N[,N...]",
                     help="run every setting once per seed (data order, head initialization, rounding); the table "
                          "gives means and the spread of the paired differences to fp32 (default: 0)")
@@ -98,6 +100,8 @@ def run_convergence(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 150))
     overrides = {k: v for k, v in (("epochs", args.epochs), ("max_train_samples", args.max_train_samples),
                                    ("max_eval_samples", args.max_eval_samples)) if v}
+    if args.dropout is not None:
+        overrides["dropout"] = args.dropout
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     for task in args.tasks:
