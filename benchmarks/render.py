@@ -48,11 +48,17 @@ def convergence(d: dict) -> list[str]:
     return out
 
 
+def netem(d: dict) -> list[str]:
+    from aqsgd.bench.netem import markdown_table
+
+    return markdown_table(d["rows"]).splitlines()
+
+
 def main(paths: list[str]) -> int:
     for p in paths:
         d = json.loads(Path(p).read_text())
         kind = d.get("benchmark") or ("convergence" if "table" in d else None)
-        lines = {"codecs": codecs, "pipeline": pipeline, "convergence": convergence}[kind](d)
+        lines = {"codecs": codecs, "pipeline": pipeline, "convergence": convergence, "netem": netem}[kind](d)
         print(f"<!-- {p}: {d.get('command', '')} on {d.get('machine', '')} -->")
         print("\n".join(lines))
         print()
