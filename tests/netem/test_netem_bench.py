@@ -17,9 +17,9 @@ def test_sweep_with_data_parallel_rows(tmp_path):
                            dp_settings=("fp32",), grad_syncs=("allreduce", "q8"))
     report = bench_netem(cfg, tmp_path)
     rows = {variant_label(r): r for r in report["rows"]}
-    assert set(rows) == {"fp32", "aqsgd fw2/bw4", "fp32 | D=2 allreduce", "fp32 | D=2 q8"}
+    assert set(rows) == {"fp32", "aqsgd fw2/bw4", "fp32, D=2 allreduce", "fp32, D=2 q8"}
     assert rows["fp32"]["sync_bytes"] == 0 and rows["fp32"]["sync_load"] == 0
-    full, q8 = rows["fp32 | D=2 allreduce"], rows["fp32 | D=2 q8"]
+    full, q8 = rows["fp32, D=2 allreduce"], rows["fp32, D=2 q8"]
     assert full["sync_load"] == 2 and full["speedup_vs_fp32"] == 1.0
     # q8 sends about a quarter of the fp32 all-reduce's bytes (scales and padding on top)
     assert 0.2 < q8["sync_bytes"] / full["sync_bytes"] < 0.35

@@ -79,7 +79,7 @@ def test_ideal_model_stretches_the_sync_by_the_link_load():
     # step = 4 x max(0.1, 0.1) + load x sync_bytes x 8 / 8e6
     assert one[1]["ideal_speedup"] == pytest.approx((0.4 + 1.0) / (0.4 + 0.25))
     assert two[1]["ideal_speedup"] == pytest.approx((0.4 + 2.0) / (0.4 + 0.5))
-    assert variant_label(two[1]) == "fp32 | D=2 q8" and variant_label({"setting": "fp16"}) == "fp16"
+    assert variant_label(two[1]) == "fp32, D=2 q8" and variant_label({"setting": "fp16"}) == "fp16"
 
 
 def test_cli_options_and_reports(tmp_path):

@@ -833,9 +833,9 @@ def _variant_job(base: JobConfig, name: str, replicas: int, sync: str) -> JobCon
 
 
 def variant_label(row: Mapping[str, Any]) -> str:
-    """A row's setting with its data parallelism, e.g. ``aqsgd fw2/bw4 | D=2 q8``."""
+    """A row's setting with its data parallelism, e.g. ``aqsgd fw2/bw4, D=2 q8``."""
     dp = row.get("data_parallel", 1)
-    return row["setting"] if dp == 1 else f"{row['setting']} | D={dp} {row.get('grad_sync', 'allreduce')}"
+    return row["setting"] if dp == 1 else f"{row['setting']}, D={dp} {row.get('grad_sync', 'allreduce')}"
 
 
 def bandwidth_grid(max_mbps: float, min_mbps: float, *, step: float = math.sqrt(10)) -> list[float]:
