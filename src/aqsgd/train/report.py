@@ -441,7 +441,7 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
         import matplotlib.pyplot as plt
         from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
-        from matplotlib.ticker import FuncFormatter
+        from matplotlib.ticker import FuncFormatter, NullFormatter
     except ImportError as e:  # pragma: no cover - matplotlib is a test dependency
         raise AqsgdError("aqsgd report needs matplotlib: pip install 'aqsgd[report]'") from e
     if not runs:
@@ -500,9 +500,11 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
         ax_eval.set(title=f"eval {metric} ({direction} is better)", xlabel="step", ylabel=metric)
         if metric == "perplexity" and values and min(values) > 0 and max(values) / min(values) > 20:
             ax_eval.set_yscale("log")
-            plain = FuncFormatter(lambda x, _pos: f"{x:g}")
-            ax_eval.yaxis.set_major_formatter(plain)
-            ax_eval.yaxis.set_minor_formatter(plain)
+            ax_eval.yaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
+            if max(values) / min(values) > 1000:  # decades apart: label the decades only
+                ax_eval.yaxis.set_minor_formatter(NullFormatter())
+            else:
+                ax_eval.yaxis.set_minor_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
         ax_eval.legend(handles=[Line2D([], [], color="0.3", linestyle="-", label="compression on"),
                                 Line2D([], [], color="0.3", linestyle="--", label="compression off")],
                        loc="best")
