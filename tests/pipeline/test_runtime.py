@@ -66,7 +66,7 @@ def test_eval_phases_and_compression_on_off():
     case = CASES["bert"]()
     pipe = _aqsgd_pipeline(case, stages=2)
     mbs = split_batch(case.batch, 2)
-    ref = float(case.loss(case.model, case.batch))
+    ref = float(case.loss(case.model, case.batch).detach())
     raw = float(pipe.step(mbs, phase="eval_raw"))
     assert raw == pytest.approx(ref, rel=1e-5)
     comp = float(pipe.step(mbs, phase="eval"))
