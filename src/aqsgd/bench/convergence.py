@@ -47,6 +47,8 @@ SETTINGS: dict[str, tuple[str, str]] = {
     # the same bits with one scale per token (row) instead of per channel: +16 bits per row of 384-768 values
     "aqsgd fw2/bw4 token": ("delta:q2:token", "direct:q4:token"),
     "direct fw2/bw4 token": ("direct:q2:token", "direct:q4:token"),
+    # unbiased (stochastic) rounding of AQ-SGD's deltas: m follows a in expectation
+    "aqsgd fw2/bw4 stochastic": ("delta:q2:stochastic", "direct:q4"),
 }
 
 # reduced tasks that fit the CPU budget (well under an hour each on 2 idle cores)
