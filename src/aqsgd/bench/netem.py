@@ -745,8 +745,12 @@ class NetemCluster:
         for rank, p in enumerate(procs):
             text = (workdir / f"stage{rank}.log").read_text(errors="replace")
             code = p.returncode if ended[rank] is not None else None
+            error = None if code == 0 else _last_exception(text)
+            if ended[rank] is None:  # say so: a hang leaves no exception in the log
+                last = f"; last error: {error}" if error else ""
+                error = f"still running at the {deadline_s:g} s deadline (killed){last}"
             outcomes.append(StageOutcome(rank, code, ended[rank] if ended[rank] is not None else deadline_s,
-                                         None, None if code == 0 else _last_exception(text), text[-3000:]))
+                                         None, error, text[-3000:]))
         return outcomes
 
 
