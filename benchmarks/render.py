@@ -37,8 +37,7 @@ def pipeline(d: dict) -> list[str]:
 def convergence(d: dict) -> list[str]:
     out = ["| setting | forward | backward | final train loss | metric | eval, compression on | eval, compression off "
            "| on vs fp32 | off vs fp32 | traffic ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
-    def pct(v, spread=None):
-        return "-" if v is None else f"{100 * v:+.2f}%" + (f" ± {100 * spread:.2f}" if spread is not None else "")
+    from aqsgd.bench.convergence import format_relative as pct
 
     for r in d["table"]:
         out.append(f"| {r['setting']} | `{r['forward']}` | `{r['backward']}` | {_fmt(r['final_train_loss'], '.4f')} | "

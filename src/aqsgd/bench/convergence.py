@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 from aqsgd.train.config import TrainConfig
 
-__all__ = ["SETTINGS", "TASKS", "DEFAULT_TASKS", "run_study", "study_table", "write_results"]
+__all__ = ["SETTINGS", "TASKS", "DEFAULT_TASKS", "run_study", "study_table", "write_results",
+           "format_relative"]
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,13 @@ def study_table(results: dict[str, Any]) -> list[dict[str, Any]]:
                      "compression_ratio": mean([r["summary"]["compression_ratio"] for r in runs]),
                      "steps": first["summary"]["steps"], "wall_s": sum(r["wall_s"] for r in runs)})
     return rows
+
+
+def format_relative(value: float | None, spread: float | None = None) -> str:
+    """A relative difference as a signed percentage, with its spread over seeds when there is one."""
+    if value is None:
+        return "-"
+    return f"{100 * value:+.2f}%" + (f" ± {100 * spread:.2f}" if spread is not None else "")
 
 
 def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_dir: str | Path, *, command: str,

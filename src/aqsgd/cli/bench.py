@@ -95,7 +95,7 @@ def run_convergence(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from aqsgd.bench.codecs import machine_description
-    from aqsgd.bench.convergence import run_study, study_table, write_results
+    from aqsgd.bench.convergence import format_relative, run_study, study_table, write_results
 
     console = Console(width=max(Console().width, 150))
     overrides = {k: v for k, v in (("epochs", args.epochs), ("max_train_samples", args.max_train_samples),
@@ -117,17 +117,11 @@ def run_convergence(args: argparse.Namespace) -> int:
         for r in rows:
             fmt = lambda v, p=4: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
             table.add_row(r["setting"], r["forward"], r["backward"], fmt(r["final_train_loss"]), r["metric"],
-                          fmt(r["eval_on"]), fmt(r["eval_off"]), _pct(r["rel_vs_fp32"], r["rel_vs_fp32_std"]),
-                          _pct(r["rel_off_vs_fp32"], r["rel_off_vs_fp32_std"]), fmt(r["compression_ratio"], 2))
+                          fmt(r["eval_on"]), fmt(r["eval_off"]), format_relative(r["rel_vs_fp32"], r["rel_vs_fp32_std"]),
+                          format_relative(r["rel_off_vs_fp32"], r["rel_off_vs_fp32_std"]), fmt(r["compression_ratio"], 2))
         console.print(table)
         console.print(f"wrote {path} and {png}")
     return 0
-
-
-def _pct(value: float | None, spread: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{100 * value:+.2f}%" + (f" ± {100 * spread:.2f}" if spread is not None else "")
 
 
 def _ints(text: str) -> list[int]:

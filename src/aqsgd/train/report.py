@@ -212,23 +212,23 @@ class Run:
             return [], []
         return [s for s, _ in points], _accumulate(points, _finite(self.summary.get(key)))
 
-    @property
-    def total_bytes(self) -> float | None:
-        """Bytes sent over all boundaries: the summary's ``bytes_sent``, else the rows' running total."""
-        v = _finite(self.summary.get("bytes_sent"))
+    def _total(self, key: str) -> float | None:
+        """The summary's ``key``, else the rows' running total of it."""
+        v = _finite(self.summary.get(key))
         if v is None:
-            _, cum = self.cumulative("bytes_sent")
+            _, cum = self.cumulative(key)
             v = cum[-1] if cum else None
         return v
 
     @property
+    def total_bytes(self) -> float | None:
+        """Bytes sent over all boundaries: the summary's ``bytes_sent``, else the rows' running total."""
+        return self._total("bytes_sent")
+
+    @property
     def raw_bytes(self) -> float | None:
         """What the same tensors would have taken in fp32: the summary's ``raw_bytes``, else the rows'."""
-        v = _finite(self.summary.get("raw_bytes"))
-        if v is None:
-            _, cum = self.cumulative("raw_bytes")
-            v = cum[-1] if cum else None
-        return v
+        return self._total("raw_bytes")
 
     @property
     def compression_ratio(self) -> float | None:
