@@ -745,7 +745,7 @@ class NetemCluster:
         for rank, p in enumerate(procs):
             text = (workdir / f"stage{rank}.log").read_text(errors="replace")
             code = p.returncode if ended[rank] is not None else None
-            error = None if code == 0 else _last_exception(text)
+            error = None if code == 0 else (_last_exception(text) or (f"exit code {code}" if code is not None else None))
             if ended[rank] is None:  # say so: a hang leaves no exception in the log
                 last = f"; last error: {error}" if error else ""
                 error = f"still running at the {deadline_s:g} s deadline (killed){last}"
