@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from aqsgd.comm import LinkSpec
+from aqsgd.comm.launch import leave_process_group
 from aqsgd.train.job import JobConfig, JobResult, ensure_weights, run_stage, tiny_lm_recipe
 
 __all__ = ["SETTINGS", "PipelineBenchConfig", "bench_pipeline", "summarize"]
@@ -117,7 +117,7 @@ def _launch(jobs: list[JobConfig], stages: int) -> list[list[JobResult]]:
 
 def _bench_entry(jobs_json: str) -> list[dict[str, Any]]:
     results = _worker(jobs_json)
-    dist.destroy_process_group()
+    leave_process_group(clean=True)
     return results
 
 

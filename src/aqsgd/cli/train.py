@@ -88,6 +88,7 @@ def _worker(cfg_json: str) -> dict[str, Any] | None:
 
     import torch.distributed as dist
 
+    from aqsgd.comm.launch import leave_process_group
     from aqsgd.train.job import check_same_settings
     from aqsgd.train.trainer import Trainer
 
@@ -96,10 +97,12 @@ def _worker(cfg_json: str) -> dict[str, Any] | None:
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(cfg.timeout, 10)))
     check_same_settings(cfg.to_dict())
+    clean = False
     try:
         summary = Trainer(cfg).run()
+        clean = True
     finally:
-        dist.destroy_process_group()
+        leave_process_group(clean=clean, timeout_s=cfg.timeout)
     return summary if summary.get("final_train_loss") is not None else None
 
 

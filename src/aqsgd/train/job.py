@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from aqsgd.comm import LinkSpec, Transport
+from aqsgd.comm.launch import leave_process_group
 from aqsgd.comm.transport import naming_peer_failures
 from aqsgd.data.datasets import collate, epoch_order
 from aqsgd.data.synthetic import SyntheticLM, microbatches
@@ -289,8 +290,9 @@ def run_stage(job: JobConfig) -> JobResult:
 
 def _elastic_entry(job_json: str) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [rank %(process)d] %(message)s")
-    result = run_worker(JobConfig.from_json(job_json))
-    dist.destroy_process_group()
+    job = JobConfig.from_json(job_json)
+    result = run_worker(job)
+    leave_process_group(clean=True, timeout_s=job.timeout_s)
     return dataclasses.asdict(result)
 
 
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_worker(job)
     if args.result:
         Path(args.result.format(rank=dist.get_rank())).write_text(json.dumps(dataclasses.asdict(result)))
-    dist.destroy_process_group()
+    leave_process_group(clean=True, timeout_s=job.timeout_s)
     return 0
 
 
