@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aqsgd.compress import make_codec
-from aqsgd.pipeline.compression import CompressionConfig
+from aqsgd.pipeline.compression import FORWARD_CHANNEL, CompressionConfig
 from aqsgd.pipeline.partition import partition_model
 from aqsgd.pipeline.runner import LocalPipeline
 from aqsgd.schemes import DeltaScheme
@@ -72,3 +72,23 @@ def test_eval_phases_and_compression_on_off():
     comp = float(pipe.step(mbs, phase="eval"))
     assert comp != raw  # 2-bit activations change the loss a little
     assert all(p.grad is None for p in case.model.parameters())
+
+
+def test_data_parallel_replicas_draw_independent_rounding():
+    """Stochastic rounding: the replicas of one boundary get their own random streams (their errors average
+    out in the gradient all-reduce); replica 0 keeps the seed of a run without data parallelism."""
+    cfg = CompressionConfig.simple("direct:q2:stochastic", "none", seed=3)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+
+    def sent(replica: int) -> torch.Tensor:
+        sender = cfg.make(0, FORWARD_CHANNEL, "sender", row_shape=(64,), dtype=torch.float32, device="cpu",
+                          replica=replica)
+        receiver = cfg.make(0, FORWARD_CHANNEL, "receiver", row_shape=(64,), dtype=torch.float32, device="cpu",
+                            replica=replica)
+        return receiver.recv(sender.send(x))
+
+    assert torch.equal(sent(0), sent(0))  # deterministic per replica
+    assert not torch.equal(sent(0), sent(1))
+    assert cfg.scheme_seed(0, FORWARD_CHANNEL, 0) == 3 * 1000  # unchanged for replica 0
+    seeds = {cfg.scheme_seed(b, ch, r) for b in range(4) for ch in (0, 1) for r in range(4)}
+    assert len(seeds) == 32

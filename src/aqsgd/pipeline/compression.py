@@ -90,8 +90,8 @@ class CompressionConfig:
         return spec.forward if channel == FORWARD_CHANNEL else spec.backward
 
     def make(self, b: int, channel: int, side: str, *, row_shape: tuple[int, ...] | None,
-             dtype: torch.dtype, device: torch.device | str) -> BoundaryScheme:
-        """The scheme object for one side of one direction of boundary ``b``."""
+             dtype: torch.dtype, device: torch.device | str, replica: int = 0) -> BoundaryScheme:
+        """The scheme object for one side of one direction of boundary ``b`` (of data-parallel ``replica``)."""
         d = self.direction(b, channel)
         name = "forward" if channel == FORWARD_CHANNEL else "backward"
         path = None
@@ -103,8 +103,19 @@ class CompressionConfig:
         return make_scheme(
             d.scheme, d.codec, side, num_samples=self.num_samples, cache=self.cache, cache_path=path,
             row_shape=row_shape, key=self.ef_key, dtype=dtype, label=f"boundary {b} {name}",
-            seed=self.seed * 1000 + 2 * b + channel, device=device,
+            seed=self.scheme_seed(b, channel, replica), device=device,
         )
+
+    def scheme_seed(self, b: int, channel: int, replica: int = 0) -> int:
+        """Seed of one direction's random generator (stochastic rounding, only the sender draws): distinct per
+        boundary and direction, and per data-parallel replica, so that the replicas' rounding errors are
+        independent and average out in the gradient all-reduce instead of adding up. Replica 0 keeps the seed of
+        a run without data parallelism; the others hash, kept to 32 bits (a CPU generator uses no more)."""
+        base = self.seed * 1000 + 2 * b + channel
+        if replica == 0:
+            return base
+        digest = hashlib.sha256(f"{base}/replica{replica}".encode()).digest()
+        return int.from_bytes(digest[:4], "little")
 
     def describe(self, num_boundaries: int) -> dict[str, Any]:
         return {

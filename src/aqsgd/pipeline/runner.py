@@ -150,8 +150,10 @@ class StageRunner:
         rank_of_stage: Sequence[int] | None = None,
         trace: list[dict] | None = None,
         autocast: torch.dtype | None = None,
+        replica: int = 0,
     ) -> None:
         self.module = module
+        self.replica = replica  # data-parallel replica: its schemes draw their own random numbers
         self.autocast = autocast
         self.stage = stage_index
         self.num_stages = num_stages
@@ -185,7 +187,7 @@ class StageRunner:
         key = (b, channel, side)
         if key not in self.schemes:
             self.schemes[key] = self.compression.make(b, channel, side, row_shape=tuple(like[1:]), dtype=dtype,
-                                                      device=self.device)
+                                                      device=self.device, replica=self.replica)
             self.scheme_shapes[key] = {"shape": list(like), "dtype": str(dtype).removeprefix("torch.")}
         return self.schemes[key]
 

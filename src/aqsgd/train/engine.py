@@ -81,7 +81,7 @@ class PipelineEngine:
             (index, module), = self.stages.items()
             self.runners = {index: StageRunner(module, index, num_stages, compression, transport, schedule=schedule,
                                                device=device, rank_of_stage=self.ranks, trace=trace,
-                                               autocast=autocast)}
+                                               autocast=autocast, replica=grid.replica if grid is not None else 0)}
             self.local = None
         else:
             if sorted(self.stages) != list(range(num_stages)):
