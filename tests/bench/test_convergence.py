@@ -63,3 +63,10 @@ def test_cli(tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "means over seeds [0, 1]" in out and (tmp_path / "out" / "convergence-synthetic-lm-t.json").exists()
+    # a second command grows the study: the result file names both commands, each run the one that made it
+    assert main(["bench", "convergence", "synthetic-lm", "--settings", "fp32", "aqsgd fw2/bw4", "--epochs", "2",
+                 "--runs-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "out"), "--tag", "t"]) == 0
+    saved = json.loads((tmp_path / "out" / "convergence-synthetic-lm-t.json").read_text())
+    assert len(saved["commands"]) == 2 and "--seeds 0,1" in saved["commands"][0]
+    assert "--seeds" not in saved["runs"]["aqsgd fw2/bw4"]["command"]
+    assert saved["runs"]["fp32 @seed1"]["command"] == saved["commands"][0]

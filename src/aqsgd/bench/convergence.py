@@ -89,10 +89,12 @@ def run_key(name: str, seed: int) -> str:
 
 
 def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = None, overrides: dict[str, Any] | None = None,
-              seeds: list[int] | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              seeds: list[int] | None = None, progress: Callable[[str], None] | None = None,
+              command: str | None = None) -> dict[str, Any]:
     """Run every setting on one task, once per seed (default: seed 0; the seed sets the data order, the
     initialization of new heads and stochastic rounding); returns (and writes) the collected results. A
-    study is continued from ``<out_dir>/<task>/study.json``; one with other task settings is refused."""
+    study is continued from ``<out_dir>/<task>/study.json``; one with other task settings is refused.
+    ``command`` is recorded with every run it adds (a study grown by several commands names them all)."""
     from aqsgd.train.report import load_run
     from aqsgd.train.trainer import Trainer
 
@@ -121,6 +123,8 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
             summary = Trainer(cfg).run()
             run = load_run(out / run_name)
             results["runs"][key] = _run_record(name, seed, run_name, fw, bw, summary, run, time.perf_counter() - t0)
+            if command:
+                results["runs"][key]["command"] = command
             out.mkdir(parents=True, exist_ok=True)
             result_path.write_text(json.dumps(results, indent=1))
     return results
@@ -188,12 +192,15 @@ def format_relative(value: float | None, spread: float | None = None) -> str:
 def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_dir: str | Path, *, command: str,
                   machine: str, tag: str | None = None) -> tuple[Path, Path]:
     """The study's JSON (table, curves, final metrics) and a PNG of its runs under ``out_dir``, named
-    ``convergence-<task>[-<tag>].json/.png``."""
+    ``convergence-<task>[-<tag>].json/.png``. ``command`` is this invocation; ``commands`` lists every
+    command that added runs to the study, in order (runs recorded before commands were kept name none)."""
     from aqsgd.train.report import load_run, plot_runs
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    commands = list(dict.fromkeys(r["command"] for r in results["runs"].values() if r.get("command")))
     results = {**results, "table": study_table(results), "machine": machine, "command": command,
+               "commands": commands or [command],
                "complete": {r.get("setting", k) for k, r in results["runs"].items()} >= set(DEFAULT_SETTINGS[task])}
     stem = f"convergence-{task}" + (f"-{tag}" if tag else "")
     path = out / f"{stem}.json"

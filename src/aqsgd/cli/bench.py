@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 
 import torch
@@ -104,10 +103,11 @@ def run_convergence(args: argparse.Namespace) -> int:
         overrides["dropout"] = args.dropout
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
+    command = args.command_line
     for task in args.tasks:
         results = run_study(task, args.runs_dir, settings=args.settings, overrides=overrides, seeds=args.seeds,
-                            progress=lambda m: console.print(m))
-        path, png = write_results(task, results, args.runs_dir, out, command="aqsgd " + shlex.join(sys.argv[1:]),
+                            progress=lambda m: console.print(m), command=command)
+        path, png = write_results(task, results, args.runs_dir, out, command=command,
                                   machine=machine_description(torch.device("cpu")), tag=args.tag)
         rows = study_table(results)
         table = Table(title=f"convergence: {task}" + (f" (means over seeds {args.seeds})" if len(args.seeds) > 1 else ""))
@@ -169,7 +169,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
                       f"{r['comm_compute_ratio']:.2f}", f"{int(r['bytes_per_mb']):,}")
     console.print(table)
     if args.json:
-        write_json(rows, args.json, cfg=cfg, command="aqsgd " + shlex.join(sys.argv[1:]), machine=machine)
+        write_json(rows, args.json, cfg=cfg, command=args.command_line, machine=machine)
         console.print(f"wrote {args.json}")
     return 0
 
@@ -198,6 +198,6 @@ def run_codecs(args: argparse.Namespace) -> int:
                       f"{r.wire_bytes:,}", f"{r.ratio:.1f}x", f"{r.rel_err:.3g}")
     console.print(table)
     if args.json:
-        write_json(rows, args.json, device=device, command="aqsgd " + shlex.join(sys.argv[1:]))
+        write_json(rows, args.json, device=device, command=args.command_line)
         console.print(f"wrote {args.json}")
     return 0
