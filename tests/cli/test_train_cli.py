@@ -45,7 +45,7 @@ def test_preset_with_override_runs_locally(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "traffic saved vs fp32" in out
     cfg = json.loads((tmp_path / "cli" / "config.json").read_text())
-    assert cfg["stages"] == 3 and cfg["forward"] == "delta:q2"  # override and preset
+    assert cfg["stages"] == 3 and cfg["forward"] == "delta:q2:l2"  # override and preset
     assert json.loads((tmp_path / "cli" / "summary.json").read_text())["steps"] == 8
 
 

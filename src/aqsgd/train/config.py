@@ -55,8 +55,8 @@ class TrainConfig:
                         "powersgd[:rank<R>] (e.g. q8, q4:block256, powersgd:rank4)", "pipeline")
     grad_bucket_mb: float = _f(25.0, "gradient bucket size of the data-parallel synchronization, in MB", "pipeline")
     # -- compression -------------------------------------------------------------------------------------
-    forward: str = _f("delta:q2", "activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`)",
-                      "compression")
+    forward: str = _f("delta:q2:l2", "activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`); "
+                      "the default is AQ-SGD at 2 bits with MSE-clipped per-channel scales", "compression")
     backward: str = _f("direct:q4", "activation gradients: [SCHEME:]CODEC", "compression")
     cache: str = _f("memory", "AQ-SGD cache: memory[:fp16|bf16|fp32], disk[:dtype], lowbit<b>[:block<N>]",
                     "compression")
