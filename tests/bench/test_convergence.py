@@ -23,6 +23,8 @@ def test_every_setting_runs_once_per_seed(study):
     runs, results = study
     assert set(results["runs"]) == {"fp32", "aqsgd fw2/bw4", "fp32 @seed1", "aqsgd fw2/bw4 @seed1"}
     assert results["runs"]["fp32 @seed1"]["seed"] == 1 and (runs / "synthetic-lm" / "fp32-seed1" / "summary.json").exists()
+    # a finished run keeps its metrics, not its checkpoints
+    assert not (runs / "synthetic-lm" / "fp32-seed1" / "checkpoints").exists()
     # another seed is another data order: other losses
     assert results["runs"]["fp32"]["train_loss"] != results["runs"]["fp32 @seed1"]["train_loss"]
 

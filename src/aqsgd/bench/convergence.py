@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -90,11 +91,13 @@ def run_key(name: str, seed: int) -> str:
 
 def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = None, overrides: dict[str, Any] | None = None,
               seeds: list[int] | None = None, progress: Callable[[str], None] | None = None,
-              command: str | None = None) -> dict[str, Any]:
+              command: str | None = None, keep_checkpoints: bool = False) -> dict[str, Any]:
     """Run every setting on one task, once per seed (default: seed 0; the seed sets the data order, the
     initialization of new heads and stochastic rounding); returns (and writes) the collected results. A
     study is continued from ``<out_dir>/<task>/study.json``; one with other task settings is refused.
-    ``command`` is recorded with every run it adds (a study grown by several commands names them all)."""
+    ``command`` is recorded with every run it adds (a study grown by several commands names them all). A
+    finished run's checkpoints are deleted unless ``keep_checkpoints``: the study needs its curves, not its
+    resume points, and those of an LLM run take gigabytes each (a 13-run SmolLM2 study kept ~45 GB)."""
     from aqsgd.train.report import load_run
     from aqsgd.train.trainer import Trainer
 
@@ -127,6 +130,8 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
                 results["runs"][key]["command"] = command
             out.mkdir(parents=True, exist_ok=True)
             result_path.write_text(json.dumps(results, indent=1))
+            if not keep_checkpoints:
+                shutil.rmtree(out / run_name / "checkpoints", ignore_errors=True)
     return results
 
 

@@ -83,6 +83,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "gives means and the spread of the paired differences to fp32 (default: 0)")
     cv.add_argument("--tag", default=None, help="suffix of the result files: convergence-TASK-TAG.json/.png "
                     "(use it with another --runs-dir when overriding the task's settings)")
+    cv.add_argument("--keep-checkpoints", action="store_true",
+                    help="keep every finished run's checkpoints (default: delete them once the run is recorded; "
+                         "an LLM run's take gigabytes)")
     cv.set_defaults(func=run_convergence)
 
     from aqsgd.bench.netem import register_cli as register_netem
@@ -106,7 +109,8 @@ def run_convergence(args: argparse.Namespace) -> int:
     command = args.command_line
     for task in args.tasks:
         results = run_study(task, args.runs_dir, settings=args.settings, overrides=overrides, seeds=args.seeds,
-                            progress=lambda m: console.print(m), command=command)
+                            progress=lambda m: console.print(m), command=command,
+                            keep_checkpoints=args.keep_checkpoints)
         path, png = write_results(task, results, args.runs_dir, out, command=command,
                                   machine=machine_description(torch.device("cpu")), tag=args.tag)
         rows = study_table(results)
