@@ -58,7 +58,7 @@ def main(paths: list[str]) -> int:
         d = json.loads(Path(p).read_text())
         kind = d.get("benchmark") or ("convergence" if "table" in d else None)
         lines = {"codecs": codecs, "pipeline": pipeline, "convergence": convergence, "netem": netem}[kind](d)
-        commands = d.get('commands') or [d.get('command', '')]
+        commands = d.get("commands") or [d.get("command", "")]
         print(f"<!-- {p}: {' ; '.join(commands)} on {d.get('machine', '')} -->")
         print("\n".join(lines))
         print()
