@@ -42,6 +42,18 @@ def test_table_pairs_each_seed_with_fp32_of_that_seed(study):
     assert aq["eval_on"] == pytest.approx(sum(aq["eval_on_runs"]) / 2)
 
 
+def test_best_evaluation_is_the_lowest_perplexity_of_each_run(study):
+    _, results = study
+    rows = {r["setting"]: r for r in study_table(results)}
+    for seed, key in enumerate(["fp32", "fp32 @seed1"]):
+        curve = [e["uncompressed"]["perplexity"] for e in results["runs"][key]["eval"]]
+        assert len(curve) == 2 and rows["fp32"]["best_off_runs"][seed] == min(curve)
+    assert rows["fp32"]["rel_best_off_vs_fp32"] == 0
+    aq = rows["aqsgd fw2/bw4"]
+    paired = [(v - r) / r for v, r in zip(aq["best_off_runs"], rows["fp32"]["best_off_runs"])]
+    assert aq["rel_best_off_vs_fp32"] == pytest.approx(sum(paired) / 2)
+
+
 def test_study_continues_and_refuses_other_settings(study):
     runs, results = study
     again = run_study("synthetic-lm", runs, settings=SETTINGS, seeds=[0, 1], overrides={"epochs": 2})

@@ -116,13 +116,15 @@ def run_convergence(args: argparse.Namespace) -> int:
         rows = study_table(results)
         table = Table(title=f"convergence: {task}" + (f" (means over seeds {args.seeds})" if len(args.seeds) > 1 else ""))
         for col in ("setting", "forward", "backward", "train loss", "metric", "eval (comp. on)", "eval (comp. off)",
-                    "on vs fp32", "off vs fp32", "traffic ratio"):
+                    "on vs fp32", "off vs fp32", "best off", "best vs fp32", "traffic ratio"):
             table.add_column(col, justify="left" if col in ("setting", "forward", "backward", "metric") else "right")
         for r in rows:
             fmt = lambda v, p=4: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
             table.add_row(r["setting"], r["forward"], r["backward"], fmt(r["final_train_loss"]), r["metric"],
                           fmt(r["eval_on"]), fmt(r["eval_off"]), format_relative(r["rel_vs_fp32"], r["rel_vs_fp32_std"]),
-                          format_relative(r["rel_off_vs_fp32"], r["rel_off_vs_fp32_std"]), fmt(r["compression_ratio"], 2))
+                          format_relative(r["rel_off_vs_fp32"], r["rel_off_vs_fp32_std"]), fmt(r.get("best_off")),
+                          format_relative(r.get("rel_best_off_vs_fp32"), r.get("rel_best_off_vs_fp32_std")),
+                          fmt(r["compression_ratio"], 2))
         console.print(table)
         console.print(f"wrote {path} and {png}")
     return 0

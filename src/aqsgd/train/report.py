@@ -35,6 +35,7 @@ from typing import Any, Literal
 from aqsgd.errors import AqsgdError, ReportError
 
 __all__ = [
+    "HIGHER_IS_BETTER",
     "METRIC_PRIORITY",
     "Run",
     "comparison_table",
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 
 #: Eval metrics in the order the "main" metric is picked from what the runs report (see :func:`main_metric`).
 METRIC_PRIORITY: tuple[str, ...] = ("accuracy", "mcc", "perplexity", "loss")
-_HIGHER_IS_BETTER = {"accuracy": True, "mcc": True, "perplexity": False, "loss": False}
+HIGHER_IS_BETTER = {"accuracy": True, "mcc": True, "perplexity": False, "loss": False}
 _SCHEMES = ("direct", "delta", "ef", "ef21")
 _UNCOMPRESSED_CODECS = ("none", "fp32")
 
@@ -386,7 +387,7 @@ def comparison_table(runs: Sequence[Run], baseline: str | None = None,
             "steps": run.steps,
             "final_train_loss": run.final_train_loss,
             "metric": metric,
-            "higher_is_better": _HIGHER_IS_BETTER.get(metric) if metric else None,
+            "higher_is_better": HIGHER_IS_BETTER.get(metric) if metric else None,
             "metric_on": on,
             "metric_off": off,
             "baseline": base.name,
@@ -496,7 +497,7 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
                 if steps:
                     ax_eval.plot(steps, vals, linestyle=style, color=colors[run.name], linewidth=1.6,
                                  marker="o" if len(vals) < 30 else None, markersize=3.5)
-        direction = "higher" if _HIGHER_IS_BETTER.get(metric, False) else "lower"
+        direction = "higher" if HIGHER_IS_BETTER.get(metric, False) else "lower"
         ax_eval.set(title=f"eval {metric} ({direction} is better)", xlabel="step", ylabel=metric)
         if metric == "perplexity" and values and min(values) > 0 and max(values) / min(values) > 20:
             ax_eval.set_yscale("log")
