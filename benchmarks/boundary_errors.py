@@ -121,8 +121,8 @@ def markdown_table(result: dict) -> list[str]:
         by_key.setdefault((r["tensor"], r["spec"]), []).append(r)
 
     def span(rows: list[dict], key: str) -> str:
-        vals = [r[key] for r in rows]
-        return f"{min(vals):.2f}–{max(vals):.2f}" if len(vals) > 1 else f"{vals[0]:.2f}"
+        lo, hi = f"{min(r[key] for r in rows):.2f}", f"{max(r[key] for r in rows):.2f}"
+        return lo if lo == hi else f"{lo}–{hi}"
 
     for (tensor, spec), rows in by_key.items():
         out.append(f"| {tensor} | `{spec}` | {rows[0]['wire_bytes']:,} | {span(rows, 'all')} | "

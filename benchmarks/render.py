@@ -56,11 +56,18 @@ def netem(d: dict) -> list[str]:
     return markdown_table(d["rows"]).splitlines()
 
 
+def boundary_errors(d: dict) -> list[str]:
+    from benchmarks.boundary_errors import markdown_table
+
+    return markdown_table(d)
+
+
 def main(paths: list[str]) -> int:
     for p in paths:
         d = json.loads(Path(p).read_text())
         kind = d.get("benchmark") or ("convergence" if "table" in d else None)
-        lines = {"codecs": codecs, "pipeline": pipeline, "convergence": convergence, "netem": netem}[kind](d)
+        lines = {"codecs": codecs, "pipeline": pipeline, "convergence": convergence, "netem": netem,
+                 "boundary_errors": boundary_errors}[kind](d)
         commands = d.get("commands") or [d.get("command", "")]
         print(f"<!-- {p}: {' ; '.join(commands)} on {d.get('machine', '')} -->")
         print("\n".join(lines))
