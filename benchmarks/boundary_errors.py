@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
-FORWARD_SPECS = ("q2", "q2:l2", "q2:token", "q2:token:l2", "q2:block64:l2", "q3:l2", "q4")
-BACKWARD_SPECS = ("q4", "q4:l2", "q4:token", "q4:token:l2", "q4:block64", "q6", "q8")
+FORWARD_SPECS = ("q2", "q2:l2", "q2:l2:midrise", "q2:token", "q2:token:l2", "q2:token:l2:midrise",
+                 "q2:block64:l2", "q3:l2", "q3:l2:midrise", "q4")
+BACKWARD_SPECS = ("q4", "q4:l2", "q4:l2:midrise", "q4:token", "q4:token:l2", "q4:token:l2:midrise", "q4:block64",
+                  "q6", "q8")
 
 
 def relative_errors(spec: str, x: torch.Tensor) -> dict[str, float]:
@@ -48,6 +50,7 @@ def relative_errors(spec: str, x: torch.Tensor) -> dict[str, float]:
 def measure(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from aqsgd.bench.codecs import machine_description
     from aqsgd.data.datasets import collate, load_task
     from aqsgd.data.sources import require
     from aqsgd.pipeline.partition import even_counts
@@ -110,6 +113,7 @@ def measure(args: argparse.Namespace) -> dict:
     return {"benchmark": "boundary_errors", "model": args.model, "task": args.task, "stages": args.stages,
             "seq_len": args.seq_len, "micro_batch": args.micro_batch, "steps": args.steps, "batch": args.batch,
             "lr": args.lr, "seed": args.seed, "boundaries": boundaries, "rows": rows,
+            "machine": machine_description(torch.device("cpu")),
             "command": "python -m benchmarks.boundary_errors " + " ".join(sys.argv[1:])}
 
 

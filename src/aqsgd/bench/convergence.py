@@ -56,6 +56,10 @@ SETTINGS: dict[str, tuple[str, str]] = {
     # bin shrinks from half the channel's max-abs to 0.86 rms, so more of each delta gets through
     "aqsgd fw2/bw4 l2": ("delta:q2:l2", "direct:q4"),
     "direct fw2/bw4 l2": ("direct:q2:l2", "direct:q4"),
+    # all four 2-bit codes (no zero level) with a scale per token: on SmolLM2 the attention-sink position
+    # (~100x the others) sets every per-channel scale, and a midrise grid then sends the other positions'
+    # near-zero values of those channels as +-step/2 (benchmarks/boundary_errors.py)
+    "aqsgd fw2/bw4 token l2 midrise": ("delta:q2:token:l2:midrise", "direct:q4"),
 }
 
 # reduced tasks that fit the CPU budget (well under an hour each on 2 idle cores)

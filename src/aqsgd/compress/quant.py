@@ -1,17 +1,26 @@
 """Uniform symmetric quantization at 1..8 bits with bit-packed codes.
 
 Grid
-    For ``bits >= 2`` the levels are ``k * step`` for integers ``k`` in ``[-L, L]``, ``L = 2**(bits-1) - 1``
-    and ``step = scale / L``: symmetric about zero, zero exact, ``2**bits - 1`` levels (the all-ones code is
-    unused). For ``bits == 1`` the levels are ``{-scale, +scale}`` (``step = 2 * scale``). With nearest
-    rounding every value inside ``[-scale, scale]`` is reconstructed within half a step.
+    ``midtread`` (default): for ``bits >= 2`` the levels are ``k * step`` for integers ``k`` in ``[-L, L]``,
+    ``L = 2**(bits-1) - 1`` and ``step = scale / L``: symmetric about zero, zero exact, ``2**bits - 1`` levels
+    (the all-ones code is unused). For ``bits == 1`` the levels are ``{-scale, +scale}`` (``step = 2 * scale``).
+    ``midrise``: all ``n = 2**bits`` codes, levels ``(k - (n-1)/2) * step`` for codes ``k`` in ``[0, n-1]``
+    with ``step = 2 * scale / (n - 1)``: symmetric, no zero level, the outermost levels at ``+-scale`` (for
+    1 bit the same grid as ``midtread``). At 2 bits this is 4 levels instead of 3; with each grid's
+    MSE-optimal clipping the relative error on Gaussian data falls from 0.44 to 0.35 (3 bits 0.22 -> 0.19,
+    4 bits 0.11 -> 0.11) for the same bytes. The price: an exact zero is sent as +-step/2. With nearest
+    rounding every value inside ``[-scale, scale]`` is reconstructed within half a step, on either grid.
 
 Scale (one per group)
     ``max``: the group's max-abs, so nothing is clipped (the AQ-SGD reference's choice).
     ``l2``: ``min(max-abs, c_b * rms)`` with ``c_b`` the clipping multiple that minimizes the mean squared
     error for Gaussian data at ``b`` bits (Banner et al., 2019, "Post-training 4-bit quantization of
     convolution networks for rapid-deployment": 1.71, 2.15, 2.55, 2.94, 3.29, 3.61, 3.92 for 2..8 bits;
-    0.80 = E|x|/sigma for 1 bit). Values beyond the scale are clipped to the outermost level.
+    0.80 = E|x|/sigma for 1 bit). Values beyond the scale are clipped to the outermost level. These multiples
+    were derived for ``2**b`` levels; on the 3-level ``midtread`` grid at 2 bits the Gaussian optimum is nearer
+    1.2 (kept at 1.71 so that ``q2:l2`` keeps its meaning). On the ``midrise`` grid ``c_b`` is the outermost
+    level of the MSE-optimal uniform quantizer of a unit Gaussian (Max, 1960, "Quantizing for minimum
+    distortion": 1.49, 2.05, 2.51, 2.92, 3.28, 3.62, 3.95 for 2..8 bits, i.e. (n-1)/2 optimal steps).
     Scales are stored in fp16 by default, rounded *up* to the next fp16 value (so rounding never clips)
     and clamped to 65504 (so they never overflow; larger magnitudes are clipped); ``scale32`` stores fp32.
 
@@ -44,6 +53,7 @@ from aqsgd.errors import CodecError, PacketError
 __all__ = [
     "QuantCodec",
     "GRANULARITIES",
+    "GRIDS",
     "quantize_groups",
     "dequantize_groups",
     "L2_CLIP",
@@ -51,8 +61,10 @@ __all__ = [
 
 GRANULARITIES = ("tensor", "channel", "token", "block")
 ROUNDINGS = ("nearest", "stochastic")
+GRIDS = ("midtread", "midrise")
 SCALE_MODES = ("max", "l2")
 L2_CLIP = {1: 0.80, 2: 1.71, 3: 2.15, 4: 2.55, 5: 2.94, 6: 3.29, 7: 3.61, 8: 3.92}
+L2_CLIP_MIDRISE = {1: 0.80, 2: 1.49, 3: 2.05, 4: 2.51, 5: 2.92, 6: 3.28, 7: 3.62, 8: 3.95}
 _FP16_MAX = 65504.0
 
 
@@ -119,7 +131,7 @@ class _Groups:
 
 
 class QuantCodec(Codec):
-    """``q<bits>[:tensor|channel|token|block<N>][:stochastic][:l2][:scale32]``."""
+    """``q<bits>[:tensor|channel|token|block<N>][:stochastic][:l2][:midrise][:scale32]``."""
 
     family = Family.QUANT
 
@@ -132,6 +144,7 @@ class QuantCodec(Codec):
         rounding: str = "nearest",
         scale: str = "max",
         scale_dtype: torch.dtype = torch.float16,
+        grid: str = "midtread",
         check_finite: bool = True,
     ) -> None:
         if not isinstance(bits, int) or not 1 <= bits <= 8:
@@ -144,6 +157,8 @@ class QuantCodec(Codec):
             raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
         if scale not in SCALE_MODES:
             raise ValueError(f"unknown scale estimate {scale!r}; valid: {', '.join(SCALE_MODES)}")
+        if grid not in GRIDS:
+            raise ValueError(f"unknown grid {grid!r}; valid: {', '.join(GRIDS)}")
         if scale_dtype not in (torch.float16, torch.float32):
             raise ValueError(f"scale dtype must be torch.float16 or torch.float32, got {scale_dtype}")
         self.bits = bits
@@ -153,7 +168,10 @@ class QuantCodec(Codec):
         self.scale_mode = scale
         self.scale_dtype = scale_dtype
         self.check_finite = check_finite
-        self.qmax = qmax(bits)
+        self.grid = grid
+        # largest code; both grids put levels qmax/2 steps either side of zero, at -scale .. +scale
+        self.qmax = qmax(bits) if grid == "midtread" else 2**bits - 1
+        self._l2_clip = (L2_CLIP if grid == "midtread" else L2_CLIP_MIDRISE)[bits]
 
     @property
     def spec(self) -> str:
@@ -166,6 +184,8 @@ class QuantCodec(Codec):
             parts.append(self.rounding)
         if self.scale_mode != "max":
             parts.append(self.scale_mode)
+        if self.grid != "midtread":
+            parts.append(self.grid)
         if self.scale_dtype == torch.float32:
             parts.append("scale32")
         return ":".join(parts)
@@ -186,7 +206,7 @@ class QuantCodec(Codec):
         s = x2.abs().amax(dim=dim)
         if self.scale_mode == "l2":
             rms = x2.square().mean(dim=dim).sqrt()
-            s = torch.minimum(s, rms * L2_CLIP[self.bits])
+            s = torch.minimum(s, rms * self._l2_clip)
         return s
 
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -214,6 +234,7 @@ class QuantCodec(Codec):
         inv = torch.where(sf > 0, self.qmax / (2.0 * sf), torch.zeros_like(sf))
         clip = self.scale_mode == "l2" or (self.scale_dtype == torch.float16 and smax > _FP16_MAX)
         t = torch.empty_like(flat)
+        # t = x / step + qmax / 2 is the fractional code (level k at t = k): +0.5 and floor round to nearest
         offset = torch.tensor(self.qmax / 2.0 + (0.5 if self.rounding == "nearest" else 0.0), dtype=cdt,
                               device=x.device)
         start = 0
@@ -251,9 +272,14 @@ class QuantCodec(Codec):
         """Inverse of :meth:`quantize`: stored scales and flat codes to a tensor of ``shape``."""
         groups = self._groups(shape)
         cdt = _compute_dtype(out_dtype)
-        out = _signed_levels(codes, self.bits).to(cdt)
-        # signed level k (an exact small integer) times scale / L; bits == 1: +-1 times the scale
-        step = scales.to(cdt) / (1 if self.bits == 1 else self.qmax // 2)
+        if self.grid == "midrise" and self.bits > 1:
+            # code c is level (c - qmax/2) * step = (2c - qmax) * scale / qmax: an odd integer times scale / qmax
+            out = codes.to(cdt).mul_(2.0).sub_(self.qmax)
+            step = scales.to(cdt) / self.qmax
+        else:
+            out = _signed_levels(codes, self.bits).to(cdt)
+            # signed level k (an exact small integer) times scale / L; bits == 1: +-1 times the scale
+            step = scales.to(cdt) / (1 if self.bits == 1 else self.qmax // 2)
         start = 0
         for v, d in groups.views(out):
             n = v.shape[1 - d] if d == 0 else v.shape[0]

@@ -8,7 +8,9 @@ spec                                   codec
 ``q<b>[:opt...]``                      uniform symmetric quantization at b = 1..8 bits; options in any
                                        order: ``tensor`` | ``channel`` (default) | ``token`` |
                                        ``block<N>``; ``nearest`` (default) | ``stochastic``;
-                                       ``max`` (default) | ``l2``; ``scale16`` (default) | ``scale32``
+                                       ``max`` (default) | ``l2``; ``midtread`` (default) |
+                                       ``midrise`` (all 2^b codes, no zero level); ``scale16``
+                                       (default) | ``scale32``
 ``topk<K>[:row|:tensor][+<codec>]``    keep fraction K in (0, 1] of largest magnitudes per row (default)
                                        or per tensor; kept values in fp16 (default) or ``+<codec>``
                                        (``fp32``, ``bf16``, ``q<b>...``; quantizer groups default to rows)
@@ -35,7 +37,7 @@ __all__ = ["make_codec", "SPEC_HELP", "CODEC_NAMES"]
 CODEC_NAMES = ("none", "fp32", "fp16", "bf16", "q<bits>", "topk<fraction>")
 SPEC_HELP = (
     "codec spec: none | fp32 | fp16 | bf16 | q<bits 1-8>[:tensor|channel|token|block<N>][:nearest|stochastic]"
-    "[:max|l2][:scale16|scale32] | topk<fraction>[:row|tensor][+fp32|fp16|bf16|q<bits>...] "
+    "[:max|l2][:midtread|midrise][:scale16|scale32] | topk<fraction>[:row|tensor][+fp32|fp16|bf16|q<bits>...] "
     "(e.g. q4, q2:token, q3:block64:stochastic, topk0.1, topk0.1+q8)"
 )
 _QUANT_RE = re.compile(r"q(\d+)")
@@ -73,6 +75,8 @@ def _parse_quant(spec: str, text: str, default_granularity: str = "channel") -> 
             setopt("rounding", "rounding", opt, opt)
         elif opt in ("max", "l2"):
             setopt("scale", "scale", opt, opt)
+        elif opt in ("midtread", "midrise"):
+            setopt("grid", "grid", opt, opt)
         elif opt in ("scale16", "scale32"):
             setopt("scale_dtype", "scale_dtype", torch.float16 if opt == "scale16" else torch.float32, opt)
         else:
