@@ -184,6 +184,24 @@ def test_plot_writes_readable_png(run_dirs, tmp_path):
     assert img.std() > 0.05  # not a blank canvas
 
 
+def test_plot_of_many_runs_keeps_colours_distinct_and_names_readable(run_dirs, tmp_path, monkeypatch):
+    """A study of 12+ settings: no colour repeats (the default cycle has 10), the bytes panel turns into one
+    labelled row per run, and the shared warm-up span is drawn once (not stacked into an opaque block)."""
+    import matplotlib.colors as mcolors
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    runs = [load_run(d, label=f"{d.name}-{i}") for i in range(4) for d in run_dirs]
+    assert len(runs) >= 12
+    plot_runs(runs, tmp_path / "many.png", dpi=60)
+    ax_loss, _, _, ax_bar = figures[0].axes[:4]
+    colours = {mcolors.to_hex(line.get_color()) for line in ax_loss.lines}
+    assert len(colours) == len(runs)
+    assert [t.get_text() for t in ax_bar.get_yticklabels()] == [r.name for r in runs]
+    assert len(ax_loss.patches) == len({r.warmup_span() for r in runs if r.warmup_span()})
+
+
 def test_plot_without_eval_rows_or_bytes(tmp_path):
     d = tmp_path / "bare"
     d.mkdir()

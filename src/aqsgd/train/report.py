@@ -449,7 +449,11 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
         raise ReportError("no runs to plot")
     out_png = Path(out_png)
     metric = metric or main_metric(runs)
-    colors = {run.name: f"C{i % 10}" for i, run in enumerate(runs)}
+    if len(runs) <= 10:
+        colors = {run.name: f"C{i}" for i, run in enumerate(runs)}
+    else:  # the default cycle repeats after 10: take distinct colours from tab20 (then repeat after 20)
+        cmap = matplotlib.colormaps["tab20"]
+        colors = {run.name: cmap(i % 20) for i, run in enumerate(runs)}
     bytes_fmt = FuncFormatter(lambda x, _pos: _fmt_bytes(x))
 
     fig, axes = plt.subplots(2, 2, figsize=(14, 9.5), layout="constrained")
@@ -459,6 +463,7 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
 
     # 1. training loss
     any_warmup = False
+    spans: dict[tuple[int, int], list[Any]] = {}
     for run in runs:
         c = colors[run.name]
         pts = [(int(r["step"]), float(r["loss"])) for r in run.train_rows
@@ -473,9 +478,14 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
                 ax_loss.plot(steps, loss, color=c, linewidth=1.6, marker="." if len(loss) < 30 else None)
         span = run.warmup_span()
         if span is not None:
-            any_warmup = True
-            ax_loss.axvspan(span[0], span[1], color=c, alpha=0.10, linewidth=0)
-            ax_cum.axvspan(span[0], span[1], color=c, alpha=0.10, linewidth=0)
+            spans.setdefault(tuple(span), []).append(c)
+    # each distinct warm-up span once: in its run's colour, or grey when several runs share it (stacked
+    # translucent spans of many runs would darken into an opaque block)
+    for (lo, hi), span_colors in spans.items():
+        any_warmup = True
+        c = span_colors[0] if len(span_colors) == 1 else "0.5"
+        ax_loss.axvspan(lo, hi, color=c, alpha=0.10 if len(span_colors) == 1 else 0.2, linewidth=0)
+        ax_cum.axvspan(lo, hi, color=c, alpha=0.10 if len(span_colors) == 1 else 0.2, linewidth=0)
     ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
     if any_warmup:
         ax_loss.legend(handles=[Patch(color="0.5", alpha=0.25, label="warm-up steps")], loc="upper right")
@@ -528,7 +538,11 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
     ref_bytes = ref.total_bytes if (explicit or ref.uncompressed) else None
     names = [run.name for run in runs]
     totals = [run.total_bytes or 0.0 for run in runs]
-    bars = ax_bar.bar(range(len(runs)), totals, color=[colors[n] for n in names])
+    horizontal = len(runs) > 6  # many runs: one row per run, so the names and notes stay readable
+    if horizontal:
+        bars = ax_bar.barh(range(len(runs)), totals, color=[colors[n] for n in names])
+    else:
+        bars = ax_bar.bar(range(len(runs)), totals, color=[colors[n] for n in names])
     for run, bar, total in zip(runs, bars, totals):
         if run is ref and ref_bytes:
             note = "baseline"
@@ -538,19 +552,35 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
             note = f"{run.compression_ratio:.3g}x vs fp32"
         else:
             note = ""
-        ax_bar.annotate(f"{_fmt_bytes(total)}\n{note}".strip(), (bar.get_x() + bar.get_width() / 2, total),
-                        xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=9)
-    ax_bar.set_xticks(range(len(runs)), names, rotation=15 if len(runs) > 3 else 0)
-    ax_bar.set_ylim(0, max(totals + [1.0]) * 1.2)
-    ax_bar.yaxis.set_major_formatter(bytes_fmt)
+        if horizontal:
+            ax_bar.annotate(f"{_fmt_bytes(total)}  {note}".strip(), (total, bar.get_y() + bar.get_height() / 2),
+                            xytext=(3, 0), textcoords="offset points", ha="left", va="center", fontsize=8)
+        else:
+            ax_bar.annotate(f"{_fmt_bytes(total)}\n{note}".strip(), (bar.get_x() + bar.get_width() / 2, total),
+                            xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=9)
+    if horizontal:
+        ax_bar.set_yticks(range(len(runs)), names, fontsize=8)
+        ax_bar.invert_yaxis()  # first run on top, in legend order
+        ax_bar.set_xlim(0, max(totals + [1.0]) * 1.45)
+        ax_bar.xaxis.set_major_formatter(bytes_fmt)
+    else:
+        ax_bar.set_xticks(range(len(runs)), names, rotation=15 if len(runs) > 3 else 0)
+        ax_bar.set_ylim(0, max(totals + [1.0]) * 1.2)
+        ax_bar.yaxis.set_major_formatter(bytes_fmt)
     subtitle = f"ratio vs {ref.name}" if ref_bytes else "ratio vs fp32 (raw bytes)"
-    ax_bar.set(title=f"total bytes sent ({subtitle})", ylabel="bytes sent")
-    ax_bar.grid(alpha=0.3, axis="y")
+    ax_bar.set(title=f"total bytes sent ({subtitle})")
+    if horizontal:
+        ax_bar.set_xlabel("bytes sent")
+    else:
+        ax_bar.set_ylabel("bytes sent")
+    ax_bar.grid(alpha=0.3, axis="x" if horizontal else "y")
 
     handles = [Line2D([], [], color=colors[run.name], linewidth=3, label=f"{run.name} ({run.setting})")
                for run in runs]
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(runs), 4), frameon=False,
-               fontsize=10)
+    # as many columns as the longest label leaves room for across the figure (~170 characters at this size)
+    widest = max(len(h.get_label()) for h in handles) + 6
+    fig.legend(handles=handles, loc="outside lower center", ncol=max(1, min(len(runs), 4, 170 // widest)),
+               frameon=False, fontsize=10 if len(runs) <= 10 else 9)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=dpi)
     plt.close(fig)
