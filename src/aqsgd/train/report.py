@@ -442,7 +442,7 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
         import matplotlib.pyplot as plt
         from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
-        from matplotlib.ticker import FuncFormatter, NullFormatter
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     except ImportError as e:  # pragma: no cover - matplotlib is a test dependency
         raise AqsgdError("aqsgd report needs matplotlib: pip install 'aqsgd[report]'") from e
     if not runs:
@@ -529,6 +529,10 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
     ax_cum.set(title="cumulative bytes sent (all boundaries)", xlabel="step", ylabel="bytes sent")
     if ax_cum.lines:
         ax_cum.set_yscale("log")
+        # labelled ticks at 1, 2, 5 x 10^k, in bytes (the default labels only the decades, and its minor
+        # labels are in scientific notation next to major labels in MB)
+        ax_cum.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax_cum.yaxis.set_minor_formatter(NullFormatter())
     ax_cum.yaxis.set_major_formatter(bytes_fmt)
     ax_cum.grid(alpha=0.3, which="major")
 
