@@ -43,9 +43,9 @@ def convergence(d: dict) -> list[str]:
     for r in study_table(d):  # recomputed from the runs, so files written before a column existed have it too
         out.append(f"| {r['setting']} | `{r['forward']}` | `{r['backward']}` | {_fmt(r['final_train_loss'], '.4f')} | "
                    f"{r['metric']} | {_fmt(r['eval_on'], '.4f')} | {_fmt(r['eval_off'], '.4f')} | "
-                   f"{pct(r['rel_vs_fp32'], r.get('rel_vs_fp32_std'))} | "
-                   f"{pct(r.get('rel_off_vs_fp32'), r.get('rel_off_vs_fp32_std'))} | {_fmt(r.get('best_off'), '.4f')} | "
-                   f"{pct(r.get('rel_best_off_vs_fp32'), r.get('rel_best_off_vs_fp32_std'))} | "
+                   f"{pct(r['rel_vs_fp32'], r['rel_vs_fp32_std'])} | "
+                   f"{pct(r['rel_off_vs_fp32'], r['rel_off_vs_fp32_std'])} | {_fmt(r['best_off'], '.4f')} | "
+                   f"{pct(r['rel_best_off_vs_fp32'], r['rel_best_off_vs_fp32_std'])} | "
                    f"{_fmt(r['compression_ratio'])}x |")
     return out
 

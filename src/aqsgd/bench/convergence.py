@@ -188,16 +188,18 @@ def study_table(results: dict[str, Any]) -> list[dict[str, Any]]:
     base = groups.get("fp32", {})
     rows = []
     for name, by_seed in groups.items():
-        runs = [by_seed[k] for k in sorted(by_seed)]
-        refs = [final(base[k], "uncompressed") if k in base else None for k in sorted(by_seed)]
+        seeds = sorted(by_seed)
+        runs = [by_seed[k] for k in seeds]
+        fp32_runs = [base.get(k) for k in seeds]  # fp32 of the same seed, the pair of each run
+        refs = [final(b, "uncompressed") if b else None for b in fp32_runs]
         on, off = [final(r, "compressed") for r in runs], [final(r, "uncompressed") for r in runs]
         rel_on, rel_off = [rel(v, ref) for v, ref in zip(on, refs)], [rel(v, ref) for v, ref in zip(off, refs)]
-        best_refs = [best(base[k]) if k in base else None for k in sorted(by_seed)]
+        best_refs = [best(b) if b else None for b in fp32_runs]
         best_off = [best(r) for r in runs]
         rel_best = [rel(v, ref) for v, ref in zip(best_off, best_refs)]
         first = runs[0]
         rows.append({"setting": name, "forward": first["forward"], "backward": first["backward"],
-                     "metric": first["summary"]["main_metric"], "seeds": sorted(by_seed),
+                     "metric": first["summary"]["main_metric"], "seeds": seeds,
                      "final_train_loss": mean([r["summary"]["final_train_loss"] for r in runs]),
                      "eval_on": mean(on), "eval_off": mean(off), "eval_on_runs": on, "eval_off_runs": off,
                      "rel_vs_fp32": mean(rel_on), "rel_off_vs_fp32": mean(rel_off),

@@ -122,8 +122,8 @@ def run_convergence(args: argparse.Namespace) -> int:
             fmt = lambda v, p=4: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
             table.add_row(r["setting"], r["forward"], r["backward"], fmt(r["final_train_loss"]), r["metric"],
                           fmt(r["eval_on"]), fmt(r["eval_off"]), format_relative(r["rel_vs_fp32"], r["rel_vs_fp32_std"]),
-                          format_relative(r["rel_off_vs_fp32"], r["rel_off_vs_fp32_std"]), fmt(r.get("best_off")),
-                          format_relative(r.get("rel_best_off_vs_fp32"), r.get("rel_best_off_vs_fp32_std")),
+                          format_relative(r["rel_off_vs_fp32"], r["rel_off_vs_fp32_std"]), fmt(r["best_off"]),
+                          format_relative(r["rel_best_off_vs_fp32"], r["rel_best_off_vs_fp32_std"]),
                           fmt(r["compression_ratio"], 2))
         console.print(table)
         console.print(f"wrote {path} and {png}")

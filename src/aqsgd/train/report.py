@@ -462,7 +462,6 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
     fig.suptitle(f"aqsgd report{': ' + ', '.join(tasks) if tasks else ''}", fontsize=14, fontweight="bold")
 
     # 1. training loss
-    any_warmup = False
     spans: dict[tuple[int, int], list[Any]] = {}
     for run in runs:
         c = colors[run.name]
@@ -482,10 +481,11 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
     # each distinct warm-up span once: in its run's colour, or grey when several runs share it (stacked
     # translucent spans of many runs would darken into an opaque block)
     for (lo, hi), span_colors in spans.items():
-        any_warmup = True
-        c = span_colors[0] if len(span_colors) == 1 else "0.5"
-        ax_loss.axvspan(lo, hi, color=c, alpha=0.10 if len(span_colors) == 1 else 0.2, linewidth=0)
-        ax_cum.axvspan(lo, hi, color=c, alpha=0.10 if len(span_colors) == 1 else 0.2, linewidth=0)
+        shared = len(span_colors) > 1
+        for ax in (ax_loss, ax_cum):
+            ax.axvspan(lo, hi, color="0.5" if shared else span_colors[0], alpha=0.2 if shared else 0.10,
+                       linewidth=0)
+    any_warmup = bool(spans)
     ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
     if any_warmup:
         ax_loss.legend(handles=[Patch(color="0.5", alpha=0.25, label="warm-up steps")], loc="upper right")
@@ -543,10 +543,8 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
     names = [run.name for run in runs]
     totals = [run.total_bytes or 0.0 for run in runs]
     horizontal = len(runs) > 6  # many runs: one row per run, so the names and notes stay readable
-    if horizontal:
-        bars = ax_bar.barh(range(len(runs)), totals, color=[colors[n] for n in names])
-    else:
-        bars = ax_bar.bar(range(len(runs)), totals, color=[colors[n] for n in names])
+    draw_bars = ax_bar.barh if horizontal else ax_bar.bar
+    bars = draw_bars(range(len(runs)), totals, color=[colors[n] for n in names])
     for run, bar, total in zip(runs, bars, totals):
         if run is ref and ref_bytes:
             note = "baseline"
