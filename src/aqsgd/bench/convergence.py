@@ -123,8 +123,10 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
                 continue
             fw, bw = SETTINGS[name]
             run_name = _slug(name) + (f"-seed{seed}" if seed else "")
+            # a run directory of a setting the study has not recorded is what an interrupted study left
+            # behind: that run starts afresh
             cfg = TrainConfig(**base, forward=fw, backward=bw, output_dir=str(out), run_name=run_name,
-                              progress=False, tensorboard=False, seed=seed)
+                              progress=False, tensorboard=False, seed=seed, overwrite=True)
             if progress:
                 progress(f"{task}: {key} ({fw} / {bw})")
             t0 = time.perf_counter()

@@ -17,7 +17,6 @@ process then runs its own stage of its own replica (rank = replica x stages + st
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -47,6 +46,15 @@ def _optional(conv):
     return parse
 
 
+def _help_text(text: str, default: Any) -> str:
+    """A field's help with its default appended, unless the text already says what the default is (a None
+    default means "derived", which the text explains)."""
+    if default is None or "(default" in text:
+        return text
+    shown = ",".join(map(str, default)) if isinstance(default, list) else default
+    return f"{text} (default: {shown})"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="fine-tune a model over a compressed pipeline", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         base, optional, is_list = field_type(f)
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        help_text = f"{f.metadata['help']} (default: {default if not isinstance(default, list) else ','.join(map(str, default))})"
+        help_text = _help_text(f.metadata["help"], default)
         group = groups[f.metadata["section"]]
         if base is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
@@ -115,11 +123,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if cfg.runtime == "distributed":
         from aqsgd.comm.launch import launch_local
+        from aqsgd.train.rundir import check_run_dir, resolve_run_dir
         from aqsgd.train.tasks import setup_task
-        from aqsgd.train.trainer import default_run_name
+        from aqsgd.train.trainer import check_partition
 
-        cfg = dataclasses.replace(cfg, run_name=cfg.run_name or default_run_name(cfg))
-        setup_task(cfg)  # prepare data sources and the weights file once, before the stage processes start
+        # prepare data sources and the weights file once, and check what would fail in every stage process alike
+        check_partition(cfg, setup_task(cfg).recipe)
+        check_run_dir(cfg, resolve_run_dir(cfg))
         summary = next((r for r in launch_local(_worker, cfg.world_size, cfg.to_json()) if r), None)
     else:
         from aqsgd.train.trainer import Trainer

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -12,7 +14,7 @@ from typing import Any
 
 from aqsgd.errors import SpecError
 
-__all__ = ["TrainConfig", "load_toml", "config_fields"]
+__all__ = ["TrainConfig", "load_toml", "config_fields", "check_run_name"]
 
 
 def _f(default: Any, help: str, section: str, **kw: Any) -> Any:
@@ -76,7 +78,11 @@ class TrainConfig:
     # -- evaluation, logging, checkpoints ----------------------------------------------------------------
     eval_every: int | None = _f(None, "evaluate every N steps (default: every epoch)", "run")
     output_dir: str = _f("runs", "parent folder of run directories", "run")
-    run_name: str | None = _f(None, "run directory name (default: task-forward-backward-time)", "run")
+    run_name: str | None = _f(None, "run directory name inside --output-dir (default: task-forward-backward); an "
+                              "existing run is never appended to: continue it with --resume or replace it with "
+                              "--overwrite", "run")
+    overwrite: bool = _f(False, "replace an existing run directory of the same name (its metrics and "
+                         "checkpoints are deleted)", "run")
     checkpoint_every: int | None = _f(None, "checkpoint every N steps (default: every epoch)", "run")
     keep_checkpoints: int = _f(2, "how many checkpoints to keep", "run")
     resume: str | None = _f(None, "resume from a run directory or checkpoint folder", "run")
@@ -110,6 +116,10 @@ class TrainConfig:
         def bad(name: str, why: str) -> SpecError:
             return SpecError(f"--{name.replace('_', '-')}: {why}")
 
+        for f in dataclasses.fields(self):  # floats: no NaN or infinity anywhere
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise bad(f.name, f"must be a finite number, got {v}")
         for name in ("stages", "micro_batches", "micro_batch_size", "epochs", "grad_accum", "max_length",
                      "keep_checkpoints", "data_parallel"):
             if getattr(self, name) < 1:
@@ -118,6 +128,10 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise bad(name, f"must be >= 1, got {v}")
+        for name in ("max_train_samples", "max_eval_samples"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise bad(name, f"must be >= 0 (0: all), got {v}")
         if self.dropout is not None and not 0 <= self.dropout < 1:
             raise bad("dropout", f"must be in [0, 1), got {self.dropout}")
         if self.warmup_epochs < 0 or self.warmup_epochs > self.epochs:
@@ -126,6 +140,11 @@ class TrainConfig:
             raise bad("lr", f"must be > 0, got {self.lr}")
         if not 0 <= self.lr_warmup < 1:
             raise bad("lr_warmup", f"must be in [0, 1), got {self.lr_warmup}")
+        for name in ("weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise bad(name, f"must be >= 0, got {getattr(self, name)}")
+        if not self.timeout > 0:
+            raise bad("timeout", f"must be > 0 seconds, got {self.timeout}")
         for name, valid in (("runtime", ("local", "distributed")), ("optimizer", ("adamw", "sgd")),
                             ("dtype", ("fp32", "bf16")), ("balance", ("layers", "params")),
                             ("ef_key", ("slot", "sample"))):
@@ -155,6 +174,13 @@ class TrainConfig:
             raise bad("cache", str(e)) from None
         if self.layers is not None and len(self.layers) != self.stages:
             raise bad("layers", f"{len(self.layers)} counts for {self.stages} stages")
+        if self.layers is not None and min(self.layers) < 1:
+            raise bad("layers", f"every stage needs at least one block, got {','.join(map(str, self.layers))}")
+        if self.link is not None and self.runtime != "distributed":
+            raise bad("link", "emulates the links between stage processes: it needs --runtime distributed (the "
+                      "local runtime passes tensors in memory)")
+        if self.run_name is not None:
+            check_run_name(self.run_name)
         if self.link is not None:
             from aqsgd.comm import LinkSpec
 
@@ -171,12 +197,52 @@ class TrainConfig:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> TrainConfig:
+        """A config from plain values (TOML, JSON): unknown keys and values of the wrong type are errors that
+        name the key and ``source``."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(known))
         if unknown:
             raise SpecError(f"unknown config keys {unknown}; see `aqsgd train --help`")
-        return cls(**data)
+        return cls(**{k: _typed(known[k], v, source) for k, v in data.items()})
+
+
+def _typed(f: dataclasses.Field, value: Any, source: str) -> Any:
+    """``value`` checked against the field's type (an int where a float is expected is converted)."""
+    base, optional, is_list = field_type(f)
+    if value is None and optional:
+        return None
+
+    def one(v: Any) -> Any:
+        if base is float and isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        if isinstance(v, base) and not (base is int and isinstance(v, bool)):
+            return v
+        raise SpecError(f"{source}: {f.name} must be {_type_name(base, is_list, optional)}, got {v!r}")
+
+    if is_list:
+        if not isinstance(value, list):
+            raise SpecError(f"{source}: {f.name} must be {_type_name(base, True, optional)}, got {value!r}")
+        return [one(v) for v in value]
+    return one(value)
+
+
+def _type_name(base: type, is_list: bool, optional: bool) -> str:
+    name = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[base]
+    if is_list:
+        name = f"a list of {name.split(' ', 1)[1]}s"
+    return name + (" (or omitted)" if optional else "")
+
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9_.+=-]+")
+
+
+def check_run_name(name: str) -> str:
+    """A run directory name is one plain path component: it can never point outside ``--output-dir``."""
+    if not _RUN_NAME.fullmatch(name) or name in (".", ".."):
+        raise SpecError(f"--run-name: {name!r} must be a plain folder name (letters, digits and . _ + = -), "
+                        f"not a path")
+    return name
 
 
 def config_fields() -> list[dataclasses.Field]:
@@ -198,23 +264,38 @@ def field_type(f: dataclasses.Field) -> tuple[type, bool, bool]:
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """A preset: flat keys, or keys grouped in tables (``[compression]``, ...) that are flattened."""
+    """A preset: keys at the top level, or in the table of their section (``[task]``, ``[pipeline]``,
+    ``[compression]``, ``[optim]``, ``[run]``, as ``aqsgd train --help`` groups them). An unknown key, a key
+    in the wrong table, a key given twice or a value of the wrong type is an error naming it."""
     p = Path(path)
     if not p.is_file():
         raise SpecError(f"--config: no such file {p}")
     try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise SpecError(f"--config {p}: {e}") from None
+    fields = {f.name: f for f in config_fields()}
+    sections = {f.metadata["section"] for f in fields.values()}
     flat: dict[str, Any] = {}
+
+    def put(key: str, value: Any, table: str | None) -> None:
+        name = key.replace("-", "_")
+        where = f"[{table}] {key}" if table else key
+        if name not in fields:
+            raise SpecError(f"--config {p}: unknown key {where!r}; see `aqsgd train --help`")
+        section = fields[name].metadata["section"]
+        if table is not None and section != table:
+            raise SpecError(f"--config {p}: {key!r} belongs in [{section}], not [{table}]")
+        if name in flat:
+            raise SpecError(f"--config {p}: {key!r} is given twice")
+        flat[name] = _typed(fields[name], value, f"--config {p}")
+
     for k, v in data.items():
         if isinstance(v, dict):
+            if k not in sections:
+                raise SpecError(f"--config {p}: unknown table [{k}]; tables are {', '.join(sorted(sections))}")
             for k2, v2 in v.items():
-                flat[k2.replace("-", "_")] = v2
+                put(k2, v2, k)
         else:
-            flat[k.replace("-", "_")] = v
-    known = {f.name for f in config_fields()}
-    unknown = sorted(set(flat) - known)
-    if unknown:
-        raise SpecError(f"--config {p}: unknown keys {unknown}")
+            put(k, v, None)
     return flat

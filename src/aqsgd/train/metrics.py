@@ -19,7 +19,10 @@ def perplexity(loss: float) -> float:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, *, enabled: bool = True, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, *, enabled: bool = True, tensorboard: bool = True,
+                 purge_step: int | None = None) -> None:
+        """``purge_step``: a resumed run's first step; TensorBoard hides the events from there on that the
+        interrupted run had written (metrics.jsonl is cut back by :func:`aqsgd.train.rundir.truncate_metrics`)."""
         self.run_dir = run_dir
         self.enabled = enabled
         self._file = None
@@ -32,7 +35,7 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
             except ImportError:
                 log.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
 

@@ -444,7 +444,7 @@ def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None 
         from matplotlib.patches import Patch
         from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     except ImportError as e:  # pragma: no cover - matplotlib is a test dependency
-        raise AqsgdError("aqsgd report needs matplotlib: pip install 'aqsgd[report]'") from e
+        raise AqsgdError("aqsgd report needs matplotlib: pip install matplotlib") from e
     if not runs:
         raise ReportError("no runs to plot")
     out_png = Path(out_png)

@@ -30,6 +30,7 @@ __all__ = ["TaskSetup", "setup_task", "TASK_KINDS"]
 log = logging.getLogger(__name__)
 
 TASK_KINDS = {**{n: t.kind for n, t in TASKS.items()}, "synthetic-lm": "causal-lm"}
+_TINY_LLAMA_BLOCKS = 4  # the synthetic task's random model
 DEFAULT_MODEL = {"sequence-classification": "minilm", "causal-lm": "smollm2", "image-classification": "resnet"}
 
 
@@ -103,6 +104,9 @@ def _model_recipe(cfg: TrainConfig, kind: str, train: Dataset) -> ModelRecipe:
     info = getattr(train, "info", {})
     model = cfg.model or ("tiny-llama" if cfg.task == "synthetic-lm" else DEFAULT_MODEL[kind])
     if model == "resnet":
+        if cfg.model_layers is not None:
+            raise SpecError("--model-layers keeps the first N blocks of a transformer; the resnet has no such "
+                            "setting")
         if kind != "image-classification":
             raise SpecError(f"--model resnet needs an image task, not {cfg.task}")
         recipe = ModelRecipe("resnet", {"in_channels": int(info.get("channels", 1)), "num_classes": int(info["num_labels"]),
@@ -112,7 +116,10 @@ def _model_recipe(cfg: TrainConfig, kind: str, train: Dataset) -> ModelRecipe:
     if model == "tiny-llama":
         from aqsgd.train.job import tiny_lm_recipe
 
-        recipe = tiny_lm_recipe("llama", layers=cfg.model_layers or 4, hidden=64,
+        if cfg.model_layers is not None and cfg.model_layers > _TINY_LLAMA_BLOCKS:
+            raise SpecError(f"--model-layers: the model has only {_TINY_LLAMA_BLOCKS} blocks, asked for "
+                            f"{cfg.model_layers}")
+        recipe = tiny_lm_recipe("llama", layers=cfg.model_layers or _TINY_LLAMA_BLOCKS, hidden=64,
                                 vocab=int(info.get("vocab_size", 128)), seq_len=cfg.max_length)
         path = weights_dir / f"tiny-llama-{recipe.fingerprint()}-seed{cfg.seed}.safetensors"
         return recipe.with_weights(_atomic_weights(path, lambda p: init_weights_file(recipe, p, cfg.seed)))

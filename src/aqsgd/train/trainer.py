@@ -41,7 +41,7 @@ import torch.distributed as dist
 from aqsgd.comm.transport import naming_peer_failures
 from aqsgd.data.datasets import epoch_batches
 from aqsgd.data.synthetic import microbatches
-from aqsgd.errors import ConfigMismatchError
+from aqsgd.errors import ConfigMismatchError, SpecError
 from aqsgd.parallel import ProcessGrid, make_grad_sync
 from aqsgd.pipeline.compression import CompressionConfig
 from aqsgd.pipeline.materialize import load_weights, materialize_stage
@@ -51,14 +51,40 @@ from aqsgd.train.checkpoint import CheckpointError, latest_checkpoint, load_chec
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.engine import OptimConfig, PipelineEngine
 from aqsgd.train.metrics import MetricsWriter, perplexity
+from aqsgd.train.rundir import (RunDirError, RunDirLock, prepare_run_dir, resolve_run_dir,
+                                truncate_metrics)
 from aqsgd.train.tasks import TaskSetup, setup_task
 
-__all__ = ["Trainer", "default_run_name"]
+__all__ = ["Trainer", "default_run_name", "check_partition", "RESUME_MUST_MATCH"]
 
 log = logging.getLogger(__name__)
 _STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute", "encode", "decode", "wait", "sync_bytes")
 # evaluation sums, reduced over the replicas: loss x samples, samples, correct predictions, binary confusion counts
 _EVAL_KEYS = ("loss_sum", "count", "correct", "tp", "tn", "fp", "fn")
+
+
+# Settings that change what a checkpoint's state means (the model and its cut into stages, the data and sample
+# ids, the order of the data, the boundary schemes and their caches, the optimizer's state, the data-parallel
+# grid and its error-feedback buffers): a resumed run must use the checkpoint's values. Every other setting may
+# change on resume (lr, epochs, evaluation, ...), and the trainer warns about each one that did.
+RESUME_MUST_MATCH = frozenset({
+    "task", "model", "max_length", "max_train_samples", "model_layers", "stages", "layers", "balance",
+    "micro_batches", "micro_batch_size", "data_parallel", "grad_sync", "grad_bucket_mb", "forward", "backward",
+    "cache", "ef_key", "optimizer", "grad_accum", "seed"})
+# where and how this invocation runs and reports: not part of the training, never compared
+_RUN_ONLY = frozenset({"cache_dir", "output_dir", "run_name", "resume", "overwrite", "progress", "tensorboard",
+                       "trace", "timeout", "keep_checkpoints"})
+
+
+def check_partition(cfg: TrainConfig, recipe: Any) -> None:
+    """The model can be cut as ``--stages`` / ``--layers`` ask (one line naming the option if not)."""
+    from aqsgd.pipeline.partition import model_layout, stage_layer_counts
+
+    try:
+        stage_layer_counts(model_layout(recipe.build("meta")), cfg.stages, cfg.layers, cfg.balance)
+    except ValueError as e:
+        option = (f"--layers {','.join(map(str, cfg.layers))}" if cfg.layers is not None else f"--stages {cfg.stages}")
+        raise SpecError(f"{option}: {e}") from None
 
 
 def default_run_name(cfg: TrainConfig) -> str:
@@ -80,10 +106,27 @@ def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + q + (1 if index < rem else 0)
 
 
+def _saved_config(checkpoint: Path) -> dict[str, Any]:
+    """The config a checkpoint was written with (from its ``trainer.json``)."""
+    try:
+        config = json.loads((checkpoint / "trainer.json").read_text(encoding="utf-8")).get("config", {})
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{checkpoint / 'trainer.json'}: unreadable ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{checkpoint / 'trainer.json'}: no config")
+    return config
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, run_dir: str | Path | None = None) -> None:
         self.cfg = cfg.validate()
         self.distributed = dist.is_initialized()
+        if cfg.runtime == "distributed" and not self.distributed:
+            raise ConfigMismatchError(
+                "runtime 'distributed' needs torch.distributed initialized in every stage process (start it with "
+                "`aqsgd train --runtime distributed`, or torchrun and init_process_group); use runtime 'local' to "
+                "run all stages in this process")
         self.rank = dist.get_rank() if self.distributed else 0
         if self.distributed and dist.get_world_size() != cfg.world_size:
             raise ConfigMismatchError(
@@ -92,8 +135,10 @@ class Trainer:
                 f"replica)")
         self.grid = ProcessGrid.build(cfg.stages, cfg.data_parallel) if self.distributed else None
         self.replica = self.grid.replica if self.grid is not None else 0
-        self.run_dir = Path(run_dir) if run_dir else Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
+        self.run_dir = Path(run_dir) if run_dir else resolve_run_dir(cfg)
         self.task: TaskSetup = setup_task(cfg)
+        check_partition(cfg, self.task.recipe)
+        self._lock = self._prepare_run_dir()  # before anything (a disk cache, a checkpoint) writes into it
         n_train = len(self.task.train)
         self.steps_per_epoch = math.ceil(self._train_batches_per_epoch(n_train) / cfg.grad_accum)
         total = self.steps_per_epoch * cfg.epochs
@@ -137,6 +182,23 @@ class Trainer:
         self.totals = {"bytes_sent": 0, "raw_bytes": 0, "grad_sync_bytes": 0, "samples": 0, "train_s": 0.0}
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None
+        self._done = {"eval": -1, "checkpoint": -1}  # the steps of the last evaluation and checkpoint
+
+    def _prepare_run_dir(self) -> RunDirLock | None:
+        """Check, create and lock the run directory: here without a process group, by rank 0 otherwise (the
+        others learn its outcome, so that every process stops with the same one-line error)."""
+        if not self.distributed:
+            return prepare_run_dir(self.cfg, self.run_dir)
+        lock, outcome = None, [None]
+        if self.rank == 0:
+            try:
+                lock = prepare_run_dir(self.cfg, self.run_dir)
+            except RunDirError as e:
+                outcome = [str(e)]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise RunDirError(outcome[0])
+        return lock
 
     # -- data ----------------------------------------------------------------------------------------------
     def _train_batches_per_epoch(self, n: int) -> int:
@@ -228,32 +290,58 @@ class Trainer:
     def _checkpoint(self) -> None:
         pos = {**self.position, "totals": self.totals, "config": self.cfg.to_dict()}
         path = save_checkpoint(self.run_dir, self.position["step"], self.engine, pos, keep=self.cfg.keep_checkpoints)
+        self._done["checkpoint"] = self.position["step"]
         log.info("checkpoint %s", path)
 
-    def _resume(self) -> None:
+    def _resume(self) -> int:
+        """Load the newest checkpoint of ``cfg.resume``; returns its step. Settings that change what the saved
+        state means must equal the checkpoint's (one error naming them); others may change, with a warning."""
         path = latest_checkpoint(self.cfg.resume)  # type: ignore[arg-type]
         if path is None:
             raise CheckpointError(f"--resume: no complete checkpoint under {self.cfg.resume}")
-        saved = json.loads((path / "trainer.json").read_text()).get("config", {})
+        saved = _saved_config(path)
         defaults = TrainConfig()  # checkpoints written before a setting existed ran with its default
-        for key in ("task", "stages", "forward", "backward", "micro_batches", "micro_batch_size", "seed",
-                    "data_parallel", "grad_sync"):
-            value = saved.get(key, getattr(defaults, key))
-            if value != getattr(self.cfg, key):
-                raise CheckpointError(f"--resume: checkpoint has {key}={value!r}, this run {getattr(self.cfg, key)!r}")
+        mine = self.cfg.to_dict()
+        differ = {k: (saved.get(k, getattr(defaults, k)), mine[k]) for k in mine
+                  if k not in _RUN_ONLY and saved.get(k, getattr(defaults, k)) != mine[k]}
+        fixed = {k: v for k, v in differ.items() if k in RESUME_MUST_MATCH}
+        if fixed:
+            what = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in fixed.items())
+            raise CheckpointError(f"--resume {path}: the checkpoint was trained with {what}; these settings must "
+                                  f"match to continue it")
+        if differ:
+            log.warning("resuming %s with changed settings: %s", path,
+                        ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items()))
         state = load_checkpoint(path, self.engine)
         self.position = {k: state[k] for k in ("epoch", "batch", "step")}
         self.totals = {**self.totals, **state["totals"]}
+        if self.position["step"] >= self.total_steps:
+            raise CheckpointError(f"--resume {path}: the checkpoint is at step {self.position['step']} of "
+                                  f"{self.total_steps}, so there is nothing left to train; raise --epochs or "
+                                  f"--max-steps to continue")
+        self._done["checkpoint"] = self.position["step"]
         log.info("resumed from %s at epoch %d, batch %d, step %d", path, *self.position.values())
+        return self.position["step"]
 
     # -- the loop ----------------------------------------------------------------------------------------
     def run(self, *, stop_at: int | None = None) -> dict[str, Any]:
         """Train to the end (or, for tests of interruption, stop after optimizer step ``stop_at``)."""
         self._stop_at = stop_at
+        try:
+            return self._run()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def _run(self) -> dict[str, Any]:
         cfg = self.cfg
-        if cfg.resume:
-            self._resume()
-        writer = MetricsWriter(self.run_dir, enabled=self.writes_metrics, tensorboard=cfg.tensorboard)
+        resumed_at = self._resume() if cfg.resume else None
+        if resumed_at is not None and self.writes_metrics:
+            dropped = truncate_metrics(self.run_dir, resumed_at)
+            if dropped:
+                log.info("metrics.jsonl: dropped %d rows after step %d (they are trained again)", dropped, resumed_at)
+        writer = MetricsWriter(self.run_dir, enabled=self.writes_metrics, tensorboard=cfg.tensorboard,
+                               purge_step=None if resumed_at is None else resumed_at + 1)
         if self.writes_metrics:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -280,8 +368,10 @@ class Trainer:
             batches = self._train_batches(epoch)
             first = self.position["batch"] if epoch == self.position["epoch"] else 0
             for b in range(first, len(batches), cfg.grad_accum):
-                if self.position["step"] >= self.total_steps or self.position["step"] == self._stop_at:
-                    return
+                if self.position["step"] == self._stop_at:
+                    return  # a simulated interruption: no final evaluation, checkpoint or trace
+                if self.position["step"] >= self.total_steps:
+                    break
                 group = batches[b : b + cfg.grad_accum]
                 if cfg.trace and self.position["step"] == self.total_steps - 1:
                     for r in self.engine.runners.values():
@@ -302,11 +392,19 @@ class Trainer:
                     self._eval(writer, epoch)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     self._checkpoint()
-            self.position.update(epoch=epoch + 1, batch=0)
-            if not cfg.eval_every:
-                self._eval(writer, epoch)
-            if not cfg.checkpoint_every:
-                self._checkpoint()
+            else:  # the epoch ran to its end
+                self.position.update(epoch=epoch + 1, batch=0)
+                if not cfg.eval_every:
+                    self._eval(writer, epoch)
+                if not cfg.checkpoint_every:
+                    self._checkpoint()
+                continue
+            break  # --max-steps ended training inside this epoch
+        # the final state is always evaluated and checkpointed (--max-steps may end between the regular points)
+        if self._done["eval"] != self.position["step"]:
+            self._eval(writer, self.position["epoch"])
+        if self._done["checkpoint"] != self.position["step"]:
+            self._checkpoint()
         self._write_trace()
 
     def _write_trace(self) -> None:
@@ -319,6 +417,7 @@ class Trainer:
 
     def _eval(self, writer: MetricsWriter, epoch: int) -> None:
         result = self.evaluate()
+        self._done["eval"] = self.position["step"]
         if self.writes_metrics:
             self.last_eval = result
             writer.write({"kind": "eval", "step": self.position["step"], "epoch": epoch, **result})

@@ -1,0 +1,156 @@
+"""Run directories: where a run writes, and the rules that keep two runs from mixing their outputs.
+
+* A run directory is ``--output-dir / --run-name`` (a plain name, never a path that leads elsewhere). With
+  ``--resume`` and no ``--run-name`` the run continues in the directory of the run it resumes.
+* An existing run is never appended to or overwritten silently: a run directory that already holds files needs
+  ``--resume`` (continue it) or ``--overwrite`` (delete it first; only a directory that looks like a run).
+* While a run is in progress its directory is locked (``fcntl.flock`` on ``RUN_DIR/.lock``, released when the
+  process ends, however it ends): a second run into the same directory stops at once, naming the holder.
+* A run resumed in its own directory first cuts ``metrics.jsonl`` back to the checkpoint's step, so the steps
+  between that checkpoint and the interruption, which are trained again, are not recorded twice.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aqsgd.errors import AqsgdError
+
+if TYPE_CHECKING:
+    from aqsgd.train.config import TrainConfig
+
+__all__ = ["RunDirError", "RunDirLock", "resolve_run_dir", "check_run_dir", "prepare_run_dir",
+           "truncate_metrics", "run_dir_of_checkpoint"]
+
+_LOCK = ".lock"
+# what a run writes: a directory holding any of these is a run directory that --overwrite may delete
+_RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "tensorboard", "cache")
+
+
+class RunDirError(AqsgdError, ValueError):
+    """A run directory that cannot be used: it exists (without --resume/--overwrite), is in use by another run,
+    or is not a directory."""
+
+
+def run_dir_of_checkpoint(checkpoint: Path) -> Path:
+    """The run directory a checkpoint folder belongs to (``RUN/checkpoints/step-N`` -> ``RUN``)."""
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+
+
+def resolve_run_dir(cfg: TrainConfig) -> Path:
+    """Where ``cfg`` writes: ``output_dir / run_name``; when resuming without a ``run_name``, the resumed run's
+    own directory; otherwise ``output_dir / task-forward-backward``."""
+    from aqsgd.train.trainer import default_run_name
+
+    if cfg.run_name is None and cfg.resume:
+        resume = Path(cfg.resume)
+        return run_dir_of_checkpoint(resume) if (resume / "COMPLETE").exists() else resume
+    return Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
+
+
+def _resumes_here(cfg: TrainConfig, run_dir: Path) -> bool:
+    if not cfg.resume:
+        return False
+    resume = Path(cfg.resume)
+    source = run_dir_of_checkpoint(resume) if (resume / "COMPLETE").exists() else resume
+    return source.resolve() == run_dir.resolve()
+
+
+def _is_run_dir(path: Path) -> bool:
+    return any((path / name).exists() for name in _RUN_FILES)
+
+
+def check_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
+    """Read-only checks (safe before any process starts): the parent is a directory, and an existing run is
+    only used with ``--resume`` (into itself) or ``--overwrite``."""
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--output-dir {out} is not a directory")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"run directory {run_dir} exists and is not a directory")
+    here = _resumes_here(cfg, run_dir)
+    if cfg.overwrite and here:
+        raise RunDirError(f"--overwrite would delete {run_dir}, the run that --resume continues; drop one of them")
+    occupied = run_dir.is_dir() and any(p.name != _LOCK for p in run_dir.iterdir())
+    if not occupied or here:
+        return
+    if not cfg.overwrite:
+        raise RunDirError(f"run directory {run_dir} already exists: continue it with --resume {run_dir}, replace "
+                          f"it with --overwrite, or choose another --run-name")
+    if not _is_run_dir(run_dir):
+        raise RunDirError(f"--overwrite: {run_dir} does not look like a run directory (none of "
+                          f"{', '.join(_RUN_FILES)}); refusing to delete it")
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory for the lifetime of this object (or of the process)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / _LOCK
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 256, 0).decode(errors="replace").strip() or "another process"
+            os.close(self._fd)
+            self._fd = None
+            raise RunDirError(f"run directory {run_dir} is in use by another run ({holder}); wait for it to "
+                              f"finish or choose another --run-name") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> RunDirLock:
+    """Check, clear (``--overwrite``), create and lock a run directory; the caller keeps the lock while it
+    runs. In a distributed run exactly one process calls this, before any process writes into the directory."""
+    check_run_dir(cfg, run_dir)
+    try:
+        if cfg.overwrite and run_dir.is_dir() and not _resumes_here(cfg, run_dir):
+            lock = RunDirLock(run_dir)  # never delete a directory that a live run holds
+            for p in run_dir.iterdir():
+                if p.name != _LOCK:
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            return lock
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"run directory {run_dir}: {e.strerror or e}") from None
+    return RunDirLock(run_dir)
+
+
+def truncate_metrics(run_dir: Path, step: int) -> int:
+    """Keep the rows of ``metrics.jsonl`` up to optimizer step ``step`` (the checkpoint a run resumes from);
+    returns how many rows were dropped. A torn last line (a run killed mid-write) is dropped too."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    kept: list[str] = []
+    dropped = 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row: Any = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
