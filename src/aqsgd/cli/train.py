@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
         from aqsgd.train.trainer import check_partition
 
         # prepare data sources and the weights file once, and check what would fail in every stage process alike
-        check_partition(cfg, setup_task(cfg).recipe)
         check_run_dir(cfg, resolve_run_dir(cfg))
+        check_partition(cfg, setup_task(cfg).recipe)
         summary = next((r for r in launch_local(_worker, cfg.world_size, cfg.to_json()) if r), None)
     else:
         from aqsgd.train.trainer import Trainer

@@ -51,7 +51,7 @@ from aqsgd.train.checkpoint import CheckpointError, latest_checkpoint, load_chec
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.engine import OptimConfig, PipelineEngine
 from aqsgd.train.metrics import MetricsWriter, perplexity
-from aqsgd.train.rundir import (RunDirError, RunDirLock, prepare_run_dir, resolve_run_dir,
+from aqsgd.train.rundir import (RunDirError, RunDirLock, check_run_dir, prepare_run_dir, resolve_run_dir,
                                 truncate_metrics)
 from aqsgd.train.tasks import TaskSetup, setup_task
 
@@ -136,6 +136,8 @@ class Trainer:
         self.grid = ProcessGrid.build(cfg.stages, cfg.data_parallel) if self.distributed else None
         self.replica = self.grid.replica if self.grid is not None else 0
         self.run_dir = Path(run_dir) if run_dir else resolve_run_dir(cfg)
+        if not self.distributed:  # fail fast, before the data are prepared (distributed: rank 0, below)
+            check_run_dir(cfg, self.run_dir)
         self.task: TaskSetup = setup_task(cfg)
         check_partition(cfg, self.task.recipe)
         self._lock = self._prepare_run_dir()  # before anything (a disk cache, a checkpoint) writes into it
