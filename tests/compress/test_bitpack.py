@@ -4,6 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aqsgd.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
+from aqsgd.errors import CodecError
 
 
 def reference_pack(codes: list[int], bits: int) -> list[int]:
@@ -42,3 +43,23 @@ def test_bad_arguments():
         pack_bits(torch.zeros(4, dtype=torch.int32), 2)
     with pytest.raises(ValueError):
         unpack_bits(torch.zeros(3, dtype=torch.uint8), 2, 100)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_slices_at_any_byte_offset(bits):
+    """Codes or packed bytes that are a slice of a larger buffer, at any offset, give the aligned result."""
+    g = torch.Generator().manual_seed(bits)
+    buf = torch.randint(0, 2**bits, (120,), dtype=torch.uint8, generator=g)
+    for offset in range(8):
+        codes = buf[offset:offset + 101]
+        packed = pack_bits(codes, bits)
+        assert torch.equal(packed, pack_bits(codes.clone(), bits))
+        shifted = torch.cat([torch.zeros(offset, dtype=torch.uint8), packed])[offset:]
+        assert torch.equal(unpack_bits(shifted, bits, 101), codes)
+
+
+def test_bad_arguments_are_library_errors():
+    with pytest.raises(CodecError):
+        pack_bits(torch.zeros(4, dtype=torch.uint8), 0)
+    with pytest.raises(CodecError):
+        unpack_bits(torch.zeros(2, 2, dtype=torch.uint8), 2, 8)

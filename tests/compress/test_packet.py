@@ -1,6 +1,9 @@
 """Wire format: exact sizes, integrity checks, mismatch detection and decoder fuzzing."""
 
+import dataclasses
 import random
+import struct
+import zlib
 
 import pytest
 import torch
@@ -126,3 +129,118 @@ def test_fuzz_valid_crc_with_garbage_payload():
             except AqsgdError:
                 continue
             assert y.shape == x.shape and y.dtype == x.dtype
+
+
+# -- payloads at any byte offset (the transport slices one shared receive buffer) ----------------------
+OFFSET_SPECS = ["none", "fp32", "fp16", "bf16", "q1", "q3", "q2:l2", "q5:token:scale32", "q7:block5:midrise",
+                "q8:tensor", "topk0.5", "topk0.5+q3", "topk0.5+q1", "topk0.3:tensor+q8", "topk0.5+fp32",
+                "topk0.5+bf16", "topk0.5+q5:block3:scale32"]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _at_offset(packet: Packet, offset: int) -> Packet:
+    """The same packet with its payload copied to ``offset`` bytes into a larger buffer."""
+    n = packet.payload.numel()
+    buf = torch.zeros(offset + n + 8, dtype=torch.uint8)
+    buf[offset:offset + n] = packet.payload
+    return dataclasses.replace(packet, payload=buf[offset:offset + n])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("spec", OFFSET_SPECS)
+def test_decode_payload_at_any_byte_offset(spec, dtype):
+    codec = make_codec(spec)
+    for shape in [(3, 7), (1, 301), (2, 3, 5)]:
+        packet = codec.encode(torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(dtype))
+        expected = codec.decode(packet)
+        for offset in range(1, 8):
+            y = codec.decode(_at_offset(packet, offset))
+            assert y.dtype == dtype and torch.equal(_bits(y), _bits(expected)), (shape, offset)
+
+
+@pytest.mark.parametrize("spec", ["none", "fp32"])
+def test_aligned_payload_decodes_without_a_copy(spec):
+    packet = _at_offset(make_codec(spec).encode(torch.randn(3, 7)), 8)
+    assert make_codec(spec).decode(packet).data_ptr() == packet.payload.data_ptr()
+
+
+def _via_shared_buffer(packets: list[Packet]) -> list[Packet]:
+    """What the transport hands the receiver: each payload a slice of one buffer, header by header."""
+    shared = torch.cat([p.payload for p in packets])
+    out, offset = [], 0
+    for p in packets:
+        h = parse_header(p.header_bytes())
+        out.append(Packet.from_header(h, shared[offset:offset + h.payload_len]))
+        offset += h.payload_len
+    return out
+
+
+@pytest.mark.parametrize("codec,row", [("q3", (7,)), ("q2:l2", (3, 7)), ("topk0.5+q3", (301,))])
+def test_delta_microbatch_of_seen_and_new_samples_from_one_buffer(codec, row):
+    """The reported failure: delta rows, then raw rows in one message, the raw payload at an odd byte."""
+    from aqsgd.schemes import make_scheme
+
+    s, r = (make_scheme("delta", codec, side, num_samples=10, cache="memory:fp32")
+            for side in ("sender", "receiver"))
+    ids = torch.tensor([0, 1, 2, 3])
+    r.recv(_via_shared_buffer(s.send(torch.randn(4, *row), ids)), ids)
+    ids = torch.tensor([2, 0, 3, 9])  # three seen (delta packet), one new (raw packet)
+    x = torch.randn(4, *row)
+    packets = _via_shared_buffer(s.send(x, ids))
+    assert [p.shape[0] for p in packets] == [3, 1] and packets[1].payload.storage_offset() % 4
+    y = r.recv(packets, ids)
+    assert torch.equal(y[3], x[3]) and torch.equal(y, s.cache.get(ids))  # the sender's view, exactly
+
+
+# -- shapes that cannot be tensors -------------------------------------------------------------------
+def _forged(codec, dims, dtype_code=1, payload=b"") -> bytes:
+    """A header with a valid CRC announcing ``dims`` (the fields a sender could put there)."""
+    head = bytearray(codec.encode(torch.zeros(1)).header_bytes(checksum=False))
+    head[6], head[7] = dtype_code, len(dims)
+    head[24:32] = struct.pack("<Q", len(payload))
+    head[32:56] = struct.pack("<6I", *dims, *[0] * (6 - len(dims)))
+    head[60:64] = struct.pack("<I", zlib.crc32(bytes(head[:60])))
+    return bytes(head) + payload
+
+
+BIG = 2**32 - 1
+
+
+@pytest.mark.parametrize("dims", [(0, BIG, BIG), (BIG, 0, BIG, BIG), (BIG, BIG), (2**31, 2**30),
+                                  (0, 0, 2**16, 2**16, 2**16, 2**16), (BIG,) * 6], ids=str)
+@pytest.mark.parametrize("spec", ["none", "fp16", "q2", "q3:token", "topk0.5", "topk0.5+q3"])
+def test_overflowing_shapes_are_packet_errors(spec, dims):
+    codec = make_codec(spec)
+    data = _forged(codec, dims)
+    with pytest.raises(PacketError, match="too large"):
+        parse_header(data)
+    with pytest.raises(PacketError, match="too large"):
+        codec.decode(Packet.from_bytes(data))
+    with pytest.raises(PacketError, match="too large"):
+        Packet(codec.family, torch.float32, dims, codec.fingerprint, torch.empty(0, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "q2", "q3:token", "topk0.5", "topk0.5+q3"])
+def test_largest_empty_shapes_still_decode(spec):
+    """The bound rejects only shapes torch cannot stride: an empty (0, 2**30, 2**30) tensor still decodes."""
+    codec = make_codec(spec)
+    for dims in [(0, 2**30, 2**30), (2**30, 0, 2**30)]:
+        y = codec.decode(Packet.from_bytes(_forged(codec, dims)))
+        assert y.shape == dims and y.dtype == torch.float32
+
+
+def test_kind_out_of_range_is_a_packet_error():
+    p = make_codec("q2").encode(torch.randn(2, 3))
+    with pytest.raises(PacketError, match="kind"):
+        p.with_tag(1, kind=256)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_encode_tensor_requiring_grad(spec):
+    x = torch.randn(3, 8, requires_grad=True)
+    codec = make_codec(spec)
+    y, y_detached = (codec.roundtrip(t, generator=torch.Generator().manual_seed(0)) for t in (x, x.detach()))
+    assert torch.equal(y, y_detached)

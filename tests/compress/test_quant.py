@@ -211,3 +211,12 @@ def test_group_helpers_roundtrip_rowwise(g, n, bits, seed):
     # rows are independent: quantizing one row alone gives the same bytes
     p0, s0 = quantize_groups(x[:1], bits)
     assert torch.equal(p0[0], packed[0]) and torch.equal(s0, scales[:1])
+
+
+def test_float64_beyond_fp32_scales_is_rejected_at_encode():
+    """Its scale would be stored as Inf and the packet rejected by every receiver: refuse to send it."""
+    x = torch.tensor([[1e300, 1.0], [2.0, -3.0]], dtype=torch.float64)
+    with pytest.raises(NonFiniteError):
+        make_codec("q8:scale32").encode(x)
+    y = make_codec("q8").roundtrip(x)  # fp16 scales clip at 65504, as documented
+    assert float(y.abs().max()) <= 65504 * 1.01

@@ -52,3 +52,16 @@ def test_non_string_spec():
 def test_cuda_like_device_argument_roundtrip_cpu():
     x = torch.randn(2, 3, dtype=torch.float16)
     assert make_codec("q8").roundtrip(x).dtype == torch.float16
+
+
+def test_unhashable_spec_is_a_spec_error():
+    with pytest.raises(SpecError):
+        make_codec(["q2"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("build", [lambda: QuantCodec(9), lambda: QuantCodec(4, granularity="row"),
+                                   lambda: CastCodec("fp8"), lambda: TopKCodec(1.5),
+                                   lambda: TopKCodec(0.1, values=RawCodec())])
+def test_bad_codec_arguments_are_spec_errors(build):
+    with pytest.raises(SpecError):
+        build()

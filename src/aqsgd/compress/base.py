@@ -71,7 +71,8 @@ class Codec(abc.ABC):
             raise CodecError(f"{self.spec}: cannot encode dtype {x.dtype}; floating dtypes only")
         if x.dim() > MAX_NDIM:
             raise CodecError(f"{self.spec}: tensors of at most {MAX_NDIM} dims, got shape {tuple(x.shape)}")
-        payload = self._encode(x.contiguous(), generator)
+        # encoding is not differentiable: without detach, in-place and out= ops fail on tensors requiring grad
+        payload = self._encode(x.detach().contiguous(), generator)
         expected = self.payload_bytes(x.shape, x.dtype)
         assert payload.numel() == expected, (self.spec, payload.numel(), expected)
         return Packet(self.family, x.dtype, tuple(x.shape), self.fingerprint, payload)

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from aqsgd.compress.packet import bytes_as
+from aqsgd.errors import CodecError
+
 __all__ = ["pack_bits", "unpack_bits", "packed_nbytes"]
 
 # For bits dividing 8: (word dtype, codes per word == bytes per word)
@@ -34,7 +37,7 @@ def packed_nbytes(n: int, bits: int) -> int:
 
 def _check_bits(bits: int) -> None:
     if not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+        raise CodecError(f"bits must be an integer in 1..8, got {bits!r}")
 
 
 def _pad_to_multiple(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -51,7 +54,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     _check_bits(bits)
     if codes.dtype != torch.uint8 or codes.dim() != 1:
-        raise ValueError("pack_bits expects a 1-D uint8 tensor")
+        raise CodecError("pack_bits expects a 1-D uint8 tensor")
     n = codes.numel()
     nbytes = packed_nbytes(n, bits)
     if bits == 8:
@@ -60,13 +63,13 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes.new_empty(0)
     if bits in _WORD:
         dtype, per = _WORD[bits]
-        words = _pad_to_multiple(codes.contiguous(), per).view(dtype)
+        words = bytes_as(_pad_to_multiple(codes.contiguous(), per), dtype)  # codes may be a slice at any byte
         acc = words.clone()
         for i in range(1, per):
             acc.bitwise_or_(words >> ((8 - bits) * i))
         return acc.to(torch.uint8)[:nbytes]
     # bits in {3, 5, 6, 7}: 8 codes -> `bits` bytes through one int64 per group.
-    words = _pad_to_multiple(codes.contiguous(), 8).view(torch.int64)
+    words = bytes_as(_pad_to_multiple(codes.contiguous(), 8), torch.int64)
     mask = (1 << bits) - 1
     acc = words & mask
     for i in range(1, 8):
@@ -78,9 +81,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``n`` uint8 codes from ``packed_nbytes(n, bits)`` bytes."""
     _check_bits(bits)
     if packed.dtype != torch.uint8 or packed.dim() != 1:
-        raise ValueError("unpack_bits expects a 1-D uint8 tensor")
+        raise CodecError("unpack_bits expects a 1-D uint8 tensor")
     if packed.numel() != packed_nbytes(n, bits):
-        raise ValueError(f"{packed.numel()} bytes cannot hold exactly {n} codes of {bits} bits")
+        raise CodecError(f"{packed.numel()} bytes cannot hold exactly {n} codes of {bits} bits")
     if bits == 8:
         return packed
     if n == 0:

@@ -8,7 +8,8 @@ from typing import Sequence
 import torch
 
 from aqsgd.compress.base import Codec, numel_of, raise_non_finite
-from aqsgd.compress.packet import Family, Packet
+from aqsgd.compress.packet import Family, Packet, bytes_as
+from aqsgd.errors import SpecError
 
 __all__ = ["RawCodec", "CastCodec"]
 
@@ -37,7 +38,7 @@ class RawCodec(Codec):
         return _as_bytes(x)
 
     def _decode(self, packet: Packet) -> torch.Tensor:
-        return packet.payload.view(packet.dtype).view(packet.shape)
+        return bytes_as(packet.payload, packet.dtype).view(packet.shape)
 
 
 class CastCodec(Codec):
@@ -51,7 +52,7 @@ class CastCodec(Codec):
 
     def __init__(self, wire: str) -> None:
         if wire not in self._NAMES:
-            raise ValueError(f"unknown cast {wire!r}; valid: {sorted(self._NAMES)}")
+            raise SpecError(f"unknown cast {wire!r}; valid: {sorted(self._NAMES)}")
         self._wire = wire
         self.wire_dtype = self._NAMES[wire]
 
@@ -71,4 +72,4 @@ class CastCodec(Codec):
         return _as_bytes(y)
 
     def _decode(self, packet: Packet) -> torch.Tensor:
-        return packet.payload.view(self.wire_dtype).view(packet.shape).to(packet.dtype)
+        return bytes_as(packet.payload, self.wire_dtype).view(packet.shape).to(packet.dtype)

@@ -25,7 +25,8 @@ offset bytes field
 Integrity: the header is always checked (magic, version, CRC). The payload CRC is computed when a packet is
 serialized from a CPU payload (``to_bytes``/``header_bytes(checksum=True)``); CUDA payloads travel with
 the flag cleared (NCCL/TCP already protect the bytes, and a device-to-host copy just for a checksum
-would cost more than the transfer it protects).
+would cost more than the transfer it protects). A header whose dims multiply past ``MAX_SPAN`` (zeros
+counted as 1) is rejected as well: no tensor of that shape can exist.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ __all__ = [
     "Header",
     "parse_header",
     "crc32_of_tensor",
+    "check_shape",
+    "bytes_as",
 ]
 
 MAGIC = b"AQPK"
@@ -56,6 +59,10 @@ VERSION = 1
 HEADER_BYTES = 64
 MAX_NDIM = 6
 _FLAG_PAYLOAD_CRC = 1
+# Largest product of dims (zeros counted as 1) that a packet may announce. torch computes strides from every
+# dim even when another is 0, so (0, 2**32-1, 2**32-1) overflows int64 although it holds nothing; 2**60
+# keeps element and byte strides (dtypes of up to 8 bytes) inside int64.
+MAX_SPAN = 2**60
 _STRUCT = struct.Struct("<4sBBBBIIBBHIQ6III")
 assert _STRUCT.size == HEADER_BYTES, _STRUCT.size
 
@@ -104,6 +111,29 @@ def crc32_of_tensor(t: torch.Tensor) -> int:
     return zlib.crc32(memoryview(t.view(torch.uint8).numpy()))
 
 
+def check_shape(shape: tuple[int, ...]) -> None:
+    """Raise :class:`PacketError` unless ``shape`` is one that torch can build a tensor of (see MAX_SPAN)."""
+    span = 1
+    for d in shape:
+        span *= max(d, 1)
+    if span > MAX_SPAN:
+        raise PacketError(f"packet shape {tuple(shape)} is too large (its strides would overflow int64)")
+
+
+def bytes_as(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes of a 1-D uint8 tensor viewed as ``dtype``: zero-copy when they are aligned for it.
+
+    A payload may start at any byte: the transport hands each packet a slice of one shared receive buffer,
+    and a codec's regions follow each other with no padding (TopK's indices after an odd-sized values
+    region). ``Tensor.view(dtype)`` refuses a misaligned storage offset (and device kernels must not read a
+    misaligned pointer), so such bytes are first copied to a fresh, aligned buffer.
+    """
+    size = dtype.itemsize
+    if data.storage_offset() % size or data.data_ptr() % size:
+        data = data.clone()
+    return data.view(dtype)
+
+
 def parse_header(buf: bytes | bytearray | memoryview | torch.Tensor) -> Header:
     """Parse and verify a 64-byte header. Raises :class:`PacketError` on anything malformed."""
     if isinstance(buf, torch.Tensor):
@@ -129,6 +159,7 @@ def parse_header(buf: bytes | bytearray | memoryview | torch.Tensor) -> Header:
         raise PacketError(f"unknown dtype code {dtype_code}")
     if ndim > MAX_NDIM or any(dims[ndim:]) or reserved or reserved2 or flags & ~_FLAG_PAYLOAD_CRC:
         raise PacketError("malformed packet header (ndim, padding or flags out of range)")
+    check_shape(dims[:ndim])
     return Header(
         family=fam,
         dtype=_CODE_DTYPES[dtype_code],
@@ -160,6 +191,9 @@ class Packet:
             raise PacketError(f"packets carry at most {MAX_NDIM} dims, got shape {self.shape}")
         if any(d < 0 or d >= 2**32 for d in self.shape):
             raise PacketError(f"dims must fit in uint32, got shape {self.shape}")
+        check_shape(self.shape)
+        if not 0 <= self.kind <= 255:  # one header byte
+            raise PacketError(f"packet kind must be in 0..255, got {self.kind}")
         if self.dtype not in DTYPE_CODES:
             raise PacketError(f"unsupported dtype {self.dtype}")
 

@@ -47,8 +47,8 @@ import torch
 
 from aqsgd.compress.base import Codec, numel_of, raise_non_finite
 from aqsgd.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
-from aqsgd.compress.packet import Family, Packet
-from aqsgd.errors import CodecError, PacketError
+from aqsgd.compress.packet import Family, Packet, bytes_as
+from aqsgd.errors import CodecError, PacketError, SpecError
 
 __all__ = [
     "QuantCodec",
@@ -66,6 +66,7 @@ SCALE_MODES = ("max", "l2")
 L2_CLIP = {1: 0.80, 2: 1.71, 3: 2.15, 4: 2.55, 5: 2.94, 6: 3.29, 7: 3.61, 8: 3.92}
 L2_CLIP_MIDRISE = {1: 0.80, 2: 1.49, 3: 2.05, 4: 2.51, 5: 2.92, 6: 3.28, 7: 3.62, 8: 3.95}
 _FP16_MAX = 65504.0
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def qmax(bits: int) -> int:
@@ -148,19 +149,19 @@ class QuantCodec(Codec):
         check_finite: bool = True,
     ) -> None:
         if not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise ValueError(f"quantization bits must be an integer in 1..8, got {bits!r}")
+            raise SpecError(f"quantization bits must be an integer in 1..8, got {bits!r}")
         if granularity not in GRANULARITIES:
-            raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
+            raise SpecError(f"unknown granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
         if granularity == "block" and (not isinstance(block, int) or block < 1):
-            raise ValueError(f"block size must be a positive integer, got {block!r}")
+            raise SpecError(f"block size must be a positive integer, got {block!r}")
         if rounding not in ROUNDINGS:
-            raise ValueError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
+            raise SpecError(f"unknown rounding {rounding!r}; valid: {', '.join(ROUNDINGS)}")
         if scale not in SCALE_MODES:
-            raise ValueError(f"unknown scale estimate {scale!r}; valid: {', '.join(SCALE_MODES)}")
+            raise SpecError(f"unknown scale estimate {scale!r}; valid: {', '.join(SCALE_MODES)}")
         if grid not in GRIDS:
-            raise ValueError(f"unknown grid {grid!r}; valid: {', '.join(GRIDS)}")
+            raise SpecError(f"unknown grid {grid!r}; valid: {', '.join(GRIDS)}")
         if scale_dtype not in (torch.float16, torch.float32):
-            raise ValueError(f"scale dtype must be torch.float16 or torch.float32, got {scale_dtype}")
+            raise SpecError(f"scale dtype must be torch.float16 or torch.float32, got {scale_dtype}")
         self.bits = bits
         self.granularity = granularity
         self.block = block if granularity == "block" else 0
@@ -227,8 +228,12 @@ class QuantCodec(Codec):
         s = raw[0] if len(raw) == 1 else torch.cat(raw)
         # One host sync for both checks: NaN/Inf anywhere make the largest scale non-finite.
         smax = float(s.max())
-        if self.check_finite and not math.isfinite(smax):
-            raise_non_finite(self.spec)
+        if self.check_finite:
+            if not math.isfinite(smax):
+                raise_non_finite(self.spec)
+            if self.scale_dtype == torch.float32 and smax > _FP32_MAX:
+                # float64 input beyond fp32's range: its scale would be stored as Inf, which receivers reject
+                raise_non_finite(self.spec, "input (or its fp32 scale)")
         stored = store_scales(s, self.scale_dtype)
         sf = stored.to(cdt)
         inv = torch.where(sf > 0, self.qmax / (2.0 * sf), torch.zeros_like(sf))
@@ -261,7 +266,7 @@ class QuantCodec(Codec):
         nsb = groups.nscales * self.scale_dtype.itemsize
         if groups.numel == 0:
             return torch.empty(packet.shape, dtype=out_dtype, device=payload.device)
-        scales = payload[:nsb].view(self.scale_dtype)
+        scales = bytes_as(payload[:nsb], self.scale_dtype)
         if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
             raise PacketError(f"{self.spec}: packet holds invalid (non-finite or negative) scales")
         codes = unpack_bits(payload[nsb:], self.bits, groups.numel)
@@ -306,7 +311,7 @@ def quantize_groups(
     ``[G]``. Same grid and rounding as :class:`QuantCodec`.
     """
     if x.dim() != 2:
-        raise ValueError(f"quantize_groups expects a 2-D tensor [groups, n], got shape {tuple(x.shape)}")
+        raise CodecError(f"quantize_groups expects a 2-D tensor [groups, n], got shape {tuple(x.shape)}")
     if x.numel() and float(x.abs().max()) > _FP16_MAX:  # NaN compares False: the codec reports it below
         raise CodecError(f"quantize_groups: magnitudes above {_FP16_MAX} do not fit fp16 scales")
     codec = QuantCodec(bits, granularity="token", rounding=rounding)

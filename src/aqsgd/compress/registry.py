@@ -112,11 +112,16 @@ def _parse_topk(spec: str, text: str) -> TopKCodec:
         raise _error(spec, str(e)) from None
 
 
-@functools.lru_cache(maxsize=256)
 def make_codec(spec: str) -> Codec:
     """Build the codec named by ``spec``; raises :class:`SpecError` (a ValueError) naming valid choices."""
+    # checked before the cache, which would raise TypeError for an unhashable spec (a list, ...)
     if not isinstance(spec, str):
         raise SpecError(f"codec spec must be a string, got {type(spec).__name__}. Valid: {SPEC_HELP}")
+    return _make_codec(spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _make_codec(spec: str) -> Codec:
     text = spec.strip().lower()
     if text == "none":
         return RawCodec()

@@ -20,8 +20,8 @@ from typing import Sequence
 import torch
 
 from aqsgd.compress.base import Codec, numel_of
-from aqsgd.compress.packet import Family, Packet
-from aqsgd.errors import PacketError
+from aqsgd.compress.packet import Family, Packet, bytes_as
+from aqsgd.errors import PacketError, SpecError
 
 __all__ = ["TopKCodec", "index_dtype"]
 
@@ -45,12 +45,12 @@ class TopKCodec(Codec):
         from aqsgd.compress.cast import CastCodec
 
         if not (isinstance(fraction, (int, float)) and 0.0 < fraction <= 1.0 and math.isfinite(fraction)):
-            raise ValueError(f"TopK fraction must be in (0, 1], got {fraction!r}")
+            raise SpecError(f"TopK fraction must be in (0, 1], got {fraction!r}")
         if per not in ("row", "tensor"):
-            raise ValueError(f"TopK per must be 'row' or 'tensor', got {per!r}")
+            raise SpecError(f"TopK per must be 'row' or 'tensor', got {per!r}")
         values = values if values is not None else CastCodec("fp16")
         if values.family not in (Family.CAST, Family.QUANT):
-            raise ValueError(f"TopK values codec must be a cast or a quantizer, got {values.spec!r}")
+            raise SpecError(f"TopK values codec must be a cast or a quantizer, got {values.spec!r}")
         self.fraction = float(fraction)
         self.per = per
         self.values = values
@@ -95,8 +95,9 @@ class TopKCodec(Codec):
         inner = Packet(self.values.family, packet.dtype, (rows, k), self.values.fingerprint,
                        packet.payload[:vbytes])
         kept = self.values.decode(inner)
-        idx = packet.payload[vbytes:].view(index_dtype(n)).view(rows, k).to(torch.int64)
-        if bool((idx >= n).any()):
+        # the indices start right after the values, at any byte (odd when e.g. q3 packs an odd count)
+        idx = bytes_as(packet.payload[vbytes:], index_dtype(n)).view(rows, k).to(torch.int64)
+        if bool(((idx < 0) | (idx >= n)).any()):  # int64 indices (rows over 2**32) can be negative
             raise PacketError(f"{self.spec}: packet holds indices outside its row of {n}")
         out.scatter_(1, idx, kept)
         return out.view(packet.shape)
