@@ -83,6 +83,16 @@ def as_ids(sample_ids: torch.Tensor | Sequence[int] | None, n: int, required: bo
     return ids.to(torch.int64)
 
 
+def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file of scheme state; :class:`SchemeError` naming it if it is missing or unreadable."""
+    try:
+        return load_file(str(file))
+    except FileNotFoundError:
+        raise SchemeError(f"{file} is missing") from None
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise SchemeError(f"{file}: unreadable ({' '.join(str(exc).split())})") from None
+
+
 class BoundaryScheme(abc.ABC):
     """Base class: side checks, tagging, full-precision and direct paths shared by every scheme."""
 
@@ -151,15 +161,31 @@ class BoundaryScheme(abc.ABC):
         """Write the scheme's state (safetensors + JSON, no pickle) into ``directory``."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(d / "state.safetensors"))
+        save_file({k: v.contiguous() for k, v in self._saved_state().items()}, str(d / "state.safetensors"))
         (d / "scheme.json").write_text(json.dumps(self.describe(), indent=1))
 
     def load(self, directory: str | os.PathLike[str]) -> None:
+        """Restore what :meth:`save` wrote; :class:`SchemeError` naming the file if it is missing, unreadable or
+        written by another scheme."""
         d = Path(directory)
-        meta = json.loads((d / "scheme.json").read_text())
+        file = d / "scheme.json"
+        try:
+            meta = json.loads(file.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SchemeError(f"{file}: unreadable ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
         if meta != self.describe():
             raise SchemeError(f"{self.label}: saved scheme {meta} does not match this one {self.describe()}")
-        self.load_state_dict(load_file(str(d / "state.safetensors")))
+        self.load_state_dict(_load_tensors(d / "state.safetensors"))
+
+    def mirrored_state(self) -> tuple[str, ...]:
+        """Paths inside :meth:`save`'s folder that the other side of the boundary saves byte for byte identically
+        (a trailing ``/``: every file below). Checkpoints compare the two sides' checksums of these on load;
+        stateless sides and state that only one side holds (EF's error, generators) are not listed."""
+        return ()
+
+    def _saved_state(self) -> dict[str, torch.Tensor]:
+        """The tensors :meth:`save` writes to ``state.safetensors``."""
+        return self.state_dict()
 
     def describe(self) -> dict[str, Any]:
         """Settings that both sides (and a checkpoint) must agree on."""

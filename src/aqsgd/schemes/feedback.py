@@ -18,14 +18,19 @@ bits in fp16.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
 
 from aqsgd.compress import Codec, Packet
 from aqsgd.errors import SchemeError
-from aqsgd.schemes.base import BoundaryScheme, Kind, Phase, Side
+from aqsgd.schemes.base import BoundaryScheme, Kind, Phase, Side, _load_tensors
 from aqsgd.schemes.cache import ActivationCache
 
 __all__ = ["EFScheme", "EF21Scheme", "SlotState", "SampleState"]
+
+_SLOTS_FILE = "slots.safetensors"
 
 
 class SlotState:
@@ -96,6 +101,8 @@ class SampleState:
 
 
 class _FeedbackScheme(BoundaryScheme):
+    two_sided = False  # whether both sides hold the (then bit-identical) state
+
     def __init__(self, codec: Codec | str, side: Side | str, *, state: SlotState | SampleState | None = None,
                  label: str = "boundary", seed: int = 0, device: torch.device | str = "cpu") -> None:
         super().__init__(codec, side, label=label, seed=seed, device=device)
@@ -124,15 +131,32 @@ class _FeedbackScheme(BoundaryScheme):
         if isinstance(self.state, SlotState):
             self.state.load_state_dict(state)
 
+    # Files: ``state.safetensors`` (the generator), ``scheme.json``, and the error/estimate state in
+    # ``slots.safetensors`` (slot key) or ``cache/`` (sample key), kept apart from the generator so that EF21's
+    # two sides save identical bytes for their identical estimates (see mirrored_state). Folders written
+    # before the split hold the slot buffers in ``state.safetensors``; they still load.
+    def _saved_state(self) -> dict[str, torch.Tensor]:
+        return BoundaryScheme.state_dict(self)
+
     def save(self, directory) -> None:  # type: ignore[override]
         super().save(directory)
         if isinstance(self.state, SampleState):
             self.state.cache.save(f"{directory}/cache")
+        else:
+            save_file({k: v.contiguous() for k, v in self.state.state_dict().items()},
+                      str(Path(directory) / _SLOTS_FILE))
 
     def load(self, directory) -> None:  # type: ignore[override]
         super().load(directory)
         if isinstance(self.state, SampleState):
             self.state.cache.load(f"{directory}/cache")
+        elif (Path(directory) / _SLOTS_FILE).exists():
+            self.state.load_state_dict(_load_tensors(Path(directory) / _SLOTS_FILE))
+
+    def mirrored_state(self) -> tuple[str, ...]:
+        if not self.two_sided:
+            return ()
+        return ("cache/",) if isinstance(self.state, SampleState) else (_SLOTS_FILE,)
 
     def _raw(self, x: torch.Tensor) -> list[Packet]:
         return [self._tagged(self.raw.encode(x), 0, Kind.RAW)]
@@ -163,6 +187,7 @@ class EF21Scheme(_FeedbackScheme):
     """EF21: send ``C(x - g)``; both sides ``g <- g + decode``; the receiver outputs ``g``."""
 
     name = "ef21"
+    two_sided = True
 
     def _send(self, x: torch.Tensor, ids: torch.Tensor | None, phase: Phase, slot: int) -> list[Packet]:
         if phase == Phase.WARMUP:

@@ -47,7 +47,8 @@ from aqsgd.pipeline.compression import CompressionConfig
 from aqsgd.pipeline.materialize import load_weights, materialize_stage
 from aqsgd.pipeline.partition import partition_model, shared_parameters
 from aqsgd.schemes import Phase
-from aqsgd.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from aqsgd.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
+                                    save_checkpoint)
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.engine import OptimConfig, PipelineEngine
 from aqsgd.train.metrics import MetricsWriter, perplexity
@@ -104,18 +105,6 @@ def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
     q, rem = divmod(n, parts)
     start = index * q + min(index, rem)
     return start, start + q + (1 if index < rem else 0)
-
-
-def _saved_config(checkpoint: Path) -> dict[str, Any]:
-    """The config a checkpoint was written with (from its ``trainer.json``)."""
-    try:
-        config = json.loads((checkpoint / "trainer.json").read_text(encoding="utf-8")).get("config", {})
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-        raise CheckpointError(f"{checkpoint / 'trainer.json'}: unreadable ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{checkpoint / 'trainer.json'}: no config")
-    return config
 
 
 class Trainer:
@@ -301,7 +290,7 @@ class Trainer:
         path = latest_checkpoint(self.cfg.resume)  # type: ignore[arg-type]
         if path is None:
             raise CheckpointError(f"--resume: no complete checkpoint under {self.cfg.resume}")
-        saved = _saved_config(path)
+        saved = read_trainer_state(path).get("config", {})  # verified against the checkpoint's manifests
         defaults = TrainConfig()  # checkpoints written before a setting existed ran with its default
         mine = self.cfg.to_dict()
         differ = {k: (saved.get(k, getattr(defaults, k)), mine[k]) for k in mine
