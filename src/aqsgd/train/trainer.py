@@ -280,7 +280,9 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------------------
     def _checkpoint(self) -> None:
         pos = {**self.position, "totals": self.totals, "config": self.cfg.to_dict()}
-        path = save_checkpoint(self.run_dir, self.position["step"], self.engine, pos, keep=self.cfg.keep_checkpoints)
+        step = self.position["step"]
+        with naming_peer_failures(self.transport, f"the checkpoint of step {step}", self._suspects):
+            path = save_checkpoint(self.run_dir, step, self.engine, pos, keep=self.cfg.keep_checkpoints)
         self._done["checkpoint"] = self.position["step"]
         log.info("checkpoint %s", path)
 
@@ -303,7 +305,8 @@ class Trainer:
         if differ:
             log.warning("resuming %s with changed settings: %s", path,
                         ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items()))
-        state = load_checkpoint(path, self.engine)
+        with naming_peer_failures(self.transport, f"loading {path}", self._suspects):
+            state = load_checkpoint(path, self.engine)
         self.position = {k: state[k] for k in ("epoch", "batch", "step")}
         self.totals = {**self.totals, **state["totals"]}
         if self.position["step"] >= self.total_steps:
@@ -407,7 +410,8 @@ class Trainer:
                 path.write_text(json.dumps({"traceEvents": r.trace}))
 
     def _eval(self, writer: MetricsWriter, epoch: int) -> None:
-        result = self.evaluate()
+        with naming_peer_failures(self.transport, f"the evaluation at step {self.position['step']}", self._suspects):
+            result = self.evaluate()
         self._done["eval"] = self.position["step"]
         if self.writes_metrics:
             self.last_eval = result
