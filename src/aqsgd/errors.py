@@ -88,3 +88,29 @@ class DataSourceError(AqsgdError, RuntimeError):
 class ReportError(AqsgdError, ValueError):
     """A run directory that cannot be reported on (missing, no ``metrics.jsonl``), or a bad report option
     (unknown baseline, wrong number of labels)."""
+
+
+class StageFailedError(AqsgdError, RuntimeError):
+    """A process of a distributed run failed and the run was stopped.
+
+    The message is one line: the process at fault (``stage 1``, or ``rank 1`` where no name is known) and
+    why, then where the details are (every process's error and traceback). ``rank`` is the global rank at
+    fault, ``label`` its name, ``reason`` the why, ``log_path`` the details file (or None).
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, label: str | None = None,
+                 reason: str | None = None, log_path: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.label = label
+        self.reason = reason
+        self.log_path = log_path
+
+    def __reduce__(self):
+        return (_rebuild_stage_failed,
+                (type(self), str(self), self.rank, self.label, self.reason, self.log_path))
+
+
+def _rebuild_stage_failed(cls: type[StageFailedError], message: str, rank: int | None, label: str | None,
+                          reason: str | None, log_path: str | None) -> StageFailedError:
+    return cls(message, rank=rank, label=label, reason=reason, log_path=log_path)

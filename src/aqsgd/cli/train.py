@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 from typing import Any
 
 from aqsgd.train.config import TrainConfig, config_fields, field_type, load_toml
@@ -130,7 +129,12 @@ def run(args: argparse.Namespace) -> int:
         # prepare data sources and the weights file once, and check what would fail in every stage process alike
         check_run_dir(cfg, resolve_run_dir(cfg))
         check_partition(cfg, setup_task(cfg).recipe)
-        summary = next((r for r in launch_local(_worker, cfg.world_size, cfg.to_json()) if r), None)
+        from aqsgd.parallel.grid import GridLayout
+
+        # a failing stage ends in StageFailedError: one line naming the stage at fault and the details file
+        names = GridLayout(cfg.stages, cfg.data_parallel).label
+        results = launch_local(_worker, cfg.world_size, cfg.to_json(), rank_names=names)
+        summary = next((r for r in results if r), None)
     else:
         from aqsgd.train.trainer import Trainer
 

@@ -9,6 +9,9 @@ The parent returns the ranks' values in rank order, or re-raises the first failu
 :class:`ProcessFailure` whose message starts with the rank and carries the child's traceback. The whole run
 is bounded by ``timeout_s``: on expiry every child still alive is killed and :class:`ProcessTimeout` names
 the ranks that had not finished. ``fn`` and ``args`` must be picklable (a module-level function).
+
+For fault tests on Linux: :func:`child_processes` lists a process's children (e.g. the stage processes of a
+launcher, to freeze one with SIGSTOP) and :func:`listening_sockets` the TCP addresses a process listens on.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch.multiprocessing as mp
 
 from aqsgd.errors import AqsgdError
 
-__all__ = ["ProcessFailure", "ProcessTimeout", "free_port", "run_processes"]
+__all__ = ["ProcessFailure", "ProcessTimeout", "child_processes", "free_port", "listening_sockets",
+           "run_processes"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,57 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def listening_sockets(pid: int | str = "self") -> list[tuple[str, int]]:
+    """The TCP sockets (IPv4 and IPv6) that process ``pid`` listens on, as ``(address, port)``: read from
+    ``/proc/PID/net/tcp{,6}`` (the listening sockets of its network namespace) and kept if one of the
+    process's file descriptors is the socket. Linux only; ``0.0.0.0`` or ``::`` means every interface."""
+    import ipaddress
+
+    inodes = set()
+    fd_dir = f"/proc/{pid}/fd"
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(os.path.join(fd_dir, fd))
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: TCP_LISTEN
+                continue
+            hex_addr, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_addr)
+            # the kernel prints the address as 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return sorted(found)
+
+
+def child_processes(pid: int) -> list[int]:
+    """The ids of the live processes whose parent is ``pid``, in increasing order (Linux ``/proc``)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            kids.append(int(entry))
+    return sorted(kids)
 
 
 def _child(

@@ -20,6 +20,7 @@ planning and tests.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import Any
 
 import torch.distributed as dist
@@ -97,8 +98,10 @@ class ProcessGrid:
         self.rank_of_stage = layout.rank_of_stage(self.replica)
 
     @classmethod
-    def build(cls, num_stages: int, data_parallel: int) -> ProcessGrid:
-        """Collective: every rank of the default group must call it with the same arguments."""
+    def build(cls, num_stages: int, data_parallel: int, *, timeout_s: float | None = None) -> ProcessGrid:
+        """Collective: every rank of the default group must call it with the same arguments. ``timeout_s``:
+        how long a collective of the new groups waits for a silent peer (torch's default for new groups is
+        30 minutes, not the world group's timeout)."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
         layout = GridLayout.for_world(dist.get_world_size(), num_stages, data_parallel)
@@ -106,11 +109,11 @@ class ProcessGrid:
         stage, replica = layout.coords(rank)
         dp_group = pipeline_group = None
         for s in range(layout.num_stages):
-            group = dist.new_group(ranks=layout.dp_ranks(s))
+            group = new_group(layout.dp_ranks(s), timeout_s)
             if s == stage:
                 dp_group = group
         for r in range(layout.data_parallel):
-            group = dist.new_group(ranks=layout.rank_of_stage(r))
+            group = new_group(layout.rank_of_stage(r), timeout_s)
             if r == replica:
                 pipeline_group = group
         return cls(layout, rank, dp_group, pipeline_group)
@@ -130,3 +133,9 @@ class ProcessGrid:
     def __repr__(self) -> str:
         return (f"ProcessGrid(rank={self.rank}, stage={self.stage}, replica={self.replica}, "
                 f"{self.num_stages}x{self.data_parallel})")
+
+
+def new_group(ranks: list[int], timeout_s: float | None = None) -> Any:
+    """``dist.new_group(ranks)`` whose collectives give up after ``timeout_s`` seconds (None: torch's default)."""
+    kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    return dist.new_group(ranks=ranks, **kw)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from aqsgd.parallel.grid import new_group
 from aqsgd.pipeline.compression import CompressionConfig
 from aqsgd.pipeline.partition import shared_parameters
 from aqsgd.pipeline.runner import LocalPipeline, StageRunner, StepStats, Transport
@@ -121,7 +122,7 @@ class PipelineEngine:
                      if self.grid is not None else [self.ranks])
         for tie in ties:
             for pipeline in pipelines:
-                group = dist.new_group(ranks=sorted(pipeline[s] for s in tie))
+                group = new_group(sorted(pipeline[s] for s in tie), getattr(self.transport, "timeout_s", None))
                 if pipeline != self.ranks:
                     continue
                 for s, name in tie.items():

@@ -26,7 +26,6 @@ sharded the same way and its sums are reduced over the replicas of the last stag
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -122,7 +121,7 @@ class Trainer:
                 f"{dist.get_world_size()} processes for {cfg.stages} stages x {cfg.data_parallel} data-parallel "
                 f"replicas: start exactly stages x data_parallel = {cfg.world_size} processes (one per stage and "
                 f"replica)")
-        self.grid = ProcessGrid.build(cfg.stages, cfg.data_parallel) if self.distributed else None
+        self.grid = ProcessGrid.build(cfg.stages, cfg.data_parallel, timeout_s=cfg.timeout) if self.distributed else None
         self.replica = self.grid.replica if self.grid is not None else 0
         self.run_dir = Path(run_dir) if run_dir else resolve_run_dir(cfg)
         if not self.distributed:  # fail fast, before the data are prepared (distributed: rank 0, below)
