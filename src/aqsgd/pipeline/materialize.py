@@ -41,7 +41,7 @@ from aqsgd.pipeline.partition import partition_model
 from aqsgd.pipeline.stage import LossFn, PipelineStage
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 MODEL_KINDS = ("gpt2", "llama", "bert-cls", "resnet", "sequential-mlp")
 """The model families a :class:`ModelRecipe` can build."""

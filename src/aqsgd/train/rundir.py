@@ -48,18 +48,23 @@ def resolve_run_dir(cfg: TrainConfig) -> Path:
     own directory; otherwise ``output_dir / task-forward-backward``."""
     from aqsgd.train.trainer import default_run_name
 
-    if cfg.run_name is None and cfg.resume:
-        resume = Path(cfg.resume)
-        return run_dir_of_checkpoint(resume) if (resume / "COMPLETE").exists() else resume
+    source = _resumed_run_dir(cfg)
+    if cfg.run_name is None and source is not None:
+        return source
     return Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
 
 
-def _resumes_here(cfg: TrainConfig, run_dir: Path) -> bool:
+def _resumed_run_dir(cfg: TrainConfig) -> Path | None:
+    """The run directory that ``--resume`` names (a run directory, or one of its checkpoint folders)."""
     if not cfg.resume:
-        return False
+        return None
     resume = Path(cfg.resume)
-    source = run_dir_of_checkpoint(resume) if (resume / "COMPLETE").exists() else resume
-    return source.resolve() == run_dir.resolve()
+    return run_dir_of_checkpoint(resume) if (resume / "COMPLETE").exists() else resume
+
+
+def _resumes_here(cfg: TrainConfig, run_dir: Path) -> bool:
+    source = _resumed_run_dir(cfg)
+    return source is not None and source.resolve() == run_dir.resolve()
 
 
 def _is_run_dir(path: Path) -> bool:
