@@ -280,6 +280,6 @@ def test_hub_task_unreachable_hub_fails_fast(monkeypatch, tmp_path):
     fake.load_dataset = lambda *a, **k: pytest.fail("must not reach it")  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "datasets", fake)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
-    monkeypatch.setattr(D, "HUB_PROBE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr("aqsgd.data.datasets.hub.HUB_PROBE_TIMEOUT_S", 2.0)
     with pytest.raises(DataSourceError, match="unreachable.*load_task\\('fashion-mnist'\\)"):
         load_task("cifar10", cache_dir=tmp_path)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from aqsgd.cli.data import register as register_cli
 from aqsgd.data import sources
-from aqsgd.data.cli import register_cli
 from aqsgd.data.sources import MARKER_NAME, SOURCES, BuildContext, Source, locate, prepare, require
 from aqsgd.errors import AqsgdError, DataSourceError, SpecError
 

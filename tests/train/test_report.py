@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from aqsgd.cli.report import register as register_cli
 from aqsgd.errors import AqsgdError, ReportError
 from aqsgd.train.report import (
     Run,
@@ -18,7 +19,6 @@ from aqsgd.train.report import (
     load_run,
     main_metric,
     plot_runs,
-    register_cli,
     select_baseline,
 )
 

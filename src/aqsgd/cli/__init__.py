@@ -15,9 +15,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from aqsgd.cli import bench, codecs, train
-    from aqsgd.data.cli import register_cli as register_data
-    from aqsgd.train.report import register_cli as register_report
+    from aqsgd.cli import bench, codecs, data, report, train
 
     parser = _Parser(
         prog="aqsgd",
@@ -29,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.register(sub)
     codecs.register(sub)
     bench.register(sub)
-    register_data(sub)
-    register_report(sub)
+    data.register(sub)
+    report.register(sub)
     return parser
 
 

@@ -1,28 +1,11 @@
-"""``aqsgd report RUN_DIR...``: compare training runs in one table and one figure.
+"""Loading run directories and comparing them: :func:`load_run`, :class:`Run`, :func:`comparison_table`.
 
-A training run writes a run directory::
-
-    RUN_DIR/config.json     the resolved config: {"task", "forward": "delta:q2", "backward": "direct:q4", ...}
-    RUN_DIR/metrics.jsonl   one JSON object per line: {"kind": "train", ...} and {"kind": "eval", ...} rows
-    RUN_DIR/summary.json    written at the end: final metrics, bytes, compression ratio, throughput
-
-Only ``metrics.jsonl`` is required; ``config.json`` and ``summary.json`` (absent while a run is still going)
-are optional, and every value taken from the summary falls back to one derived from the rows. Lines of
-``metrics.jsonl`` that are not valid rows (a truncated last line, a bad value) are skipped and counted;
-rows of another ``kind`` are ignored.
-
-Use from Python::
-
-    runs = [load_run("runs/fp32"), load_run("runs/aqsgd", label="AQ-SGD q2")]
-    rows = comparison_table(runs)            # one dict per run, see comparison_table()
-    plot_runs(runs, "report.png")            # 4 panels: loss, eval metric, cumulative bytes, total bytes
-
-or wire the command into a parser with :func:`register_cli`.
+Every value a report shows comes from here: the run's ``summary.json`` when it has one, else a value
+derived from the ``metrics.jsonl`` rows (see :mod:`aqsgd.train.report` for the run directory layout).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import logging
@@ -32,19 +15,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from aqsgd.errors import AqsgdError, ReportError
+from aqsgd.errors import ReportError
 
 __all__ = [
     "HIGHER_IS_BETTER",
     "METRIC_PRIORITY",
+    "MODES",
+    "ByteKey",
+    "Mode",
     "Run",
     "comparison_table",
+    "format_bytes",
     "is_uncompressed",
     "load_run",
     "main_metric",
-    "plot_runs",
-    "register_cli",
-    "run_report",
     "select_baseline",
 ]
 
@@ -401,291 +385,12 @@ def comparison_table(runs: Sequence[Run], baseline: str | None = None,
     return rows
 
 
-# --- figure --------------------------------------------------------------------------------------------
+# --- formatting ---------------------------------------------------------------------------------------
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """A byte count for a label or a table cell: ``512 B``, ``1.5 kB``, ``3.07 MB`` (powers of 1000)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1000
     raise AssertionError("unreachable")
-
-
-def _smooth(vals: Sequence[float], window: int) -> list[float]:
-    """Trailing moving average over ``window`` points (shorter at the start)."""
-    out, acc = [], 0.0
-    for i, v in enumerate(vals):
-        acc += v
-        if i >= window:
-            acc -= vals[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
-def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None = None,
-              metric: str | None = None, dpi: int = 110) -> Path:
-    """Write one PNG with four panels and return its path.
-
-    1. training loss vs step (warm-up steps shaded in the run's colour; a moving average over long runs),
-    2. the main eval metric (``metric`` or :func:`main_metric`) vs step, compression on solid, off dashed
-       (a run with eval results only in its summary shows them as one point at its last step),
-    3. cumulative bytes sent vs step (log scale),
-    4. total bytes sent per run, each bar annotated with how many times fewer bytes than the baseline (the
-       ``baseline`` run or an uncompressed one) or, without either, the run's own compression ratio.
-
-    Each run keeps its colour across panels; the legend below the panels names the runs.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.lines import Line2D
-        from matplotlib.patches import Patch
-        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    except ImportError as e:  # pragma: no cover - matplotlib is a test dependency
-        raise AqsgdError("aqsgd report needs matplotlib: pip install matplotlib") from e
-    if not runs:
-        raise ReportError("no runs to plot")
-    out_png = Path(out_png)
-    metric = metric or main_metric(runs)
-    if len(runs) <= 10:
-        colors = {run.name: f"C{i}" for i, run in enumerate(runs)}
-    else:  # the default cycle repeats after 10: take distinct colours from tab20 (then repeat after 20)
-        cmap = matplotlib.colormaps["tab20"]
-        colors = {run.name: cmap(i % 20) for i, run in enumerate(runs)}
-    bytes_fmt = FuncFormatter(lambda x, _pos: _fmt_bytes(x))
-
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9.5), layout="constrained")
-    ax_loss, ax_eval, ax_cum, ax_bar = axes.flat
-    tasks = sorted({run.task for run in runs if run.task})
-    fig.suptitle(f"aqsgd report{': ' + ', '.join(tasks) if tasks else ''}", fontsize=14, fontweight="bold")
-
-    # 1. training loss
-    spans: dict[tuple[int, int], list[Any]] = {}
-    for run in runs:
-        c = colors[run.name]
-        pts = [(int(r["step"]), float(r["loss"])) for r in run.train_rows
-               if _finite(r.get("loss")) is not None]
-        if pts:
-            steps, loss = [s for s, _ in pts], [v for _, v in pts]
-            window = max(1, len(loss) // 50)
-            if window > 1:
-                ax_loss.plot(steps, loss, color=c, alpha=0.25, linewidth=0.8)
-                ax_loss.plot(steps, _smooth(loss, window), color=c, linewidth=1.6)
-            else:
-                ax_loss.plot(steps, loss, color=c, linewidth=1.6, marker="." if len(loss) < 30 else None)
-        span = run.warmup_span()
-        if span is not None:
-            spans.setdefault(tuple(span), []).append(c)
-    # each distinct warm-up span once: in its run's colour, or grey when several runs share it (stacked
-    # translucent spans of many runs would darken into an opaque block)
-    for (lo, hi), span_colors in spans.items():
-        shared = len(span_colors) > 1
-        for ax in (ax_loss, ax_cum):
-            ax.axvspan(lo, hi, color="0.5" if shared else span_colors[0], alpha=0.2 if shared else 0.10,
-                       linewidth=0)
-    any_warmup = bool(spans)
-    ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
-    if any_warmup:
-        ax_loss.legend(handles=[Patch(color="0.5", alpha=0.25, label="warm-up steps")], loc="upper right")
-    ax_loss.grid(alpha=0.3)
-
-    # 2. eval metric, compression on / off
-    if metric is None:
-        ax_eval.text(0.5, 0.5, "no eval results", ha="center", va="center", transform=ax_eval.transAxes)
-        ax_eval.set_title("eval")
-    else:
-        values: list[float] = []
-        for run in runs:
-            for mode, style in (("compressed", "-"), ("uncompressed", "--")):
-                steps, vals = run.metric_series(metric, mode)  # type: ignore[arg-type]
-                final = run.final_eval(mode).get(metric)  # type: ignore[arg-type]
-                if not steps and final is not None and run.steps is not None:  # only a summary: one point
-                    steps, vals = [run.steps], [final]
-                values += vals
-                if steps:
-                    ax_eval.plot(steps, vals, linestyle=style, color=colors[run.name], linewidth=1.6,
-                                 marker="o" if len(vals) < 30 else None, markersize=3.5)
-        direction = "higher" if HIGHER_IS_BETTER.get(metric, False) else "lower"
-        ax_eval.set(title=f"eval {metric} ({direction} is better)", xlabel="step", ylabel=metric)
-        if metric == "perplexity" and values and min(values) > 0 and max(values) / min(values) > 20:
-            ax_eval.set_yscale("log")
-            ax_eval.yaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
-            if max(values) / min(values) > 1000:  # decades apart: label the decades only
-                ax_eval.yaxis.set_minor_formatter(NullFormatter())
-            else:
-                ax_eval.yaxis.set_minor_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
-        ax_eval.legend(handles=[Line2D([], [], color="0.3", linestyle="-", label="compression on"),
-                                Line2D([], [], color="0.3", linestyle="--", label="compression off")],
-                       loc="best")
-    ax_eval.grid(alpha=0.3)
-
-    # 3. cumulative bytes
-    for run in runs:
-        steps, cum = run.cumulative("bytes_sent")
-        if steps and max(cum) > 0:
-            ax_cum.plot(steps, cum, color=colors[run.name], linewidth=1.6)
-    ax_cum.set(title="cumulative bytes sent (all boundaries)", xlabel="step", ylabel="bytes sent")
-    if ax_cum.lines:
-        ax_cum.set_yscale("log")
-        # labelled ticks at 1, 2, 5 x 10^k, in bytes (the default labels only the decades, and its minor
-        # labels are in scientific notation next to major labels in MB)
-        ax_cum.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax_cum.yaxis.set_minor_formatter(NullFormatter())
-    ax_cum.yaxis.set_major_formatter(bytes_fmt)
-    ax_cum.grid(alpha=0.3, which="major")
-
-    # 4. total bytes per run
-    explicit = baseline is not None
-    ref = select_baseline(runs, baseline)
-    ref_bytes = ref.total_bytes if (explicit or ref.uncompressed) else None
-    names = [run.name for run in runs]
-    totals = [run.total_bytes or 0.0 for run in runs]
-    horizontal = len(runs) > 6  # many runs: one row per run, so the names and notes stay readable
-    draw_bars = ax_bar.barh if horizontal else ax_bar.bar
-    bars = draw_bars(range(len(runs)), totals, color=[colors[n] for n in names])
-    for run, bar, total in zip(runs, bars, totals):
-        if run is ref and ref_bytes:
-            note = "baseline"
-        elif ref_bytes and total:
-            note = f"{ref_bytes / total:.3g}x fewer"
-        elif run.compression_ratio:
-            note = f"{run.compression_ratio:.3g}x vs fp32"
-        else:
-            note = ""
-        if horizontal:
-            ax_bar.annotate(f"{_fmt_bytes(total)}  {note}".strip(), (total, bar.get_y() + bar.get_height() / 2),
-                            xytext=(3, 0), textcoords="offset points", ha="left", va="center", fontsize=8)
-        else:
-            ax_bar.annotate(f"{_fmt_bytes(total)}\n{note}".strip(), (bar.get_x() + bar.get_width() / 2, total),
-                            xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=9)
-    if horizontal:
-        ax_bar.set_yticks(range(len(runs)), names, fontsize=8)
-        ax_bar.invert_yaxis()  # first run on top, in legend order
-        ax_bar.set_xlim(0, max(totals + [1.0]) * 1.45)
-        ax_bar.xaxis.set_major_formatter(bytes_fmt)
-    else:
-        ax_bar.set_xticks(range(len(runs)), names, rotation=15 if len(runs) > 3 else 0)
-        ax_bar.set_ylim(0, max(totals + [1.0]) * 1.2)
-        ax_bar.yaxis.set_major_formatter(bytes_fmt)
-    subtitle = f"ratio vs {ref.name}" if ref_bytes else "ratio vs fp32 (raw bytes)"
-    ax_bar.set(title=f"total bytes sent ({subtitle})")
-    if horizontal:
-        ax_bar.set_xlabel("bytes sent")
-    else:
-        ax_bar.set_ylabel("bytes sent")
-    ax_bar.grid(alpha=0.3, axis="x" if horizontal else "y")
-
-    handles = [Line2D([], [], color=colors[run.name], linewidth=3, label=f"{run.name} ({run.setting})")
-               for run in runs]
-    # as many columns as the longest label leaves room for across the figure (~170 characters at this size)
-    widest = max(len(h.get_label()) for h in handles) + 6
-    fig.legend(handles=handles, loc="outside lower center", ncol=max(1, min(len(runs), 4, 170 // widest)),
-               frameon=False, fontsize=10 if len(runs) <= 10 else 9)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=dpi)
-    plt.close(fig)
-    return out_png
-
-
-# --- command line --------------------------------------------------------------------------------------
-
-def register_cli(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``report RUN_DIR... [--out PATH.png] [--json PATH] [--baseline NAME] [--labels a,b,...]
-    [--metric NAME]`` to an argparse subparsers object. The parser sets ``func`` (``args.func(args)``
-    returns the exit code). Returns the ``report`` parser."""
-    p = sub.add_parser("report", help="compare training runs: a table and a 4-panel figure",
-                       description="Compare run directories (config.json, metrics.jsonl, summary.json): "
-                                   "print a table of final metrics, bytes and throughput, and write one PNG "
-                                   "with loss, eval metric, cumulative bytes and total bytes.")
-    p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories")
-    p.add_argument("--out", type=Path, default=Path("report.png"), metavar="PATH.png",
-                   help="where to write the figure (default: report.png)")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH",
-                   help="also write the table as JSON to PATH")
-    p.add_argument("--baseline", default=None, metavar="NAME",
-                   help="run to compare against (default: the uncompressed none/fp32 run, else the first)")
-    p.add_argument("--labels", default=None, metavar="a,b,...",
-                   help="comma-separated run names, one per RUN_DIR (default: the directory names)")
-    p.add_argument("--metric", default=None, choices=METRIC_PRIORITY,
-                   help="eval metric to compare (default: the first present of accuracy, mcc, "
-                        "perplexity, loss; mcc first for CoLA)")
-    p.set_defaults(func=run_report)
-    return p
-
-
-def _unique_names(runs: list[Run]) -> None:
-    """Rename runs whose names clash (same directory name under different parents) to ``parent/name``."""
-    seen: dict[str, int] = {}
-    for run in runs:
-        seen[run.name] = seen.get(run.name, 0) + 1
-    for run in runs:
-        if seen[run.name] > 1:
-            run.name = f"{run.path.resolve().parent.name}/{run.name}"
-    names = [run.name for run in runs]
-    for i, run in enumerate(runs):
-        if names.count(run.name) > 1:
-            run.name = f"{run.name} #{names[:i + 1].count(names[i])}"
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def run_report(args: argparse.Namespace) -> int:
-    """``aqsgd report``: load the runs, print the table, write the PNG (and the JSON). A
-    :class:`ReportError` propagates (the main CLI prints it as one line)."""
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    dirs: list[Path] = list(args.run_dirs)
-    labels: list[str | None] = [None] * len(dirs)
-    if args.labels is not None:
-        given = [s.strip() for s in args.labels.split(",")]
-        if len(given) != len(dirs) or not all(given):
-            raise ReportError(f"--labels has {len(given)} name(s) for {len(dirs)} run director"
-                              f"{'y' if len(dirs) == 1 else 'ies'}; give one non-empty name per RUN_DIR")
-        if len(set(given)) != len(given):
-            raise ReportError(f"--labels has duplicate names: {args.labels}")
-        labels = list(given)
-    runs = [load_run(d, label=lab) for d, lab in zip(dirs, labels)]
-    if args.labels is None:
-        _unique_names(runs)
-    rows = comparison_table(runs, baseline=args.baseline, metric=args.metric)
-    metric = rows[0]["metric"]
-    base = rows[0]["baseline"]
-
-    table = Table(title=f"runs compared on {metric or 'no eval metric'}; baseline: {escape(base)}")
-    left = {"run", "setting"}
-    cols = ["run", "setting", "steps", "train loss", f"{metric or 'metric'} on", f"{metric or 'metric'} off",
-            f"vs {escape(base)}", "bytes sent", "ratio", "samples/s"]
-    for col in cols:
-        table.add_column(col, justify="left" if col in left else "right", overflow="fold")
-    metric_fmt = ".4f" if metric in ("accuracy", "mcc") else ".4g"
-    for r in rows:
-        diff = "-" if r["rel_diff"] is None else f"{100 * r['rel_diff']:+.2f}%"
-        if r["rel_diff"] and r["higher_is_better"] is not None:
-            better = (r["rel_diff"] > 0) == r["higher_is_better"]
-            diff = f"[{'green' if better else 'red'}]{diff}[/]"
-        table.add_row(escape(r["run"]), escape(r["setting"]), _fmt(r["steps"], "d"),
-                      _fmt(r["final_train_loss"], ".4f"),
-                      _fmt(r["metric_on"], metric_fmt), _fmt(r["metric_off"], metric_fmt), diff,
-                      "-" if r["bytes_sent"] is None else _fmt_bytes(r["bytes_sent"]),
-                      _fmt(r["compression_ratio"], ".1f") + ("x" if r["compression_ratio"] else ""),
-                      _fmt(r["samples_per_s"], ",.1f"))
-    console = Console(width=max(Console().width, 150))
-    console.print(table)
-    for run in runs:
-        if run.skipped_lines:
-            console.print(escape(f"{run.name}: skipped {run.skipped_lines} malformed line(s) in "
-                                 f"{run.path / 'metrics.jsonl'}"), soft_wrap=True)
-    out = plot_runs(runs, args.out, baseline=args.baseline, metric=args.metric)
-    console.print(escape(f"wrote {out}"), soft_wrap=True)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"metric": metric, "baseline": base, "rows": rows}, indent=2) + "\n",
-                             encoding="utf-8")
-        console.print(escape(f"wrote {args.json}"), soft_wrap=True)
-    return 0

@@ -1,9 +1,9 @@
 """``aqsgd data``: list the offline sources and prepare them.
 
-Wire it into a parser with :func:`register_cli`::
+Wire it into a parser with :func:`register`::
 
     sub = parser.add_subparsers(dest="command")
-    register_cli(sub)      # adds `data prepare NAME [--cache-dir DIR] [--force] [--from DIR]`, `data list`
+    register(sub)          # adds `data prepare NAME [--cache-dir DIR] [--force] [--from DIR]`, `data list`
     args = parser.parse_args()
     args.func(args)
 """
@@ -18,10 +18,10 @@ from rich.table import Table
 
 from aqsgd.data.sources import SOURCES, default_cache_dir, get_source, locate, prepare, read_marker
 
-__all__ = ["register_cli", "run_list", "run_prepare"]
+__all__ = ["register", "run_list", "run_prepare"]
 
 
-def register_cli(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``data`` command (``data list``, ``data prepare``) to an argparse subparsers object.
 
     Each leaf parser sets ``func`` (``args.func(args)`` returns the exit code). Returns the ``data``

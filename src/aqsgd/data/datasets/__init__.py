@@ -1,0 +1,59 @@
+"""Map-style datasets with stable sample ids, task loaders, and a deterministic micro-batch iterator.
+
+AQ-SGD keeps one cached activation per training example, so every item carries a ``sample_id``: its
+index in the split, the same on every process. All datasets here hold their columns as tensors of one
+shape per split (text is padded/truncated or chunked to a fixed length), so an activation cache row has
+a single shape.
+
+Item layouts (``dataset[i]``; :func:`epoch_batches` stacks them and adds ``sample_ids``):
+
+* causal LM (:func:`lm_chunks`): ``input_ids``, ``attention_mask`` (ones), ``labels`` (= ``input_ids``),
+  each ``[seq_len]`` int64;
+* text classification (:func:`text_classification`): ``input_ids``, ``attention_mask`` and, where the
+  tokenizer makes them, ``token_type_ids``, each ``[max_length]`` int64; ``labels`` scalar int64;
+* images (:func:`image_classification`): ``pixel_values`` ``[C, H, W]`` float32, normalised;
+  ``labels`` scalar int64.
+
+Task loaders (:func:`load_task`): ``bbc``, ``wiki``, ``fashion-mnist`` and ``mnist`` come from the
+offline sources in :mod:`aqsgd.data.sources`; ``wikitext-2``, ``glue-cola``, ``glue-qnli`` and
+``cifar10`` need the ``datasets`` package and the Hugging Face hub, and otherwise raise a
+:class:`~aqsgd.errors.DataSourceError` naming the offline task to use instead.
+"""
+
+from aqsgd.data.datasets.base import DictDataset
+from aqsgd.data.datasets.base import PathLike as PathLike
+from aqsgd.data.datasets.base import Transform as Transform
+from aqsgd.data.datasets.batching import _rng as _rng
+from aqsgd.data.datasets.batching import (
+    collate,
+    epoch_batches,
+    epoch_order,
+    num_batches,
+    stratified_split,
+)
+from aqsgd.data.datasets.hub import HUB_PROBE_TIMEOUT_S as HUB_PROBE_TIMEOUT_S
+from aqsgd.data.datasets.images import FASHION_MNIST_CLASSES as FASHION_MNIST_CLASSES
+from aqsgd.data.datasets.images import image_classification, read_idx
+from aqsgd.data.datasets.tasks import SPLITS, TASKS, TaskSpec, load_task, task_names
+from aqsgd.data.datasets.text import lm_chunks, load_tokenizer, read_bbc, read_wiki, text_classification
+
+__all__ = [
+    "SPLITS",
+    "TASKS",
+    "DictDataset",
+    "TaskSpec",
+    "collate",
+    "epoch_batches",
+    "epoch_order",
+    "image_classification",
+    "lm_chunks",
+    "load_task",
+    "load_tokenizer",
+    "num_batches",
+    "read_bbc",
+    "read_idx",
+    "read_wiki",
+    "stratified_split",
+    "task_names",
+    "text_classification",
+]

@@ -1,0 +1,242 @@
+"""Text datasets: causal-LM chunks and (pair) classification built with a Hugging Face tokenizer, and
+the text tasks (``bbc`` and ``wiki`` offline; ``wikitext-2``, ``glue-cola``, ``glue-qnli`` from the hub).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from aqsgd.data.datasets.base import DictDataset, PathLike, _Args, _max
+from aqsgd.data.datasets.batching import stratified_split
+from aqsgd.data.datasets.hub import _hub_datasets, _hub_split
+from aqsgd.data.sources import SOURCES, require
+from aqsgd.errors import DataSourceError, SpecError
+
+__all__ = ["lm_chunks", "load_tokenizer", "read_bbc", "read_wiki", "text_classification"]
+
+
+# --------------------------------------------------------------------------------------------------
+# builders from raw data
+# --------------------------------------------------------------------------------------------------
+
+
+def lm_chunks(
+    texts: Iterable[str],
+    tokenizer: Any,
+    seq_len: int,
+    *,
+    eos_token_id: int | None = None,
+    add_eos: bool = True,
+    max_chunks: int | None = None,
+    batch_texts: int = 256,
+    info: Mapping[str, Any] | None = None,
+) -> DictDataset:
+    """Causal-LM samples: the tokenized texts concatenated and cut into non-overlapping chunks.
+
+    Each text is tokenized without special tokens and followed by ``eos_token_id`` (default: the
+    tokenizer's EOS) as a document separator, unless ``add_eos`` is false. Empty texts are skipped.
+    The stream is cut into ``seq_len``-token chunks; the tokens after the last full chunk are dropped.
+    ``max_chunks`` stops tokenizing once that many chunks exist; the result is then exactly the first
+    ``max_chunks`` chunks of the full dataset.
+
+    Items: ``input_ids``, ``attention_mask`` (ones), ``labels`` (= ``input_ids``), each ``[seq_len]``
+    int64, and ``sample_id``.
+    """
+    if seq_len < 1:
+        raise SpecError(f"seq_len must be >= 1, got {seq_len}")
+    if max_chunks is not None and max_chunks < 0:
+        raise SpecError(f"max_chunks must be >= 0, got {max_chunks}")
+    if add_eos:
+        if eos_token_id is None:
+            eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        if eos_token_id is None:
+            raise SpecError("the tokenizer has no EOS token: pass eos_token_id=... or add_eos=False")
+    need = None if max_chunks is None else max_chunks * seq_len
+    pieces: list[np.ndarray] = []
+    total = 0
+
+    def flush(batch: list[str]) -> None:
+        nonlocal total
+        encoded = tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]
+        for ids in encoded:
+            if add_eos:
+                ids = [*ids, eos_token_id]
+            pieces.append(np.asarray(ids, dtype=np.int64))
+            total += len(ids)
+
+    batch: list[str] = []
+    for text in texts:
+        if need is not None and total >= need:
+            break
+        if not text or not text.strip():
+            continue
+        batch.append(text)
+        if len(batch) >= batch_texts:
+            flush(batch)
+            batch = []
+    if batch and (need is None or total < need):
+        flush(batch)
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    n = len(stream) // seq_len
+    if max_chunks is not None:
+        n = min(n, max_chunks)
+    if n == 0 and max_chunks != 0:
+        raise SpecError(f"the texts give {len(stream)} tokens, fewer than one chunk of seq_len={seq_len}")
+    ids = torch.from_numpy(stream[: n * seq_len].copy()).view(n, seq_len)
+    meta = {"kind": "causal-lm", "seq_len": seq_len, "tokens": n * seq_len, "eos_token_id": eos_token_id,
+            "vocab_size": _vocab_size(tokenizer)}
+    meta.update(info or {})
+    return DictDataset({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()},
+                       info=meta)
+
+
+def text_classification(
+    texts: Sequence[str],
+    labels: Sequence[int] | Tensor,
+    tokenizer: Any,
+    max_length: int,
+    *,
+    text_pairs: Sequence[str] | None = None,
+    label_names: Sequence[str] | None = None,
+    info: Mapping[str, Any] | None = None,
+) -> DictDataset:
+    """Text (or text-pair) classification samples, padded/truncated to exactly ``max_length`` tokens.
+
+    Items: ``input_ids``, ``attention_mask`` and ``token_type_ids`` (if the tokenizer makes them), each
+    ``[max_length]`` int64, ``labels`` (scalar int64) and ``sample_id``.
+    """
+    if max_length < 1:
+        raise SpecError(f"max_length must be >= 1, got {max_length}")
+    labels_t = torch.as_tensor(labels, dtype=torch.int64).reshape(-1)
+    if len(texts) != labels_t.numel() or (text_pairs is not None and len(text_pairs) != len(texts)):
+        raise SpecError(f"{len(texts)} texts, {labels_t.numel()} labels"
+                        + ("" if text_pairs is None else f", {len(text_pairs)} pairs"))
+    if getattr(tokenizer, "pad_token_id", None) is None:
+        raise SpecError("the tokenizer has no pad token; set tokenizer.pad_token first")
+    args: tuple[Any, ...] = (list(texts),) if text_pairs is None else (list(texts), list(text_pairs))
+    enc = tokenizer(*args, padding="max_length", truncation=True, max_length=max_length,
+                    return_tensors="pt", verbose=False)
+    cols = {k: enc[k].to(torch.int64) for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc}
+    cols["labels"] = labels_t
+    if label_names is not None:
+        num_labels = len(label_names)
+    else:
+        num_labels = int(labels_t.max()) + 1 if len(texts) else 0
+    meta = {"kind": "sequence-classification", "max_length": max_length, "num_labels": num_labels,
+            "label_names": list(label_names) if label_names is not None else None,
+            "pad_token_id": tokenizer.pad_token_id, "vocab_size": _vocab_size(tokenizer)}
+    meta.update(info or {})
+    return DictDataset(cols, info=meta)
+
+
+def _vocab_size(tokenizer: Any) -> int | None:
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return getattr(tokenizer, "vocab_size", None)
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenizers
+# --------------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(spec: Any, cache_dir: PathLike | None = None) -> Any:
+    """A Hugging Face tokenizer from a source name (``minilm``, ``smollm2``, ``gpt2-tokenizer``), a folder
+    path, or a tokenizer object (returned unchanged). Source names are prepared on first use."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return spec
+    from transformers import AutoTokenizer
+
+    path = require(spec, cache_dir) if isinstance(spec, str) and spec in SOURCES else Path(spec)
+    if not Path(path).is_dir():
+        raise DataSourceError(f"tokenizer folder {path} does not exist")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+# --------------------------------------------------------------------------------------------------
+# offline text tasks
+# --------------------------------------------------------------------------------------------------
+
+
+def read_bbc(root: Path) -> tuple[list[str], list[int], list[str]]:
+    """(texts, labels, class names) of the prepared BBC source, in (class, file name) order."""
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    texts: list[str] = []
+    labels: list[int] = []
+    for label, cls in enumerate(classes):
+        for f in sorted((root / cls).glob("*.txt")):
+            raw = f.read_bytes()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = raw.decode("latin-1")
+            texts.append(" ".join(text.split()))
+            labels.append(label)
+    return texts, labels, classes
+
+
+def read_wiki(root: Path) -> list[str]:
+    """The lead sections of the prepared ``wiki`` source, in file order (empty ones skipped)."""
+    data = json.loads((root / "summaries_en-us.json").read_text(encoding="utf-8"))
+    rows = data.values() if isinstance(data, dict) else data
+    return [str(r["extract"]).strip() for r in rows if str(r.get("extract", "")).strip()]
+
+
+def _load_bbc(a: _Args) -> DictDataset:
+    texts, labels, classes = read_bbc(require("bbc", a.cache_dir))
+    frac = 0.2 if a.eval_fraction is None else a.eval_fraction
+    tr, ev = stratified_split(labels, frac, a.seed)
+    idx = tr if a.split == "train" else ev
+    idx = idx[: _max(len(idx), a.max_samples)]
+    tok = load_tokenizer(a.tokenizer or "minilm", a.cache_dir)
+    return text_classification([texts[i] for i in idx], [labels[i] for i in idx], tok, a.max_length,
+                               label_names=classes)
+
+
+def _load_wiki(a: _Args) -> DictDataset:
+    articles = read_wiki(require("wiki", a.cache_dir))
+    frac = 0.1 if a.eval_fraction is None else a.eval_fraction
+    n_eval = math.ceil(len(articles) * frac)
+    texts = articles[: len(articles) - n_eval] if a.split == "train" else articles[len(articles) - n_eval:]
+    tok = load_tokenizer(a.tokenizer or "smollm2", a.cache_dir)
+    return lm_chunks(texts, tok, a.seq_len, eos_token_id=_document_separator(tok), max_chunks=a.max_samples)
+
+
+def _document_separator(tokenizer: Any) -> int | None:
+    """``<|endoftext|>`` when the vocabulary has it (GPT-2, SmolLM2), else the EOS token."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return vocab.get("<|endoftext|>", getattr(tokenizer, "eos_token_id", None))
+
+
+# --------------------------------------------------------------------------------------------------
+# hub-backed text tasks
+# --------------------------------------------------------------------------------------------------
+
+
+def _load_wikitext2(a: _Args) -> DictDataset:
+    datasets = _hub_datasets("wikitext-2", "wiki")
+    ds = datasets.load_dataset("Salesforce/wikitext", "wikitext-2-raw-v1",
+                               split=_hub_split(a.split, "validation"))
+    tok = load_tokenizer(a.tokenizer or "gpt2-tokenizer", a.cache_dir)
+    # WikiText lines keep their newlines: concatenate them as they are (no separator), like run_clm.
+    return lm_chunks(list(ds["text"]), tok, a.seq_len, add_eos=False, max_chunks=a.max_samples)
+
+
+def _load_glue(a: _Args, config: str, fields: tuple[str, ...], label_names: list[str]) -> DictDataset:
+    datasets = _hub_datasets(f"glue-{config}", "bbc")
+    ds = datasets.load_dataset("nyu-mll/glue", config, split=_hub_split(a.split, "validation"))
+    ds = ds.select(range(_max(len(ds), a.max_samples)))
+    tok = load_tokenizer(a.tokenizer or "minilm", a.cache_dir)
+    pairs = list(ds[fields[1]]) if len(fields) > 1 else None
+    return text_classification(list(ds[fields[0]]), list(ds["label"]), tok, a.max_length, text_pairs=pairs,
+                               label_names=label_names)
