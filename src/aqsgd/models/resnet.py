@@ -1,17 +1,25 @@
-"""A compact ResNet for small images (1x28x28 MNIST-like or 3x32x32 CIFAR-like).
+"""The ``resnet`` family: a compact ResNet for small images (1x28x28 MNIST-like or 3x32x32 CIFAR-like).
 
 The network is deliberately laid out as ``stem`` + ``blocks`` (a flat ``nn.ModuleList`` of residual
 blocks) + ``head`` so that :func:`aqsgd.pipeline.partition.partition_model` can cut it between any two
 residual blocks.  torchvision is not required.
+
+Recipe config: the keyword arguments of :class:`ResNet`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
+
+from aqsgd.errors import SpecError
+from aqsgd.models.family import ModelFamily, ModelLayout
+from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
+
+KIND = "resnet"
 
 NormKind = Literal["batch", "group", "none"]
 
@@ -114,3 +122,69 @@ class ResNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class ResNetStage(PipelineStage):
+    """A slice of :class:`ResNet`: [stem] -> residual blocks -> [head + loss].
+
+    The first stage reads ``batch["pixel_values"]``; the last applies ``loss_fn`` to ``batch["labels"]``.
+    """
+
+    def __init__(
+        self, model: nn.Module, stage_index: int, num_stages: int, start: int, end: int, loss_fn: LossFn
+    ) -> None:
+        super().__init__(stage_index, num_stages, (start, end))
+        self.blocks = nn.ModuleList(model.blocks[start:end])
+        if self.is_first:
+            self.stem = model.stem
+        if self.is_last:
+            self.head = model.head
+        self.loss_fn = loss_fn
+
+    def forward(self, hidden: torch.Tensor | None, batch: Batch) -> torch.Tensor:
+        """Run this slice of the ResNet (see :class:`PipelineStage`)."""
+        if self.is_first:
+            hidden = self.stem(self.require(batch, "pixel_values"))
+        hidden = self._check_hidden(hidden)
+        for block in self.blocks:
+            hidden = block(hidden)
+        if not self.is_last:
+            return hidden
+        return self.loss_fn(self._kept(self.head(hidden)), self.require(batch, "labels"))
+
+
+def _build(config: Mapping[str, Any], attn_implementation: str) -> ResNet:
+    try:
+        return ResNet(**config)
+    except TypeError as exc:
+        raise SpecError(f"bad resnet recipe config {config}: {exc}") from None
+
+
+def _layout(model: nn.Module, loss_fn: LossFn) -> ModelLayout:
+    return ModelLayout(
+        KIND,
+        list(model.blocks),
+        [model.stem],
+        [model.head],
+        lambda i, s, a, b: ResNetStage(model, i, s, a, b, loss_fn),
+    )
+
+
+def _tiny_config(*, layers: int, hidden: int, vocab: int, seq_len: int) -> dict[str, Any]:
+    """One resolution group of ``layers`` blocks, ``hidden // 4`` channels wide, on 1-channel images with
+    10 classes (``vocab`` and ``seq_len`` do not apply)."""
+    return {"in_channels": 1, "num_classes": 10, "widths": [hidden // 4], "blocks_per_group": layers,
+            "norm": "group"}
+
+
+FAMILY = ModelFamily(
+    kind=KIND,
+    description="aqsgd.models.resnet.ResNet",
+    stage=ResNetStage,
+    build=_build,
+    matches=lambda model: isinstance(model, ResNet),
+    layout=_layout,
+    tiny_config=_tiny_config,
+    takes_loss_fn=True,
+    task_kind="image-classification",
+)

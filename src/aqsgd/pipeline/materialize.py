@@ -9,7 +9,7 @@ would cost ``num_stages`` times the memory of the model, so a stage process inst
    safetensors file (or a directory of shards) with :func:`safetensors.safe_open`;
 4. recomputes the stage's non-persistent buffers (rotary ``inv_freq``, BERT ``position_ids`` ...),
    which are not stored in weights files, with the initializer registered for the owning module class
-   (see :func:`register_buffer_initializer`).
+   (see :func:`register_buffer_initializer`; the model families register theirs).
 
 Weights files are the full model's ``state_dict`` (as written by :func:`save_weights`,
 :func:`init_weights_file` or transformers' ``save_pretrained``), so every stage process reads the same
@@ -24,10 +24,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
-import itertools
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,32 +36,34 @@ import torch
 from torch import nn
 
 from aqsgd.errors import SpecError, WeightsError
+from aqsgd.models.family import BufferInitializer
+from aqsgd.models.registry import MODEL_KINDS, families, get_family
 from aqsgd.pipeline.partition import partition_model
 from aqsgd.pipeline.stage import LossFn, PipelineStage
 
 if TYPE_CHECKING:
     from typing import Self
 
-MODEL_KINDS = ("gpt2", "llama", "bert-cls", "resnet", "sequential-mlp")
-"""The model families a :class:`ModelRecipe` can build."""
+__all__ = [
+    "MODEL_KINDS",
+    "SAFETENSORS_INDEX",
+    "SAFETENSORS_SINGLE",
+    "BufferInitializer",
+    "ModelRecipe",
+    "buffer_initializer",
+    "init_weights_file",
+    "load_weights",
+    "materialize_model_stage",
+    "materialize_stage",
+    "register_buffer_initializer",
+    "save_weights",
+    "stage_nbytes",
+]
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 
-_MLP_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
-    "relu": nn.ReLU,
-    "gelu": nn.GELU,
-    "tanh": nn.Tanh,
-    "sigmoid": nn.Sigmoid,
-    "silu": nn.SiLU,
-    "identity": nn.Identity,
-}
-
 DeviceLike = str | torch.device
-BufferInitializer = Callable[[nn.Module, torch.device], dict[str, torch.Tensor]]
-"""``fn(module, device) -> {buffer_name: value}`` for the module's own (non-recursive) non-persistent
-buffers; values may be computed on any device, they are moved to ``device`` and cast to the skeleton
-buffer's dtype by the caller."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,14 +76,10 @@ class ModelRecipe:
     """A JSON-serializable description of how to build a model skeleton.
 
     Attributes:
-        kind: one of :data:`MODEL_KINDS`.
-        config: ``"gpt2"`` / ``"llama"``: a transformers config dict (``GPT2Config`` / ``LlamaConfig``
-            keyword arguments, or ``config.to_dict()``); ``"bert-cls"``: the same for a BERT-family
-            config, whose ``model_type`` (default ``"bert"``) selects the config class, with
-            ``num_labels`` for the classifier head; ``"resnet"``: keyword arguments of
-            :class:`aqsgd.models.resnet.ResNet`; ``"sequential-mlp"``: ``sizes`` (layer widths, input
-            first), ``activation`` (one name, or one per hidden layer, from ``relu``, ``gelu``, ``tanh``,
-            ``sigmoid``, ``silu``, ``identity``; default ``relu``) and ``bias`` (default true).
+        kind: the model family, one of :data:`aqsgd.models.MODEL_KINDS`.
+        config: the family's config dict, described in the family's module under :mod:`aqsgd.models`
+            (a transformers config dict for ``gpt2`` / ``llama`` / ``bert-cls``, the keyword arguments
+            of :class:`aqsgd.models.resnet.ResNet` for ``resnet``, layer sizes for ``sequential-mlp``).
             The dict is normalised through JSON (tuples become lists, dict keys strings).
         weights: a safetensors file, or a directory holding ``model.safetensors``, sharded weights with
             ``model.safetensors.index.json``, or any ``*.safetensors`` files; ``None`` for a recipe that
@@ -96,8 +93,7 @@ class ModelRecipe:
     attn_implementation: str = "eager"
 
     def __post_init__(self) -> None:
-        if self.kind not in MODEL_KINDS:
-            raise SpecError(f"unknown model kind {self.kind!r}; expected one of {', '.join(MODEL_KINDS)}")
+        get_family(self.kind)  # an unknown kind is a SpecError listing the kinds
         if not isinstance(self.config, Mapping):
             raise SpecError(f"recipe config must be a dict, got {type(self.config).__name__}")
         try:
@@ -174,63 +170,7 @@ class ModelRecipe:
         library's random initialisation (seed it with :func:`torch.manual_seed`).
         """
         with torch.device(device):
-            return self._build()
-
-    def _build(self) -> nn.Module:
-        if self.kind == "resnet":
-            from aqsgd.models.resnet import ResNet
-
-            try:
-                return ResNet(**self.config)
-            except TypeError as exc:
-                raise SpecError(f"bad resnet recipe config {self.config}: {exc}") from None
-        if self.kind == "sequential-mlp":
-            return _build_mlp(self.config)
-        return self._build_transformers()
-
-    def _build_transformers(self) -> nn.Module:
-        import transformers
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-        config_dict = dict(self.config)
-        expected = {"gpt2": "gpt2", "llama": "llama"}.get(self.kind)
-        model_type = config_dict.pop("model_type", expected or "bert")
-        if expected is not None and model_type != expected:
-            raise SpecError(f"recipe kind {self.kind!r} needs model_type {expected!r}, got {model_type!r}")
-        if model_type not in CONFIG_MAPPING:
-            raise SpecError(f"unknown transformers model_type {model_type!r}")
-        config = CONFIG_MAPPING[model_type].from_dict(config_dict)
-        auto = (
-            transformers.AutoModelForSequenceClassification
-            if self.kind == "bert-cls"
-            else transformers.AutoModelForCausalLM
-        )
-        return auto.from_config(config, attn_implementation=self.attn_implementation)
-
-
-def _build_mlp(config: Mapping[str, Any]) -> nn.Sequential:
-    """``Linear -> act -> ... -> Linear`` from a ``sequential-mlp`` recipe config."""
-    unknown = sorted(set(config) - {"sizes", "activation", "bias"})
-    if unknown:
-        raise SpecError(f"unknown sequential-mlp config keys {unknown}; expected sizes, activation, bias")
-    sizes = list(config.get("sizes", []))
-    if len(sizes) < 2 or not all(isinstance(s, int) and s > 0 for s in sizes):
-        raise SpecError(f"sequential-mlp needs 'sizes' with at least two positive ints, got {sizes}")
-    activation = config.get("activation", "relu")
-    hidden = len(sizes) - 2
-    names = [activation] * hidden if isinstance(activation, str) else list(activation)
-    if len(names) != hidden:
-        raise SpecError(f"sequential-mlp has {hidden} hidden layers but {len(names)} activations")
-    for name in names:
-        if name not in _MLP_ACTIVATIONS:
-            raise SpecError(f"unknown activation {name!r}; expected one of {', '.join(_MLP_ACTIVATIONS)}")
-    bias = bool(config.get("bias", True))
-    modules: list[nn.Module] = []
-    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
-        modules.append(nn.Linear(fan_in, fan_out, bias=bias))
-        if i < hidden:
-            modules.append(_MLP_ACTIVATIONS[names[i]]())
-    return nn.Sequential(*modules)
+            return get_family(self.kind).build(self.config, self.attn_implementation)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -375,63 +315,11 @@ def register_buffer_initializer(module_type: type[nn.Module], initializer: Buffe
     _BUFFER_INITIALIZERS[module_type] = initializer
 
 
-def rotary_embedding_buffers(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """``inv_freq`` / ``original_inv_freq`` of a transformers rotary embedding.
-
-    Uses the module's own ``compute_default_rope_parameters`` for ``rope_type == "default"`` and
-    ``ROPE_INIT_FUNCTIONS[rope_type]`` otherwise, exactly as the rotary ``__init__`` (and
-    ``PreTrainedModel._init_weights``) of transformers 5 do.  Computed on CPU as in a CPU build.
-    """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope_type = module.rope_type
-    init_fns: dict[str, Callable[..., tuple[torch.Tensor, float]] | None] = {
-        "default": getattr(module, "compute_default_rope_parameters", None),
-        **ROPE_INIT_FUNCTIONS,
-    }
-    init_fn = init_fns.get(rope_type)
-    if init_fn is None:
-        raise WeightsError(f"{type(module).__name__}: no rope initializer for rope_type {rope_type!r}")
-    with torch.device("cpu"):
-        inv_freq, _ = init_fn(module.config)
-    values = {"inv_freq": inv_freq}
-    if "original_inv_freq" in module._buffers:
-        values["original_inv_freq"] = inv_freq.clone()
-    return values
-
-
-def embedding_index_buffers(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """``position_ids`` (``arange`` expanded to ``[1, max_positions]``) and ``token_type_ids`` (zeros)
-    of BERT-family embedding modules."""
-    values: dict[str, torch.Tensor] = {}
-    position_ids = module._buffers.get("position_ids")
-    if position_ids is not None:
-        values["position_ids"] = torch.arange(
-            position_ids.shape[-1], dtype=position_ids.dtype, device=device
-        ).expand(position_ids.shape)
-    token_type_ids = module._buffers.get("token_type_ids")
-    if token_type_ids is not None:
-        values["token_type_ids"] = torch.zeros(
-            token_type_ids.shape, dtype=token_type_ids.dtype, device=device
-        )
-    return values
-
-
-_BUILTIN_INITIALIZERS: tuple[tuple[str, str, BufferInitializer], ...] = (
-    ("transformers.models.llama.modeling_llama", "LlamaRotaryEmbedding", rotary_embedding_buffers),
-    ("transformers.models.bert.modeling_bert", "BertEmbeddings", embedding_index_buffers),
-    ("transformers.models.roberta.modeling_roberta", "RobertaEmbeddings", embedding_index_buffers),
-    ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaEmbeddings", embedding_index_buffers),
-    ("transformers.models.camembert.modeling_camembert", "CamembertEmbeddings", embedding_index_buffers),
-    ("transformers.models.electra.modeling_electra", "ElectraEmbeddings", embedding_index_buffers),
-)
-
-
 @functools.cache
 def _ensure_builtin_initializers() -> None:
-    """Register the initializers of the transformers modules this library builds (once, lazily, so
-    that importing this module does not import transformers)."""
-    for module_name, class_name, initializer in _BUILTIN_INITIALIZERS:
+    """Register the initializers the model families declare for their modules (once, lazily, so that
+    importing this module does not import transformers)."""
+    for module_name, class_name, initializer in (i for f in families() for i in f.buffer_initializers):
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):

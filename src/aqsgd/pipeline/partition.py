@@ -5,71 +5,32 @@ residual blocks, ``nn.Sequential`` children).  The first stage also holds the em
 last stage the final norm, the head and the loss.  Stages reference the original sub-modules (no
 copies, no data access), so partitioning works on a model built on the ``meta`` device and the
 stages' gradients can be compared directly with the unsplit model's.
+
+Where the blocks, embeddings and head of a model are is its family's business
+(:meth:`aqsgd.models.family.ModelFamily.layout`); this module only cuts and balances.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from aqsgd.models.resnet import ResNet
-from aqsgd.pipeline.stage import (
-    EncoderClassifierStage,
-    GPT2Stage,
-    LlamaStage,
-    LossFn,
-    PipelineStage,
-    ResNetStage,
-    SequentialStage,
-)
+from aqsgd.models.family import ModelLayout
+from aqsgd.models.registry import families, family_of_model, supported_models
+from aqsgd.pipeline.stage import LossFn, PipelineStage
 
-SUPPORTED_MODELS = (
-    "transformers GPT2LMHeadModel, transformers LlamaForCausalLM, "
-    "BERT-family *ForSequenceClassification (e.g. BertForSequenceClassification, "
-    "RobertaForSequenceClassification), torch.nn.Sequential, aqsgd.models.resnet.ResNet"
-)
 BALANCE_MODES = ("layers", "params")
 
-StageFactory = Callable[[int, int, int, int], PipelineStage]
 
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """How a model splits: its repeated ``blocks``, the ``pre`` modules of the first stage and the
-    ``post`` modules of the last stage, and a factory ``make_stage(index, num_stages, start, end)``."""
-
-    family: str
-    blocks: Sequence[nn.Module]
-    pre: Sequence[nn.Module]
-    post: Sequence[nn.Module]
-    make_stage: StageFactory
-
-
-def _is_transformers_model(model: nn.Module, class_name: str) -> bool:
-    """isinstance check against a transformers class, without importing transformers needlessly."""
-    if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
-        return False
-    import transformers
-
-    cls = getattr(transformers, class_name, None)
-    return cls is not None and isinstance(model, cls)
-
-
-def _is_encoder_classifier(model: nn.Module) -> bool:
-    """BERT-family sequence classifier: ``<base>.embeddings``, ``<base>.encoder.layer`` and ``classifier``."""
-    if not type(model).__name__.endswith("ForSequenceClassification"):
-        return False
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    encoder = getattr(base, "encoder", None)
-    return (
-        isinstance(getattr(base, "embeddings", None), nn.Module)
-        and isinstance(getattr(encoder, "layer", None), nn.ModuleList)
-        and isinstance(getattr(model, "classifier", None), nn.Module)
-    )
+def __getattr__(name: str) -> str:
+    # SUPPORTED_MODELS is built from the family registry on first use: the family modules import
+    # aqsgd.pipeline, so none of them is loaded while this package initializes.
+    if name == "SUPPORTED_MODELS":
+        return supported_models()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _default_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -78,72 +39,19 @@ def _default_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def model_layout(model: nn.Module, loss_fn: LossFn | None = None) -> ModelLayout:
-    """Describe how ``model`` splits into stages.
+    """Describe how ``model`` splits into stages (the layout its family reports).
 
     Raises:
         ValueError: the model type is not supported (the message lists the supported ones), or
             ``loss_fn`` was given for a model that computes its own loss.
     """
-    if isinstance(model, nn.Sequential):
-        children = list(model)
-        fn = loss_fn or _default_loss
-        return ModelLayout(
-            "sequential",
-            children,
-            [],
-            [],
-            lambda i, s, a, b: SequentialStage(children[a:b], i, s, a, b, fn),
-        )
-    if isinstance(model, ResNet):
-        fn = loss_fn or _default_loss
-        return ModelLayout(
-            "resnet",
-            list(model.blocks),
-            [model.stem],
-            [model.head],
-            lambda i, s, a, b: ResNetStage(model, i, s, a, b, fn),
-        )
-    hf_family: str | None = None
-    if _is_transformers_model(model, "GPT2LMHeadModel"):
-        hf_family = "gpt2"
-    elif _is_transformers_model(model, "LlamaForCausalLM"):
-        hf_family = "llama"
-    elif _is_encoder_classifier(model):
-        hf_family = "encoder_classifier"
-    if hf_family is None:
-        raise ValueError(f"unsupported model type {type(model).__name__}; supported: {SUPPORTED_MODELS}")
-    if loss_fn is not None:
+    family = family_of_model(model)
+    if loss_fn is not None and not family.takes_loss_fn:
+        takers = " and ".join(f.description for f in families() if f.takes_loss_fn)
         raise ValueError(
-            f"loss_fn is only used for torch.nn.Sequential and ResNet; "
-            f"{type(model).__name__} computes its own loss"
+            f"loss_fn is only used for {takers}; {type(model).__name__} computes its own loss"
         )
-    if hf_family == "gpt2":
-        t = model.transformer
-        return ModelLayout(
-            "gpt2",
-            list(t.h),
-            [t.wte, t.wpe],
-            [t.ln_f, model.lm_head],
-            lambda i, s, a, b: GPT2Stage(model, i, s, a, b),
-        )
-    if hf_family == "llama":
-        inner = model.model
-        return ModelLayout(
-            "llama",
-            list(inner.layers[: model.config.num_hidden_layers]),
-            [inner.embed_tokens],
-            [inner.norm, model.lm_head],
-            lambda i, s, a, b: LlamaStage(model, i, s, a, b),
-        )
-    base = getattr(model, model.base_model_prefix)
-    post = [m for m in (getattr(base, "pooler", None), model.classifier) if m is not None]
-    return ModelLayout(
-        "encoder_classifier",
-        list(base.encoder.layer),
-        [base.embeddings],
-        post,
-        lambda i, s, a, b: EncoderClassifierStage(model, i, s, a, b),
-    )
+    return family.layout(model, loss_fn or _default_loss)
 
 
 def count_parameters(modules: Sequence[nn.Module]) -> int:
@@ -268,14 +176,16 @@ def partition_model(
     """Split ``model`` into ``num_stages`` pipeline stages.
 
     Args:
-        model: a supported model (see :data:`SUPPORTED_MODELS`); it may live on the ``meta`` device.
+        model: a supported model (see :func:`~aqsgd.models.supported_models`); it may live on the
+            ``meta`` device.
         num_stages: number of stages, between 1 and the number of blocks.
         layers: explicit number of blocks per stage (overrides ``balance``).
         balance: ``"layers"`` (even number of blocks per stage) or ``"params"`` (minimise the largest
             per-stage parameter count; embeddings / stem count toward the first stage, final norm and
             head toward the last; a tied embedding/head counts for both, since both stages hold it).
-        loss_fn: loss ``(output, labels) -> scalar`` for ``nn.Sequential`` and ResNet (default:
-            cross-entropy against ``batch["labels"]``); transformers models use their own loss.
+        loss_fn: loss ``(output, labels) -> scalar`` for the families that take one (``nn.Sequential``,
+            ResNet; default: cross-entropy against ``batch["labels"]``); transformers models use their
+            own loss.
 
     Returns:
         The stages in pipeline order; they share the model's parameter objects.

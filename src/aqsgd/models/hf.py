@@ -1,0 +1,74 @@
+"""Helpers shared by the families built on transformers models (gpt2, llama, bert-cls).
+
+transformers is imported inside the functions only, so that importing a family module does not import it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from aqsgd.errors import SpecError
+
+if TYPE_CHECKING:
+    from aqsgd.pipeline.stage import Batch
+
+_DROPOUT_KEY = re.compile(r"dropout|pdrop")
+
+
+def is_transformers_instance(model: nn.Module, class_name: str) -> bool:
+    """isinstance check against a transformers class, without importing transformers needlessly."""
+    if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
+        return False
+    import transformers
+
+    cls = getattr(transformers, class_name, None)
+    return cls is not None and isinstance(model, cls)
+
+
+def build_transformers_model(
+    config: Mapping[str, Any],
+    attn_implementation: str,
+    auto_class: str,
+    *,
+    kind: str,
+    model_type: str | None = None,
+    default_model_type: str | None = None,
+) -> nn.Module:
+    """``transformers.<auto_class>.from_config`` on a ``kind`` recipe's config dict.
+
+    The config's ``model_type`` selects the config class; ``model_type`` requires that value (and is the
+    default), ``default_model_type`` is the default when no value is required.
+    """
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_dict = dict(config)
+    name = config_dict.pop("model_type", model_type or default_model_type)
+    if model_type is not None and name != model_type:
+        raise SpecError(f"recipe kind {kind!r} needs model_type {model_type!r}, got {name!r}")
+    if name not in CONFIG_MAPPING:
+        raise SpecError(f"unknown transformers model_type {name!r}")
+    model_config = CONFIG_MAPPING[name].from_dict(config_dict)
+    auto = getattr(transformers, auto_class)
+    return auto.from_config(model_config, attn_implementation=attn_implementation)
+
+
+def set_dropout(config: Mapping[str, Any], p: float) -> dict[str, Any]:
+    """``config`` with every numeric (or unset) ``*dropout*`` / ``*pdrop*`` entry set to ``p``."""
+    return {
+        k: (p if _DROPOUT_KEY.search(k) and (v is None or isinstance(v, (int, float))) else v)
+        for k, v in config.items()
+    }
+
+
+def position_ids(batch: Batch, seq_len: int, device: torch.device) -> torch.Tensor:
+    """``batch["position_ids"]`` if given, else ``arange(T)[None]`` as the transformers models default to."""
+    given = batch.get("position_ids")
+    if given is not None:
+        return given
+    return torch.arange(seq_len, device=device).unsqueeze(0)
