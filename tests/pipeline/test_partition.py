@@ -10,10 +10,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from aqsgd.compress import Packet
 from aqsgd.models.resnet import ResNet
-from aqsgd.pipeline.local_exec import Boundary, run_pipeline_locally
+from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig
 from aqsgd.pipeline.partition import balanced_counts, partition_model, shared_parameters
+from aqsgd.pipeline.runner import LocalPipeline
 from aqsgd.pipeline.stage import Batch
+from aqsgd.schemes import ids_tag
 
 transformers = pytest.importorskip("transformers")
 
@@ -187,11 +190,19 @@ def reference_step(case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), grads
 
 
+def run_pipeline(
+    stages: list[nn.Module], schedule: str, microbatches: list[dict[str, torch.Tensor]]
+) -> torch.Tensor:
+    """One training step of the stages as an uncompressed local pipeline: the gradients of the mean micro-batch
+    loss accumulate in the parameters (no optimizer step); returns that mean loss."""
+    return LocalPipeline(stages, CompressionConfig(), schedule=schedule).step(microbatches)
+
+
 def assert_matches_reference(
     case: Case, stages: list[nn.Module], schedule: str, num_microbatches: int
 ) -> None:
     ref_loss, ref_grads = reference_step(case)
-    loss = run_pipeline_locally(stages, schedule, split_batch(case.batch, num_microbatches))
+    loss = run_pipeline(stages, schedule, split_batch(case.batch, num_microbatches))
     torch.testing.assert_close(loss, ref_loss)
     got = {n: p.grad for n, p in case.model.named_parameters() if p.grad is not None}
     assert got.keys() == ref_grads.keys()
@@ -235,26 +246,33 @@ def test_padding_mask_matters() -> None:
     assert not torch.allclose(masked_loss, unmasked_loss)
 
 
-def test_boundary_hooks_see_every_transfer() -> None:
-    class Recorder(Boundary):
-        def __init__(self) -> None:
-            self.log: list[tuple[str, int, int, tuple[int, ...]]] = []
-
-        def activation(self, stage: int, microbatch: int, tensor: torch.Tensor, batch: Batch) -> torch.Tensor:
-            self.log.append(("a", stage, microbatch, tuple(tensor.shape)))
-            return tensor
-
-        def gradient(self, stage: int, microbatch: int, tensor: torch.Tensor, batch: Batch) -> torch.Tensor:
-            self.log.append(("g", stage, microbatch, tuple(tensor.shape)))
-            return tensor
-
+def test_every_boundary_transfer_goes_through_the_transport() -> None:
+    """Each stage but the last sends its output forward, and each but the first its input's gradient backward,
+    once per micro-batch (named by the packet's tag), with the boundary tensor's shape."""
     case = gpt2_case()
-    recorder = Recorder()
-    run_pipeline_locally(
-        partition_model(case.model, 3), "gpipe", split_batch(case.batch, 2), boundary=recorder
-    )
+    microbatches = split_batch(case.batch, 2)
+    slot_of_tag = {ids_tag(mb["sample_ids"], m): m for m, mb in enumerate(microbatches)}
+    log: list[tuple[str, int, int, tuple[int, ...]]] = []
+
+    class Recorder:
+        def __init__(self, view, stage: int) -> None:
+            self.view, self.stage = view, stage
+
+        def isend(self, packets: list[Packet], dst: int, channel: int):
+            assert channel in (FORWARD_CHANNEL, BACKWARD_CHANNEL)
+            kind = "a" if channel == FORWARD_CHANNEL else "g"
+            log.append((kind, self.stage, slot_of_tag[packets[0].tag], tuple(packets[0].shape)))
+            return self.view.isend(packets, dst, channel)
+
+        def irecv(self, src: int, channel: int):
+            return self.view.irecv(src, channel)
+
+    pipe = LocalPipeline(partition_model(case.model, 3), CompressionConfig(), schedule="gpipe")
+    for i, runner in enumerate(pipe.runners):
+        runner.transport = Recorder(runner.transport, i)
+    pipe.step(microbatches)
     hidden = (BATCH // 2, SEQ, 32)
-    assert sorted(recorder.log) == sorted(
+    assert sorted(log) == sorted(
         [("a", s, m, hidden) for s in (0, 1) for m in (0, 1)]
         + [("g", s, m, hidden) for s in (1, 2) for m in (0, 1)]
     )

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from aqsgd.compress import make_codec
-from aqsgd.pipeline.compression import FORWARD_CHANNEL, CompressionConfig
+from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig
 from aqsgd.pipeline.partition import partition_model
 from aqsgd.pipeline.runner import LocalPipeline
 from aqsgd.schemes import DeltaScheme
+from aqsgd.train.engine import OptimConfig, PipelineEngine
 
 from .test_partition import BATCH, CASES, reference_step, split_batch
 
@@ -48,8 +49,8 @@ def test_aqsgd_caches_identical_and_bytes_match_formula():
         losses.append(float(pipe.step(mbs, phase="warmup" if step == 0 else "train")))
         opt.step()
         for b in range(pipe.num_stages - 1):
-            sender = pipe.runners[b].schemes[(b, 0, "sender")]
-            receiver = pipe.runners[b + 1].schemes[(b, 0, "receiver")]
+            sender = pipe.runners[b].schemes[(b, FORWARD_CHANNEL, "sender")]
+            receiver = pipe.runners[b + 1].schemes[(b, FORWARD_CHANNEL, "receiver")]
             assert isinstance(sender, DeltaScheme)
             ids = torch.arange(BATCH)
             assert torch.equal(sender.cache.get(ids), receiver.cache.get(ids))
@@ -90,5 +91,81 @@ def test_data_parallel_replicas_draw_independent_rounding():
     assert torch.equal(sent(0), sent(0))  # deterministic per replica
     assert not torch.equal(sent(0), sent(1))
     assert cfg.scheme_seed(0, FORWARD_CHANNEL, 0) == 3 * 1000  # unchanged for replica 0
-    seeds = {cfg.scheme_seed(b, ch, r) for b in range(4) for ch in (0, 1) for r in range(4)}
+    seeds = {cfg.scheme_seed(b, ch, r) for b in range(4) for ch in (FORWARD_CHANNEL, BACKWARD_CHANNEL) for r in range(4)}
     assert len(seeds) == 32
+
+
+def test_schedule_actions_are_labelled_for_the_profiler():
+    case = CASES["mlp"]()
+    pipe = LocalPipeline(partition_model(case.model, 2), CompressionConfig.simple("q8", "q8"), schedule="1f1b")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pipe.step(split_batch(case.batch, 2))
+    names = {e.name for e in prof.events()}
+    for m in (0, 1):
+        assert {f"stage0 FORWARD mb{m}", f"stage0 SEND_F mb{m}", f"stage0 encode F mb{m}", f"stage0 RECV_B mb{m}",
+                f"stage0 wait B mb{m}", f"stage0 decode B mb{m}", f"stage0 BACKWARD mb{m}"} <= names
+        assert {f"stage1 RECV_F mb{m}", f"stage1 wait F mb{m}", f"stage1 decode F mb{m}", f"stage1 FORWARD mb{m}",
+                f"stage1 BACKWARD mb{m}", f"stage1 SEND_B mb{m}", f"stage1 encode B mb{m}"} <= names
+    assert {"stage0 wait sends", "stage1 wait sends"} <= names
+
+
+def test_runner_state_round_trip_builds_the_schemes(tmp_path):
+    """A runner's state names each scheme with the shape and dtype it was built for; a fresh runner given the
+    folders their save() wrote builds the same schemes and continues bit for bit."""
+    comp = CompressionConfig.simple("delta:q2:stochastic", "ef21:q4", num_samples=BATCH)
+    case = CASES["gpt2"]()
+    pipe = LocalPipeline(partition_model(case.model, 2), comp)
+    mbs = split_batch(case.batch, 2)
+    for phase in ("warmup", "train"):
+        pipe.step(mbs, phase=phase)
+    folders = []
+    for i, runner in enumerate(pipe.runners):
+        state = runner.state_dict()
+        assert set(state) == {(0, FORWARD_CHANNEL, "sender" if i == 0 else "receiver"),
+                              (0, BACKWARD_CHANNEL, "receiver" if i == 0 else "sender")}
+        for key, entry in state.items():
+            assert entry["shape"] == [BATCH // 2, 12, 32] and entry["dtype"] == "float32"
+            assert entry["scheme"] is runner.schemes[key]
+            entry["scheme"].save(tmp_path / f"{i}-{key[1]}")
+        folders.append({key: {**entry, "scheme": tmp_path / f"{i}-{key[1]}"} for key, entry in state.items()})
+    fresh = LocalPipeline(partition_model(case.model, 2), comp)
+    for runner, state in zip(fresh.runners, folders):
+        runner.load_state_dict(state)
+    assert [sorted(r.schemes) for r in fresh.runners] == [sorted(r.schemes) for r in pipe.runners]
+    assert float(fresh.step(mbs)) == float(pipe.step(mbs))
+    with pytest.raises(ValueError, match="has no scheme"):
+        fresh.runners[0].load_state_dict({(0, FORWARD_CHANNEL, "receiver"): folders[1][(0, FORWARD_CHANNEL, "receiver")]})
+
+
+def _engine(model, stages=2):
+    return PipelineEngine(dict(enumerate(partition_model(model, stages))), stages,
+                          CompressionConfig.simple("q8", "q8"), OptimConfig(lr=1e-2))
+
+
+def test_engine_state_round_trip_with_tied_weights():
+    """The engine's state holds a tied tensor once; a fresh engine loads it strictly and continues exactly."""
+    mbs = split_batch(CASES["gpt2"]().batch, 2)
+    a, b = _engine(CASES["gpt2"]().model, 1), _engine(CASES["gpt2"]().model, 1)
+    a.train_step(mbs)
+    state = a.state_dict()
+    model = state[0]["model"]
+    assert ("wte.weight" in model) != ("lm_head.weight" in model)
+    assert state[0]["optimizer_class"] == "AdamW" and state[0]["schemes"] == {}
+    assert b.load_state_dict(state) == {0: ([], [])}
+    assert a.train_step(mbs) == b.train_step(mbs)
+    with pytest.raises(ValueError, match="unknown state entries"):
+        b.load_state_dict({0: {"weights": model}})
+    with pytest.raises(ValueError, match="does not own stage"):
+        b.load_state_dict({1: {}})
+    with pytest.raises(ValueError, match="weights do not fit stage 0"):
+        b.load_state_dict({0: {"model": {"extra": torch.zeros(1), **model}}})
+
+
+def test_evaluate_keeps_logits_without_leaving_the_stage_flag_set():
+    case = CASES["bert"]()
+    engine = _engine(case.model)
+    loss, logits = engine.evaluate(split_batch(case.batch, 2), "eval_raw", keep_logits=True)
+    assert loss == pytest.approx(float(case.loss(case.model, case.batch).detach()), rel=1e-5)
+    assert [tuple(t.shape) for t in logits] == [(BATCH // 2, 3)] * 2
+    assert not engine.stages[1].keep_logits
+    assert engine.evaluate(split_batch(case.batch, 2), "eval_raw")[1] is None

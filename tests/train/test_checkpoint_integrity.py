@@ -19,10 +19,17 @@ import pytest
 import torch
 
 from aqsgd.errors import SchemeError
+from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL
 from aqsgd.schemes.factory import make_scheme
 from aqsgd.schemes.feedback import EF21Scheme
-from aqsgd.train import checkpoint as ckpt_mod
-from aqsgd.train.checkpoint import CheckpointError, file_digest, latest_checkpoint, load_checkpoint, save_checkpoint
+from aqsgd.train.checkpoint import (
+    CheckpointError,
+    file_digest,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from aqsgd.train.checkpoint import write as ckpt_write
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.trainer import Trainer
 
@@ -36,7 +43,7 @@ def _cfg(out: Path, **kw) -> TrainConfig:
                 tensorboard=False, forward="delta:q2:stochastic", backward="ef21:q4", cache_dir=str(out / "cache"),
                 checkpoint_every=4)
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig.of(**base)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -250,11 +257,11 @@ def test_sides_that_diverged_before_the_save_are_refused(tmp_path, side, words):
     trainer.run(stop_at=2)
     engine = trainer.engine
     if side == "delta":
-        cache = engine.runners[1].schemes[(0, 0, "receiver")].cache
+        cache = engine.runners[1].schemes[(0, FORWARD_CHANNEL, "receiver")].cache
         ids = cache.visited(torch.arange(cache.capacity)).nonzero()[:1, 0]
         cache.put(ids, cache.get(ids) + 1)
     else:
-        state = engine.runners[1].schemes[(1, 1, "receiver")].state
+        state = engine.runners[1].schemes[(1, BACKWARD_CHANNEL, "receiver")].state
         state.buffers[0] += 1
     position = {"epoch": 0, "batch": 2, "step": 2, "totals": {}, "config": {}}
     ck = save_checkpoint(tmp_path / "diverged", 2, engine, position)
@@ -274,8 +281,8 @@ def _enospc_at(path_part: str, real):
 
 
 def test_disk_full_is_one_line_and_the_previous_checkpoint_resumes_exactly(runs, tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt_mod, "_torch_save", _enospc_at("step-00000008.tmp/stage1/optimizer.pt",
-                                                             ckpt_mod._torch_save))
+    monkeypatch.setattr(ckpt_write, "_torch_save", _enospc_at("step-00000008.tmp/stage1/optimizer.pt",
+                                                               ckpt_write._torch_save))
     with pytest.raises(CheckpointError) as excinfo:
         Trainer(_cfg(tmp_path, run_name="full-disk")).run()
     run = tmp_path / "full-disk"
@@ -291,7 +298,7 @@ def test_disk_full_is_one_line_and_the_previous_checkpoint_resumes_exactly(runs,
 def test_safetensors_storage_error_is_one_line(tmp_path, monkeypatch):
     from safetensors import SafetensorError
 
-    import aqsgd.schemes.cache as cache_mod
+    import aqsgd.schemes.cache.memory as cache_mod  # the run's AQ-SGD caches are memory caches
 
     def full(*a, **kw):
         raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
@@ -347,8 +354,8 @@ def test_files_and_folders_are_fsynced_before_the_rename(tmp_path, monkeypatch):
         events.append(("replace", str(b)))
         return real_replace(a, b)
 
-    monkeypatch.setattr(ckpt_mod.os, "fsync", fsync)
-    monkeypatch.setattr(ckpt_mod.os, "replace", replace)
+    monkeypatch.setattr(ckpt_write.os, "fsync", fsync)
+    monkeypatch.setattr(ckpt_write.os, "replace", replace)
     final = save_checkpoint(tmp_path / "sync", 1, trainer.engine, {"epoch": 0, "batch": 1, "step": 1})
     monkeypatch.undo()
     renamed = [i for i, e in enumerate(events) if e == ("replace", str(final))]
@@ -435,8 +442,6 @@ def test_scheme_load_names_a_garbled_file(tmp_path):
 
 # -- distributed: 2 stages x 2 replicas, each rank writes and verifies its own files ---------------------------
 def _dp_worker(rank: int, world: int, out: str) -> dict:
-    import dataclasses
-
     import torch.distributed as dist
 
     out_dir = Path(out)
@@ -445,17 +450,17 @@ def _dp_worker(rank: int, world: int, out: str) -> dict:
     result: dict = {}
     Trainer(cfg).run(stop_at=4)  # checkpoint at step 3
     # one rank's disk is full at the next save: every rank gets the same error, the partial folder goes
-    real = ckpt_mod._torch_save if rank == 1 else None
+    real = ckpt_write._torch_save if rank == 1 else None
     if rank == 1:
-        ckpt_mod._torch_save = _enospc_at("optimizer.pt", real)
+        ckpt_write._torch_save = _enospc_at("optimizer.pt", real)
     try:
-        save_checkpoint(out_dir / "dp", 4, Trainer(dataclasses.replace(cfg, run_name="dp2")).engine,
+        save_checkpoint(out_dir / "dp", 4, Trainer(cfg.replace(run_name="dp2")).engine,
                         {"epoch": 1, "batch": 0, "step": 4})
     except CheckpointError as e:
         result["save_error"] = str(e)
     finally:
         if real is not None:
-            ckpt_mod._torch_save = real
+            ckpt_write._torch_save = real
     dist.barrier()
     result["after_failed_save"] = sorted(p.name for p in (out_dir / "dp" / "checkpoints").iterdir())
     # a byte of replica 1's stage-1 cache (only rank 3 reads it) flips: every rank refuses the resume
@@ -463,7 +468,7 @@ def _dp_worker(rank: int, world: int, out: str) -> dict:
         _flip(next((out_dir / "dp" / "checkpoints" / "step-00000003" / "stage1" / "replica1").rglob("cache.safetensors")))
     dist.barrier()
     try:
-        Trainer(dataclasses.replace(cfg, resume=str(out_dir / "dp"))).run()
+        Trainer(cfg.replace(resume=str(out_dir / "dp"))).run()
     except CheckpointError as e:
         result["load_error"] = str(e)
     return result

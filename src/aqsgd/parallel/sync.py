@@ -62,8 +62,8 @@ Link emulation
     PowerSGD): one full-duplex link of that bandwidth per rank, transfers starting when ``sync`` starts.
 
 Checkpoints
-    ``state_dict()`` holds only tensors (error buffers, PowerSGD's P/Q memories and iteration counter);
-    ``load_state_dict`` restores them.
+    ``state_dict()`` holds only tensors (error buffers, PowerSGD's P/Q memories and iteration counter), the
+    live ones, not copies (as ``nn.Module.state_dict`` does); ``load_state_dict`` restores copies of them.
 """
 
 from __future__ import annotations
@@ -390,8 +390,8 @@ class QuantizedSync(GradSync):
         return nbytes
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        out = {f"ef1.{i}": t.clone() for i, t in self.ef1.items()}
-        out.update({f"ef2.{i}": t.clone() for i, t in self.ef2.items()})
+        out = {f"ef1.{i}": t for i, t in self.ef1.items()}
+        out.update({f"ef2.{i}": t for i, t in self.ef2.items()})
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -489,7 +489,7 @@ class PowerSGDSync(GradSync):
         s = self.state
         out = {"iter": torch.tensor(s.iter, dtype=torch.long)}
         for name, store in (("error", s.error_dict), ("p", s.p_memory_dict), ("q", s.q_memory_dict)):
-            out.update({f"{name}.{i}": t.detach().clone() for i, t in store.items()})
+            out.update({f"{name}.{i}": t.detach() for i, t in store.items()})
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:

@@ -1,6 +1,7 @@
-"""Pipeline parallelism: model partitioning into stages, schedules as data, and a local executor."""
+"""Pipeline parallelism: model partitioning into stages, schedules as data, and the stage runner."""
 
-from aqsgd.pipeline.local_exec import Boundary, run_pipeline_locally
+from typing import Any
+
 from aqsgd.pipeline.materialize import (
     ModelRecipe,
     init_weights_file,
@@ -10,7 +11,7 @@ from aqsgd.pipeline.materialize import (
     save_weights,
     stage_nbytes,
 )
-from aqsgd.pipeline.partition import SUPPORTED_MODELS, partition_model, shared_parameters
+from aqsgd.pipeline.partition import partition_model, shared_parameters
 from aqsgd.pipeline.schedule import (
     Action,
     ActionKind,
@@ -28,7 +29,6 @@ __all__ = [
     "SUPPORTED_MODELS",
     "Action",
     "ActionKind",
-    "Boundary",
     "ModelRecipe",
     "PipelineStage",
     "ScheduleError",
@@ -42,9 +42,17 @@ __all__ = [
     "one_f_one_b",
     "partition_model",
     "register_buffer_initializer",
-    "run_pipeline_locally",
     "save_weights",
     "shared_parameters",
     "stage_nbytes",
     "validate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Built from the model family registry on first use (see aqsgd.pipeline.partition).
+    if name == "SUPPORTED_MODELS":
+        from aqsgd.models.registry import supported_models
+
+        return supported_models()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

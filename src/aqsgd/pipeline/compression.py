@@ -15,14 +15,17 @@ from typing import Any
 
 import torch
 
+from aqsgd.comm.transport import BACKWARD, FORWARD
 from aqsgd.compress import make_codec
 from aqsgd.errors import SpecError
 from aqsgd.schemes import SCHEME_NAMES, BoundaryScheme, make_scheme
 
 __all__ = ["DirectionSpec", "BoundarySpec", "CompressionConfig", "FORWARD_CHANNEL", "BACKWARD_CHANNEL"]
 
-FORWARD_CHANNEL = 0  # activations, stage b -> b + 1
-BACKWARD_CHANNEL = 1  # activation gradients, stage b + 1 -> b
+# The channel ids of the two directions (defined once, by the transport they travel on), also the direction in
+# the key ``(boundary, channel, side)`` of a boundary scheme.
+FORWARD_CHANNEL = FORWARD  # activations, stage b -> b + 1
+BACKWARD_CHANNEL = BACKWARD  # activation gradients, stage b + 1 -> b
 
 
 @dataclasses.dataclass(frozen=True)

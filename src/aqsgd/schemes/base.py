@@ -151,14 +151,16 @@ class BoundaryScheme(abc.ABC):
         return self._recv(packets, ids, phase, slot)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors of the scheme's small state (the generator; subclasses add theirs)."""
+        """Tensors of the scheme's small state (the generator; subclasses add theirs). A cache is not part of
+        it: the complete state, caches included, is what :meth:`save` writes into a folder."""
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.set_state(state["generator"])
 
     def save(self, directory: str | os.PathLike[str]) -> None:
-        """Write the scheme's state (safetensors + JSON, no pickle) into ``directory``."""
+        """Write the scheme's complete state (safetensors + JSON, no pickle) into ``directory``; the form in which
+        :meth:`~aqsgd.pipeline.runner.StageRunner.state_dict` hands schemes to checkpoints."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self._saved_state().items()}, str(d / "state.safetensors"))

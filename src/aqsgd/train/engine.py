@@ -5,16 +5,30 @@ Locally (one process) the engine owns every stage and drives them through a
 :class:`~aqsgd.pipeline.runner.StageRunner` talks to the neighbours through a transport. Everything around the
 step (optimizer, learning-rate schedule, clipping by the global norm, tied weights across stages) is written
 once against "the stages this process owns", so both runtimes do the same arithmetic in the same order.
+
+State
+-----
+:meth:`PipelineEngine.state_dict` returns, per stage this process owns, its part of what continues training
+exactly (the process's RNG states are the caller's): the module's tensors, the optimizer's and LR
+scheduler's ``state_dict()``, the runner's boundary schemes
+(:meth:`~aqsgd.pipeline.runner.StageRunner.state_dict`) and, with data parallelism, the gradient
+synchronization's tensors. Values are tensors, plain data, or objects that write their state into a folder
+(``save(folder)``; the boundary schemes, whose caches may be large). :meth:`PipelineEngine.load_state_dict`
+takes the same structure, with the folder that ``save`` wrote in place of each such object, and restores
+the entries it is given: a caller may restore one entry at a time (:mod:`aqsgd.train.checkpoint` does, to
+name the file at fault). Where and how the state is stored is the checkpoint's business.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from aqsgd.parallel.grid import new_group
 from aqsgd.pipeline.compression import CompressionConfig
@@ -55,7 +69,6 @@ class PipelineEngine:
         transport: Transport | None = None,
         rank_of_stage: Sequence[int] | None = None,
         ties: Sequence[dict[int, str]] = (),
-        trace: list[dict] | None = None,
         autocast: torch.dtype | None = None,
         grid: ProcessGrid | None = None,
         grad_sync: GradSync | None = None,
@@ -81,14 +94,14 @@ class PipelineEngine:
                 raise ValueError("a distributed engine runs exactly one stage per process")
             (index, module), = self.stages.items()
             self.runners = {index: StageRunner(module, index, num_stages, compression, transport, schedule=schedule,
-                                               device=device, rank_of_stage=self.ranks, trace=trace,
-                                               autocast=autocast, replica=grid.replica if grid is not None else 0)}
+                                               device=device, rank_of_stage=self.ranks, autocast=autocast,
+                                               replica=grid.replica if grid is not None else 0)}
             self.local = None
         else:
             if sorted(self.stages) != list(range(num_stages)):
                 raise ValueError(f"a local engine needs all {num_stages} stages, got {sorted(self.stages)}")
             self.local = LocalPipeline([self.stages[i] for i in range(num_stages)], compression, schedule=schedule,
-                                       device=device, trace=trace, autocast=autocast)
+                                       device=device, autocast=autocast)
             self.runners = dict(enumerate(self.local.runners))
         self.optim_config = optim
         # A parameter shared by several local stages (tied embeddings) is updated once, by the lowest stage.
@@ -138,13 +151,14 @@ class PipelineEngine:
 
     # -- steps ---------------------------------------------------------------------------------------
     def forward_backward(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN, *,
-                         loss_scale: float = 1.0) -> float | None:
+                         loss_scale: float = 1.0, keep_logits: bool = False) -> float | None:
         """One pipelined pass. Training phases accumulate gradients (of ``loss_scale`` times the mean
-        micro-batch loss); returns the mean loss where the last stage runs (None elsewhere)."""
+        micro-batch loss); returns the mean loss where the last stage runs (None elsewhere). With
+        ``keep_logits`` the last stage's runner keeps each micro-batch's logits."""
         if self.local is not None:
-            return float(self.local.step(microbatches, phase, loss_scale=loss_scale))
+            return float(self.local.step(microbatches, phase, loss_scale=loss_scale, keep_logits=keep_logits))
         (runner,) = self.runners.values()
-        loss = runner.step(microbatches, phase, loss_scale=loss_scale)
+        loss = runner.step(microbatches, phase, loss_scale=loss_scale, keep_logits=keep_logits)
         return None if loss is None else float(loss)
 
     def train_step(self, passes: Sequence[Sequence[Batch]] | Sequence[Batch], phase: Phase | str = Phase.TRAIN,
@@ -156,12 +170,16 @@ class PipelineEngine:
         for o in self.optimizers.values():
             o.zero_grad(set_to_none=True)
         losses = [self.forward_backward(p, phase, loss_scale=1.0 / len(passes)) for p in passes]  # type: ignore[arg-type]
-        self._sync_tied_grads()
-        self._sync_replicas(phase)
-        self.clip()
-        for i in sorted(self.optimizers):
-            self.optimizers[i].step()
-            self.schedulers[i].step()
+        with record_function("sync tied gradients"):
+            self._sync_tied_grads()
+        with record_function("sync replicas"):
+            self._sync_replicas(phase)
+        with record_function("clip gradients"):
+            self.clip()
+        with record_function("optimizer step"):
+            for i in sorted(self.optimizers):
+                self.optimizers[i].step()
+                self.schedulers[i].step()
         return None if losses[0] is None else sum(losses) / len(losses)  # type: ignore[arg-type]
 
     def _sync_replicas(self, phase: Phase | str) -> None:
@@ -175,23 +193,18 @@ class PipelineEngine:
                  keep_logits: bool = False) -> tuple[float | None, list[torch.Tensor] | None]:
         """Forward-only pass in eval mode; returns the mean loss and (if asked) the last stage's logits per
         micro-batch, where the last stage runs."""
-        last = self.stages.get(self.num_stages - 1)
         for m in self.stages.values():
             m.eval()
-        if last is not None:
-            last.keep_logits = keep_logits
         try:
             with torch.no_grad():
-                loss = self.forward_backward(microbatches, phase)
+                loss = self.forward_backward(microbatches, phase, keep_logits=keep_logits)
         finally:
             for m in self.stages.values():
                 m.train()
-            if last is not None:
-                last.keep_logits = False
         logits = None
+        last = self.runners.get(self.num_stages - 1)
         if keep_logits and last is not None:
-            runner = self.runners[self.num_stages - 1]
-            logits = [runner.kept_logits[mb] for mb in sorted(runner.kept_logits)]
+            logits = [last.kept_logits[mb] for mb in sorted(last.kept_logits)]
         return loss, logits
 
     def stage_sq_norms(self) -> list[float]:
@@ -222,6 +235,80 @@ class PipelineEngine:
                         seen.add(id(p))
                         p.grad.mul_(factor)
 
+    # -- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[int, dict[str, Any]]:
+        """Per stage this process owns (see the module docstring):
+
+        * ``model``: the module's ``state_dict()``, a tensor held under several names (tied weights) once,
+          under the first of them in sorted order;
+        * ``optimizer``: the optimizer's ``state_dict()``; ``optimizer_class``: the optimizer's class name;
+        * ``scheduler``: the LR scheduler's ``state_dict()``;
+        * ``schemes``: the runner's boundary schemes (:meth:`StageRunner.state_dict`);
+        * ``grad_sync`` (with gradient synchronization): its ``state_dict()``, tensors.
+
+        The values refer to the live state; nothing is copied."""
+        out: dict[int, dict[str, Any]] = {}
+        for i in sorted(self.stages):
+            model = self.stages[i].state_dict()
+            for names in _shared_names(model):
+                for name in names[1:]:
+                    del model[name]
+            optimizer = self.optimizers[i]
+            out[i] = {"model": model, "optimizer": optimizer.state_dict(), "optimizer_class": type(optimizer).__name__,
+                      "scheduler": self.schedulers[i].state_dict(), "schemes": self.runners[i].state_dict()}
+            if self.grad_sync is not None:
+                out[i]["grad_sync"] = self.grad_sync.state_dict()
+        return out
+
+    def load_state_dict(self, state: Mapping[int, Mapping[str, Any]], *, strict: bool = True,
+                        ) -> dict[int, tuple[list[str], list[str]]]:
+        """Restore the entries ``state`` gives, in the form of :meth:`state_dict` (for ``schemes``, each
+        scheme's folder in place of the scheme, see :meth:`StageRunner.load_state_dict`); entries left out are
+        left as they are. Returns ``(missing, unexpected)`` tensor names per stage whose ``model`` was given (a
+        tied tensor is present if one of its names is); with ``strict`` either being non-empty is a ValueError.
+        The saved ``lr_lambdas`` of a scheduler are ignored: they are functions, rebuilt from the settings."""
+        unknown = sorted(set(state) - set(self.stages))
+        if unknown:
+            raise ValueError(f"this process does not own stage(s) {unknown}; it owns {sorted(self.stages)}")
+        fits: dict[int, tuple[list[str], list[str]]] = {}
+        for i, entries in state.items():
+            extra = sorted(set(entries) - _STAGE_STATE)
+            if extra:
+                raise ValueError(f"stage {i}: unknown state entries {extra}; known: {sorted(_STAGE_STATE)}")
+            if "model" in entries:
+                fits[i] = self._load_model(i, entries["model"])
+                if strict and (fits[i][0] or fits[i][1]):
+                    missing, unexpected = fits[i]
+                    raise ValueError(f"weights do not fit stage {i} (missing {missing[:5]}, unexpected "
+                                     f"{unexpected[:5]})")
+            optimizer = self.optimizers[i]
+            kind = entries.get("optimizer_class")
+            if kind is not None and kind != type(optimizer).__name__:
+                raise ValueError(f"the state of the {kind} optimizer does not fit stage {i}'s "
+                                 f"{type(optimizer).__name__}")
+            if "optimizer" in entries:
+                optimizer.load_state_dict(entries["optimizer"])
+            if "scheduler" in entries:
+                saved = entries["scheduler"]
+                if not isinstance(saved, Mapping):
+                    raise ValueError(f"a scheduler state is a mapping, got {type(saved).__name__}")
+                saved = {k: v for k, v in saved.items() if k != "lr_lambdas"}
+                self.schedulers[i].load_state_dict({**self.schedulers[i].state_dict(), **saved})
+            if "schemes" in entries:
+                self.runners[i].load_state_dict(entries["schemes"])
+            if "grad_sync" in entries:
+                if self.grad_sync is None:
+                    raise ValueError("this engine has no gradient synchronization to restore")
+                self.grad_sync.load_state_dict(entries["grad_sync"])
+        return fits
+
+    def _load_model(self, i: int, tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        module = self.stages[i]
+        result = module.load_state_dict(tensors, strict=False)
+        tied = {name: names for names in _shared_names(module.state_dict()) for name in names}
+        missing = [n for n in result.missing_keys if not any(t in tensors for t in tied.get(n, ()))]
+        return sorted(missing), sorted(result.unexpected_keys)
+
     # -- introspection -------------------------------------------------------------------------------
     def stats(self) -> dict[int, StepStats]:
         return {i: r.stats for i, r in self.runners.items()}
@@ -235,3 +322,19 @@ class PipelineEngine:
     @property
     def lr(self) -> float:
         return next(iter(self.schedulers.values())).get_last_lr()[0]
+
+
+_STAGE_STATE = frozenset({"model", "optimizer", "optimizer_class", "scheduler", "schemes", "grad_sync"})
+
+
+def _shared_names(state: Mapping[str, Any]) -> list[list[str]]:
+    """The groups of names (sorted, two or more) under which ``state`` holds one tensor: the same memory with
+    the same view, as tied weights are."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name in sorted(state):
+        t = state[name]
+        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() != 0:
+            view = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape),
+                    t.stride())
+            groups.setdefault(view, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
