@@ -1,5 +1,5 @@
 """``python -m benchmarks.render RESULT.json``: print a result file of ``benchmarks/results/`` as a markdown
-table (the README's tables are pasted from this output, with the command and machine the file records)."""
+table (the tables of docs/convergence.md and docs/bench-*.md are pasted from this output, with the command and machine the file records)."""
 
 from __future__ import annotations
 

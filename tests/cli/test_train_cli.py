@@ -20,11 +20,11 @@ QUICK = ["--task", "synthetic-lm", "--max-train-samples", "32", "--max-eval-samp
 def test_every_option_is_documented():
     out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
-    from aqsgd.train.config import config_fields
+    from aqsgd.train.config import options
 
-    for f in config_fields():
-        assert "--" + f.name.replace("_", "-") in out.stdout, f.name
-        assert f.metadata["help"].split()[0] in out.stdout
+    for o in options():
+        assert o.flag in out.stdout, o.flat
+        assert o.help.split()[0] in out.stdout
 
 
 @pytest.mark.parametrize("argv,needle", [(["--lr", "fast"], "--lr"), (["--stages", "0"], "--stages"),
@@ -45,7 +45,7 @@ def test_preset_with_override_runs_locally(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "traffic saved vs fp32" in out
     cfg = json.loads((tmp_path / "cli" / "config.json").read_text())
-    assert cfg["stages"] == 3 and cfg["forward"] == "delta:q2:l2"  # override and preset
+    assert cfg["pipeline"]["stages"] == 3 and cfg["compression"]["forward"] == "delta:q2:l2"  # override and preset
     assert json.loads((tmp_path / "cli" / "summary.json").read_text())["steps"] == 8
 
 

@@ -1,9 +1,14 @@
-"""Distributed runtime: one process per stage over gloo, against the local runtime and under faults."""
+"""Distributed runtime: one trainer process per stage over gloo, against the local runtime and under
+faults."""
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import json
+import os
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,59 +16,101 @@ import torch
 from aqsgd.comm.testing import run_processes
 from aqsgd.compress import make_codec
 from aqsgd.errors import AqsgdError
-from aqsgd.train.job import JobConfig, ensure_weights, run_local, run_worker, tiny_lm_recipe
+from aqsgd.train.config import TrainConfig
+from aqsgd.train.tasks import setup_task
+from aqsgd.train.trainer import Trainer
+
+HIDDEN = 32
 
 
-def _worker(rank: int, world: int, job_json: str, overrides: dict | None = None) -> dict:
-    job = JobConfig.from_json(job_json)
+def _cfg(tmp_path: Path, model: str = "tiny-llama", **kw: Any) -> TrainConfig:
+    # 12 samples in global batches of 3 x 2: two steps per epoch, so the warm-up epoch is steps 1 and 2
+    base = TrainConfig.of(
+        task="synthetic-lm", model=model, model_layers=4, hidden_size=HIDDEN, vocab_size=64, max_length=16,
+        max_train_samples=12, max_eval_samples=8, stages=4, micro_batches=3, micro_batch_size=2,
+        forward="delta:q2", backward="direct:q4", warmup_epochs=1, epochs=3, max_steps=5, lr=1e-3,
+        lr_warmup=0.0, runtime="distributed", timeout=60.0, eval_every=0, checkpoint_every=0,
+        output_dir=str(tmp_path / "runs"), run_name="distributed", overwrite=True, progress=False,
+        tensorboard=False, cache_dir=str(tmp_path / "cache"))
+    return base.replace(**kw)
+
+
+def _fault(stage: int, step: int, action: str, trainer: Trainer, now: int) -> None:
+    """Step hook: stage ``stage`` dies (``exit``) or goes silent for 12 s (``hang``) before step ``step``."""
+    if trainer.grid is not None and trainer.grid.stage == stage and now == step:
+        if action == "exit":
+            os._exit(3)
+        time.sleep(12.0)
+
+
+def _worker(rank: int, world: int, cfg_json: str, overrides: dict | None = None,
+            fault: tuple[int, int, str] | None = None) -> dict:
+    cfg = TrainConfig.from_dict(json.loads(cfg_json))
     if overrides and rank in overrides:
-        job = dataclasses.replace(job, **overrides[rank])
+        cfg = cfg.replace(**overrides[rank])
+    hooks = [functools.partial(_fault, *fault)] if fault else []
     t0 = time.monotonic()
     try:
-        return dataclasses.asdict(run_worker(job))
+        trainer = Trainer(cfg, on_step=hooks)
+        summary = trainer.run()
     except AqsgdError as e:
         return {"error": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - t0}
+    return {"stage": trainer.grid.stage, "writes_metrics": trainer.writes_metrics, "history": trainer.history,
+            "final_train_loss": summary["final_train_loss"]}
 
 
-def _job(tmp_path, kind="llama", **kw) -> JobConfig:
-    base = dict(recipe=tiny_lm_recipe(kind, layers=4, hidden=32, vocab=64, seq_len=16).to_dict(), num_stages=4,
-                steps=5, warmup_steps=2, num_samples=12, seq_len=16, num_microbatches=3, microbatch_size=2,
-                forward="delta:q2", backward="direct:q4")
-    base.update(kw)
-    return ensure_weights(JobConfig(**base), str(tmp_path))
+def _local(cfg: TrainConfig) -> Trainer:
+    """The same run with every stage in this process (the parent, which has no process group)."""
+    trainer = Trainer(cfg.replace(runtime="local", run_name="local"))
+    trainer.run()
+    return trainer
 
 
-@pytest.mark.parametrize("kind,schedule", [("llama", "1f1b"), ("gpt2", "gpipe")])
-def test_distributed_equals_local_with_aqsgd(tmp_path, kind, schedule):
-    job = _job(tmp_path, kind, schedule=schedule)
-    local = run_local(job)
-    ranks = run_processes(_worker, job.num_stages, args=(job.to_json(),), timeout_s=180)
+@pytest.mark.parametrize("model,schedule", [("tiny-llama", "1f1b"), ("tiny-gpt2", "gpipe")])
+def test_distributed_equals_local_with_aqsgd(tmp_path, model, schedule):
+    cfg = _cfg(tmp_path, model, schedule=schedule)
+    local = _local(cfg)  # also writes the weights file both runs load (cache_dir/weights)
+    ranks = run_processes(_worker, cfg.pipeline.stages, args=(cfg.to_json(),), timeout_s=180)
+    steps = cfg.optim.max_steps
+    # only the last stage holds the loss and writes the metrics; its rows carry every stage's bytes
+    assert [r["writes_metrics"] for r in ranks] == [False, False, False, True]
+    assert all(r["history"] == [] and r["final_train_loss"] is None for r in ranks[:-1])
+    rows = ranks[-1]["history"]
+    assert [r["step"] for r in rows] == [r["step"] for r in local.history] == list(range(1, steps + 1))
+    assert [r["phase"] for r in rows] == ["warmup"] * 2 + ["train"] * (steps - 2)
+    losses, local_losses = [r["loss"] for r in rows], [r["loss"] for r in local.history]
+    assert all(loss is not None for loss in losses)
     # Same weights, data, schemes and arithmetic order: bit-identical losses on CPU for untied models.
     # GPT-2 ties its embedding (stage 0) and head (last stage): locally one gradient tensor accumulates both
     # stages' contributions micro-batch by micro-batch, distributed each stage sums its own and an all-reduce
     # adds the two sums. Float addition is not associative, so the tied gradient differs in the last bits
     # (relative ~1e-7) and the losses within a few float32 ulps; 1e-5 relative bounds that over 5 steps.
-    if kind == "llama":
-        assert ranks[-1]["losses"] == local.losses
+    if model == "tiny-llama":
+        assert losses == local_losses
     else:
-        torch.testing.assert_close(torch.tensor(ranks[-1]["losses"]), torch.tensor(local.losses), rtol=1e-5, atol=0)
-    assert all(r["losses"] == [None] * job.steps for r in ranks[:-1])
-    # bytes per boundary: the warm-up epoch (2 steps) in full, then one q2 delta forward / q4 gradient backward per micro-batch
-    shape = (job.microbatch_size, job.seq_len, 32)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(local_losses), rtol=1e-5, atol=0)
+    # bytes per boundary: the warm-up epoch (2 steps) in full, then one q2 delta forward / q4 gradient
+    # backward per micro-batch; per stage and step, distributed (each stage's own count, gathered) and
+    # local alike
+    shape = (cfg.pipeline.micro_batch_size, cfg.task.max_length, HIDDEN)
     fw, bw = make_codec("q2").wire_bytes(shape), make_codec("q4").wire_bytes(shape)
     raw = make_codec("none").wire_bytes(shape)
-    for stage, r in enumerate(ranks):
-        expect_fw = [job.num_microbatches * (raw if s < job.warmup_steps else fw) for s in range(job.steps)]
-        expect_bw = [job.num_microbatches * (raw if s < job.warmup_steps else bw) for s in range(job.steps)]
-        assert r["bytes_sent"]["forward"] == (expect_fw if stage < 3 else [0] * job.steps)
-        assert r["bytes_sent"]["backward"] == (expect_bw if stage > 0 else [0] * job.steps)
+    m, last = cfg.pipeline.micro_batches, cfg.pipeline.stages - 1
+    for history in (rows, local.history):
+        for stage in range(cfg.pipeline.stages):
+            sent_fw = [row["stages"][stage]["fw_bytes"] for row in history]
+            sent_bw = [row["stages"][stage]["bw_bytes"] for row in history]
+            expect_fw = [m * (raw if s < 2 else fw) for s in range(steps)]
+            expect_bw = [m * (raw if s < 2 else bw) for s in range(steps)]
+            assert sent_fw == (expect_fw if stage < last else [0] * steps), stage
+            assert sent_bw == (expect_bw if stage > 0 else [0] * steps), stage
 
 
 def test_dead_stage_stops_every_other_stage_naming_it(tmp_path):
-    job = _job(tmp_path, num_stages=3, layers=[2, 1, 1], steps=4, timeout_s=20)
+    cfg = _cfg(tmp_path, stages=3, layers=[2, 1, 1], max_steps=4, timeout=20.0)
+    setup_task(cfg)  # the weights file, once, before the processes start
     t0 = time.monotonic()
-    ranks = run_processes(_worker, 3, args=(job.to_json(),), timeout_s=120, may_exit=[1],
-                          env={"AQSGD_FAULT": "1:2:exit"})
+    ranks = run_processes(_worker, 3, args=(cfg.to_json(), None, (1, 3, "exit")), timeout_s=120, may_exit=[1])
     assert ranks[1] is None
     for r in (ranks[0], ranks[2]):
         assert r["error"] == "PeerFailure" and "stage 1" in r["message"], r
@@ -72,8 +119,9 @@ def test_dead_stage_stops_every_other_stage_naming_it(tmp_path):
 
 
 def test_silent_stage_times_out_naming_it(tmp_path):
-    job = _job(tmp_path, num_stages=3, layers=[2, 1, 1], steps=4, timeout_s=4)
-    ranks = run_processes(_worker, 3, args=(job.to_json(),), timeout_s=120, env={"AQSGD_FAULT": "1:2:hang:12"})
+    cfg = _cfg(tmp_path, stages=3, layers=[2, 1, 1], max_steps=4, timeout=4.0)
+    setup_task(cfg)
+    ranks = run_processes(_worker, 3, args=(cfg.to_json(), None, (1, 3, "hang")), timeout_s=120)
     for r in (ranks[0], ranks[2]):
         assert r["error"] in ("PeerTimeout", "PeerFailure") and "stage 1" in r["message"], r
         assert r["elapsed"] < 12 + 4 + 30  # well before the silent stage would have resumed its work
@@ -81,8 +129,8 @@ def test_silent_stage_times_out_naming_it(tmp_path):
 
 
 def test_mismatched_settings_fail_at_startup(tmp_path):
-    job = _job(tmp_path, num_stages=2, layers=[2, 2])
-    ranks = run_processes(_worker, 2, args=(job.to_json(), {1: {"forward": "delta:q4"}}), timeout_s=120)
+    cfg = _cfg(tmp_path, stages=2, layers=[2, 2])
+    ranks = run_processes(_worker, 2, args=(cfg.to_json(), {1: {"forward": "delta:q4"}}), timeout_s=120)
     for r in ranks:
         assert r["error"] == "ConfigMismatchError"
         assert "forward" in r["message"] and "delta:q4" in r["message"] and "delta:q2" in r["message"]

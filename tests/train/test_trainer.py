@@ -16,7 +16,7 @@ def _cfg(tmp_path, **kw):
                 micro_batches=2, micro_batch_size=4, epochs=3, lr=3e-3, output_dir=str(tmp_path), progress=False,
                 tensorboard=False, forward="delta:q2:stochastic", backward="direct:q4", cache_dir=str(tmp_path / "cache"))
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig.of(**base)
 
 
 def _losses(run_dir):
@@ -86,7 +86,7 @@ def test_dropout_override_reaches_every_dropout_module():
     import torch.nn as nn
 
     from aqsgd.pipeline.materialize import ModelRecipe
-    from aqsgd.train.tasks import _with_dropout
+    from aqsgd.models import with_dropout as _with_dropout
 
     config = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
               "intermediate_size": 64, "vocab_size": 50, "max_position_embeddings": 16, "num_labels": 3,
@@ -99,7 +99,7 @@ def test_dropout_override_reaches_every_dropout_module():
     before = [m.p for m in recipe.build("cpu").modules() if isinstance(m, nn.Dropout)]
     after = [m.p for m in off.build("cpu").modules() if isinstance(m, nn.Dropout)]
     assert before and set(before) == {0.1} and len(after) == len(before) and set(after) == {0.0}
-    with pytest.raises(SpecError, match="--dropout"):
+    with pytest.raises(SpecError, match="resnet models have no dropout setting"):
         _with_dropout(ModelRecipe("resnet", {"in_channels": 1, "num_classes": 2}), 0.0)
     with pytest.raises(SpecError, match="--dropout"):
-        TrainConfig(dropout=1.5).validate()
+        TrainConfig.of(dropout=1.5).validate()

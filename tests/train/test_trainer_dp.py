@@ -10,11 +10,11 @@ Two spawned runs of four processes (start-up dominates: every process imports to
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from aqsgd.pipeline.partition import partition_model
 from aqsgd.train.checkpoint import CheckpointError
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.tasks import setup_task
-from aqsgd.train.trainer import Trainer, shard_bounds
+from aqsgd.train.trainer import Trainer
 
 S, D = 2, 2
 
@@ -39,7 +39,7 @@ def _cfg(tmp_path: Path, **kw: Any) -> TrainConfig:
                 cache_dir=str(tmp_path / "cache"), runtime="distributed", data_parallel=D, grad_sync="q8",
                 timeout=120.0)
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig.of(**base)
 
 
 def _rows(run_dir: Path, kind: str) -> list[dict[str, Any]]:
@@ -51,16 +51,16 @@ def _resume_worker(rank: int, world: int, cfg_json: str) -> dict[str, Any]:
     cfg = TrainConfig.from_dict(json.loads(cfg_json))
     out: dict[str, Any] = {}
     try:  # 4 processes for 2 stages x 1 replica: refused before any collective
-        Trainer(dataclasses.replace(cfg, data_parallel=1, run_name="wrong"))
+        Trainer(cfg.replace(data_parallel=1, run_name="wrong"))
     except ConfigMismatchError as e:
         out["world_error"] = str(e)
-    full = Trainer(dataclasses.replace(cfg, run_name="full"))
+    full = Trainer(cfg.replace(run_name="full"))
     out["coords"] = (full.grid.stage, full.grid.replica) if full.grid is not None else None
     out["full"] = full.run()
     # checkpoints at steps 3 and 6 (the second one inside epoch 1, after the warm-up), then "dies" after step 8
-    part = dataclasses.replace(cfg, run_name="part", checkpoint_every=3)
+    part = cfg.replace(run_name="part", checkpoint_every=3)
     Trainer(part).run(stop_at=8)
-    out["resumed"] = Trainer(dataclasses.replace(part, resume=str(Path(cfg.output_dir) / "part"))).run()
+    out["resumed"] = Trainer(part.replace(resume=str(Path(cfg.run.output_dir) / "part"))).run()
     return out
 
 
@@ -145,7 +145,8 @@ def test_uncompressed_dp_matches_one_pipeline_with_twice_the_micro_batches(tmp_p
     names = ("task", "max_train_samples", "max_eval_samples", "max_length", "stages", "micro_batches",
              "micro_batch_size", "epochs", "warmup_epochs", "lr", "output_dir", "cache_dir", "forward", "backward",
              "runtime", "data_parallel", "grad_sync", "timeout", "run_name")
-    argv = [f"--{name.replace('_', '-')}={getattr(cfg, name)}" for name in names]
+    flat = cfg.flat()
+    argv = [f"--{name.replace('_', '-')}={flat[name]}" for name in names]
     out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", *argv, "--no-progress", "--no-tensorboard"],
                          capture_output=True, text=True, timeout=420, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -171,12 +172,21 @@ def test_uncompressed_dp_matches_one_pipeline_with_twice_the_micro_batches(tmp_p
     assert summary["grad_sync_bytes"] > 0 and one["grad_sync_bytes"] == 0
 
 
-def test_shard_bounds_cover_the_batch_contiguously():
-    assert [shard_bounds(8, 2, r) for r in range(2)] == [(0, 4), (4, 8)]
-    assert [shard_bounds(7, 3, r) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
-    for n in range(12):
+def _shard_bounds(n: int, parts: int, replica: int) -> tuple[int, int]:
+    """The ``[start, stop)`` of a global batch of ``n`` samples that the trainer gives ``replica``."""
+    trainer = types.SimpleNamespace(cfg=TrainConfig.of(data_parallel=parts), replica=replica)
+    ids = Trainer._shard(trainer, {"sample_ids": torch.arange(n)})["sample_ids"]  # type: ignore[arg-type]
+    return (int(ids[0]), int(ids[-1]) + 1) if ids.numel() else (n if replica else 0, n if replica else 0)
+
+
+def test_shards_cover_the_batch_contiguously():
+    assert [_shard_bounds(8, 2, r) for r in range(2)] == [(0, 4), (4, 8)]
+    assert [_shard_bounds(7, 3, r) for r in range(3)] == [(0, 3), (3, 5), (5, 7)]
+    for n in range(1, 12):
         for parts in range(1, 5):
-            bounds = [shard_bounds(n, parts, r) for r in range(parts)]
+            if n < parts:
+                continue  # the trainer drops a batch with fewer samples than replicas
+            bounds = [_shard_bounds(n, parts, r) for r in range(parts)]
             assert bounds[0][0] == 0 and bounds[-1][1] == n
             assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
             assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1

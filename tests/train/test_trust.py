@@ -22,7 +22,7 @@ def _cfg(tmp_path, **kw):
                 progress=False, tensorboard=False, forward="delta:q2", backward="direct:q4",
                 cache_dir=str(tmp_path / "cache"))
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig.of(**base)
 
 
 def _rows(run_dir, kind=None):
@@ -77,10 +77,13 @@ def test_model_layers_on_a_resnet_is_refused(tmp_path):
     ("[pipeline]\nstages = 2.5\n", "stages must be an integer, got 2.5"),
     ("[optim]\nlr = \"fast\"\n", "lr must be a number"),
     ("[pipeline]\nlayers = [1, \"x\"]\n", "layers must be a list of integers"),
-    ("[compression]\nstages = 2\n", "'stages' belongs in \\[pipeline\\], not \\[compression\\]"),
+    ("[compression]\nstages = 2\n", "unknown key 'stages' in \\[compression\\]; 'stages' belongs in \\[pipeline\\]"),
+    ("[model]\nmodel_layers = 2\n", "'model_layers' belongs in \\[model\\] \\(as layers\\)"),
+    ("[task]\ntask = 'bbc'\n", "'task' belongs in \\[task\\] \\(as name\\)"),
     ("[pipelines]\nstages = 2\n", "unknown table \\[pipelines\\]"),
-    ("stages = 2\n[pipeline]\nstages = 3\n", "'stages' is given twice"),
-    ("[optim]\nlearning_rate = 1\n", "unknown key '\\[optim\\] learning_rate'"),
+    ("stages = 2\n", "'stages' belongs in table \\[pipeline\\]"),
+    ("[pipeline]\nstages = 3\nstages = 3\n", "Cannot overwrite a value"),
+    ("[optim]\nlearning_rate = 1\n", "unknown key 'learning_rate' in \\[optim\\]"),
     ("[run]\nprogress = 1\n", "progress must be true or false"),
 ])
 def test_toml_presets_are_checked_key_by_key(tmp_path, toml, needle):
@@ -93,9 +96,10 @@ def test_toml_presets_are_checked_key_by_key(tmp_path, toml, needle):
 
 def test_toml_preset_values_of_the_right_type_load(tmp_path):
     path = tmp_path / "preset.toml"
-    path.write_text('task = "synthetic-lm"\n[optim]\nlr = 1\n[pipeline]\nlayers = [1, 3]\nstages = 2\n')
-    cfg = TrainConfig.from_dict(load_toml(path)).validate()
-    assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.layers == [1, 3]
+    path.write_text('[task]\nname = "synthetic-lm"\n[optim]\nlr = 1\n[pipeline]\nlayers = [1, 3]\nstages = 2\n')
+    cfg = TrainConfig.from_flat(load_toml(path)).validate()
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float) and cfg.pipeline.layers == [1, 3]
+    assert cfg.task.name == "synthetic-lm"
 
 
 def test_non_utf8_preset_is_one_line(tmp_path):

@@ -11,7 +11,6 @@ collects them all.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import shutil
@@ -20,47 +19,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from aqsgd.bench.settings import SETTINGS
 from aqsgd.train.config import TrainConfig
-from aqsgd.train.report import HIGHER_IS_BETTER
+from aqsgd.train.report import HIGHER_IS_BETTER, load_run
+from aqsgd.train.trainer import Trainer
 
 __all__ = ["SETTINGS", "TASKS", "DEFAULT_TASKS", "run_study", "study_table", "write_results",
            "format_relative"]
 
 log = logging.getLogger(__name__)
-
-# name -> (forward, backward); ordered so that an interrupted study has the most telling runs first
-SETTINGS: dict[str, tuple[str, str]] = {
-    "fp32": ("none", "none"),
-    "aqsgd fw2/bw4": ("delta:q2", "direct:q4"),
-    "direct fw2/bw4": ("direct:q2", "direct:q4"),
-    "aqsgd fw3/bw6": ("delta:q3", "direct:q6"),
-    "direct fw3/bw6": ("direct:q3", "direct:q6"),
-    "aqsgd fw4/bw8": ("delta:q4", "direct:q8"),
-    "direct fw4/bw8": ("direct:q4", "direct:q8"),
-    "topk10%": ("direct:topk0.1", "direct:topk0.1"),
-    "topk10% + ef": ("ef:topk0.1", "ef:topk0.1"),
-    "topk10% + ef21": ("ef21:topk0.1", "ef21:topk0.1"),
-    "topk30%": ("direct:topk0.3", "direct:topk0.3"),
-    "topk30% + ef": ("ef:topk0.3", "ef:topk0.3"),
-    "aqsgd + topk30%": ("delta:topk0.3", "direct:topk0.3"),
-    # ablations (not in the default lists): one direction compressed, the other fp32
-    "aqsgd fw2 only": ("delta:q2", "none"),
-    "direct fw2 only": ("direct:q2", "none"),
-    "bw4 only": ("none", "direct:q4"),
-    # the same bits with one scale per token (row) instead of per channel: +16 bits per row of 384-768 values
-    "aqsgd fw2/bw4 token": ("delta:q2:token", "direct:q4:token"),
-    "direct fw2/bw4 token": ("direct:q2:token", "direct:q4:token"),
-    # unbiased (stochastic) rounding of AQ-SGD's deltas: m follows a in expectation
-    "aqsgd fw2/bw4 stochastic": ("delta:q2:stochastic", "direct:q4"),
-    # MSE-optimal clipping of the 2-bit activations (scale = min(max-abs, 1.71 rms) per channel): the zero
-    # bin shrinks from half the channel's max-abs to 0.86 rms, so more of each delta gets through
-    "aqsgd fw2/bw4 l2": ("delta:q2:l2", "direct:q4"),
-    "direct fw2/bw4 l2": ("direct:q2:l2", "direct:q4"),
-    # all four 2-bit codes (no zero level) with a scale per token: on SmolLM2 the attention-sink position
-    # (~100x the others) sets every per-channel scale, and a midrise grid then sends the other positions'
-    # near-zero values of those channels as +-step/2 (benchmarks/boundary_errors.py)
-    "aqsgd fw2/bw4 token l2 midrise": ("delta:q2:token:l2:midrise", "direct:q4"),
-}
 
 # reduced tasks that fit the CPU budget (well under an hour each on 2 idle cores)
 TASKS: dict[str, dict[str, Any]] = {
@@ -78,7 +45,12 @@ DEFAULT_TASKS = ["minilm-bbc", "smollm2-wiki"]
 
 # the settings each task runs by default (the LM task is ~50x more expensive per sample on CPU)
 DEFAULT_SETTINGS: dict[str, list[str]] = {
-    "minilm-bbc": [name for name in SETTINGS if name != "topk10% + ef21"],
+    # ordered so that an interrupted study has the most telling runs first
+    "minilm-bbc": ["fp32", "aqsgd fw2/bw4", "direct fw2/bw4", "aqsgd fw3/bw6", "direct fw3/bw6", "aqsgd fw4/bw8",
+                   "direct fw4/bw8", "topk10%", "topk10% + ef", "topk30%", "topk30% + ef", "aqsgd + topk30%",
+                   "aqsgd fw2 only", "direct fw2 only", "bw4 only", "aqsgd fw2/bw4 token", "direct fw2/bw4 token",
+                   "aqsgd fw2/bw4 stochastic", "aqsgd fw2/bw4 l2", "direct fw2/bw4 l2",
+                   "aqsgd fw2/bw4 token l2 midrise"],
     "smollm2-wiki": ["fp32", "aqsgd fw2/bw4", "direct fw2/bw4", "aqsgd fw4/bw8", "direct fw4/bw8", "topk30%",
                      "topk30% + ef", "aqsgd + topk30%"],
     "synthetic-lm": ["fp32", "aqsgd fw2/bw4", "direct fw2/bw4"],
@@ -103,9 +75,6 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
     ``command`` is recorded with every run it adds (a study grown by several commands names them all). A
     finished run's checkpoints are deleted unless ``keep_checkpoints``: the study needs its curves, not its
     resume points, and those of an LLM run take gigabytes each (a 13-run SmolLM2 study kept ~45 GB)."""
-    from aqsgd.train.report import load_run
-    from aqsgd.train.trainer import Trainer
-
     out = Path(out_dir) / task
     base = {**TASKS[task], **(overrides or {})}
     results: dict[str, Any] = {"task": task, "base_config": base, "runs": {}}
@@ -121,12 +90,13 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
             key = run_key(name, seed)
             if key in results["runs"]:
                 continue
-            fw, bw = SETTINGS[name]
+            setting = SETTINGS[name]
+            fw, bw = setting.forward, setting.backward
             run_name = _slug(name) + (f"-seed{seed}" if seed else "")
             # a run directory of a setting the study has not recorded is what an interrupted study left
             # behind: that run starts afresh
-            cfg = TrainConfig(**base, forward=fw, backward=bw, output_dir=str(out), run_name=run_name,
-                              progress=False, tensorboard=False, seed=seed, overwrite=True)
+            cfg = TrainConfig.of(**{**base, **setting.overrides}, forward=fw, backward=bw, output_dir=str(out),
+                                 run_name=run_name, progress=False, tensorboard=False, seed=seed, overwrite=True)
             if progress:
                 progress(f"{task}: {key} ({fw} / {bw})")
             t0 = time.perf_counter()

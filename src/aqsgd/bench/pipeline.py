@@ -7,7 +7,7 @@ timed), then ``measure_steps`` timed steps; samples/s is the batch size over the
 stage (its last backward ends a step).
 
 Next to each measured speed-up against fp32 at the same bandwidth we print the *ideal* speed-up of a simple
-steady-state model (DESIGN.md §4): a micro-batch costs a stage ``max(c, l)``, with ``c`` the measured compute
+steady-state model (docs/design.md, "Speed model"): a micro-batch costs a stage ``max(c, l)``, with ``c`` the measured compute
 plus encode/decode time per micro-batch of the busiest stage, and ``l`` the link time of the larger of the
 per-micro-batch forward/backward messages (links are full duplex). Ideal speed-up = ``max(c32, l32) /
 max(cX, lX)``; efficiency = measured / ideal. ``comm_compute_ratio`` = ``l32 / c32``.
@@ -33,30 +33,28 @@ import dataclasses
 import json
 import os
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from aqsgd.comm.launch import leave_process_group
-from aqsgd.train.job import JobConfig, JobResult, ensure_weights, run_stage, tiny_lm_recipe
+from aqsgd.bench.settings import SETTINGS
+from aqsgd.comm.launch import launch_local, leave_process_group
+from aqsgd.train.config import TrainConfig
+from aqsgd.train.trainer import Trainer
 
-__all__ = ["SETTINGS", "PipelineBenchConfig", "bench_pipeline", "summarize"]
+__all__ = ["DEFAULT_SETTINGS", "PipelineBenchConfig", "bench_pipeline", "measure", "summarize", "train_config"]
 
-SETTINGS = {
-    "fp32": ("none", "none"),
-    "fp16": ("fp16", "fp16"),
-    "direct fw2/bw4": ("direct:q2", "direct:q4"),
-    "aqsgd fw2/bw4": ("delta:q2", "direct:q4"),
-}
+DEFAULT_SETTINGS = ("fp32", "fp16", "direct fw2/bw4", "aqsgd fw2/bw4")
 
 
 @dataclasses.dataclass
 class PipelineBenchConfig:
     stages: Sequence[int] = (2, 4)
     bandwidths_mbps: Sequence[float] = (1000, 300, 100, 30, 10)
-    settings: Sequence[str] = tuple(SETTINGS)
+    settings: Sequence[str] = DEFAULT_SETTINGS
     hidden: int = 256
     layers: int = 4
     seq_len: int = 128
@@ -70,28 +68,40 @@ class PipelineBenchConfig:
     grad_syncs: Sequence[str] = ("allreduce", "q8")  # gradient syncs compared when D > 1
 
 
-def _jobs(cfg: PipelineBenchConfig, stages: int, weights_dir: str,
-          data_parallel: int = 1) -> list[tuple[str, float, JobConfig]]:
-    recipe = tiny_lm_recipe("llama", layers=cfg.layers, hidden=cfg.hidden, vocab=cfg.vocab, seq_len=cfg.seq_len)
-    batch = cfg.microbatch_size * cfg.num_microbatches * data_parallel
-    base = JobConfig(recipe=recipe.to_dict(), num_stages=stages, schedule=cfg.schedule,
-                     num_microbatches=cfg.num_microbatches, microbatch_size=cfg.microbatch_size,
-                     seq_len=cfg.seq_len, num_samples=batch, steps=1 + cfg.measure_steps, warmup_steps=1,
-                     max_grad_norm=1.0, timeout_s=300, data_parallel=data_parallel)
-    base = ensure_weights(base, weights_dir)
+def train_config(cfg: PipelineBenchConfig, *, stages: int, data_parallel: int, setting: str, bandwidth_mbps: float,
+                 grad_sync: str, output_dir: str, run_name: str) -> TrainConfig:
+    """One run of the benchmark as a training configuration: a random tiny Llama on synthetic tokens, one
+    global batch per epoch, the first epoch uncompressed (AQ-SGD fills its cache there; it is not timed), then
+    ``measure_steps`` timed epochs; no evaluation, no checkpoints."""
+    s = SETTINGS[setting]
+    return TrainConfig.of(
+        task="synthetic-lm", model="tiny-llama", model_layers=cfg.layers, hidden_size=cfg.hidden,
+        vocab_size=cfg.vocab, max_length=cfg.seq_len,
+        max_train_samples=cfg.microbatch_size * cfg.num_microbatches * data_parallel,
+        stages=stages, schedule=cfg.schedule, micro_batches=cfg.num_microbatches, micro_batch_size=cfg.microbatch_size,
+        runtime="distributed", timeout=300.0, link=f"{bandwidth_mbps:g}mbit,{cfg.latency_ms:g}ms",
+        data_parallel=data_parallel, grad_sync=grad_sync, forward=s.forward, backward=s.backward,
+        warmup_epochs=1, epochs=1 + cfg.measure_steps, lr=1e-3, lr_warmup=0.0, eval_every=0, checkpoint_every=0,
+        output_dir=output_dir, run_name=run_name, overwrite=True, progress=False, tensorboard=False,
+    ).replace(**s.overrides)
+
+
+def _plan(cfg: PipelineBenchConfig, stages: int, data_parallel: int, output_dir: str) -> list[tuple[str, float, TrainConfig]]:
     syncs = cfg.grad_syncs if data_parallel > 1 else ("allreduce",)
     out = []
     for bw in cfg.bandwidths_mbps:
         for name in cfg.settings:
             for sync in syncs:
-                fw, bwd = SETTINGS[name]
-                link = f"{bw:g}mbit,{cfg.latency_ms:g}ms"
-                out.append((name, bw, dataclasses.replace(base, forward=fw, backward=bwd, link=link,
-                                                          grad_sync=sync)))
+                run_name = f"run{len(out)}"
+                out.append((name, bw, train_config(cfg, stages=stages, data_parallel=data_parallel, setting=name,
+                                                   bandwidth_mbps=bw, grad_sync=sync, output_dir=output_dir,
+                                                   run_name=run_name)))
     return out
 
 
-def _worker(jobs_json: str) -> list[dict[str, Any]]:
+def _bench_entry(configs_json: str) -> list[list[dict[str, Any]] | None]:
+    """One stage process: train every configuration in turn (process start-up is paid once); the process that
+    writes the metrics returns each run's train rows."""
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     # Share the cores between the local processes: with every process on all cores, OpenMP threads spin
@@ -99,40 +109,32 @@ def _worker(jobs_json: str) -> list[dict[str, Any]]:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
     results = []
-    for job_json in json.loads(jobs_json):
-        job = JobConfig.from_json(job_json)
-        results.append(dataclasses.asdict(run_stage(job)))
+    for cfg_json in json.loads(configs_json):
+        trainer = Trainer(TrainConfig.from_dict(json.loads(cfg_json)))
+        trainer.run()
+        results.append(trainer.history if trainer.writes_metrics else None)
         dist.barrier()
-    return results
-
-
-def _launch(jobs: list[JobConfig], stages: int) -> list[list[JobResult]]:
-    """Run the jobs in one set of processes (``stages`` of them: pass stages x D with data parallelism);
-    returns results[job][rank]."""
-    from aqsgd.comm.launch import launch_local
-
-    per_rank = launch_local(_bench_entry, stages, json.dumps([j.to_json() for j in jobs]), run_id="aqsgd-bench")
-    return [[JobResult(**per_rank[s][j]) for s in range(stages)] for j in range(len(jobs))]
-
-
-def _bench_entry(jobs_json: str) -> list[dict[str, Any]]:
-    results = _worker(jobs_json)
     leave_process_group(clean=True)
     return results
 
 
-def _measure(job: JobConfig, per_stage: list[JobResult]) -> dict[str, Any]:
-    timed = slice(job.warmup_steps, job.steps)
-    step_s = statistics.median(per_stage[0].step_s[timed])
-    sync_bytes = max(statistics.median(r.sync_bytes[timed]) for r in per_stage)
-    m = job.num_microbatches
-    # busiest stage's compute + codec time per micro-batch, and its largest per-micro-batch message
-    c = max(statistics.median(r.compute_s[timed]) + statistics.median(r.encode_s[timed])
-            + statistics.median(r.decode_s[timed]) for r in per_stage) / m
-    msg = max(max(statistics.median(r.bytes_sent["forward"][timed]), statistics.median(r.bytes_sent["backward"][timed]))
-              for r in per_stage) / m
+def measure(rows: list[dict[str, Any]], *, num_microbatches: int, global_batch: int) -> dict[str, Any]:
+    """The figures of one run from its train rows (``metrics.jsonl``), warm-up excluded: the median step time of
+    stage 0 (its last backward ends a step), the busiest stage's compute + codec time per micro-batch, its
+    largest per-micro-batch message, and the gradient-sync bytes per rank."""
+    timed = [r for r in rows if r["phase"] != "warmup"]
+    stages = list(zip(*(r["stages"] for r in timed)))  # per stage: its dict of every timed step
+
+    def med(stage: Sequence[dict[str, float]], key: str) -> float:
+        return statistics.median(d[key] for d in stage)
+
+    m = num_microbatches
+    step_s = med(stages[0], "step_s")
+    c = max(med(s, "compute_s") + med(s, "encode_s") + med(s, "decode_s") for s in stages) / m
+    msg = max(max(med(s, "fw_bytes"), med(s, "bw_bytes")) for s in stages) / m
+    sync_bytes = max(med(s, "sync_bytes") for s in stages)
     return {"step_s": step_s, "compute_per_mb_s": c, "bytes_per_mb": msg, "sync_bytes": sync_bytes,
-            "num_microbatches": m, "samples_per_s": job.global_batch_size / step_s}
+            "num_microbatches": m, "samples_per_s": global_batch / step_s}
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -157,23 +159,32 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def bench_pipeline(cfg: PipelineBenchConfig, weights_dir: str, progress=None) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for dp in cfg.data_parallel:
-        for stages in cfg.stages:
-            plan = _jobs(cfg, stages, weights_dir, dp)
-            if progress:
-                progress(f"{stages} stages x {dp} replicas: {len(plan)} runs ({len(cfg.settings)} settings x "
-                         f"{len(cfg.bandwidths_mbps)} bandwidths"
-                         + (f" x {len(cfg.grad_syncs)} gradient syncs" if dp > 1 else "")
-                         + f"), {cfg.measure_steps} timed steps each")
-            # A fresh set of processes pays one-off costs in its first job (allocator growth, thread pools,
-            # first gloo connections; seen as a 2-5x slower first row): a copy of it runs first and is dropped.
-            results = _launch([plan[0][2]] + [j for _, _, j in plan], stages * dp)[1:]
-            for (name, bw, job), per_rank in zip(plan, results):
-                rows.append({"setting": name, "stages": stages, "data_parallel": dp, "grad_sync": job.grad_sync,
-                             "bandwidth_mbps": bw, "forward": job.forward, "backward": job.backward,
-                             **_measure(job, per_rank)})
+def bench_pipeline(cfg: PipelineBenchConfig, work_dir: str | None = None, progress=None) -> list[dict[str, Any]]:
+    """Every (stage count, replicas, setting, bandwidth, gradient sync) of ``cfg``; run directories go under
+    ``work_dir`` (default: a temporary folder, removed afterwards)."""
+    with tempfile.TemporaryDirectory(prefix="aqsgd-bench-") as tmp:
+        out = work_dir or tmp
+        rows: list[dict[str, Any]] = []
+        for dp in cfg.data_parallel:
+            for stages in cfg.stages:
+                plan = _plan(cfg, stages, dp, str(Path(out) / f"s{stages}-d{dp}"))
+                if progress:
+                    progress(f"{stages} stages x {dp} replicas: {len(plan)} runs ({len(cfg.settings)} settings x "
+                             f"{len(cfg.bandwidths_mbps)} bandwidths"
+                             + (f" x {len(cfg.grad_syncs)} gradient syncs" if dp > 1 else "")
+                             + f"), {cfg.measure_steps} timed steps each")
+                # A fresh set of processes pays one-off costs in its first run (allocator growth, thread pools,
+                # first gloo connections; seen as a 2-5x slower first row): a copy of it runs first and is dropped.
+                first = plan[0][2].replace(run_name="warm-up")
+                runs = [first.to_json()] + [c.to_json() for _, _, c in plan]
+                per_rank = launch_local(_bench_entry, stages * dp, json.dumps(runs), run_id="aqsgd-bench")
+                histories = [next(r[j] for r in per_rank if r[j] is not None) for j in range(1, len(runs))]
+                for (name, bw, c), history in zip(plan, histories):
+                    rows.append({"setting": name, "stages": stages, "data_parallel": dp,
+                                 "grad_sync": c.pipeline.grad_sync, "bandwidth_mbps": bw,
+                                 "forward": c.compression.forward, "backward": c.compression.backward,
+                                 **measure(history, num_microbatches=cfg.num_microbatches,
+                                           global_batch=c.global_batch_size)})
     return summarize(rows)
 
 

@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
     c.set_defaults(func=run_codecs)
 
-    from aqsgd.bench.pipeline import SETTINGS, PipelineBenchConfig
+    from aqsgd.bench.pipeline import PipelineBenchConfig
+    from aqsgd.bench.settings import SETTINGS
 
     d = PipelineBenchConfig()
     pp = bsub.add_parser("pipeline", help="training throughput of stage processes over emulated links",
@@ -42,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--bandwidths", type=_floats, default=list(d.bandwidths_mbps),
                     help="link bandwidths in Mbit/s (default: 1000,300,100,30,10)")
     pp.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(d.settings), metavar="SETTING",
-                    help=f"settings to compare (default: all of {', '.join(SETTINGS)})")
+                    help=f"settings to compare, from the named settings (default: {', '.join(d.settings)})")
     pp.add_argument("--latency-ms", type=float, default=d.latency_ms, help="one-way link latency (default: 0)")
     pp.add_argument("--hidden", type=positive_int, default=d.hidden, help="model width (default: 256)")
     pp.add_argument("--layers", type=positive_int, default=d.layers, help="transformer blocks (default: 4)")
@@ -88,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "an LLM run's take gigabytes)")
     cv.set_defaults(func=run_convergence)
 
-    from aqsgd.bench.netem import register_cli as register_netem
+    from aqsgd.cli.netem import register as register_netem
 
     register_netem(bsub)
 
@@ -145,8 +146,6 @@ def _floats(text: str) -> list[float]:
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
-    import tempfile
-
     from aqsgd.bench.codecs import machine_description
     from aqsgd.bench.pipeline import PipelineBenchConfig, bench_pipeline, write_json
 
@@ -160,8 +159,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     console.print(f"[bold]pipeline throughput[/] on {machine}: Llama-style model, {cfg.layers} blocks x {cfg.hidden}, "
                   f"{cfg.seq_len} tokens, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size}; median of "
                   f"{cfg.measure_steps} steps after an uncompressed warm-up epoch")
-    with tempfile.TemporaryDirectory(prefix="aqsgd-bench-") as tmp:
-        rows = bench_pipeline(cfg, tmp, progress=lambda m: console.print(m))
+    rows = bench_pipeline(cfg, progress=lambda m: console.print(m))
     table = Table()
     for col in ("stages", "D", "grad sync", "Mbit/s", "setting", "samples/s", "speed-up", "ideal", "efficiency",
                 "vs pipeline-only", "fp32 comm:compute", "bytes/micro-batch"):

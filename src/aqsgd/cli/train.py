@@ -1,6 +1,6 @@
 """``aqsgd train``: fine-tune a model over a compressed pipeline.
 
-Every field of :class:`~aqsgd.train.config.TrainConfig` is an option; ``--config PRESET.toml`` loads a preset
+Every field of :class:`~aqsgd.train.config.TrainConfig` is an option (by its flat name); ``--config PRESET.toml`` loads a preset
 first and the options given on the command line override it. With no arguments it runs the embedded default:
 MiniLM fine-tuned on BBC news over a 4-stage local pipeline, AQ-SGD fw2/bw4 after one uncompressed epoch.
 
@@ -17,15 +17,12 @@ process then runs its own stage of its own replica (rank = replica x stages + st
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
+import sys
+import traceback
 from typing import Any
 
-from aqsgd.train.config import TrainConfig, config_fields, field_type, load_toml
-
-_SECTIONS = {"task": "task, model, data", "pipeline": "pipeline", "compression": "compression",
-             "optim": "optimization", "run": "evaluation, logging, checkpoints"}
+from aqsgd.train.config import SECTION_TITLES, TrainConfig, load_toml, options
 
 
 def _parse_list(text: str) -> list[int]:
@@ -58,90 +55,60 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="fine-tune a model over a compressed pipeline", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="PRESET.toml", help="load settings from a TOML preset (options override it)")
-    groups = {k: p.add_argument_group(v) for k, v in _SECTIONS.items()}
-    defaults = TrainConfig()
-    for f in config_fields():
-        base, optional, is_list = field_type(f)
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        help_text = _help_text(f.metadata["help"], default)
-        group = groups[f.metadata["section"]]
-        if base is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    groups = {k: p.add_argument_group(v) for k, v in SECTION_TITLES.items()}
+    for o in options():
+        help_text = _help_text(o.help, o.default)
+        group = groups[o.section]
+        if o.base is bool:
+            group.add_argument(o.flag, dest=o.flat, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
             continue
-        conv = _parse_list if is_list else base
-        conv = _optional(conv) if optional else conv
-        group.add_argument(flag, dest=f.name, type=conv, default=None, metavar=f.name.upper(), help=help_text)
+        conv = _parse_list if o.is_list else o.base
+        conv = _optional(conv) if o.optional else conv
+        group.add_argument(o.flag, dest=o.flat, type=conv, default=None, metavar=o.flat.upper(), help=help_text)
     p.set_defaults(func=run)
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
     values: dict[str, Any] = load_toml(args.config) if args.config else {}
-    for f in config_fields():
-        v = getattr(args, f.name, None)
+    for o in options():
+        v = getattr(args, o.flat, None)
         if v is not None:
-            values[f.name] = v
-    return TrainConfig.from_dict(values).validate()
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def _worker(cfg_json: str) -> dict[str, Any] | None:
-    """One stage process: run the trainer for this rank; the process that writes the metrics (last stage of
-    replica 0) returns the summary."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from aqsgd.comm.launch import leave_process_group
-    from aqsgd.train.job import check_same_settings
-    from aqsgd.train.trainer import Trainer
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [pid %(process)d] %(message)s")
-    cfg = TrainConfig.from_dict(json.loads(cfg_json))
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(cfg.timeout, 10)))
-    check_same_settings(cfg.to_dict())
-    clean = False
-    try:
-        summary = Trainer(cfg).run()
-        clean = True
-    finally:
-        leave_process_group(clean=clean, timeout_s=cfg.timeout)
-    return summary if summary.get("final_train_loss") is not None else None
+            values[o.flat] = v
+    return TrainConfig.from_flat(values).validate()
 
 
 def run(args: argparse.Namespace) -> int:
+    from aqsgd.train.driver import run_training, under_torchrun
+
     cfg = build_config(args)
-    if cfg.runtime == "distributed" and _under_torchrun():
-        summary = _worker(cfg.to_json())
-        if summary:
-            print_summary(summary)
-        return 0
-    if cfg.runtime == "distributed":
-        from aqsgd.comm.launch import launch_local
-        from aqsgd.train.rundir import check_run_dir, resolve_run_dir
-        from aqsgd.train.tasks import setup_task
-        from aqsgd.train.trainer import check_partition
-
-        # prepare data sources and the weights file once, and check what would fail in every stage process alike
-        check_run_dir(cfg, resolve_run_dir(cfg))
-        check_partition(cfg, setup_task(cfg).recipe)
-        from aqsgd.parallel.grid import GridLayout
-
-        # a failing stage ends in StageFailedError: one line naming the stage at fault and the details file
-        names = GridLayout(cfg.stages, cfg.data_parallel).label
-        results = launch_local(_worker, cfg.world_size, cfg.to_json(), rank_names=names)
-        summary = next((r for r in results if r), None)
+    if cfg.pipeline.runtime == "distributed" and under_torchrun():
+        summary = _torchrun_stage(cfg)
     else:
-        from aqsgd.train.trainer import Trainer
-
-        summary = Trainer(cfg).run()
+        summary = run_training(cfg)
     if summary:
         print_summary(summary)
     return 0
+
+
+def _torchrun_stage(cfg: TrainConfig) -> dict[str, Any] | None:
+    """This process's stage of a torchrun job. A failed stage may leave a transport thread blocked inside gloo,
+    and the interpreter's teardown would then abort the process (SIGABRT, a fatal-error dump): after the
+    one-line error it ends at once, with the exit status ``aqsgd`` gives that error."""
+    from aqsgd.errors import AqsgdError
+    from aqsgd.train.driver import run_training
+
+    try:
+        return run_training(cfg)
+    except AqsgdError as e:
+        print(f"aqsgd: error: {e}", file=sys.stderr)
+        code = 2
+    except Exception:  # noqa: BLE001 - reported with its traceback, then the same hard exit
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def print_summary(s: dict[str, Any]) -> None:

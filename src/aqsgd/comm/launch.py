@@ -94,7 +94,8 @@ from typing import Any
 
 from aqsgd.errors import PeerFailure, StageFailedError
 
-__all__ = ["LOOPBACK", "RankOutcome", "RootCause", "find_root_cause", "launch_local", "leave_process_group"]
+__all__ = ["LOOPBACK", "RankOutcome", "RootCause", "find_root_cause", "free_port", "launch_local",
+           "leave_process_group"]
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,6 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
         try:
             rdzv_store, port = _loopback_store(0)
         except Exception as e:  # noqa: BLE001 - an old torch without master_listen_fd: torch opens its own store
-            from aqsgd.comm.testing import free_port
-
             log.debug("could not open the rendezvous store on a loopback socket (%s); it listens on all "
                       "interfaces", e)
             rdzv_store, port = None, free_port()
@@ -213,6 +212,13 @@ def _write(ctl: str, name: str, text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- loopback
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def _loopback_store(port: int) -> tuple[Any, int]:
     """A multi-tenant ``TCPStore`` server listening on 127.0.0.1:``port`` only (0: a free port), and its port.
     A store opened later in this process on the same port with ``multi_tenant=True`` reuses this server."""

@@ -20,7 +20,6 @@ import datetime
 import logging
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from collections.abc import Callable, Collection, Sequence
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from aqsgd.comm.launch import free_port
 from aqsgd.errors import AqsgdError
 
 __all__ = ["ProcessFailure", "ProcessTimeout", "child_processes", "free_port", "listening_sockets",
@@ -49,13 +49,6 @@ class ProcessFailure(AqsgdError):
 
 class ProcessTimeout(ProcessFailure, TimeoutError):
     """The ranks did not all finish within the run's timeout (they were killed)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def listening_sockets(pid: int | str = "self") -> list[tuple[str, int]]:

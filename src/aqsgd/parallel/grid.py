@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from aqsgd.errors import ConfigMismatchError
 
-__all__ = ["GridLayout", "ProcessGrid"]
+__all__ = ["GridLayout", "ProcessGrid", "check_same_settings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,3 +141,26 @@ def new_group(ranks: list[int], timeout_s: float | None = None) -> Any:
     """``dist.new_group(ranks)`` whose collectives give up after ``timeout_s`` seconds (None: torch's default)."""
     kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
     return dist.new_group(ranks=ranks, **kw)
+
+
+def check_same_settings(settings: dict[str, Any], group: Any = None) -> None:
+    """All-gather every rank's settings (JSON bytes, no pickle) and raise ConfigMismatchError on any
+    difference from rank 0's, naming the setting and the ranks."""
+    text = json.dumps(settings, sort_keys=True).encode()
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(text)], dtype=torch.long)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, buf, group=group)
+    every = [json.loads(bytes(b[: int(s.item())].tolist())) for b, s in zip(bufs, sizes)]
+    problems = []
+    for rank, other in enumerate(every[1:], start=1):
+        for key in sorted(set(every[0]) | set(other)):
+            if every[0].get(key) != other.get(key):
+                problems.append(f"{key}: rank 0 has {every[0].get(key)!r}, rank {rank} has {other.get(key)!r}")
+    if problems:
+        raise ConfigMismatchError("stage processes were started with different settings: " + "; ".join(problems[:8]))

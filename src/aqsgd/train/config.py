@@ -1,194 +1,328 @@
-"""Training configuration: one dataclass, documented field by field, loadable from TOML presets and
-overridable from the command line (every field is a ``--flag``; its docstring is its ``--help``)."""
+"""The training configuration: one :class:`TrainConfig` nested by concern.
+
+========== ==================== ===========================================================================
+table      section class        what it holds
+========== ==================== ===========================================================================
+task       :class:`TaskSection`     the task (data) and how much of it
+model      :class:`ModelSection`    the model, and what to change in it (blocks kept, dropout, random sizes)
+pipeline   :class:`PipelineSection` stages, schedule, micro-batches, runtime, links, data parallelism
+compression :class:`CompressionSection` the boundary schemes and codecs, caches, the uncompressed warm-up
+optim      :class:`OptimSection`    epochs, optimizer, learning rate, clipping, dtype, seed
+run        :class:`RunSection`      evaluation, checkpoints, run directory, logging, traces
+========== ==================== ===========================================================================
+
+Every field is keyword-only and documented by the docstring under it, which is also its ``--help``. Every
+field is a command-line option too, named by its *flat name*: the field's name, except where a section's
+``name`` or a name two sections share needs the section's word (``--task``, ``--model``, ``--model-layers``).
+Flat names are unique, so a plain ``{flat name: value}`` mapping (the command line, a benchmark's overrides,
+the flat configs that checkpoints before the nesting saved) converts both ways: :meth:`TrainConfig.of` and
+:meth:`TrainConfig.flat`. TOML presets and ``config.json`` use the nesting (:meth:`TrainConfig.to_dict`):
+one table per section; an unknown table, an unknown key or a key in the wrong table is an error naming it.
+"""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
 import json
 import math
 import re
+import textwrap
 import tomllib
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from aqsgd.errors import SpecError
 
-__all__ = ["TrainConfig", "load_toml", "config_fields", "check_run_name"]
+__all__ = ["TrainConfig", "TaskSection", "ModelSection", "PipelineSection", "CompressionSection", "OptimSection",
+           "RunSection", "Option", "options", "load_toml", "flatten_config", "check_run_name"]
 
 
-def _f(default: Any, help: str, section: str, **kw: Any) -> Any:
-    meta = {"help": help, "section": section, **kw}
+def _flag(default: Any = dataclasses.MISSING, *, flat: str, **kw: Any) -> Any:
+    """A field whose flat (command-line) name is not its own name."""
     if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"flat": flat}, **kw)
+    return dataclasses.field(default=default, metadata={"flat": flat}, **kw)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
+class TaskSection:
+    """Which task (data) a run trains on, and how much of it."""
+
+    name: str = _flag("bbc", flat="task")
+    """task: bbc, wiki, fashion-mnist, mnist, synthetic-lm (offline); wikitext-2, glue-cola, glue-qnli, cifar10
+    (hub)"""
+    max_length: int = 64
+    """tokens per sample (text tasks): padded/truncated length or LM chunk length"""
+    max_train_samples: int | None = 600
+    """use only the first N training samples (0: all)"""
+    max_eval_samples: int | None = 200
+    """use only the first N evaluation samples (0: all)"""
+    cache_dir: str | None = None
+    """data and weights cache (default $AQSGD_CACHE or ~/.cache/aqsgd)"""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelSection:
+    """The model and what to change in it."""
+
+    name: str | None = _flag(None, flat="model")
+    """model: minilm, smollm2, resnet, tiny-llama, tiny-gpt2, a hub name such as gpt2, or a local folder
+    (default: the task's model)"""
+    layers: int | None = _flag(None, flat="model_layers")
+    """keep only the first N transformer blocks of the model (a reduced model)"""
+    dropout: float | None = None
+    """set every dropout probability of a transformers model to P (e.g. 0: with dropout a sample's activations
+    differ between epochs, which AQ-SGD's deltas carry; default: the model's own)"""
+    hidden_size: int = 64
+    """hidden size of the random tiny-llama / tiny-gpt2 models"""
+    vocab_size: int = 128
+    """vocabulary of the random tiny models and of the synthetic-lm task's tokens"""
+
+
+@dataclasses.dataclass(kw_only=True)
+class PipelineSection:
+    """How the model is cut into stages and how the stages run."""
+
+    stages: int = 4
+    """number of pipeline stages"""
+    layers: list[int] | None = None
+    """blocks per stage, comma-separated (default: balanced)"""
+    balance: str = "layers"
+    """default balance: layers or params"""
+    schedule: str = "1f1b"
+    """pipeline schedule: gpipe or 1f1b"""
+    micro_batches: int = 4
+    """micro-batches per pipeline pass"""
+    micro_batch_size: int = 8
+    """samples per micro-batch"""
+    runtime: str = "local"
+    """local: all stages in this process; distributed: one process per stage (started here with PyTorch's
+    launcher, or by torchrun)"""
+    timeout: float = 60.0
+    """seconds a stage waits for a neighbour before failing (distributed)"""
+    link: str | None = None
+    """emulated link between stages, e.g. 100mbit,5ms (distributed)"""
+    data_parallel: int = 1
+    """replicas of the pipeline (distributed runtime); world size = stages x data_parallel"""
+    grad_sync: str = "allreduce"
+    """data-parallel gradient synchronization: allreduce, q<bits>[:block<N>], powersgd[:rank<R>] (e.g. q8,
+    q4:block256, powersgd:rank4)"""
+    grad_bucket_mb: float = 25.0
+    """gradient bucket size of the data-parallel synchronization, in MB"""
+
+
+@dataclasses.dataclass(kw_only=True)
+class CompressionSection:
+    """What crosses each stage boundary."""
+
+    forward: str = "delta:q2:l2"
+    """activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`); the default is AQ-SGD at 2
+    bits with MSE-clipped per-channel scales"""
+    backward: str = "direct:q4"
+    """activation gradients: [SCHEME:]CODEC"""
+    cache: str = "memory"
+    """AQ-SGD cache: memory[:fp16|bf16|fp32], disk[:dtype], lowbit<b>[:block<N>]"""
+    ef_key: str = "slot"
+    """error-feedback state key: slot or sample"""
+    warmup_epochs: int = 1
+    """epochs without compression first (AQ-SGD fills its cache there)"""
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimSection:
+    """The optimization."""
+
+    epochs: int = 2
+    """training epochs"""
+    max_steps: int | None = None
+    """stop after this many optimizer steps"""
+    optimizer: str = "adamw"
+    """adamw or sgd"""
+    lr: float = 2e-4
+    """peak learning rate"""
+    weight_decay: float = 0.01
+    """AdamW weight decay (none on norms and biases)"""
+    lr_warmup: float = 0.1
+    """linear LR warm-up, as a fraction of the total steps"""
+    max_grad_norm: float = 1.0
+    """clip the global gradient norm (0: off)"""
+    grad_accum: int = 1
+    """pipeline passes accumulated per optimizer step"""
+    dtype: str = "fp32"
+    """compute dtype: fp32, or bf16 (autocast)"""
+    seed: int = 0
+    """seed of initialization, data order and stochastic rounding"""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunSection:
+    """Evaluation, checkpoints, the run directory and what is logged."""
+
+    eval_every: int | None = None
+    """evaluate every N steps (default: every epoch; 0: never, not even at the end)"""
+    output_dir: str = "runs"
+    """parent folder of run directories"""
+    run_name: str | None = None
+    """run directory name inside --output-dir (default: task-forward-backward); an existing run is never appended
+    to: continue it with --resume or replace it with --overwrite"""
+    overwrite: bool = False
+    """replace an existing run directory of the same name (its metrics and checkpoints are deleted)"""
+    checkpoint_every: int | None = None
+    """checkpoint every N steps (default: every epoch; 0: never, not even at the end)"""
+    keep_checkpoints: int = 2
+    """how many checkpoints to keep"""
+    resume: str | None = None
+    """resume from a run directory or checkpoint folder"""
+    progress: bool = True
+    """show a progress bar"""
+    tensorboard: bool = True
+    """also write TensorBoard events"""
+    trace: bool = False
+    """write a chrome trace (torch.profiler) of the last training step per process"""
+
+
+SECTIONS: dict[str, type] = {"task": TaskSection, "model": ModelSection, "pipeline": PipelineSection,
+                             "compression": CompressionSection, "optim": OptimSection, "run": RunSection}
+SECTION_TITLES = {"task": "task and data", "model": "model", "pipeline": "pipeline", "compression": "compression",
+                  "optim": "optimization", "run": "evaluation, logging, checkpoints"}
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """The docstring under each annotated field of a dataclass (``ast``: Python keeps none at run time)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One field of the config as the command line and the TOML reader see it."""
+
+    section: str
+    name: str  # the field's name inside its section
+    flat: str  # its flat name (``--flat-name`` on the command line)
+    help: str
+    base: type  # int, float, str or bool
+    optional: bool  # None allowed
+    is_list: bool
+    default: Any
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.flat.replace("_", "-")
+
+
+@functools.cache
+def options() -> tuple[Option, ...]:
+    """Every field of every section, in order."""
+    out = []
+    for section, cls in SECTIONS.items():
+        docs = _attribute_docs(cls)
+        hints = typing.get_type_hints(cls)
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            if f.name not in docs:
+                raise TypeError(f"{cls.__name__}.{f.name} has no docstring")
+            t, optional = hints[f.name], False
+            args = typing.get_args(t)
+            if type(None) in args:
+                optional, t = True, next(a for a in args if a is not type(None))
+            is_list = typing.get_origin(t) is list
+            base = typing.get_args(t)[0] if is_list else t
+            out.append(Option(section, f.name, f.metadata.get("flat", f.name), docs[f.name], base, optional,
+                              is_list, getattr(defaults, f.name)))
+    flats = [o.flat for o in out]
+    if len(set(flats)) != len(flats):
+        raise TypeError(f"flat option names must be unique: {sorted(n for n in flats if flats.count(n) > 1)}")
+    return tuple(out)
+
+
+@functools.cache
+def _by_flat() -> dict[str, Option]:
+    return {o.flat: o for o in options()}
+
+
+def _typed(opt: Option, value: Any, source: str) -> Any:
+    """``value`` checked against the option's type (an int where a float is expected is converted)."""
+    if value is None and opt.optional:
+        return None
+
+    def one(v: Any) -> Any:
+        if opt.base is float and isinstance(v, int) and not isinstance(v, bool):
+            return float(v)
+        if isinstance(v, opt.base) and not (opt.base is int and isinstance(v, bool)):
+            return v
+        raise SpecError(f"{source}: {opt.flat} must be {_type_name(opt)}, got {v!r}")
+
+    if opt.is_list:
+        if not isinstance(value, list):
+            raise SpecError(f"{source}: {opt.flat} must be {_type_name(opt)}, got {value!r}")
+        return [one(v) for v in value]
+    return one(value)
+
+
+def _type_name(opt: Option) -> str:
+    name = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[opt.base]
+    if opt.is_list:
+        name = f"a list of {name.split(' ', 1)[1]}s"
+    return name + (" (or omitted)" if opt.optional else "")
+
+
+@dataclasses.dataclass(kw_only=True)
 class TrainConfig:
-    # -- task, model, data -----------------------------------------------------------------------------
-    task: str = _f("bbc", "task: bbc, wiki, fashion-mnist, mnist, synthetic-lm (offline); wikitext-2, glue-cola, "
-                   "glue-qnli, cifar10 (hub)", "task")
-    model: str | None = _f(None, "model: minilm, smollm2, resnet, tiny-llama, a hub name such as gpt2, or a local "
-                           "folder (default: the task's model)", "task")
-    max_length: int = _f(64, "tokens per sample (text tasks): padded/truncated length or LM chunk length", "task")
-    max_train_samples: int | None = _f(600, "use only the first N training samples (0: all)", "task")
-    max_eval_samples: int | None = _f(200, "use only the first N evaluation samples (0: all)", "task")
-    cache_dir: str | None = _f(None, "data and weights cache (default $AQSGD_CACHE or ~/.cache/aqsgd)", "task")
-    model_layers: int | None = _f(None, "keep only the first N transformer blocks of the model (a reduced model)",
-                                  "task")
-    dropout: float | None = _f(None, "set every dropout probability of a transformers model to P (e.g. 0: with "
-                               "dropout a sample's activations differ between epochs, which AQ-SGD's deltas "
-                               "carry; default: the model's own)", "task")
-    # -- pipeline ----------------------------------------------------------------------------------------
-    stages: int = _f(4, "number of pipeline stages", "pipeline")
-    layers: list[int] | None = _f(None, "blocks per stage, comma-separated (default: balanced)", "pipeline")
-    balance: str = _f("layers", "default balance: layers or params", "pipeline")
-    schedule: str = _f("1f1b", "pipeline schedule: gpipe or 1f1b", "pipeline")
-    micro_batches: int = _f(4, "micro-batches per pipeline pass", "pipeline")
-    micro_batch_size: int = _f(8, "samples per micro-batch", "pipeline")
-    runtime: str = _f("local", "local: all stages in this process; distributed: one process per stage (started "
-                      "here with PyTorch's launcher, or by torchrun)", "pipeline")
-    timeout: float = _f(60.0, "seconds a stage waits for a neighbour before failing (distributed)", "pipeline")
-    link: str | None = _f(None, "emulated link between stages, e.g. 100mbit,5ms (distributed)", "pipeline")
-    data_parallel: int = _f(1, "replicas of the pipeline (distributed runtime); world size = stages x data_parallel",
-                            "pipeline")
-    grad_sync: str = _f("allreduce", "data-parallel gradient synchronization: allreduce, q<bits>[:block<N>], "
-                        "powersgd[:rank<R>] (e.g. q8, q4:block256, powersgd:rank4)", "pipeline")
-    grad_bucket_mb: float = _f(25.0, "gradient bucket size of the data-parallel synchronization, in MB", "pipeline")
-    # -- compression -------------------------------------------------------------------------------------
-    forward: str = _f("delta:q2:l2", "activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`); "
-                      "the default is AQ-SGD at 2 bits with MSE-clipped per-channel scales", "compression")
-    backward: str = _f("direct:q4", "activation gradients: [SCHEME:]CODEC", "compression")
-    cache: str = _f("memory", "AQ-SGD cache: memory[:fp16|bf16|fp32], disk[:dtype], lowbit<b>[:block<N>]",
-                    "compression")
-    ef_key: str = _f("slot", "error-feedback state key: slot or sample", "compression")
-    warmup_epochs: int = _f(1, "epochs without compression first (AQ-SGD fills its cache there)", "compression")
-    # -- optimization ------------------------------------------------------------------------------------
-    epochs: int = _f(2, "training epochs", "optim")
-    max_steps: int | None = _f(None, "stop after this many optimizer steps", "optim")
-    optimizer: str = _f("adamw", "adamw or sgd", "optim")
-    lr: float = _f(2e-4, "peak learning rate", "optim")
-    weight_decay: float = _f(0.01, "AdamW weight decay (none on norms and biases)", "optim")
-    lr_warmup: float = _f(0.1, "linear LR warm-up, as a fraction of the total steps", "optim")
-    max_grad_norm: float = _f(1.0, "clip the global gradient norm (0: off)", "optim")
-    grad_accum: int = _f(1, "pipeline passes accumulated per optimizer step", "optim")
-    dtype: str = _f("fp32", "compute dtype: fp32, or bf16 (autocast)", "optim")
-    seed: int = _f(0, "seed of initialization, data order and stochastic rounding", "optim")
-    # -- evaluation, logging, checkpoints ----------------------------------------------------------------
-    eval_every: int | None = _f(None, "evaluate every N steps (default: every epoch)", "run")
-    output_dir: str = _f("runs", "parent folder of run directories", "run")
-    run_name: str | None = _f(None, "run directory name inside --output-dir (default: task-forward-backward); an "
-                              "existing run is never appended to: continue it with --resume or replace it with "
-                              "--overwrite", "run")
-    overwrite: bool = _f(False, "replace an existing run directory of the same name (its metrics and "
-                         "checkpoints are deleted)", "run")
-    checkpoint_every: int | None = _f(None, "checkpoint every N steps (default: every epoch)", "run")
-    keep_checkpoints: int = _f(2, "how many checkpoints to keep", "run")
-    resume: str | None = _f(None, "resume from a run directory or checkpoint folder", "run")
-    progress: bool = _f(True, "show a progress bar", "run")
-    tensorboard: bool = _f(True, "also write TensorBoard events", "run")
-    trace: bool = _f(False, "write a chrome trace of the last training step per stage", "run")
+    """A whole run's settings, one section per concern (see the module docstring)."""
 
-    # -- derived -------------------------------------------------------------------------------------------
-    @property
-    def batch_size(self) -> int:
-        """Samples per pipeline pass of one replica."""
-        return self.micro_batches * self.micro_batch_size
+    task: TaskSection = dataclasses.field(default_factory=TaskSection)
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    pipeline: PipelineSection = dataclasses.field(default_factory=PipelineSection)
+    compression: CompressionSection = dataclasses.field(default_factory=CompressionSection)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)
+    run: RunSection = dataclasses.field(default_factory=RunSection)
 
-    @property
-    def global_batch_size(self) -> int:
-        """Samples per pipeline pass over all data-parallel replicas."""
-        return self.batch_size * self.data_parallel
+    # -- construction and conversion ---------------------------------------------------------------------
+    @classmethod
+    def of(cls, **flat: Any) -> Self:
+        """A config from options by their flat names (``TrainConfig.of(task="wiki", stages=2)``); an unknown
+        name is a :class:`SpecError`. Values are taken as given (types are checked by :meth:`from_flat`)."""
+        return cls().replace(**flat)
 
-    @property
-    def world_size(self) -> int:
-        """Processes of a distributed run: one per stage and replica."""
-        return self.stages * self.data_parallel
+    def replace(self, **flat: Any) -> Self:
+        """A copy with the options named by their flat names changed."""
+        by_flat = _by_flat()
+        unknown = sorted(set(flat) - set(by_flat))
+        if unknown:
+            raise SpecError(f"unknown options {unknown}; see `aqsgd train --help`")
+        changes: dict[str, dict[str, Any]] = {}
+        for k, v in flat.items():
+            o = by_flat[k]
+            changes.setdefault(o.section, {})[o.name] = list(v) if isinstance(v, tuple) and o.is_list else v
+        return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **c)  # type: ignore[arg-type]
+                                            for s, c in changes.items()})
 
-    def validate(self) -> TrainConfig:
-        """Check every value; raise SpecError naming the option (as it is spelled on the command line)."""
-        from aqsgd.parallel.sync import parse_grad_sync
-        from aqsgd.pipeline.compression import DirectionSpec
-        from aqsgd.pipeline.schedule import get_schedule
-        from aqsgd.schemes.factory import make_cache
+    @classmethod
+    def from_flat(cls, data: dict[str, Any], *, source: str = "config") -> Self:
+        """A config from plain ``{flat name: value}`` values (JSON, the command line), types checked; unknown
+        names are an error naming them and ``source``."""
+        by_flat = _by_flat()
+        unknown = sorted(set(data) - set(by_flat))
+        if unknown:
+            raise SpecError(f"{source}: unknown options {unknown}; see `aqsgd train --help`")
+        return cls.of(**{k: _typed(by_flat[k], v, source) for k, v in data.items()})
 
-        def bad(name: str, why: str) -> SpecError:
-            return SpecError(f"--{name.replace('_', '-')}: {why}")
-
-        for f in dataclasses.fields(self):  # floats: no NaN or infinity anywhere
-            v = getattr(self, f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                raise bad(f.name, f"must be a finite number, got {v}")
-        for name in ("stages", "micro_batches", "micro_batch_size", "epochs", "grad_accum", "max_length",
-                     "keep_checkpoints", "data_parallel"):
-            if getattr(self, name) < 1:
-                raise bad(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_every", "checkpoint_every", "model_layers"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise bad(name, f"must be >= 1, got {v}")
-        for name in ("max_train_samples", "max_eval_samples"):
-            v = getattr(self, name)
-            if v is not None and v < 0:
-                raise bad(name, f"must be >= 0 (0: all), got {v}")
-        if self.dropout is not None and not 0 <= self.dropout < 1:
-            raise bad("dropout", f"must be in [0, 1), got {self.dropout}")
-        if self.warmup_epochs < 0 or self.warmup_epochs > self.epochs:
-            raise bad("warmup_epochs", f"must be in 0..epochs ({self.epochs}), got {self.warmup_epochs}")
-        if not self.lr > 0:
-            raise bad("lr", f"must be > 0, got {self.lr}")
-        if not 0 <= self.lr_warmup < 1:
-            raise bad("lr_warmup", f"must be in [0, 1), got {self.lr_warmup}")
-        for name in ("weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
-                raise bad(name, f"must be >= 0, got {getattr(self, name)}")
-        if not self.timeout > 0:
-            raise bad("timeout", f"must be > 0 seconds, got {self.timeout}")
-        for name, valid in (("runtime", ("local", "distributed")), ("optimizer", ("adamw", "sgd")),
-                            ("dtype", ("fp32", "bf16")), ("balance", ("layers", "params")),
-                            ("ef_key", ("slot", "sample"))):
-            if getattr(self, name) not in valid:
-                raise bad(name, f"{getattr(self, name)!r} is not one of {', '.join(valid)}")
-        if self.data_parallel > 1 and self.runtime != "distributed":
-            raise bad("data_parallel", f"{self.data_parallel} replicas need --runtime distributed (one process per "
-                      f"stage and replica); the local runtime runs one pipeline")
-        try:
-            parse_grad_sync(self.grad_sync)
-        except ValueError as e:
-            raise bad("grad_sync", str(e)) from None
-        if not self.grad_bucket_mb > 0:
-            raise bad("grad_bucket_mb", f"must be > 0, got {self.grad_bucket_mb}")
-        try:
-            get_schedule(self.schedule)
-        except ValueError as e:
-            raise bad("schedule", str(e)) from None
-        for name in ("forward", "backward"):
-            try:
-                DirectionSpec.parse(getattr(self, name))
-            except ValueError as e:
-                raise bad(name, str(e)) from None
-        try:
-            make_cache(self.cache, 1, row_shape=(1,), path="/dev/null") if not self.cache.startswith("disk") else None
-        except ValueError as e:
-            raise bad("cache", str(e)) from None
-        if self.layers is not None and len(self.layers) != self.stages:
-            raise bad("layers", f"{len(self.layers)} counts for {self.stages} stages")
-        if self.layers is not None and min(self.layers) < 1:
-            raise bad("layers", f"every stage needs at least one block, got {','.join(map(str, self.layers))}")
-        if self.link is not None and self.runtime != "distributed":
-            raise bad("link", "emulates the links between stage processes: it needs --runtime distributed (the "
-                      "local runtime passes tensors in memory)")
-        if self.run_name is not None:
-            check_run_name(self.run_name)
-        if self.link is not None:
-            from aqsgd.comm import LinkSpec
-
-            try:
-                LinkSpec.parse(self.link)
-            except ValueError as e:
-                raise bad("link", str(e)) from None
-        return self
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> Self:
+        """A config from its nested form (:meth:`to_dict`, a TOML preset): one table per section; an unknown
+        table, an unknown key or a key in the wrong table is an error naming it."""
+        return cls.from_flat(_flatten_tables(data, source), source=source)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -196,42 +330,141 @@ class TrainConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> TrainConfig:
-        """A config from plain values (TOML, JSON): unknown keys and values of the wrong type are errors that
-        name the key and ``source``."""
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise SpecError(f"unknown config keys {unknown}; see `aqsgd train --help`")
-        return cls(**{k: _typed(known[k], v, source) for k, v in data.items()})
+    def flat(self) -> dict[str, Any]:
+        """``{flat name: value}`` of every option."""
+        return {o.flat: getattr(getattr(self, o.section), o.name) for o in options()}
+
+    # -- derived -------------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        """Samples per pipeline pass of one replica."""
+        return self.pipeline.micro_batches * self.pipeline.micro_batch_size
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per pipeline pass over all data-parallel replicas."""
+        return self.batch_size * self.pipeline.data_parallel
+
+    @property
+    def world_size(self) -> int:
+        """Processes of a distributed run: one per stage and replica."""
+        return self.pipeline.stages * self.pipeline.data_parallel
+
+    # -- checks --------------------------------------------------------------------------------------------
+    def validate(self) -> Self:
+        """Check every value; raise SpecError naming the option (as it is spelled on the command line)."""
+        from aqsgd.comm import LinkSpec
+        from aqsgd.parallel.sync import parse_grad_sync
+        from aqsgd.pipeline.compression import DirectionSpec
+        from aqsgd.pipeline.schedule import get_schedule
+        from aqsgd.schemes.factory import make_cache
+
+        v = self.flat()
+
+        def bad(name: str, why: str) -> SpecError:
+            return SpecError(f"--{name.replace('_', '-')}: {why}")
+
+        def parsed(name: str, parse: Any) -> None:
+            try:
+                parse(v[name])
+            except ValueError as e:
+                raise bad(name, str(e)) from None
+
+        for name, value in v.items():  # floats: no NaN or infinity anywhere
+            if isinstance(value, float) and not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value}")
+        for name in ("stages", "micro_batches", "micro_batch_size", "epochs", "grad_accum", "max_length",
+                     "keep_checkpoints", "data_parallel", "hidden_size", "vocab_size"):
+            if v[name] < 1:
+                raise bad(name, f"must be >= 1, got {v[name]}")
+        for name in ("max_steps", "model_layers"):
+            if v[name] is not None and v[name] < 1:
+                raise bad(name, f"must be >= 1, got {v[name]}")
+        for name in ("eval_every", "checkpoint_every"):
+            if v[name] is not None and v[name] < 0:
+                raise bad(name, f"must be >= 0 (0: never), got {v[name]}")
+        for name in ("max_train_samples", "max_eval_samples"):
+            if v[name] is not None and v[name] < 0:
+                raise bad(name, f"must be >= 0 (0: all), got {v[name]}")
+        if v["dropout"] is not None and not 0 <= v["dropout"] < 1:
+            raise bad("dropout", f"must be in [0, 1), got {v['dropout']}")
+        if v["warmup_epochs"] < 0 or v["warmup_epochs"] > v["epochs"]:
+            raise bad("warmup_epochs", f"must be in 0..epochs ({v['epochs']}), got {v['warmup_epochs']}")
+        if not v["lr"] > 0:
+            raise bad("lr", f"must be > 0, got {v['lr']}")
+        if not 0 <= v["lr_warmup"] < 1:
+            raise bad("lr_warmup", f"must be in [0, 1), got {v['lr_warmup']}")
+        for name in ("weight_decay", "max_grad_norm"):
+            if v[name] < 0:
+                raise bad(name, f"must be >= 0, got {v[name]}")
+        if not v["timeout"] > 0:
+            raise bad("timeout", f"must be > 0 seconds, got {v['timeout']}")
+        for name, valid in (("runtime", ("local", "distributed")), ("optimizer", ("adamw", "sgd")),
+                            ("dtype", ("fp32", "bf16")), ("balance", ("layers", "params")),
+                            ("ef_key", ("slot", "sample"))):
+            if v[name] not in valid:
+                raise bad(name, f"{v[name]!r} is not one of {', '.join(valid)}")
+        if v["data_parallel"] > 1 and v["runtime"] != "distributed":
+            raise bad("data_parallel", f"{v['data_parallel']} replicas need --runtime distributed (one process per "
+                      f"stage and replica); the local runtime runs one pipeline")
+        parsed("grad_sync", parse_grad_sync)
+        if not v["grad_bucket_mb"] > 0:
+            raise bad("grad_bucket_mb", f"must be > 0, got {v['grad_bucket_mb']}")
+        parsed("schedule", get_schedule)
+        parsed("forward", DirectionSpec.parse)
+        parsed("backward", DirectionSpec.parse)
+        if not v["cache"].startswith("disk"):
+            parsed("cache", lambda spec: make_cache(spec, 1, row_shape=(1,), path="/dev/null"))
+        if v["layers"] is not None and len(v["layers"]) != v["stages"]:
+            raise bad("layers", f"{len(v['layers'])} counts for {v['stages']} stages")
+        if v["layers"] is not None and min(v["layers"]) < 1:
+            raise bad("layers", f"every stage needs at least one block, got {','.join(map(str, v['layers']))}")
+        if v["link"] is not None and v["runtime"] != "distributed":
+            raise bad("link", "emulates the links between stage processes: it needs --runtime distributed (the "
+                      "local runtime passes tensors in memory)")
+        if v["run_name"] is not None:
+            check_run_name(v["run_name"])
+        if v["link"] is not None:
+            parsed("link", LinkSpec.parse)
+        return self
 
 
-def _typed(f: dataclasses.Field, value: Any, source: str) -> Any:
-    """``value`` checked against the field's type (an int where a float is expected is converted)."""
-    base, optional, is_list = field_type(f)
-    if value is None and optional:
-        return None
+def _flatten_tables(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """``{table: {key: value}}`` to ``{flat name: value}``, naming an unknown table, an unknown key or a key in
+    the wrong table."""
+    by_section = {s: {o.name: o for o in options() if o.section == s} for s in SECTIONS}
+    by_flat = _by_flat()
+    flat: dict[str, Any] = {}
+    for table, values in data.items():
+        if not isinstance(values, dict):
+            if table in by_flat:
+                o = by_flat[table]
+                raise SpecError(f"{source}: {table!r} belongs in table [{o.section}] (as {o.name} = ...)")
+            raise SpecError(f"{source}: unknown key {table!r}; settings go in the tables "
+                            f"{', '.join(f'[{s}]' for s in SECTIONS)}")
+        if table not in by_section:
+            raise SpecError(f"{source}: unknown table [{table}]; tables are {', '.join(SECTIONS)}")
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            o = by_section[table].get(name)
+            if o is None:
+                home = [x for x in options() if x.flat == name or (x.name == name and x.section != table)]
+                where = ""
+                if home:
+                    where = f"; {key!r} belongs in [{home[0].section}]"
+                    where += f" (as {home[0].name})" if home[0].name != name else ""
+                raise SpecError(f"{source}: unknown key {key!r} in [{table}]{where}; see `aqsgd train --help`")
+            flat[o.flat] = value  # unique: TOML refuses a key twice in a table, and tables map to sections
+    return flat
 
-    def one(v: Any) -> Any:
-        if base is float and isinstance(v, int) and not isinstance(v, bool):
-            return float(v)
-        if isinstance(v, base) and not (base is int and isinstance(v, bool)):
-            return v
-        raise SpecError(f"{source}: {f.name} must be {_type_name(base, is_list, optional)}, got {v!r}")
 
-    if is_list:
-        if not isinstance(value, list):
-            raise SpecError(f"{source}: {f.name} must be {_type_name(base, True, optional)}, got {value!r}")
-        return [one(v) for v in value]
-    return one(value)
-
-
-def _type_name(base: type, is_list: bool, optional: bool) -> str:
-    name = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[base]
-    if is_list:
-        name = f"a list of {name.split(' ', 1)[1]}s"
-    return name + (" (or omitted)" if optional else "")
+def flatten_config(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved config (``config.json``, a checkpoint's ``trainer.json``) as ``{flat name: value}``: nested
+    (tables) or flat (written before the nesting); unknown keys are kept as they are."""
+    if all(isinstance(v, dict) for v in data.values()) and set(data) <= set(SECTIONS):
+        names = {(o.section, o.name): o.flat for o in options()}
+        return {names.get((s, k), k): v for s, table in data.items() for k, v in table.items()}
+    return dict(data)
 
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9_.+=-]+")
@@ -245,28 +478,11 @@ def check_run_name(name: str) -> str:
     return name
 
 
-def config_fields() -> list[dataclasses.Field]:
-    return list(dataclasses.fields(TrainConfig))
-
-
-def field_type(f: dataclasses.Field) -> tuple[type, bool, bool]:
-    """(base type, optional?, list?) of a TrainConfig field."""
-    hints = typing.get_type_hints(TrainConfig)
-    t = hints[f.name]
-    optional = False
-    args = typing.get_args(t)
-    if type(None) in args:
-        optional = True
-        t = next(a for a in args if a is not type(None))
-    if typing.get_origin(t) is list:
-        return typing.get_args(t)[0], optional, True
-    return t, optional, False
-
-
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """A preset: keys at the top level, or in the table of their section (``[task]``, ``[pipeline]``,
-    ``[compression]``, ``[optim]``, ``[run]``, as ``aqsgd train --help`` groups them). An unknown key, a key
-    in the wrong table, a key given twice or a value of the wrong type is an error naming it."""
+    """A preset's settings as ``{flat name: value}``: one table per section (``[task]``, ``[model]``,
+    ``[pipeline]``, ``[compression]``, ``[optim]``, ``[run]``) holding that section's fields. An unknown table or
+    key, a key in the wrong table, a key given twice (TOML's own error) or a value of the wrong type is an error
+    naming it."""
     p = Path(path)
     if not p.is_file():
         raise SpecError(f"--config: no such file {p}")
@@ -274,28 +490,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise SpecError(f"--config {p}: {e}") from None
-    fields = {f.name: f for f in config_fields()}
-    sections = {f.metadata["section"] for f in fields.values()}
-    flat: dict[str, Any] = {}
-
-    def put(key: str, value: Any, table: str | None) -> None:
-        name = key.replace("-", "_")
-        where = f"[{table}] {key}" if table else key
-        if name not in fields:
-            raise SpecError(f"--config {p}: unknown key {where!r}; see `aqsgd train --help`")
-        section = fields[name].metadata["section"]
-        if table is not None and section != table:
-            raise SpecError(f"--config {p}: {key!r} belongs in [{section}], not [{table}]")
-        if name in flat:
-            raise SpecError(f"--config {p}: {key!r} is given twice")
-        flat[name] = _typed(fields[name], value, f"--config {p}")
-
-    for k, v in data.items():
-        if isinstance(v, dict):
-            if k not in sections:
-                raise SpecError(f"--config {p}: unknown table [{k}]; tables are {', '.join(sorted(sections))}")
-            for k2, v2 in v.items():
-                put(k2, v2, k)
-        else:
-            put(k, v, None)
-    return flat
+    source = f"--config {p}"
+    flat = _flatten_tables(data, source)
+    by_flat = _by_flat()
+    return {k: _typed(by_flat[k], v, source) for k, v in flat.items()}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -25,7 +26,7 @@ from aqsgd.errors import AqsgdError
 if TYPE_CHECKING:
     from aqsgd.train.config import TrainConfig
 
-__all__ = ["RunDirError", "RunDirLock", "resolve_run_dir", "check_run_dir", "prepare_run_dir",
+__all__ = ["RunDirError", "RunDirLock", "default_run_name", "resolve_run_dir", "check_run_dir", "prepare_run_dir",
            "truncate_metrics", "run_dir_of_checkpoint"]
 
 _LOCK = ".lock"
@@ -43,22 +44,26 @@ def run_dir_of_checkpoint(checkpoint: Path) -> Path:
     return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
 
 
+def default_run_name(cfg: TrainConfig) -> str:
+    """``task-forward-backward`` with everything but letters, digits and ``_.-`` replaced by ``-``."""
+    text = f"{cfg.task.name}-{cfg.compression.forward}-{cfg.compression.backward}"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")
+
+
 def resolve_run_dir(cfg: TrainConfig) -> Path:
     """Where ``cfg`` writes: ``output_dir / run_name``; when resuming without a ``run_name``, the resumed run's
-    own directory; otherwise ``output_dir / task-forward-backward``."""
-    from aqsgd.train.trainer import default_run_name
-
+    own directory; otherwise ``output_dir /`` :func:`default_run_name`."""
     source = _resumed_run_dir(cfg)
-    if cfg.run_name is None and source is not None:
+    if cfg.run.run_name is None and source is not None:
         return source
-    return Path(cfg.output_dir) / (cfg.run_name or default_run_name(cfg))
+    return Path(cfg.run.output_dir) / (cfg.run.run_name or default_run_name(cfg))
 
 
 def _resumed_run_dir(cfg: TrainConfig) -> Path | None:
     """The run directory that ``--resume`` names (a run directory, or one of its checkpoint folders)."""
-    if not cfg.resume:
+    if not cfg.run.resume:
         return None
-    resume = Path(cfg.resume)
+    resume = Path(cfg.run.resume)
     return run_dir_of_checkpoint(resume) if (resume / "COMPLETE").exists() else resume
 
 
@@ -74,18 +79,18 @@ def _is_run_dir(path: Path) -> bool:
 def check_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
     """Read-only checks (safe before any process starts): the parent is a directory, and an existing run is
     only used with ``--resume`` (into itself) or ``--overwrite``."""
-    out = Path(cfg.output_dir)
+    out = Path(cfg.run.output_dir)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--output-dir {out} is not a directory")
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"run directory {run_dir} exists and is not a directory")
     here = _resumes_here(cfg, run_dir)
-    if cfg.overwrite and here:
+    if cfg.run.overwrite and here:
         raise RunDirError(f"--overwrite would delete {run_dir}, the run that --resume continues; drop one of them")
     occupied = run_dir.is_dir() and any(p.name != _LOCK for p in run_dir.iterdir())
     if not occupied or here:
         return
-    if not cfg.overwrite:
+    if not cfg.run.overwrite:
         raise RunDirError(f"run directory {run_dir} already exists: continue it with --resume {run_dir}, replace "
                           f"it with --overwrite, or choose another --run-name")
     if not _is_run_dir(run_dir):
@@ -124,7 +129,7 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> RunDirLock:
     runs. In a distributed run exactly one process calls this, before any process writes into the directory."""
     check_run_dir(cfg, run_dir)
     try:
-        if cfg.overwrite and run_dir.is_dir() and not _resumes_here(cfg, run_dir):
+        if cfg.run.overwrite and run_dir.is_dir() and not _resumes_here(cfg, run_dir):
             lock = RunDirLock(run_dir)  # never delete a directory that a live run holds
             for p in run_dir.iterdir():
                 if p.name != _LOCK:

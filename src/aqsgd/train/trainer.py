@@ -26,39 +26,43 @@ sharded the same way and its sums are reduced over the replicas of the last stag
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
-import re
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from aqsgd.comm import LinkSpec, Transport
 from aqsgd.comm.transport import naming_peer_failures
 from aqsgd.data.datasets import epoch_batches
 from aqsgd.data.synthetic import microbatches
 from aqsgd.errors import ConfigMismatchError, SpecError
 from aqsgd.parallel import ProcessGrid, make_grad_sync
+from aqsgd.parallel.grid import check_same_settings
 from aqsgd.pipeline.compression import CompressionConfig
 from aqsgd.pipeline.materialize import load_weights, materialize_stage
 from aqsgd.pipeline.partition import partition_model, shared_parameters
 from aqsgd.schemes import Phase
 from aqsgd.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
                                     save_checkpoint)
-from aqsgd.train.config import TrainConfig
+from aqsgd.train.config import TrainConfig, flatten_config
 from aqsgd.train.engine import OptimConfig, PipelineEngine
 from aqsgd.train.metrics import MetricsWriter, perplexity
 from aqsgd.train.rundir import (RunDirError, RunDirLock, check_run_dir, prepare_run_dir, resolve_run_dir,
                                 truncate_metrics)
 from aqsgd.train.tasks import TaskSetup, setup_task
 
-__all__ = ["Trainer", "default_run_name", "check_partition", "RESUME_MUST_MATCH"]
+__all__ = ["Trainer", "StepHook", "check_partition", "RESUME_MUST_MATCH"]
 
 log = logging.getLogger(__name__)
-_STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute", "encode", "decode", "wait", "sync_bytes")
+_STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute_s", "encode_s", "decode_s", "wait_s", "sync_bytes",
+              "step_s")
 # evaluation sums, reduced over the replicas: loss x samples, samples, correct predictions, binary confusion counts
 _EVAL_KEYS = ("loss_sum", "count", "correct", "tp", "tn", "fp", "fn")
 
@@ -81,15 +85,10 @@ def check_partition(cfg: TrainConfig, recipe: Any) -> None:
     from aqsgd.pipeline.partition import model_layout, stage_layer_counts
 
     try:
-        stage_layer_counts(model_layout(recipe.build("meta")), cfg.stages, cfg.layers, cfg.balance)
+        stage_layer_counts(model_layout(recipe.build("meta")), cfg.pipeline.stages, cfg.pipeline.layers, cfg.pipeline.balance)
     except ValueError as e:
-        option = (f"--layers {','.join(map(str, cfg.layers))}" if cfg.layers is not None else f"--stages {cfg.stages}")
+        option = (f"--layers {','.join(map(str, cfg.pipeline.layers))}" if cfg.pipeline.layers is not None else f"--stages {cfg.pipeline.stages}")
         raise SpecError(f"{option}: {e}") from None
-
-
-def default_run_name(cfg: TrainConfig) -> str:
-    text = f"{cfg.task}-{cfg.forward}-{cfg.backward}"
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")
 
 
 def _mcc(tp: float, tn: float, fp: float, fn: float) -> float:
@@ -98,19 +97,22 @@ def _mcc(tp: float, tn: float, fp: float, fn: float) -> float:
     return (tp * tn - fp * fn) / den if den else 0.0
 
 
-def shard_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
-    """``[start, stop)`` of part ``index`` when ``n`` items are cut into ``parts`` contiguous, nearly equal
-    parts (the first ``n % parts`` one longer, as :func:`torch.tensor_split`)."""
-    q, rem = divmod(n, parts)
-    start = index * q + min(index, rem)
-    return start, start + q + (1 if index < rem else 0)
+StepHook = Callable[["Trainer", int], None]
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, run_dir: str | Path | None = None) -> None:
+    """Builds the stages this process owns, their engine and transport, and trains them (see the module
+    docstring). ``on_step(trainer, step)`` hooks run before each optimizer step (``step`` counts from 1): a place
+    for callbacks such as the tests' fault injection. A trainer is used once; a process (group) may run several
+    in turn, each with its own run directory."""
+
+    def __init__(self, cfg: TrainConfig, *, run_dir: str | Path | None = None,
+                 on_step: Sequence[StepHook] = ()) -> None:
         self.cfg = cfg.validate()
+        p = cfg.pipeline
+        self.on_step = list(on_step)
         self.distributed = dist.is_initialized()
-        if cfg.runtime == "distributed" and not self.distributed:
+        if p.runtime == "distributed" and not self.distributed:
             raise ConfigMismatchError(
                 "runtime 'distributed' needs torch.distributed initialized in every stage process (start it with "
                 "`aqsgd train --runtime distributed`, or torchrun and init_process_group); use runtime 'local' to "
@@ -118,61 +120,65 @@ class Trainer:
         self.rank = dist.get_rank() if self.distributed else 0
         if self.distributed and dist.get_world_size() != cfg.world_size:
             raise ConfigMismatchError(
-                f"{dist.get_world_size()} processes for {cfg.stages} stages x {cfg.data_parallel} data-parallel "
+                f"{dist.get_world_size()} processes for {p.stages} stages x {p.data_parallel} data-parallel "
                 f"replicas: start exactly stages x data_parallel = {cfg.world_size} processes (one per stage and "
                 f"replica)")
-        self.grid = ProcessGrid.build(cfg.stages, cfg.data_parallel, timeout_s=cfg.timeout) if self.distributed else None
+        if self.distributed:
+            check_same_settings(cfg.flat())
+        self.grid = ProcessGrid.build(p.stages, p.data_parallel, timeout_s=p.timeout) if self.distributed else None
         self.replica = self.grid.replica if self.grid is not None else 0
+        self.transport: Transport | None = None  # distributed: created with the engine
+        # the other stages of this pipeline: who a failed collective may have lost (see naming_peer_failures)
+        self._suspects = [f"stage {s}" for s in range(p.stages) if self.grid is None or s != self.grid.stage]
         self.run_dir = Path(run_dir) if run_dir else resolve_run_dir(cfg)
         if not self.distributed:  # fail fast, before the data are prepared (distributed: rank 0, below)
             check_run_dir(cfg, self.run_dir)
         self.task: TaskSetup = setup_task(cfg)
         check_partition(cfg, self.task.recipe)
         self._lock = self._prepare_run_dir()  # before anything (a disk cache, a checkpoint) writes into it
-        n_train = len(self.task.train)
-        self.steps_per_epoch = math.ceil(self._train_batches_per_epoch(n_train) / cfg.grad_accum)
-        total = self.steps_per_epoch * cfg.epochs
-        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
-        optim = OptimConfig(cfg.optimizer, cfg.lr, cfg.weight_decay, int(cfg.lr_warmup * self.total_steps),
-                            self.total_steps, cfg.max_grad_norm)
-        cache_dir = None
-        if cfg.cache.startswith("disk"):  # one disk cache per replica: each holds its own samples' rows
-            cache_path = self.run_dir / "cache"
-            cache_dir = str(cache_path / f"replica{self.replica}" if cfg.data_parallel > 1 else cache_path)
-        comp = CompressionConfig.simple(cfg.forward, cfg.backward, num_samples=n_train, cache=cfg.cache,
-                                        cache_dir=cache_dir, ef_key=cfg.ef_key, seed=cfg.seed)
-        autocast = torch.bfloat16 if cfg.dtype == "bf16" else None
-        torch.manual_seed(cfg.seed)
-        recipe = self.task.recipe
-        self.transport = None
-        if self.grid is not None:
-            from aqsgd.comm import LinkSpec, Transport
-
-            links = LinkSpec.parse(cfg.link) if cfg.link else None
-            module = materialize_stage(recipe, cfg.stages, self.grid.stage, layers=cfg.layers, balance=cfg.balance)
-            ties = shared_parameters(partition_model(recipe.build("meta"), cfg.stages, layers=cfg.layers,
-                                                     balance=cfg.balance))
-            grad_sync = (make_grad_sync(cfg.grad_sync, self.grid.dp_group, bucket_mb=cfg.grad_bucket_mb, link=links,
-                                        seed=cfg.seed) if cfg.data_parallel > 1 else None)
-            self.transport = Transport(timeout_s=cfg.timeout, links=links, peer_labels=self.grid.peer_labels())
-            self.engine = PipelineEngine({self.grid.stage: module}, cfg.stages, comp, optim, schedule=cfg.schedule,
-                                         transport=self.transport, ties=ties, autocast=autocast, grid=self.grid,
-                                         grad_sync=grad_sync)
-        else:
-            model = load_weights(recipe.build("cpu"), recipe.weights)
-            stages = partition_model(model, cfg.stages, layers=cfg.layers, balance=cfg.balance)
-            self.engine = PipelineEngine(dict(enumerate(stages)), cfg.stages, comp, optim, schedule=cfg.schedule,
-                                         autocast=autocast)
+        self.steps_per_epoch = math.ceil(self._train_batches_per_epoch(len(self.task.train)) / cfg.optim.grad_accum)
+        total = self.steps_per_epoch * cfg.optim.epochs
+        self.total_steps = min(total, cfg.optim.max_steps) if cfg.optim.max_steps else total
+        self.engine = self._build_engine()
         # every replica's last stage has a loss; one of them (replica 0's) writes the metrics
-        self.holds_loss = self.grid is None or self.grid.stage == cfg.stages - 1
-        # the other stages of this pipeline: who a failed collective may have lost (see naming_peer_failures)
-        self._suspects = [f"stage {s}" for s in range(cfg.stages) if self.grid is None or s != self.grid.stage]
+        self.holds_loss = self.grid is None or self.grid.stage == p.stages - 1
         self.writes_metrics = self.holds_loss and self.replica == 0
         self.position = {"epoch": 0, "batch": 0, "step": 0}
         self.totals = {"bytes_sent": 0, "raw_bytes": 0, "grad_sync_bytes": 0, "samples": 0, "train_s": 0.0}
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None
         self._done = {"eval": -1, "checkpoint": -1}  # the steps of the last evaluation and checkpoint
+
+    def _build_engine(self) -> PipelineEngine:
+        """The stages this process owns (all of them locally, its own one distributed), their boundary schemes,
+        optimizers and, distributed, the transport, tied-weight groups and data-parallel gradient sync."""
+        cfg, p, o = self.cfg, self.cfg.pipeline, self.cfg.optim
+        optim = OptimConfig(o.optimizer, o.lr, o.weight_decay, int(o.lr_warmup * self.total_steps), self.total_steps,
+                            o.max_grad_norm)
+        cache_dir = None
+        if cfg.compression.cache.startswith("disk"):  # one disk cache per replica: each holds its own samples' rows
+            cache_path = self.run_dir / "cache"
+            cache_dir = str(cache_path / f"replica{self.replica}" if p.data_parallel > 1 else cache_path)
+        c = cfg.compression
+        comp = CompressionConfig.simple(c.forward, c.backward, num_samples=len(self.task.train), cache=c.cache,
+                                        cache_dir=cache_dir, ef_key=c.ef_key, seed=o.seed)
+        autocast = torch.bfloat16 if o.dtype == "bf16" else None
+        torch.manual_seed(o.seed)
+        recipe = self.task.recipe
+        if self.grid is None:
+            model = load_weights(recipe.build("cpu"), recipe.weights)
+            stages = partition_model(model, p.stages, layers=p.layers, balance=p.balance)
+            return PipelineEngine(dict(enumerate(stages)), p.stages, comp, optim, schedule=p.schedule,
+                                  autocast=autocast)
+        links = LinkSpec.parse(p.link) if p.link else None
+        module = materialize_stage(recipe, p.stages, self.grid.stage, layers=p.layers, balance=p.balance)
+        ties = shared_parameters(partition_model(recipe.build("meta"), p.stages, layers=p.layers, balance=p.balance))
+        grad_sync = (make_grad_sync(p.grad_sync, self.grid.dp_group, bucket_mb=p.grad_bucket_mb, link=links,
+                                    seed=o.seed) if p.data_parallel > 1 else None)
+        self.transport = Transport(timeout_s=p.timeout, links=links, peer_labels=self.grid.peer_labels())
+        return PipelineEngine({self.grid.stage: module}, p.stages, comp, optim, schedule=p.schedule,
+                              transport=self.transport, ties=ties, autocast=autocast, grid=self.grid,
+                              grad_sync=grad_sync)
 
     def _prepare_run_dir(self) -> RunDirLock | None:
         """Check, create and lock the run directory: here without a process group, by rank 0 otherwise (the
@@ -185,7 +191,8 @@ class Trainer:
                 lock = prepare_run_dir(self.cfg, self.run_dir)
             except RunDirError as e:
                 outcome = [str(e)]
-        dist.broadcast_object_list(outcome, src=0)
+        with naming_peer_failures(self.transport, "preparing the run directory", self._suspects):
+            dist.broadcast_object_list(outcome, src=0)
         if outcome[0] is not None:
             raise RunDirError(outcome[0])
         return lock
@@ -194,36 +201,35 @@ class Trainer:
     def _train_batches_per_epoch(self, n: int) -> int:
         """Global batches of one epoch: a trailing partial batch counts if it has a sample for every replica."""
         full, rest = divmod(n, self.cfg.global_batch_size)
-        return full + (1 if rest >= self.cfg.data_parallel else 0)
+        return full + (1 if rest >= self.cfg.pipeline.data_parallel else 0)
 
     def _train_batches(self, epoch: int) -> list[dict[str, torch.Tensor]]:
         """The global batches of one epoch (the same on every process), in the order fixed by (seed, epoch)."""
-        batches = epoch_batches(self.task.train, self.cfg.global_batch_size, seed=self.cfg.seed, epoch=epoch)
-        return [b for b in batches if b["sample_ids"].numel() >= self.cfg.data_parallel]
+        batches = epoch_batches(self.task.train, self.cfg.global_batch_size, seed=self.cfg.optim.seed, epoch=epoch)
+        return [b for b in batches if b["sample_ids"].numel() >= self.cfg.pipeline.data_parallel]
 
     def _shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This replica's contiguous shard of a global batch (the whole batch without data parallelism)."""
-        if self.cfg.data_parallel == 1:
+        if self.cfg.pipeline.data_parallel == 1:
             return batch
-        start, stop = shard_bounds(batch["sample_ids"].numel(), self.cfg.data_parallel, self.replica)
-        return {k: v[start:stop] for k, v in batch.items()}
+        return {k: torch.tensor_split(v, self.cfg.pipeline.data_parallel)[self.replica] for k, v in batch.items()}
 
     def _replica_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a float64 tensor over the replicas of this (last) stage; identity without data parallelism."""
-        if self.grid is not None and self.cfg.data_parallel > 1:
+        if self.grid is not None and self.cfg.pipeline.data_parallel > 1:
             dist.all_reduce(values, group=self.grid.dp_group)
         return values
 
     # -- helpers -----------------------------------------------------------------------------------------
-    def _gathered_stats(self) -> list[list[float]]:
-        """Per stage: bytes and seconds of the last step, gathered from every process when distributed. With
-        data parallelism each row is summed over the stage's replicas (boundary bytes of all D pipelines,
-        their seconds, and the gradient-sync bytes each rank sent)."""
-        rows = [[0.0] * len(_STAT_KEYS) for _ in range(self.cfg.stages)]
+    def _gathered_stats(self, dt: float) -> list[list[float]]:
+        """Per stage: bytes and seconds of the last step (``dt``: the step as this process timed it), gathered
+        from every process when distributed. With data parallelism each row is summed over the stage's replicas
+        (boundary bytes of all D pipelines, their seconds, and the gradient-sync bytes each rank sent)."""
+        rows = [[0.0] * len(_STAT_KEYS) for _ in range(self.cfg.pipeline.stages)]
         for i, st in self.engine.stats().items():
             rows[i] = [st.bytes_sent["forward"], st.bytes_sent["backward"], st.raw_bytes["forward"],
                        st.raw_bytes["backward"], st.compute_s, st.encode_s, st.decode_s, st.wait_s,
-                       self.engine.last_sync_bytes]
+                       self.engine.last_sync_bytes, dt]
         if self.distributed:
             t = torch.tensor(rows, dtype=torch.float64)
             dist.all_reduce(t)  # row i: one contributor per replica of stage i
@@ -231,10 +237,10 @@ class Trainer:
         return rows
 
     def _phase(self, epoch: int) -> Phase:
-        return Phase.WARMUP if epoch < self.cfg.warmup_epochs else Phase.TRAIN
+        return Phase.WARMUP if epoch < self.cfg.compression.warmup_epochs else Phase.TRAIN
 
     def _passes(self, batches: list[dict[str, torch.Tensor]]) -> list[list[dict[str, torch.Tensor]]]:
-        return [microbatches(b, self.cfg.micro_batches) for b in batches]
+        return [microbatches(b, self.cfg.pipeline.micro_batches) for b in batches]
 
     # -- evaluation --------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
@@ -245,13 +251,13 @@ class Trainer:
         classify = self.task.kind != "causal-lm"
         for name, phase in (("compressed", Phase.EVAL), ("uncompressed", Phase.EVAL_RAW)):
             sums = torch.zeros(len(_EVAL_KEYS), dtype=torch.float64)
-            for batch in epoch_batches(self.task.eval, self.cfg.global_batch_size, seed=self.cfg.seed, epoch=0,
+            for batch in epoch_batches(self.task.eval, self.cfg.global_batch_size, seed=self.cfg.optim.seed, epoch=0,
                                        shuffle=False):
                 shard = self._shard(batch)
                 n = shard["sample_ids"].numel()
                 if n == 0:  # fewer samples than replicas in a last batch: every stage of this replica skips it
                     continue
-                loss, logits = self.engine.evaluate(microbatches(shard, self.cfg.micro_batches), phase,
+                loss, logits = self.engine.evaluate(microbatches(shard, self.cfg.pipeline.micro_batches), phase,
                                                     keep_logits=classify)
                 if loss is None:
                     continue
@@ -281,21 +287,22 @@ class Trainer:
         pos = {**self.position, "totals": self.totals, "config": self.cfg.to_dict()}
         step = self.position["step"]
         with naming_peer_failures(self.transport, f"the checkpoint of step {step}", self._suspects):
-            path = save_checkpoint(self.run_dir, step, self.engine, pos, keep=self.cfg.keep_checkpoints)
+            path = save_checkpoint(self.run_dir, step, self.engine, pos, keep=self.cfg.run.keep_checkpoints)
         self._done["checkpoint"] = self.position["step"]
         log.info("checkpoint %s", path)
 
     def _resume(self) -> int:
-        """Load the newest checkpoint of ``cfg.resume``; returns its step. Settings that change what the saved
+        """Load the newest checkpoint of ``cfg.run.resume``; returns its step. Settings that change what the saved
         state means must equal the checkpoint's (one error naming them); others may change, with a warning."""
-        path = latest_checkpoint(self.cfg.resume)  # type: ignore[arg-type]
+        path = latest_checkpoint(self.cfg.run.resume)  # type: ignore[arg-type]
         if path is None:
-            raise CheckpointError(f"--resume: no complete checkpoint under {self.cfg.resume}")
-        saved = read_trainer_state(path).get("config", {})  # verified against the checkpoint's manifests
-        defaults = TrainConfig()  # checkpoints written before a setting existed ran with its default
-        mine = self.cfg.to_dict()
-        differ = {k: (saved.get(k, getattr(defaults, k)), mine[k]) for k in mine
-                  if k not in _RUN_ONLY and saved.get(k, getattr(defaults, k)) != mine[k]}
+            raise CheckpointError(f"--resume: no complete checkpoint under {self.cfg.run.resume}")
+        # verified against the checkpoint's manifests; flat in checkpoints written before the config was nested
+        saved = flatten_config(read_trainer_state(path).get("config", {}))
+        defaults = TrainConfig().flat()  # checkpoints written before a setting existed ran with its default
+        mine = self.cfg.flat()
+        differ = {k: (saved.get(k, defaults[k]), mine[k]) for k in mine
+                  if k not in _RUN_ONLY and saved.get(k, defaults[k]) != mine[k]}
         fixed = {k: v for k, v in differ.items() if k in RESUME_MUST_MATCH}
         if fixed:
             what = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in fixed.items())
@@ -328,19 +335,19 @@ class Trainer:
 
     def _run(self) -> dict[str, Any]:
         cfg = self.cfg
-        resumed_at = self._resume() if cfg.resume else None
+        resumed_at = self._resume() if cfg.run.resume else None
         if resumed_at is not None and self.writes_metrics:
             dropped = truncate_metrics(self.run_dir, resumed_at)
             if dropped:
                 log.info("metrics.jsonl: dropped %d rows after step %d (they are trained again)", dropped, resumed_at)
-        writer = MetricsWriter(self.run_dir, enabled=self.writes_metrics, tensorboard=cfg.tensorboard,
+        writer = MetricsWriter(self.run_dir, enabled=self.writes_metrics, tensorboard=cfg.run.tensorboard,
                                purge_step=None if resumed_at is None else resumed_at + 1)
         if self.writes_metrics:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeRemainingColumn(), disable=not (self.writes_metrics and cfg.progress))
+                            TimeRemainingColumn(), disable=not (self.writes_metrics and cfg.run.progress))
         start = time.perf_counter()
         try:
             with progress:
@@ -356,57 +363,74 @@ class Trainer:
 
     def _loop(self, writer: MetricsWriter, progress: Any, bar: Any) -> None:
         cfg = self.cfg
-        for epoch in range(self.position["epoch"], cfg.epochs):
+        # None: at the end of every epoch; 0: never (not even at the end); N: every N optimizer steps
+        eval_every, checkpoint_every = cfg.run.eval_every, cfg.run.checkpoint_every
+        for epoch in range(self.position["epoch"], cfg.optim.epochs):
             phase = self._phase(epoch)
             batches = self._train_batches(epoch)
             first = self.position["batch"] if epoch == self.position["epoch"] else 0
-            for b in range(first, len(batches), cfg.grad_accum):
+            for b in range(first, len(batches), cfg.optim.grad_accum):
                 if self.position["step"] == self._stop_at:
                     return  # a simulated interruption: no final evaluation, checkpoint or trace
                 if self.position["step"] >= self.total_steps:
                     break
-                group = batches[b : b + cfg.grad_accum]
-                if cfg.trace and self.position["step"] == self.total_steps - 1:
-                    for r in self.engine.runners.values():
-                        r.trace = []
-                t0 = time.perf_counter()
-                with naming_peer_failures(self.transport, f"training step {self.position['step'] + 1}", self._suspects):
-                    loss = self.engine.train_step(self._passes([self._shard(g) for g in group]), phase)
-                    if loss is not None and cfg.data_parallel > 1:  # the mean over the replicas' losses
-                        loss = float(self._replica_sum(torch.tensor([loss], dtype=torch.float64))) / cfg.data_parallel
-                dt = time.perf_counter() - t0
-                self.position.update(epoch=epoch, batch=b + cfg.grad_accum, step=self.position["step"] + 1)
+                for hook in self.on_step:
+                    hook(self, self.position["step"] + 1)
+                group = batches[b : b + cfg.optim.grad_accum]
+                traced = cfg.run.trace and self.position["step"] == self.total_steps - 1
+                with self._profiled(traced):
+                    t0 = time.perf_counter()
+                    loss = self._train_step(group, phase)
+                    dt = time.perf_counter() - t0
+                self.position.update(epoch=epoch, batch=b + cfg.optim.grad_accum, step=self.position["step"] + 1)
                 with naming_peer_failures(self.transport, "the metrics all-reduce", self._suspects):
                     self._log_step(writer, epoch, phase, loss, dt, sum(g["sample_ids"].numel() for g in group))
                 progress.update(bar, advance=1, description=f"epoch {epoch} {phase.value} loss "
                                 f"{loss if loss is not None else float('nan'):.4f}")
                 step = self.position["step"]
-                if cfg.eval_every and step % cfg.eval_every == 0:
+                if eval_every and step % eval_every == 0:
                     self._eval(writer, epoch)
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                if checkpoint_every and step % checkpoint_every == 0:
                     self._checkpoint()
             else:  # the epoch ran to its end
                 self.position.update(epoch=epoch + 1, batch=0)
-                if not cfg.eval_every:
+                if eval_every is None:
                     self._eval(writer, epoch)
-                if not cfg.checkpoint_every:
+                if checkpoint_every is None:
                     self._checkpoint()
                 continue
             break  # --max-steps ended training inside this epoch
-        # the final state is always evaluated and checkpointed (--max-steps may end between the regular points)
-        if self._done["eval"] != self.position["step"]:
+        # the final state is evaluated and checkpointed (--max-steps may end between the regular points)
+        if eval_every != 0 and self._done["eval"] != self.position["step"]:
             self._eval(writer, self.position["epoch"])
-        if self._done["checkpoint"] != self.position["step"]:
+        if checkpoint_every != 0 and self._done["checkpoint"] != self.position["step"]:
             self._checkpoint()
-        self._write_trace()
 
-    def _write_trace(self) -> None:
-        suffix = f".replica{self.replica}" if self.cfg.data_parallel > 1 else ""
-        for i, r in self.engine.runners.items():
-            if r.trace:
-                path = self.run_dir / f"trace.stage{i}{suffix}.json"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({"traceEvents": r.trace}))
+    def _train_step(self, group: list[dict[str, torch.Tensor]], phase: Phase) -> float | None:
+        """One optimizer step over ``group`` (``grad_accum`` global batches); the loss where it is held (the
+        mean over the replicas with data parallelism)."""
+        d = self.cfg.pipeline.data_parallel
+        with naming_peer_failures(self.transport, f"training step {self.position['step'] + 1}", self._suspects):
+            loss = self.engine.train_step(self._passes([self._shard(g) for g in group]), phase)
+            if loss is not None and d > 1:
+                loss = float(self._replica_sum(torch.tensor([loss], dtype=torch.float64))) / d
+        return loss
+
+    @contextlib.contextmanager
+    def _profiled(self, on: bool) -> Iterator[None]:
+        """Profile the enclosed step with :mod:`torch.profiler` (the runner labels every schedule action) and
+        write a chrome trace: ``trace.json`` locally, ``trace.stage<i>[.replica<r>].json`` per process."""
+        if not on:
+            yield
+            return
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            yield
+        name = "trace"
+        if self.grid is not None:
+            name += f".stage{self.grid.stage}" + (f".replica{self.replica}" if self.cfg.pipeline.data_parallel > 1
+                                                   else "")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.run_dir / f"{name}.json"))
 
     def _eval(self, writer: MetricsWriter, epoch: int) -> None:
         with naming_peer_failures(self.transport, f"the evaluation at step {self.position['step']}", self._suspects):
@@ -421,7 +445,7 @@ class Trainer:
                   samples: int) -> None:
         # Boundary bytes are summed over the D replica pipelines (each has its own boundaries); grad_sync_bytes
         # is what every rank sent in its stage's data-parallel group, summed over all ranks (0 when D = 1).
-        stats = self._gathered_stats()
+        stats = self._gathered_stats(dt)
         sent = int(sum(r[0] + r[1] for r in stats))
         raw = int(sum(r[2] + r[3] for r in stats))
         sync = int(sum(r[8] for r in stats))
@@ -433,7 +457,7 @@ class Trainer:
         if not self.writes_metrics:
             return
         per_boundary = {}
-        for b in range(self.cfg.stages - 1):
+        for b in range(self.cfg.pipeline.stages - 1):
             per_boundary[f"b{b}.forward"] = int(stats[b][0])
             per_boundary[f"b{b}.backward"] = int(stats[b + 1][1])
         tokens = self.task.tokens_per_sample
@@ -445,6 +469,8 @@ class Trainer:
             "grad_norm": self.engine.last_grad_norm,
             "time": {"step": dt, "compute": sum(r[4] for r in stats), "codec": sum(r[5] + r[6] for r in stats),
                      "wait": sum(r[7] for r in stats)},
+            # per stage, the mean over its replicas: what one process of that stage sent and spent this step
+            "stages": [{k: v / self.cfg.pipeline.data_parallel for k, v in zip(_STAT_KEYS, r)} for r in stats],
         }
         self.history.append(row)
         writer.write(row)
@@ -453,9 +479,9 @@ class Trainer:
         train_rows = [r for r in self.history if r["loss"] is not None]
         t = self.totals
         return {
-            "task": self.cfg.task, "model": self.task.recipe.kind, "setting": f"{self.cfg.forward}/{self.cfg.backward}",
-            "stages": self.cfg.stages, "data_parallel": self.cfg.data_parallel, "grad_sync": self.cfg.grad_sync,
-            "runtime": self.cfg.runtime, "steps": self.position["step"],
+            "task": self.cfg.task.name, "model": self.task.recipe.kind, "setting": f"{self.cfg.compression.forward}/{self.cfg.compression.backward}",
+            "stages": self.cfg.pipeline.stages, "data_parallel": self.cfg.pipeline.data_parallel, "grad_sync": self.cfg.pipeline.grad_sync,
+            "runtime": self.cfg.pipeline.runtime, "steps": self.position["step"],
             "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
             "eval": self.last_eval, "main_metric": self.task.main_metric,
             "bytes_sent": t["bytes_sent"], "raw_bytes": t["raw_bytes"],

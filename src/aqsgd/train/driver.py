@@ -1,0 +1,64 @@
+"""Running a training configuration wherever it says: all stages in this process (``runtime = "local"``), or
+one process per stage and replica (``"distributed"``), either started here on this machine through PyTorch's
+elastic launcher or already started by ``torchrun`` (then this process trains its own rank).
+
+:func:`run_training` is what ``aqsgd train`` calls; :func:`worker` is the body of every stage process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from aqsgd.comm.launch import launch_local, leave_process_group
+from aqsgd.parallel.grid import GridLayout
+from aqsgd.train.config import TrainConfig
+from aqsgd.train.rundir import check_run_dir, resolve_run_dir
+from aqsgd.train.tasks import setup_task
+from aqsgd.train.trainer import Trainer, check_partition
+
+__all__ = ["run_training", "worker", "under_torchrun"]
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or another launcher that sets RANK and WORLD_SIZE)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def worker(cfg_json: str) -> dict[str, Any] | None:
+    """One stage process: join the process group (from the environment), train this rank, leave the group. The
+    process that writes the metrics (last stage of replica 0) returns the run's summary, the others None."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [pid %(process)d] %(message)s")
+    cfg = TrainConfig.from_dict(json.loads(cfg_json))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(cfg.pipeline.timeout, 10)))
+    clean = False
+    try:
+        trainer = Trainer(cfg)
+        summary = trainer.run()
+        clean = True
+    finally:
+        leave_process_group(clean=clean, timeout_s=cfg.pipeline.timeout)
+    return summary if trainer.writes_metrics else None
+
+
+def run_training(cfg: TrainConfig) -> dict[str, Any] | None:
+    """Train as ``cfg`` says and return the summary (None in the stage processes of a torchrun job that do not
+    write the metrics)."""
+    cfg = cfg.validate()
+    if cfg.pipeline.runtime == "local":
+        return Trainer(cfg).run()
+    if under_torchrun():
+        return worker(cfg.to_json())
+    # prepare data sources and the weights file once, and check what would fail in every stage process alike
+    check_run_dir(cfg, resolve_run_dir(cfg))
+    check_partition(cfg, setup_task(cfg).recipe)
+    # a failing stage ends in StageFailedError: one line naming the stage at fault and the details file
+    names = GridLayout(cfg.pipeline.stages, cfg.pipeline.data_parallel).label
+    results = launch_local(worker, cfg.world_size, cfg.to_json(), rank_names=names)
+    return next((r for r in results if r), None)
