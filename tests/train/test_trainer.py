@@ -103,3 +103,26 @@ def test_dropout_override_reaches_every_dropout_module():
         _with_dropout(ModelRecipe("resnet", {"in_channels": 1, "num_classes": 2}), 0.0)
     with pytest.raises(SpecError, match="--dropout"):
         TrainConfig.of(dropout=1.5).validate()
+
+
+def test_trace_profiles_the_last_step_with_the_schedule_labels(tmp_path):
+    Trainer(_cfg(tmp_path, run_name="t", epochs=1, warmup_epochs=0, trace=True)).run()
+    events = json.loads((tmp_path / "t" / "trace.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    for stage in range(3):
+        assert f"stage{stage} FORWARD mb0" in names and f"stage{stage} BACKWARD mb1" in names
+    assert "stage0 SEND_F mb0" in names and "stage2 RECV_F mb0" in names and "optimizer step" in names
+
+
+def test_hooks_run_before_every_step_and_evaluation_and_checkpoints_can_be_off(tmp_path):
+    seen = []
+    trainer = Trainer(_cfg(tmp_path, run_name="h", eval_every=0, checkpoint_every=0),
+                      on_step=[lambda t, step: seen.append((step, t.position["step"]))])
+    summary = trainer.run()
+    assert seen == [(s, s - 1) for s in range(1, summary["steps"] + 1)]
+    rows = [json.loads(line) for line in (tmp_path / "h" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in rows} == {"train"} and summary["eval"] is None
+    assert not (tmp_path / "h" / "checkpoints").exists()
+    assert [len(r["stages"]) for r in rows] == [3] * len(rows)
+    assert all(r["stages"][0]["fw_bytes"] + r["stages"][1]["fw_bytes"] == r["bytes"]["b0.forward"]
+               + r["bytes"]["b1.forward"] for r in rows)

@@ -45,7 +45,8 @@ from aqsgd.comm.launch import launch_local, leave_process_group
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.trainer import Trainer
 
-__all__ = ["DEFAULT_SETTINGS", "PipelineBenchConfig", "bench_pipeline", "measure", "summarize", "train_config"]
+__all__ = ["DEFAULT_SETTINGS", "PipelineBenchConfig", "bench_pipeline", "measure", "run_options", "summarize",
+           "train_config"]
 
 DEFAULT_SETTINGS = ("fp32", "fp16", "direct fw2/bw4", "aqsgd fw2/bw4")
 
@@ -68,22 +69,40 @@ class PipelineBenchConfig:
     grad_syncs: Sequence[str] = ("allreduce", "q8")  # gradient syncs compared when D > 1
 
 
+def run_options(cfg: Any, setting: str, *, stages: int, replicas: int = 1, grad_sync: str = "allreduce",
+                link: str | None = None, timeout_s: float, output_dir: str | Path, run_name: str,
+                cache_dir: str | Path | None = None) -> dict[str, Any]:
+    """One run of a throughput benchmark as training options by their flat names: a random tiny Llama of
+    ``cfg``'s sizes (``hidden``, ``layers``, ``seq_len``, ``vocab``, ``microbatch_size``, ``num_microbatches``,
+    ``measure_steps``: the fields :class:`PipelineBenchConfig` and the netem sweep's config share) on a synthetic
+    set of exactly one global batch, so every epoch is one optimizer step: epoch 0 uncompressed (AQ-SGD fills
+    its cache there; it is not timed), then ``measure_steps`` timed epochs with the setting's codecs and
+    overrides; no evaluation, no checkpoints. ``cache_dir`` holds the initial weights file."""
+    s = SETTINGS[setting]
+    opts: dict[str, Any] = {
+        "task": "synthetic-lm", "model": "tiny-llama", "model_layers": cfg.layers, "hidden_size": cfg.hidden,
+        "vocab_size": cfg.vocab, "max_length": cfg.seq_len,
+        "max_train_samples": cfg.microbatch_size * cfg.num_microbatches * replicas,
+        "stages": stages, "micro_batches": cfg.num_microbatches, "micro_batch_size": cfg.microbatch_size,
+        "data_parallel": replicas, "grad_sync": grad_sync, "forward": s.forward, "backward": s.backward,
+        "warmup_epochs": 1, "epochs": 1 + cfg.measure_steps, "lr": 1e-3, "lr_warmup": 0.0,
+        "eval_every": 0, "checkpoint_every": 0, "progress": False, "tensorboard": False,
+        "runtime": "distributed", "timeout": float(timeout_s), "output_dir": str(output_dir),
+        "run_name": run_name, "overwrite": True,
+    }
+    if link is not None:
+        opts["link"] = link
+    if cache_dir is not None:
+        opts["cache_dir"] = str(cache_dir)
+    return {**opts, **s.overrides}
+
+
 def train_config(cfg: PipelineBenchConfig, *, stages: int, data_parallel: int, setting: str, bandwidth_mbps: float,
                  grad_sync: str, output_dir: str, run_name: str) -> TrainConfig:
-    """One run of the benchmark as a training configuration: a random tiny Llama on synthetic tokens, one
-    global batch per epoch, the first epoch uncompressed (AQ-SGD fills its cache there; it is not timed), then
-    ``measure_steps`` timed epochs; no evaluation, no checkpoints."""
-    s = SETTINGS[setting]
-    return TrainConfig.of(
-        task="synthetic-lm", model="tiny-llama", model_layers=cfg.layers, hidden_size=cfg.hidden,
-        vocab_size=cfg.vocab, max_length=cfg.seq_len,
-        max_train_samples=cfg.microbatch_size * cfg.num_microbatches * data_parallel,
-        stages=stages, schedule=cfg.schedule, micro_batches=cfg.num_microbatches, micro_batch_size=cfg.microbatch_size,
-        runtime="distributed", timeout=300.0, link=f"{bandwidth_mbps:g}mbit,{cfg.latency_ms:g}ms",
-        data_parallel=data_parallel, grad_sync=grad_sync, forward=s.forward, backward=s.backward,
-        warmup_epochs=1, epochs=1 + cfg.measure_steps, lr=1e-3, lr_warmup=0.0, eval_every=0, checkpoint_every=0,
-        output_dir=output_dir, run_name=run_name, overwrite=True, progress=False, tensorboard=False,
-    ).replace(**s.overrides)
+    """One run of this benchmark (:func:`run_options`) over links emulated in the transport."""
+    return TrainConfig.of(**run_options(cfg, setting, stages=stages, replicas=data_parallel, grad_sync=grad_sync,
+                                        link=f"{bandwidth_mbps:g}mbit,{cfg.latency_ms:g}ms", timeout_s=300.0,
+                                        output_dir=output_dir, run_name=run_name))
 
 
 def _plan(cfg: PipelineBenchConfig, stages: int, data_parallel: int, output_dir: str) -> list[tuple[str, float, TrainConfig]]:

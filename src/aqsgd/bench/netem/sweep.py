@@ -49,7 +49,7 @@ from aqsgd.bench.netem.cluster import (
     sync_link_load,
     train_rows,
 )
-from aqsgd.bench.pipeline import measure, summarize
+from aqsgd.bench.pipeline import measure, run_options, summarize
 from aqsgd.bench.settings import SETTINGS
 from aqsgd.parallel import parse_grad_sync
 
@@ -105,25 +105,11 @@ class NetemBenchConfig:
 
 def train_options(cfg: NetemBenchConfig, setting: str, *, replicas: int = 1, grad_sync: str = "allreduce",
                   output_dir: str | Path, run_name: str, cache_dir: str | Path | None = None) -> dict[str, Any]:
-    """One run of the sweep as ``aqsgd train`` options by their flat names: a random tiny Llama on a synthetic
-    set of exactly one global batch (seeded), so that every epoch is one optimizer step; epoch 0 uncompressed,
-    then ``measure_steps`` timed epochs with the setting's codecs (and its ``overrides``); no evaluation, no
-    checkpoints. ``cache_dir`` holds the initial weights file, which every run of the same model shares."""
-    s = SETTINGS[setting]
-    opts: dict[str, Any] = {
-        "task": "synthetic-lm", "model": "tiny-llama", "model_layers": cfg.layers, "hidden_size": cfg.hidden,
-        "vocab_size": cfg.vocab, "max_length": cfg.seq_len,
-        "max_train_samples": cfg.microbatch_size * cfg.num_microbatches * replicas,
-        "stages": cfg.stages, "micro_batches": cfg.num_microbatches, "micro_batch_size": cfg.microbatch_size,
-        "data_parallel": replicas, "grad_sync": grad_sync, "forward": s.forward, "backward": s.backward,
-        "warmup_epochs": 1, "epochs": 1 + cfg.measure_steps, "lr": 1e-3, "lr_warmup": 0.0,
-        "eval_every": 0, "checkpoint_every": 0, "progress": False, "tensorboard": False,
-        "runtime": "distributed", "timeout": float(cfg.timeout_s), "output_dir": str(output_dir),
-        "run_name": run_name, "overwrite": True,
-    }
-    if cache_dir is not None:
-        opts["cache_dir"] = str(cache_dir)
-    return {**opts, **s.overrides}
+    """One run of the sweep as ``aqsgd train`` options (:func:`aqsgd.bench.pipeline.run_options`) over the
+    cluster's shaped links; ``cache_dir`` holds the initial weights file, which every run of the same model
+    shares."""
+    return run_options(cfg, setting, stages=cfg.stages, replicas=replicas, grad_sync=grad_sync,
+                       timeout_s=cfg.timeout_s, output_dir=output_dir, run_name=run_name, cache_dir=cache_dir)
 
 
 def _variants(cfg: NetemBenchConfig) -> list[tuple[str, int, str]]:
