@@ -1,5 +1,6 @@
 """Moving packets between pipeline stages: a transport over ``torch.distributed`` with link emulation,
-byte accounting and failure detection, plus a helper to run N local processes (:mod:`aqsgd.comm.testing`).
+byte accounting and failure detection, and the local launcher (:mod:`aqsgd.comm.launch`). Test helpers that
+run N local processes live apart, in :mod:`aqsgd.comm.testing`; no production module imports them.
 """
 
 from aqsgd.comm.link import LinkSpec, Pacer, Transmission, parse_bandwidth, parse_latency
