@@ -226,3 +226,30 @@ def test_resume_with_nothing_left_to_train_is_an_error(finished_run):
     cfg = _cfg(finished_run, run_name="again", resume=str(finished_run / "r"))
     with pytest.raises(CheckpointError, match="nothing left to train; raise --epochs or --max-steps"):
         Trainer(cfg).run()
+
+
+def test_saved_configs_flatten_whether_nested_or_written_before_the_nesting():
+    from aqsgd.train.config import flatten_config
+
+    cfg = TrainConfig.of(task="wiki", model="smollm2", model_layers=3, stages=2, forward="delta:q4")
+    assert flatten_config(cfg.to_dict()) == cfg.flat()
+    old = {"task": "wiki", "model": "smollm2", "model_layers": 3, "stages": 2, "forward": "delta:q4"}
+    assert flatten_config(old) == old  # a checkpoint's flat config from before the nesting
+    assert TrainConfig.from_flat(old) == cfg
+    assert TrainConfig.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+@pytest.mark.parametrize("data,needle", [
+    ({"pipeline": {"stages": "2"}}, "stages must be an integer"),
+    ({"pipelines": {}}, "unknown table \\[pipelines\\]"),
+    ({"stages": 2}, "'stages' belongs in table \\[pipeline\\]"),
+    ({"optim": {"stages": 2}}, "'stages' belongs in \\[pipeline\\]"),
+])
+def test_nested_configs_name_the_bad_key(data, needle):
+    with pytest.raises(SpecError, match=needle):
+        TrainConfig.from_dict(data, source="config.json")
+
+
+def test_unknown_option_names_are_errors():
+    with pytest.raises(SpecError, match="unknown options \\['stage'\\]"):
+        TrainConfig.of(stage=2)
