@@ -1,7 +1,8 @@
 """``aqsgd train``: fine-tune a model over a compressed pipeline.
 
-Every field of :class:`~aqsgd.train.config.TrainConfig` is an option (by its flat name); ``--config PRESET.toml`` loads a preset
-first and the options given on the command line override it. With no arguments it runs the embedded default:
+Every field of the nested :class:`~aqsgd.train.config.TrainConfig` is an option, grouped below by its section;
+``--config PRESET.toml`` loads a preset (one table per section) first and the options given on the command
+line override it. With no arguments it runs the embedded default:
 MiniLM fine-tuned on BBC news over a 4-stage local pipeline, AQ-SGD fw2/bw4 after one uncompressed epoch.
 
 ``--runtime distributed`` starts one process per stage on this machine through PyTorch's elastic launcher;
