@@ -445,10 +445,10 @@ class Trainer:
                   samples: int) -> None:
         # Boundary bytes are summed over the D replica pipelines (each has its own boundaries); grad_sync_bytes
         # is what every rank sent in its stage's data-parallel group, summed over all ranks (0 when D = 1).
-        stats = self._gathered_stats(dt)
-        sent = int(sum(r[0] + r[1] for r in stats))
-        raw = int(sum(r[2] + r[3] for r in stats))
-        sync = int(sum(r[8] for r in stats))
+        stats = [dict(zip(_STAT_KEYS, r)) for r in self._gathered_stats(dt)]
+        sent = int(sum(s["fw_bytes"] + s["bw_bytes"] for s in stats))
+        raw = int(sum(s["fw_raw"] + s["bw_raw"] for s in stats))
+        sync = int(sum(s["sync_bytes"] for s in stats))
         self.totals["bytes_sent"] += sent
         self.totals["raw_bytes"] += raw
         self.totals["grad_sync_bytes"] += sync
@@ -458,8 +458,8 @@ class Trainer:
             return
         per_boundary = {}
         for b in range(self.cfg.pipeline.stages - 1):
-            per_boundary[f"b{b}.forward"] = int(stats[b][0])
-            per_boundary[f"b{b}.backward"] = int(stats[b + 1][1])
+            per_boundary[f"b{b}.forward"] = int(stats[b]["fw_bytes"])
+            per_boundary[f"b{b}.backward"] = int(stats[b + 1]["bw_bytes"])
         tokens = self.task.tokens_per_sample
         row = {
             "kind": "train", "step": self.position["step"], "epoch": epoch, "phase": phase.value, "loss": loss,
@@ -467,10 +467,10 @@ class Trainer:
             "bytes_sent": sent, "raw_bytes": raw, "ratio": raw / sent if sent else None, "bytes": per_boundary,
             "grad_sync_bytes": sync,
             "grad_norm": self.engine.last_grad_norm,
-            "time": {"step": dt, "compute": sum(r[4] for r in stats), "codec": sum(r[5] + r[6] for r in stats),
-                     "wait": sum(r[7] for r in stats)},
+            "time": {"step": dt, "compute": sum(s["compute_s"] for s in stats),
+                     "codec": sum(s["encode_s"] + s["decode_s"] for s in stats), "wait": sum(s["wait_s"] for s in stats)},
             # per stage, the mean over its replicas: what one process of that stage sent and spent this step
-            "stages": [{k: v / self.cfg.pipeline.data_parallel for k, v in zip(_STAT_KEYS, r)} for r in stats],
+            "stages": [{k: v / self.cfg.pipeline.data_parallel for k, v in s.items()} for s in stats],
         }
         self.history.append(row)
         writer.write(row)
