@@ -52,15 +52,31 @@ def _flag(default: Any = dataclasses.MISSING, *, flat: str, **kw: Any) -> Any:
 class TaskSection:
     """Which task (data) a run trains on, and how much of it."""
 
-    name: str = _flag("bbc", flat="task")
-    """task: bbc, wiki, fashion-mnist, mnist, synthetic-lm (offline); wikitext-2, glue-cola, glue-qnli, cifar10
-    (hub)"""
+    name: str | None = _flag(None, flat="task")
+    """task: bbc (the default), wiki, fashion-mnist, mnist, synthetic-lm (offline); wikitext-2, glue-cola, glue-qnli,
+    cifar10 (hub); a task registered from Python; leave it unset to train on --train-file or --dataset"""
+    train_file: str | None = None
+    """your training data: .jsonl, .json, .csv, .tsv, .txt (one document per line) or .parquet; a label column makes
+    it text classification, none makes it causal-LM fine-tuning"""
+    eval_file: str | None = None
+    """your evaluation data, in the training file's format (default: --eval-split of the training data)"""
+    dataset: str | None = None
+    """a Hugging Face hub dataset NAME[:CONFIG], loaded with datasets.load_dataset (needs the hub)"""
+    text_column: str = "text"
+    """column holding the text (--train-file, --dataset)"""
+    text_pair_column: str | None = None
+    """column holding the second text of sentence-pair classification (--train-file, --dataset)"""
+    label_column: str | None = None
+    """column holding the class label, strings or integers (default: label, where the data have it; without a label
+    column the data are causal-LM text)"""
+    eval_split: float = 0.1
+    """fraction of the training data held out for evaluation (seeded) when there is no evaluation file or split"""
     max_length: int = 64
     """tokens per sample (text tasks): padded/truncated length or LM chunk length"""
-    max_train_samples: int | None = 600
-    """use only the first N training samples (0: all)"""
-    max_eval_samples: int | None = 200
-    """use only the first N evaluation samples (0: all)"""
+    max_train_samples: int | None = None
+    """use only the first N training samples (default: 600 for the built-in tasks, all of your own data; 0: all)"""
+    max_eval_samples: int | None = None
+    """use only the first N evaluation samples (default: 200 for the built-in tasks, all of your own data; 0: all)"""
     cache_dir: str | None = None
     """data and weights cache (default $AQSGD_CACHE or ~/.cache/aqsgd)"""
 
@@ -70,8 +86,8 @@ class ModelSection:
     """The model and what to change in it."""
 
     name: str | None = _flag(None, flat="model")
-    """model: minilm, smollm2, resnet, tiny-llama, tiny-gpt2, a hub name such as gpt2, or a local folder
-    (default: the task's model)"""
+    """model: a Hugging Face hub name (e.g. Qwen/Qwen2.5-0.5B) or a local folder of any supported family (see `aqsgd
+    models`), or minilm, smollm2, resnet, tiny-llama, tiny-gpt2 (default: the task's model)"""
     layers: int | None = _flag(None, flat="model_layers")
     """keep only the first N transformer blocks of the model (a reduced model)"""
     dropout: float | None = None
@@ -102,6 +118,14 @@ class PipelineSection:
     runtime: str = "local"
     """local: all stages in this process; distributed: one process per stage (started here with PyTorch's
     launcher, or by torchrun)"""
+    device: str = "auto"
+    """where the stages compute: auto (CUDA when available), cpu or cuda; a distributed process takes
+    cuda:(LOCAL_RANK mod device count)"""
+    p2p_backend: str = "gloo"
+    """how packets cross stage boundaries (distributed): gloo (TCP; robust on slow links, GPU tensors are staged
+    through pinned host memory) or nccl (GPU to GPU; for fast links)"""
+    dp_backend: str = "auto"
+    """backend of the data-parallel gradient sync: auto (nccl on GPU, else gloo), gloo or nccl"""
     timeout: float = 60.0
     """seconds a stage waits for a neighbour before failing (distributed)"""
     link: str | None = None
@@ -336,6 +360,23 @@ class TrainConfig:
 
     # -- derived -------------------------------------------------------------------------------------------
     @property
+    def task_name(self) -> str:
+        """The data's name: ``--task``, else the training file's stem or the dataset's name, else ``bbc``."""
+        t = self.task
+        if t.name is not None:
+            return t.name
+        if t.train_file is not None:
+            return Path(t.train_file).stem or "data"
+        if t.dataset is not None:
+            return re.sub(r"[^A-Za-z0-9_.+=-]", "-", t.dataset)
+        return "bbc"
+
+    @property
+    def own_data(self) -> bool:
+        """Whether the run trains on the user's data (``--train-file`` or ``--dataset``)."""
+        return self.task.train_file is not None or self.task.dataset is not None
+
+    @property
     def batch_size(self) -> int:
         """Samples per pipeline pass of one replica."""
         return self.pipeline.micro_batches * self.pipeline.micro_batch_size
@@ -400,6 +441,8 @@ class TrainConfig:
         if not v["timeout"] > 0:
             raise bad("timeout", f"must be > 0 seconds, got {v['timeout']}")
         for name, valid in (("runtime", ("local", "distributed")), ("optimizer", ("adamw", "sgd")),
+                            ("device", ("auto", "cpu", "cuda")), ("p2p_backend", ("gloo", "nccl")),
+                            ("dp_backend", ("auto", "gloo", "nccl")),
                             ("dtype", ("fp32", "bf16")), ("balance", ("layers", "params")),
                             ("ef_key", ("slot", "sample"))):
             if v[name] not in valid:
@@ -426,6 +469,21 @@ class TrainConfig:
             check_run_name(v["run_name"])
         if v["link"] is not None:
             parsed("link", LinkSpec.parse)
+        if v["device"] == "cpu" and "nccl" in (v["p2p_backend"], v["dp_backend"]):
+            which = "p2p_backend" if v["p2p_backend"] == "nccl" else "dp_backend"
+            raise bad(which, "nccl runs on GPUs only; it needs --device cuda (or auto on a machine with one)")
+        own = [n for n in ("train_file", "dataset") if v[n] is not None]
+        if len(own) > 1:
+            raise bad("dataset", "give either --train-file or --dataset, not both")
+        if own and v["task"] is not None:
+            raise bad("task", f"--task {v['task']} and --{own[0].replace('_', '-')} both name the data; give one")
+        if v["eval_file"] is not None and v["train_file"] is None:
+            raise bad("eval_file", "needs --train-file (the training data in the same format)")
+        if not 0 < v["eval_split"] < 1:
+            raise bad("eval_split", f"must be in (0, 1), got {v['eval_split']}")
+        for name in ("text_column", "text_pair_column", "label_column"):
+            if v[name] is not None and not v[name].strip():
+                raise bad(name, "must name a column, got an empty string")
         return self
 
 
