@@ -11,11 +11,17 @@ import datetime
 import json
 import logging
 import os
+import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 
+from torch.utils.data import Dataset
+
 from aqsgd.comm.launch import launch_local, leave_process_group
+from aqsgd.data.datasets import TaskSpec, register_task, registered_tasks
+from aqsgd.errors import SpecError
 from aqsgd.parallel.grid import GridLayout
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.rundir import check_run_dir, resolve_run_dir
@@ -30,16 +36,22 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def worker(cfg_json: str) -> dict[str, Any] | None:
+def worker(cfg_json: str, data: tuple[Dataset, Dataset] | None = None,
+           tasks: Sequence[TaskSpec] = ()) -> dict[str, Any] | None:
     """One stage process: join the process group (from the environment), train this rank, leave the group. The
-    process that writes the metrics (last stage of replica 0) returns the run's summary, the others None."""
+    process that writes the metrics (last stage of replica 0) returns the run's summary, the others None.
+
+    ``data`` are datasets given from Python and ``tasks`` the tasks registered in the launching process (a
+    spawned process starts with neither)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [pid %(process)d] %(message)s")
+    for spec in tasks:
+        register_task(spec, replace=True)
     cfg = TrainConfig.from_dict(json.loads(cfg_json))
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(cfg.pipeline.timeout, 10)))
     clean = False
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, data=data)
         summary = trainer.run()
         clean = True
     finally:
@@ -47,18 +59,33 @@ def worker(cfg_json: str) -> dict[str, Any] | None:
     return summary if trainer.writes_metrics else None
 
 
-def run_training(cfg: TrainConfig) -> dict[str, Any] | None:
+def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None) -> dict[str, Any] | None:
     """Train as ``cfg`` says and return the summary (None in the stage processes of a torchrun job that do not
-    write the metrics)."""
+    write the metrics).
+
+    ``data`` = (train, eval) datasets replace the config's task: map-style datasets whose items are dicts of
+    tensors with a stable ``sample_id`` (a :class:`~aqsgd.data.DictDataset`, e.g. from
+    :func:`~aqsgd.data.lm_chunks` or :func:`~aqsgd.data.text_classification`). The stage processes this starts
+    receive a copy of them and of the tasks registered with :func:`~aqsgd.data.register_task`; under torchrun
+    every process runs the calling script, so each builds its own (identical) datasets.
+    """
     cfg = cfg.validate()
     if cfg.pipeline.runtime == "local":
-        return Trainer(cfg).run()
+        return Trainer(cfg, data=data).run()
     if under_torchrun():
-        return worker(cfg.to_json())
+        return worker(cfg.to_json(), data)
+    tasks = registered_tasks()
+    for what, obj in (("the datasets given as data", data), *((f"registered task {t.name!r}", t) for t in tasks)):
+        try:
+            pickle.dumps(obj)
+        except Exception as e:  # noqa: BLE001 - whatever pickling raises, the stage processes cannot get it
+            raise SpecError(f"{what} must be picklable to reach the stage processes ({type(e).__name__}: {e}); "
+                            f"use module-level functions and plain tensors") from None
     # prepare data sources and the weights file once, and check what would fail in every stage process alike
-    check_run_dir(cfg, resolve_run_dir(cfg))
-    check_partition(cfg, setup_task(cfg).recipe)
+    setup = setup_task(cfg, data=data)
+    check_run_dir(cfg, resolve_run_dir(cfg, None if data is None else setup.name))
+    check_partition(cfg, setup.recipe)
     # a failing stage ends in StageFailedError: one line naming the stage at fault and the details file
     names = GridLayout(cfg.pipeline.stages, cfg.pipeline.data_parallel).label
-    results = launch_local(worker, cfg.world_size, cfg.to_json(), rank_names=names)
+    results = launch_local(worker, cfg.world_size, cfg.to_json(), data, tasks, rank_names=names)
     return next((r for r in results if r), None)

@@ -44,19 +44,20 @@ def run_dir_of_checkpoint(checkpoint: Path) -> Path:
     return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
 
 
-def default_run_name(cfg: TrainConfig) -> str:
-    """``task-forward-backward`` with everything but letters, digits and ``_.-`` replaced by ``-``."""
-    text = f"{cfg.task.name}-{cfg.compression.forward}-{cfg.compression.backward}"
+def default_run_name(cfg: TrainConfig, task: str | None = None) -> str:
+    """``task-forward-backward`` with everything but letters, digits and ``_.-`` replaced by ``-`` (``task``:
+    the data's name, default :attr:`TrainConfig.task_name`)."""
+    text = f"{task or cfg.task_name}-{cfg.compression.forward}-{cfg.compression.backward}"
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")
 
 
-def resolve_run_dir(cfg: TrainConfig) -> Path:
+def resolve_run_dir(cfg: TrainConfig, task: str | None = None) -> Path:
     """Where ``cfg`` writes: ``output_dir / run_name``; when resuming without a ``run_name``, the resumed run's
     own directory; otherwise ``output_dir /`` :func:`default_run_name`."""
     source = _resumed_run_dir(cfg)
     if cfg.run.run_name is None and source is not None:
         return source
-    return Path(cfg.run.output_dir) / (cfg.run.run_name or default_run_name(cfg))
+    return Path(cfg.run.output_dir) / (cfg.run.run_name or default_run_name(cfg, task))
 
 
 def _resumed_run_dir(cfg: TrainConfig) -> Path | None:

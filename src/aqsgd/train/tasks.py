@@ -3,6 +3,17 @@
 :func:`setup_task` returns the datasets (with stable sample ids) and a :class:`ModelRecipe` whose weights
 file holds the complete starting model (pretrained weights plus a seeded head where the task adds one), so a
 distributed stage materializes only its own slice and a local run loads the very same numbers.
+
+The data come from one of four places, in this order:
+
+* datasets given from Python (``Trainer(cfg, data=(train, eval))``, ``run_training(cfg, data=...)``);
+* the user's files (``--train-file`` / ``--eval-file``) or a hub dataset (``--dataset``), read by
+  :mod:`aqsgd.data.datasets.files` with the model's own tokenizer;
+* a task by name (``--task``): the built-in ones and those added with :func:`aqsgd.data.register_task`;
+* the default task, ``bbc``.
+
+Built-in tasks keep their default sample caps (600 training / 200 evaluation samples); the user's data are used
+whole unless ``--max-train-samples`` / ``--max-eval-samples`` cap them.
 """
 
 from __future__ import annotations
@@ -11,8 +22,8 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,18 +33,20 @@ from aqsgd.data import default_cache_dir, load_task, require
 from aqsgd.data.datasets import TASKS
 from aqsgd.data.synthetic import SyntheticLM
 from aqsgd.errors import DataSourceError, SpecError
-from aqsgd.models import family_for, tiny_recipe, truncate_config, with_dropout
+from aqsgd.models import family_for, get_family, tiny_recipe, truncate_config, with_dropout
 from aqsgd.pipeline.materialize import ModelRecipe, init_weights_file, save_weights
 from aqsgd.train.config import TrainConfig
 
-__all__ = ["TaskSetup", "setup_task", "TASK_KINDS"]
+__all__ = ["TaskSetup", "setup_task", "task_kind", "effective_settings", "dataset_kind", "BUILTIN_SAMPLE_CAPS"]
 
 log = logging.getLogger(__name__)
 
-TASK_KINDS = {**{n: t.kind for n, t in TASKS.items()}, "synthetic-lm": "causal-lm"}
 _TINY_BLOCKS = 4  # blocks of the random tiny models unless --model-layers says otherwise
 TINY_MODELS = {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}  # random models of the given sizes (no weights file)
 DEFAULT_MODEL = {"sequence-classification": "minilm", "causal-lm": "smollm2", "image-classification": "resnet"}
+BUILTIN_SAMPLE_CAPS = (600, 200)
+"""Training and evaluation samples a built-in task uses unless --max-train-samples / --max-eval-samples say."""
+_SOURCE_MODELS = ("minilm", "smollm2")  # pretrained models prepared offline from package registries
 
 
 @dataclasses.dataclass
@@ -46,13 +59,80 @@ class TaskSetup:
     num_labels: int | None
     tokens_per_sample: int | None  # for tokens/s (LM and text tasks)
     main_metric: str  # accuracy | perplexity | mcc
+    data_info: dict[str, Any] = dataclasses.field(default_factory=dict)  # label names, files, fingerprint
+
+
+def task_kind(name: str) -> str:
+    """The kind of the task called ``name`` (built-in or registered)."""
+    if name == "synthetic-lm":
+        return "causal-lm"
+    if name not in TASKS:
+        raise SpecError(f"--task: unknown task {name!r}; valid: {', '.join([*TASKS, 'synthetic-lm'])}")
+    return TASKS[name].kind
+
+
+def sample_caps(cfg: TrainConfig) -> tuple[int | None, int | None]:
+    """How many training and evaluation samples to keep (None: all): the options, else the built-in tasks'
+    defaults (:data:`BUILTIN_SAMPLE_CAPS`); 0 means all."""
+    t = cfg.task
+    defaults = (None, None) if cfg.own_data else BUILTIN_SAMPLE_CAPS
+    given = (t.max_train_samples, t.max_eval_samples)
+    return tuple(d if g is None else (g or None) for g, d in zip(given, defaults))  # type: ignore[return-value]
+
+
+def effective_settings(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``flat`` options with the defaults that depend on other options filled in (the task's name and sample
+    caps), so that configs written before those defaults moved compare equal to today's."""
+    out = dict(flat)
+    own = out.get("train_file") is not None or out.get("dataset") is not None
+    if out.get("task") is None and not own:
+        out["task"] = "bbc"
+    if not own:
+        for key, cap in zip(("max_train_samples", "max_eval_samples"), BUILTIN_SAMPLE_CAPS):
+            if out.get(key) is None:
+                out[key] = cap
+    return out
+
+
+def dataset_kind(dataset: Dataset) -> str:
+    """The task kind of a dataset given from Python: ``info["kind"]``, else read from its columns
+    (``pixel_values``: images; ``labels`` shaped like ``input_ids``: causal LM; one label per sample: text
+    classification)."""
+    info = getattr(dataset, "info", {}) or {}
+    if info.get("kind") in ("causal-lm", "sequence-classification", "image-classification"):
+        return info["kind"]
+    try:
+        item = dataset[0]
+    except Exception as e:  # noqa: BLE001 - any failure to read is the same bad input
+        raise SpecError(f"data: cannot read the first training sample ({type(e).__name__}: {e})") from None
+    if not isinstance(item, Mapping) or "labels" not in item:
+        raise SpecError("data: a training sample must be a dict with 'labels' and 'input_ids' or 'pixel_values'")
+    labels = torch.as_tensor(item["labels"])
+    if "pixel_values" in item:
+        return "image-classification"
+    if "input_ids" in item and labels.shape == torch.as_tensor(item["input_ids"]).shape and labels.ndim == 1:
+        return "causal-lm"
+    if "input_ids" in item and labels.ndim == 0:
+        return "sequence-classification"
+    raise SpecError("data: cannot tell the task kind from the columns; set dataset.info['kind'] to one of "
+                    "causal-lm, sequence-classification, image-classification")
+
+
+def _num_labels(dataset: Dataset) -> int:
+    info = getattr(dataset, "info", {}) or {}
+    if info.get("num_labels"):
+        return int(info["num_labels"])
+    columns = getattr(dataset, "columns", None)
+    labels = columns["labels"] if columns is not None else torch.stack(
+        [torch.as_tensor(dataset[i]["labels"]) for i in range(len(dataset))])  # type: ignore[arg-type]
+    return int(labels.max()) + 1
 
 
 def _cache(cfg: TrainConfig) -> Path:
     return Path(cfg.task.cache_dir) if cfg.task.cache_dir else default_cache_dir()
 
 
-def _atomic_weights(path: Path, build) -> Path:
+def _atomic_weights(path: Path, build: Callable[[Path], None]) -> Path:
     """Create a weights file once (concurrent stage processes may race: write aside, rename)."""
     if path.exists():
         return path
@@ -63,73 +143,6 @@ def _atomic_weights(path: Path, build) -> Path:
     return path
 
 
-def _hf_recipe(kind: str, model_dir: Path, cfg: TrainConfig, *, num_labels: int | None, weights_dir: Path) -> ModelRecipe:
-    """Recipe for a local Hugging Face folder; adds a seeded classification head when the task needs one."""
-    config = json.loads((model_dir / "config.json").read_text())
-    config.pop("quantization_config", None)
-    config = _option("--model-layers", truncate_config, kind, config, cfg.model.layers)
-    if num_labels is not None:
-        config = {**config, "num_labels": num_labels}
-        config.pop("id2label", None)
-        config.pop("label2id", None)
-    if num_labels is None and cfg.model.layers is None and (model_dir / "model.safetensors").exists():
-        return ModelRecipe(kind, config, weights=str(model_dir))  # the folder is the complete model
-
-    def build(path: Path) -> None:
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-        torch.manual_seed(cfg.optim.seed)
-        if num_labels is not None:
-            model = AutoModelForSequenceClassification.from_pretrained(
-                str(model_dir), num_labels=num_labels, num_hidden_layers=config.get("num_hidden_layers"))
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir), **(
-                {"num_hidden_layers": cfg.model.layers} if cfg.model.layers else {}))
-        save_weights(model, path)
-
-    recipe = ModelRecipe(kind, config)
-    name = f"{model_dir.name}-{recipe.fingerprint()}-seed{cfg.optim.seed}.safetensors"
-    return recipe.with_weights(_atomic_weights(weights_dir / name, build))
-
-
-def _model_recipe(cfg: TrainConfig, kind: str, train: Dataset) -> ModelRecipe:
-    weights_dir = _cache(cfg) / "weights"
-    info = getattr(train, "info", {})
-    model = cfg.model.name or ("tiny-llama" if cfg.task.name == "synthetic-lm" else DEFAULT_MODEL[kind])
-    if model == "resnet":
-        if cfg.model.layers is not None:
-            raise SpecError("--model-layers keeps the first N blocks of a transformer; the resnet has no such "
-                            "setting")
-        if kind != "image-classification":
-            raise SpecError(f"--model resnet needs an image task, not {cfg.task.name}")
-        recipe = ModelRecipe("resnet", {"in_channels": int(info.get("channels", 1)), "num_classes": int(info["num_labels"]),
-                                        "widths": [16, 32, 64], "blocks_per_group": 2, "norm": "group"})
-        path = weights_dir / f"resnet-{recipe.fingerprint()}-seed{cfg.optim.seed}.safetensors"
-        return recipe.with_weights(_atomic_weights(path, lambda p: init_weights_file(recipe, p, cfg.optim.seed)))
-    if model in TINY_MODELS:
-        if kind != "causal-lm":
-            raise SpecError(f"--model {model} is a causal LM; the {cfg.task.name} task needs a {kind} model")
-        if cfg.model.layers is not None and cfg.model.layers > _TINY_BLOCKS:
-            raise SpecError(f"--model-layers: the model has only {_TINY_BLOCKS} blocks, asked for {cfg.model.layers}")
-        recipe = tiny_recipe(TINY_MODELS[model], layers=cfg.model.layers or _TINY_BLOCKS, hidden=cfg.model.hidden_size,
-                             vocab=cfg.model.vocab_size, seq_len=cfg.task.max_length)
-        path = weights_dir / f"{model}-{recipe.fingerprint()}-seed{cfg.optim.seed}.safetensors"
-        return recipe.with_weights(_atomic_weights(path, lambda p: init_weights_file(recipe, p, cfg.optim.seed)))
-    num_labels = int(info["num_labels"]) if kind == "sequence-classification" else None
-    if model in ("minilm", "smollm2"):
-        folder = require(model, cfg.task.cache_dir)
-    elif Path(model).is_dir():
-        folder = Path(model)
-    else:
-        folder = _hub_model(model, kind, weights_dir)
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    if kind not in ("causal-lm", "sequence-classification"):
-        raise SpecError(f"--model {model} does not fit the {kind} task {cfg.task.name}")
-    family = _option(f"--model {model}", family_for, model_type, kind)
-    return _hf_recipe(family, folder, cfg, num_labels=num_labels if kind == "sequence-classification" else None,
-                      weights_dir=weights_dir)
-
-
 def _option(option: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, its one-line SpecError prefixed with the option it is about."""
     try:
@@ -138,51 +151,240 @@ def _option(option: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise SpecError(f"{option}: {e}") from None
 
 
+# -- models -----------------------------------------------------------------------------------------------
+
+
+def _model_name(cfg: TrainConfig, kind: str) -> str:
+    return cfg.model.name or ("tiny-llama" if cfg.task.name == "synthetic-lm" else DEFAULT_MODEL[kind])
+
+
+def _model_folder(cfg: TrainConfig, kind: str) -> Path | None:
+    """The folder of a transformers model (a prepared source, a local folder or a hub download), or None for
+    the bundled models (resnet, the random tiny ones)."""
+    model = _model_name(cfg, kind)
+    if model == "resnet" or model in TINY_MODELS:
+        return None
+    if model in _SOURCE_MODELS:
+        return require(model, cfg.task.cache_dir)
+    if Path(model).is_dir():
+        if not (Path(model) / "config.json").is_file():
+            raise SpecError(f"--model {model}: the folder has no config.json (save a model there with "
+                            f"save_pretrained)")
+        return Path(model)
+    if model.startswith(("/", ".", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model):
+        raise SpecError(f"--model {model}: no such folder")  # a path, not a hub name (org/name)
+    return _hub_model(model, kind, _cache(cfg) / "weights")
+
+
+def _tokenizer(folder: Path, model: str) -> Any:
+    """The tokenizer saved next to a model."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # noqa: BLE001 - a folder without a usable tokenizer: one clear line
+        raise DataSourceError(f"--model {model}: no tokenizer in {folder} ({type(e).__name__}); save one there "
+                              f"with tokenizer.save_pretrained(...)") from None
+
+
+def _hf_recipe(kind: str, model_dir: Path, cfg: TrainConfig, *, num_labels: int | None, weights_dir: Path,
+               labels: list[str] | None = None, pad_token_id: int | None = None) -> ModelRecipe:
+    """Recipe for a local Hugging Face folder; adds a seeded classification head when the task needs one."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config = _option("--model-layers", truncate_config, kind, config, cfg.model.layers)
+    extra: dict[str, Any] = {}
+    if num_labels is not None:
+        config = {**config, "num_labels": num_labels}
+        config.pop("id2label", None)
+        config.pop("label2id", None)
+        if labels is not None:  # the user's label names travel with the model
+            extra = {"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}}
+            config.update({"id2label": {str(i): n for i, n in enumerate(labels)},
+                           "label2id": extra["label2id"]})
+        if config.get("pad_token_id") is None and pad_token_id is not None:
+            config["pad_token_id"] = extra["pad_token_id"] = pad_token_id
+    whole = (model_dir / "model.safetensors").exists() or (model_dir / "model.safetensors.index.json").exists()
+    if num_labels is None and cfg.model.layers is None and whole:
+        return ModelRecipe(kind, config, weights=str(model_dir))  # the folder is the complete model
+    family = get_family(kind)
+
+    def build(path: Path) -> None:
+        import transformers
+
+        torch.manual_seed(cfg.optim.seed)
+        auto = getattr(transformers, getattr(family, "auto_class", None) or (
+            "AutoModelForSequenceClassification" if num_labels is not None else "AutoModelForCausalLM"))
+        kwargs: dict[str, Any] = {}
+        if cfg.model.layers:
+            kwargs[family.blocks_key or "num_hidden_layers"] = cfg.model.layers
+        if num_labels is not None:
+            kwargs.update(num_labels=num_labels, **extra)
+        model = auto.from_pretrained(str(model_dir), **kwargs)
+        save_weights(model, path)
+
+    recipe = ModelRecipe(kind, config)
+    name = f"{model_dir.name}-{recipe.fingerprint()}-seed{cfg.optim.seed}.safetensors"
+    return recipe.with_weights(_atomic_weights(weights_dir / name, build))
+
+
+def _model_recipe(cfg: TrainConfig, kind: str, train: Dataset, folder: Path | None) -> ModelRecipe:
+    weights_dir = _cache(cfg) / "weights"
+    info = getattr(train, "info", {}) or {}
+    model = _model_name(cfg, kind)
+    if model == "resnet":
+        if cfg.model.layers is not None:
+            raise SpecError("--model-layers keeps the first N blocks of a transformer; the resnet has no such "
+                            "setting")
+        if kind != "image-classification":
+            raise SpecError(f"--model resnet needs an image task, not {cfg.task_name}")
+        recipe = ModelRecipe("resnet", {"in_channels": int(info.get("channels", 1)),
+                                        "num_classes": _num_labels(train),
+                                        "widths": [16, 32, 64], "blocks_per_group": 2, "norm": "group"})
+        path = weights_dir / f"resnet-{recipe.fingerprint()}-seed{cfg.optim.seed}.safetensors"
+        return recipe.with_weights(_atomic_weights(path, lambda p: init_weights_file(recipe, p, cfg.optim.seed)))
+    if model in TINY_MODELS:
+        if kind != "causal-lm":
+            raise SpecError(f"--model {model} is a causal LM; the {cfg.task_name} task needs a {kind} model")
+        if cfg.model.layers is not None and cfg.model.layers > _TINY_BLOCKS:
+            raise SpecError(f"--model-layers: the model has only {_TINY_BLOCKS} blocks, asked for {cfg.model.layers}")
+        recipe = tiny_recipe(TINY_MODELS[model], layers=cfg.model.layers or _TINY_BLOCKS, hidden=cfg.model.hidden_size,
+                             vocab=cfg.model.vocab_size, seq_len=cfg.task.max_length)
+        path = weights_dir / f"{model}-{recipe.fingerprint()}-seed{cfg.optim.seed}.safetensors"
+        return recipe.with_weights(_atomic_weights(path, lambda p: init_weights_file(recipe, p, cfg.optim.seed)))
+    if kind not in ("causal-lm", "sequence-classification"):
+        raise SpecError(f"--model {model} does not fit the {kind} task {cfg.task_name}")
+    assert folder is not None
+    config = json.loads((folder / "config.json").read_text())
+    family = _option(f"--model {model}", family_for, config.get("model_type"), kind)
+    _check_vocab(model, config, info)
+    num_labels = _num_labels(train) if kind == "sequence-classification" else None
+    labels = info.get("label_names") if cfg.own_data else None
+    return _hf_recipe(family, folder, cfg, num_labels=num_labels, weights_dir=weights_dir, labels=labels,
+                      pad_token_id=info.get("pad_token_id"))
+
+
+def _check_vocab(model: str, config: Mapping[str, Any], info: Mapping[str, Any]) -> None:
+    """The tokenizer's ids must fit the model's embedding table."""
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    used = info.get("vocab_size")
+    if vocab and used and int(used) > int(vocab):
+        raise SpecError(f"--model {model}: its embedding has {vocab} tokens but the data's tokenizer has {used}; "
+                        f"use the model's own tokenizer")
+
+
 def _hub_model(name: str, kind: str, weights_dir: Path) -> Path:
-    """Download a hub model once into the cache (only where the hub is reachable)."""
+    """Download a hub model and its tokenizer once into the cache (only where the hub is reachable)."""
     target = weights_dir / "hub" / name.replace("/", "--")
     if (target / "config.json").exists():
         return target
     if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise DataSourceError(f"--model {name}: the Hugging Face hub is offline (HF_HUB_OFFLINE=1); use the "
-                              f"offline default (--model {DEFAULT_MODEL[kind]})")
+        raise DataSourceError(f"--model {name}: the Hugging Face hub is offline (HF_HUB_OFFLINE=1); use a local "
+                              f"folder or the offline default (--model {DEFAULT_MODEL[kind]})")
     try:
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+        import transformers
+        from transformers import AutoConfig, AutoTokenizer
 
-        cls = AutoModelForCausalLM if kind == "causal-lm" else AutoModelForSequenceClassification
+        model_type = AutoConfig.from_pretrained(name).model_type
+        family = get_family(family_for(model_type, kind))
+        cls = getattr(transformers, family.auto_class or "AutoModelForCausalLM")
         model = cls.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except SpecError as e:
+        raise SpecError(f"--model {name}: {e}") from None
     except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear message
         raise DataSourceError(f"--model {name}: could not load it from the Hugging Face hub ({type(e).__name__}); "
-                              f"offline, use --model {DEFAULT_MODEL[kind]}") from None
-    model.save_pretrained(str(target))
+                              f"use a local folder, or offline --model {DEFAULT_MODEL[kind]}") from None
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    os.replace(tmp, target)
     return target
 
 
-def setup_task(cfg: TrainConfig) -> TaskSetup:
-    if cfg.task.name not in TASK_KINDS:
-        raise SpecError(f"--task: unknown task {cfg.task.name!r}; valid: {', '.join(TASK_KINDS)}")
-    kind = TASK_KINDS[cfg.task.name]
-    limit = lambda n: None if not n else n  # noqa: E731  (0 / None: all)
-    if cfg.task.name == "synthetic-lm":
-        n = cfg.task.max_train_samples or 256
+# -- data -------------------------------------------------------------------------------------------------
+
+
+def _own_data(cfg: TrainConfig) -> tuple[Dataset, Dataset, str, Path | None]:
+    """The user's files or hub dataset, tokenized with the model's tokenizer: (train, eval, kind, model folder)."""
+    from aqsgd.data.datasets import files
+
+    t = cfg.task
+    n_train, n_eval = sample_caps(cfg)
+    common = dict(max_length=t.max_length, text_column=t.text_column, text_pair_column=t.text_pair_column,
+                  label_column=t.label_column, eval_split=t.eval_split, seed=cfg.optim.seed,
+                  max_train_samples=n_train, max_eval_samples=n_eval)
+    if t.train_file is not None:
+        kind = files.data_kind(t.train_file, label_column=t.label_column)
+        folder = _model_folder(cfg, kind)
+        if folder is None:
+            raise SpecError(f"--model {_model_name(cfg, kind)} has no tokenizer for your text; use a transformers "
+                            f"model (a hub name or a folder with its tokenizer)")
+        tokenizer = _tokenizer(folder, _model_name(cfg, kind))
+        train, evals = files.load_text_files(t.train_file, t.eval_file, tokenizer=tokenizer, **common)
+        return train, evals, kind, folder
+    folders: dict[str, Path | None] = {}
+
+    def tokenizer_for(kind: str) -> Any:
+        folders[kind] = _model_folder(cfg, kind)
+        if folders[kind] is None:
+            raise SpecError(f"--model {_model_name(cfg, kind)} has no tokenizer for your text")
+        return _tokenizer(folders[kind], _model_name(cfg, kind))  # type: ignore[arg-type]
+
+    train, evals = files.load_hub_dataset(t.dataset, tokenizer=tokenizer_for, **common)  # type: ignore[arg-type]
+    kind = train.info["kind"]
+    return train, evals, kind, folders.get(kind)
+
+
+def _named_task(cfg: TrainConfig, kind: str) -> tuple[Dataset, Dataset, Path | None]:
+    """A built-in or registered task; text tasks use the model's tokenizer where the model brings one."""
+    name = cfg.task_name
+    n_train, n_eval = sample_caps(cfg)
+    if name == "synthetic-lm":
         vocab = cfg.model.vocab_size
-        train: Dataset = SyntheticLM(n, cfg.task.max_length, vocab, seed=cfg.optim.seed)
-        evals: Dataset = SyntheticLM(cfg.task.max_eval_samples or 64, cfg.task.max_length, vocab,
-                                     seed=cfg.optim.seed + 10_000)
+        train = SyntheticLM(n_train or 256, cfg.task.max_length, vocab, seed=cfg.optim.seed)
+        evals = SyntheticLM(n_eval or 64, cfg.task.max_length, vocab, seed=cfg.optim.seed + 10_000)
+        return train, evals, None
+    folder = _model_folder(cfg, kind) if kind != "image-classification" else None
+    # the task's own tokenizer goes with the task's default model; any other transformers model brings its own
+    tokenizer = str(folder) if folder is not None and cfg.model.name not in (None, *_SOURCE_MODELS) else None
+    if tokenizer is None and cfg.model.name in _SOURCE_MODELS:
+        tokenizer = cfg.model.name
+    common = dict(cache_dir=cfg.task.cache_dir, seq_len=cfg.task.max_length, max_length=cfg.task.max_length,
+                  seed=cfg.optim.seed, tokenizer=tokenizer)
+    train = load_task(name, "train", max_samples=n_train, **common)
+    evals = load_task(name, "eval", max_samples=n_eval, **common)
+    return train, evals, folder
+
+
+def setup_task(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None) -> TaskSetup:
+    """The data and model of a run (see the module docstring); ``data`` = (train, eval) datasets given from
+    Python, whose items are dicts of tensors with a stable ``sample_id`` (e.g. a
+    :class:`~aqsgd.data.DictDataset`)."""
+    if data is not None:
+        if cfg.own_data or cfg.task.name is not None:
+            raise SpecError("data given from Python replace --task / --train-file / --dataset; leave those unset")
+        train, evals = data
+        if len(train) == 0 or len(evals) == 0:  # type: ignore[arg-type]
+            raise SpecError(f"data: {len(train)} training and {len(evals)} evaluation samples; both need some")  # type: ignore[arg-type]
+        kind = dataset_kind(train)
+        folder = _model_folder(cfg, kind) if kind != "image-classification" else None
+        name = str((getattr(train, "info", {}) or {}).get("task") or "data")
+    elif cfg.own_data:
+        train, evals, kind, folder = _own_data(cfg)
+        name = cfg.task_name
     else:
-        tokenizer = None
-        if kind == "causal-lm" and cfg.model.name and cfg.model.name not in ("smollm2",) and Path(cfg.model.name).is_dir():
-            tokenizer = cfg.model.name
-        common = dict(cache_dir=cfg.task.cache_dir, seq_len=cfg.task.max_length, max_length=cfg.task.max_length, seed=cfg.optim.seed,
-                      tokenizer=tokenizer)
-        train = load_task(cfg.task.name, "train", max_samples=limit(cfg.task.max_train_samples), **common)
-        evals = load_task(cfg.task.name, "eval", max_samples=limit(cfg.task.max_eval_samples), **common)
-    recipe = _option("--dropout", with_dropout, _model_recipe(cfg, kind, train), cfg.model.dropout)
-    info = getattr(train, "info", {})
-    num_labels = int(info["num_labels"]) if "num_labels" in info else None
+        kind = task_kind(cfg.task_name)
+        train, evals, folder = _named_task(cfg, kind)
+        name = cfg.task_name
+    recipe = _option("--dropout", with_dropout, _model_recipe(cfg, kind, train, folder), cfg.model.dropout)
+    info = getattr(train, "info", {}) or {}
+    num_labels = _num_labels(train) if kind != "causal-lm" else None
     metric = {"causal-lm": "perplexity", "sequence-classification": "accuracy",
               "image-classification": "accuracy"}[kind]
-    if cfg.task.name == "glue-cola":
+    if name == "glue-cola":
         metric = "mcc"
-    return TaskSetup(cfg.task.name, kind, recipe, train, evals, num_labels,
-                     cfg.task.max_length if kind != "image-classification" else None, metric)
+    data_info = {k: info[k] for k in ("label_names", "files", "fingerprint", "text_column", "label_column",
+                                       "text_pair_column", "rows", "dataset") if info.get(k) is not None}
+    return TaskSetup(name, kind, recipe, train, evals, num_labels,
+                     cfg.task.max_length if kind != "image-classification" else None, metric, data_info)

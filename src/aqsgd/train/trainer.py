@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset
 
 from aqsgd.comm import LinkSpec, Transport
 from aqsgd.comm.transport import naming_peer_failures
@@ -56,7 +57,7 @@ from aqsgd.train.engine import OptimConfig, PipelineEngine
 from aqsgd.train.metrics import MetricsWriter, perplexity
 from aqsgd.train.rundir import (RunDirError, RunDirLock, check_run_dir, prepare_run_dir, resolve_run_dir,
                                 truncate_metrics)
-from aqsgd.train.tasks import TaskSetup, setup_task
+from aqsgd.train.tasks import TaskSetup, effective_settings, setup_task
 
 __all__ = ["Trainer", "StepHook", "check_partition", "RESUME_MUST_MATCH"]
 
@@ -106,8 +107,8 @@ class Trainer:
     for callbacks such as the tests' fault injection. A trainer is used once; a process (group) may run several
     in turn, each with its own run directory."""
 
-    def __init__(self, cfg: TrainConfig, *, run_dir: str | Path | None = None,
-                 on_step: Sequence[StepHook] = ()) -> None:
+    def __init__(self, cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None,
+                 run_dir: str | Path | None = None, on_step: Sequence[StepHook] = ()) -> None:
         self.cfg = cfg.validate()
         p = cfg.pipeline
         self.on_step = list(on_step)
@@ -130,10 +131,11 @@ class Trainer:
         self.transport: Transport | None = None  # distributed: created with the engine
         # the other stages of this pipeline: who a failed collective may have lost (see naming_peer_failures)
         self._suspects = [f"stage {s}" for s in range(p.stages) if self.grid is None or s != self.grid.stage]
-        self.run_dir = Path(run_dir) if run_dir else resolve_run_dir(cfg)
+        data_name = None if data is None else str((getattr(data[0], "info", {}) or {}).get("task") or "data")
+        self.run_dir = Path(run_dir) if run_dir else resolve_run_dir(cfg, data_name)
         if not self.distributed:  # fail fast, before the data are prepared (distributed: rank 0, below)
             check_run_dir(cfg, self.run_dir)
-        self.task: TaskSetup = setup_task(cfg)
+        self.task: TaskSetup = setup_task(cfg, data=data)
         check_partition(cfg, self.task.recipe)
         self._lock = self._prepare_run_dir()  # before anything (a disk cache, a checkpoint) writes into it
         self.steps_per_epoch = math.ceil(self._train_batches_per_epoch(len(self.task.train)) / cfg.optim.grad_accum)
@@ -284,7 +286,7 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def _checkpoint(self) -> None:
-        pos = {**self.position, "totals": self.totals, "config": self.cfg.to_dict()}
+        pos = {**self.position, "totals": self.totals, "config": self.cfg.to_dict(), "data": self.task.data_info}
         step = self.position["step"]
         with naming_peer_failures(self.transport, f"the checkpoint of step {step}", self._suspects):
             path = save_checkpoint(self.run_dir, step, self.engine, pos, keep=self.cfg.run.keep_checkpoints)
@@ -298,9 +300,10 @@ class Trainer:
         if path is None:
             raise CheckpointError(f"--resume: no complete checkpoint under {self.cfg.run.resume}")
         # verified against the checkpoint's manifests; flat in checkpoints written before the config was nested
-        saved = flatten_config(read_trainer_state(path).get("config", {}))
+        trainer_state = read_trainer_state(path)
+        saved = effective_settings(flatten_config(trainer_state.get("config", {})))
         defaults = TrainConfig().flat()  # checkpoints written before a setting existed ran with its default
-        mine = self.cfg.flat()
+        mine = effective_settings(self.cfg.flat())
         differ = {k: (saved.get(k, defaults[k]), mine[k]) for k in mine
                   if k not in _RUN_ONLY and saved.get(k, defaults[k]) != mine[k]}
         fixed = {k: v for k, v in differ.items() if k in RESUME_MUST_MATCH}
@@ -308,6 +311,12 @@ class Trainer:
             what = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in fixed.items())
             raise CheckpointError(f"--resume {path}: the checkpoint was trained with {what}; these settings must "
                                   f"match to continue it")
+        was, now = trainer_state.get("data", {}).get("fingerprint"), self.task.data_info.get("fingerprint")
+        if was is not None and was != now:
+            files = ", ".join(map(str, self.task.data_info.get("files", []))) or "the data"
+            raise CheckpointError(f"--resume {path}: {files} changed since the checkpoint (sha256 {str(was)[:12]}... "
+                                  f"then, {str(now)[:12]}... now); its sample ids and cached activations would not "
+                                  f"match: restore the data or start a new run")
         if differ:
             log.warning("resuming %s with changed settings: %s", path,
                         ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items()))
@@ -344,6 +353,8 @@ class Trainer:
                                purge_step=None if resumed_at is None else resumed_at + 1)
         if self.writes_metrics:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+            if self.task.data_info:  # the label set, files and their fingerprints: what the model was trained on
+                (self.run_dir / "data.json").write_text(json.dumps(self.task.data_info, indent=1))
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -479,7 +490,7 @@ class Trainer:
         train_rows = [r for r in self.history if r["loss"] is not None]
         t = self.totals
         return {
-            "task": self.cfg.task.name, "model": self.task.recipe.kind, "setting": f"{self.cfg.compression.forward}/{self.cfg.compression.backward}",
+            "task": self.task.name, "model": self.task.recipe.kind, "setting": f"{self.cfg.compression.forward}/{self.cfg.compression.backward}",
             "stages": self.cfg.pipeline.stages, "data_parallel": self.cfg.pipeline.data_parallel, "grad_sync": self.cfg.pipeline.grad_sync,
             "runtime": self.cfg.pipeline.runtime, "steps": self.position["step"],
             "final_train_loss": train_rows[-1]["loss"] if train_rows else None,

@@ -34,13 +34,23 @@ from aqsgd.data.datasets.batching import (
 from aqsgd.data.datasets.hub import HUB_PROBE_TIMEOUT_S as HUB_PROBE_TIMEOUT_S
 from aqsgd.data.datasets.images import FASHION_MNIST_CLASSES as FASHION_MNIST_CLASSES
 from aqsgd.data.datasets.images import image_classification, read_idx
-from aqsgd.data.datasets.tasks import SPLITS, TASKS, TaskSpec, load_task, task_names
+from aqsgd.data.datasets.base import TaskArgs
+from aqsgd.data.datasets.tasks import (
+    SPLITS,
+    TASKS,
+    TaskSpec,
+    load_task,
+    register_task,
+    registered_tasks,
+    task_names,
+)
 from aqsgd.data.datasets.text import lm_chunks, load_tokenizer, read_bbc, read_wiki, text_classification
 
 __all__ = [
     "SPLITS",
     "TASKS",
     "DictDataset",
+    "TaskArgs",
     "TaskSpec",
     "collate",
     "epoch_batches",
@@ -53,6 +63,8 @@ __all__ = [
     "read_bbc",
     "read_idx",
     "read_wiki",
+    "register_task",
+    "registered_tasks",
     "stratified_split",
     "task_names",
     "text_classification",

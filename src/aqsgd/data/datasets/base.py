@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 
 from aqsgd.errors import SpecError
 
-__all__ = ["DictDataset", "PathLike", "Transform"]
+__all__ = ["DictDataset", "PathLike", "TaskArgs", "Transform"]
 
 PathLike = str | os.PathLike[str]
 Transform = Callable[[Tensor], Tensor]
@@ -91,8 +91,20 @@ def _max(ds_len: int, max_samples: int | None) -> int:
 
 
 @dataclass(frozen=True)
-class _Args:
-    """The arguments of :func:`~aqsgd.data.datasets.load_task` as a task loader receives them."""
+class TaskArgs:
+    """What a task loader (:attr:`TaskSpec.loader <aqsgd.data.datasets.tasks.TaskSpec>`) receives: the arguments of
+    :func:`~aqsgd.data.datasets.load_task`.
+
+    Attributes:
+        split: ``"train"`` or ``"eval"``.
+        cache_dir: the sources' cache folder (None: the default).
+        seq_len: tokens per sample of causal-LM data.
+        max_length: padded/truncated length of text classification samples.
+        max_samples: keep only the first N samples of the split (None: all).
+        tokenizer: a tokenizer source name, folder or object the task should use (None: the task's own).
+        seed: seed of seeded splits.
+        eval_fraction: eval share of a split held out from the training data (None: the task's default).
+    """
 
     split: str
     cache_dir: PathLike | None
@@ -102,3 +114,6 @@ class _Args:
     tokenizer: Any
     seed: int
     eval_fraction: float | None
+
+
+_Args = TaskArgs  # the name the built-in loaders use

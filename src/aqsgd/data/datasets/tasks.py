@@ -7,12 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aqsgd.data.datasets.base import DictDataset, PathLike, _Args
+from aqsgd.data.datasets.base import DictDataset, PathLike, TaskArgs
 from aqsgd.data.datasets.images import _load_cifar10, _load_fashion_mnist, _load_mnist
 from aqsgd.data.datasets.text import _load_bbc, _load_glue, _load_wiki, _load_wikitext2
 from aqsgd.errors import SpecError
 
-__all__ = ["SPLITS", "TASKS", "TaskSpec", "load_task", "task_names"]
+__all__ = ["SPLITS", "TASKS", "TASK_KIND_NAMES", "TaskArgs", "TaskSpec", "load_task", "register_task", "registered_tasks",
+           "task_names"]
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +31,18 @@ def _split(split: str) -> str:
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """A named task: how to load it, whether it works offline and, if not, its offline stand-in."""
+    """A named task: how to load it, whether it works offline and, if not, its offline stand-in.
+
+    ``loader(args: TaskArgs) -> DictDataset`` returns one split (``args.split``) with stable sample ids: the same
+    arguments must give the same samples in the same order in every process. ``kind`` is one of
+    :data:`TASK_KIND_NAMES`; the loader's dataset ``info`` should hold ``num_labels`` for classification.
+    """
 
     name: str
     kind: str
     offline: bool
     description: str
-    loader: Callable[[_Args], DictDataset]
+    loader: Callable[[TaskArgs], DictDataset]
     alternative: str | None = None
 
 
@@ -57,7 +63,37 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("cifar10", "image-classification", False, "CIFAR-10 from the hub, 50k/10k", _load_cifar10,
              "fashion-mnist"),
 )}
-"""All tasks :func:`load_task` knows, by name."""
+"""All tasks :func:`load_task` knows, by name: the built-in ones and those added with :func:`register_task`."""
+
+TASK_KIND_NAMES = ("causal-lm", "sequence-classification", "image-classification")
+"""The kinds of task the trainer knows how to train."""
+_BUILTIN = frozenset(TASKS) | {"synthetic-lm"}
+
+
+def register_task(spec: TaskSpec, *, replace: bool = False) -> TaskSpec:
+    """Make ``spec`` a task that :func:`load_task` and the trainer (``TrainConfig.of(task=spec.name)``) know.
+
+    A distributed run started with :func:`aqsgd.train.run_training` sends the tasks registered in the calling
+    process to every stage process, so ``spec.loader`` must be picklable (a module-level function, or a
+    :func:`functools.partial` of one). Under ``torchrun`` every process runs the script, so register the task
+    at the top of it.
+
+    Raises:
+        SpecError: a built-in task's name, a name already registered (unless ``replace``), or an unknown kind.
+    """
+    if spec.name in _BUILTIN:
+        raise SpecError(f"register_task: {spec.name!r} is a built-in task; choose another name")
+    if spec.name in TASKS and not replace:
+        raise SpecError(f"register_task: task {spec.name!r} is already registered (pass replace=True)")
+    if spec.kind not in TASK_KIND_NAMES:
+        raise SpecError(f"register_task: kind {spec.kind!r} is not one of {', '.join(TASK_KIND_NAMES)}")
+    TASKS[spec.name] = spec
+    return spec
+
+
+def registered_tasks() -> list[TaskSpec]:
+    """The tasks added with :func:`register_task`, in registration order."""
+    return [t for n, t in TASKS.items() if n not in _BUILTIN]
 
 
 def task_names(*, offline_only: bool = False) -> list[str]:
@@ -101,7 +137,7 @@ def load_task(
     except KeyError:
         raise SpecError(f"unknown task {name!r}; known: {', '.join(TASKS)}") from None
     split = _split(split)
-    args = _Args(split=split, cache_dir=cache_dir, seq_len=seq_len, max_length=max_length,
+    args = TaskArgs(split=split, cache_dir=cache_dir, seq_len=seq_len, max_length=max_length,
                  max_samples=max_samples, tokenizer=tokenizer, seed=seed, eval_fraction=eval_fraction)
     ds = spec.loader(args)
     ds.info.update(task=name, split=split)
