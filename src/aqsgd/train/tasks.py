@@ -128,6 +128,15 @@ def _num_labels(dataset: Dataset) -> int:
     return int(labels.max()) + 1
 
 
+def _first(dataset: Dataset, n: int | None) -> Dataset:
+    """The first ``n`` samples of a dataset given from Python (None or 0: all); their ids are unchanged."""
+    if not n or n >= len(dataset):  # type: ignore[arg-type]
+        return dataset
+    if hasattr(dataset, "subset"):
+        return dataset.subset(n)
+    return torch.utils.data.Subset(dataset, range(n))
+
+
 def _cache(cfg: TrainConfig) -> Path:
     return Path(cfg.task.cache_dir) if cfg.task.cache_dir else default_cache_dir()
 
@@ -364,7 +373,7 @@ def setup_task(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None)
     if data is not None:
         if cfg.own_data or cfg.task.name is not None:
             raise SpecError("data given from Python replace --task / --train-file / --dataset; leave those unset")
-        train, evals = data
+        train, evals = (_first(d, n) for d, n in zip(data, (cfg.task.max_train_samples, cfg.task.max_eval_samples)))
         if len(train) == 0 or len(evals) == 0:  # type: ignore[arg-type]
             raise SpecError(f"data: {len(train)} training and {len(evals)} evaluation samples; both need some")  # type: ignore[arg-type]
         kind = dataset_kind(train)
