@@ -85,6 +85,15 @@ class DataSourceError(AqsgdError, RuntimeError):
     """
 
 
+class DataFileError(DataSourceError, ValueError):
+    """The user's own data cannot be used as given: a missing or unreadable file, an unknown file type, a
+    malformed line, a missing column, a bad value, empty data, or too little data to hold out for evaluation.
+
+    The message is one line: the option and the file (``--train-file data/train.csv: ...``), the problem and,
+    where it is in the file, the line (or record, or row) number.
+    """
+
+
 class ReportError(AqsgdError, ValueError):
     """A run directory that cannot be reported on (missing, no ``metrics.jsonl``), or a bad report option
     (unknown baseline, wrong number of labels)."""

@@ -323,24 +323,19 @@ def _own_data(cfg: TrainConfig) -> tuple[Dataset, Dataset, str, Path | None]:
     common = dict(max_length=t.max_length, text_column=t.text_column, text_pair_column=t.text_pair_column,
                   label_column=t.label_column, eval_split=t.eval_split, seed=cfg.optim.seed,
                   max_train_samples=n_train, max_eval_samples=n_eval)
-    if t.train_file is not None:
-        kind = files.data_kind(t.train_file, label_column=t.label_column)
-        folder = _model_folder(cfg, kind)
-        if folder is None:
-            raise SpecError(f"--model {_model_name(cfg, kind)} has no tokenizer for your text; use a transformers "
-                            f"model (a hub name or a folder with its tokenizer)")
-        tokenizer = _tokenizer(folder, _model_name(cfg, kind))
-        train, evals = files.load_text_files(t.train_file, t.eval_file, tokenizer=tokenizer, **common)
-        return train, evals, kind, folder
     folders: dict[str, Path | None] = {}
 
-    def tokenizer_for(kind: str) -> Any:
-        folders[kind] = _model_folder(cfg, kind)
-        if folders[kind] is None:
-            raise SpecError(f"--model {_model_name(cfg, kind)} has no tokenizer for your text")
-        return _tokenizer(folders[kind], _model_name(cfg, kind))  # type: ignore[arg-type]
+    def tokenizer_for(kind: str) -> Any:  # the model's own tokenizer, once the data say which kind of model
+        folders[kind] = folder = _model_folder(cfg, kind)
+        if folder is None:
+            raise SpecError(f"--model {_model_name(cfg, kind)} has no tokenizer for your text; use a transformers "
+                            f"model (a hub name, or a folder saved with its tokenizer)")
+        return _tokenizer(folder, _model_name(cfg, kind))
 
-    train, evals = files.load_hub_dataset(t.dataset, tokenizer=tokenizer_for, **common)  # type: ignore[arg-type]
+    if t.train_file is not None:
+        train, evals = files.load_text_files(t.train_file, t.eval_file, tokenizer_for=tokenizer_for, **common)
+    else:
+        train, evals = files.load_hub_dataset(t.dataset, tokenizer_for=tokenizer_for, **common)  # type: ignore[arg-type]
     kind = train.info["kind"]
     return train, evals, kind, folders.get(kind)
 
@@ -393,7 +388,8 @@ def setup_task(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None)
               "image-classification": "accuracy"}[kind]
     if name == "glue-cola":
         metric = "mcc"
-    data_info = {k: info[k] for k in ("label_names", "files", "fingerprint", "text_column", "label_column",
-                                       "text_pair_column", "rows", "dataset") if info.get(k) is not None}
+    data_info = {k: info[k] for k in ("label_names", "train_file", "eval_file", "dataset", "fingerprint",
+                                       "fingerprints", "text_column", "text_pair_column", "label_column", "rows_read")
+                 if info.get(k) is not None}
     return TaskSetup(name, kind, recipe, train, evals, num_labels,
                      cfg.task.max_length if kind != "image-classification" else None, metric, data_info)

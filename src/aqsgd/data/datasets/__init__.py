@@ -20,7 +20,7 @@ offline sources in :mod:`aqsgd.data.sources`; ``wikitext-2``, ``glue-cola``, ``g
 :class:`~aqsgd.errors.DataSourceError` naming the offline task to use instead.
 """
 
-from aqsgd.data.datasets.base import DictDataset
+from aqsgd.data.datasets.base import DictDataset, TaskArgs
 from aqsgd.data.datasets.base import PathLike as PathLike
 from aqsgd.data.datasets.base import Transform as Transform
 from aqsgd.data.datasets.batching import _rng as _rng
@@ -31,10 +31,17 @@ from aqsgd.data.datasets.batching import (
     num_batches,
     stratified_split,
 )
+from aqsgd.data.datasets.files import (
+    SUPPORTED_EXTENSIONS,
+    Records,
+    data_fingerprint,
+    load_hub_dataset,
+    load_text_files,
+    read_records,
+)
 from aqsgd.data.datasets.hub import HUB_PROBE_TIMEOUT_S as HUB_PROBE_TIMEOUT_S
 from aqsgd.data.datasets.images import FASHION_MNIST_CLASSES as FASHION_MNIST_CLASSES
 from aqsgd.data.datasets.images import image_classification, read_idx
-from aqsgd.data.datasets.base import TaskArgs
 from aqsgd.data.datasets.tasks import (
     SPLITS,
     TASKS,
@@ -48,20 +55,26 @@ from aqsgd.data.datasets.text import lm_chunks, load_tokenizer, read_bbc, read_w
 
 __all__ = [
     "SPLITS",
+    "SUPPORTED_EXTENSIONS",
     "TASKS",
     "DictDataset",
+    "Records",
     "TaskArgs",
     "TaskSpec",
     "collate",
+    "data_fingerprint",
     "epoch_batches",
     "epoch_order",
     "image_classification",
     "lm_chunks",
+    "load_hub_dataset",
     "load_task",
+    "load_text_files",
     "load_tokenizer",
     "num_batches",
     "read_bbc",
     "read_idx",
+    "read_records",
     "read_wiki",
     "register_task",
     "registered_tasks",

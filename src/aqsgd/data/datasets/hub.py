@@ -3,6 +3,7 @@
 :func:`_hub_datasets` returns the ``datasets`` module only when the hub is enabled, the package is
 installed and the hub endpoint accepts a TCP connection within :data:`HUB_PROBE_TIMEOUT_S`; otherwise it
 raises a :class:`~aqsgd.errors.DataSourceError` naming the offline task to use instead.
+:func:`_hub_probe` is the same check for any subject (``--dataset NAME`` of the user's own data) and hint.
 """
 
 from __future__ import annotations
@@ -25,14 +26,22 @@ _TRUE = ("1", "true", "yes", "on")
 def _hub_datasets(task: str, alternative: str) -> Any:
     """The ``datasets`` module if the hub can be used now; a DataSourceError otherwise (never hangs)."""
     hint = f"offline alternative: load_task({alternative!r}) (`--task {alternative}`)"
+    return _hub_probe(f"task {task!r}", hint)
+
+
+def _hub_probe(subject: str, hint: str) -> Any:
+    """The ``datasets`` module if the hub can be used now, else a one-line DataSourceError.
+
+    ``subject`` names what needs the hub (``task 'glue-cola'``, ``--dataset imdb``) and ``hint`` what to do
+    instead; both go into the message.
+    """
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var, "").strip().lower() in _TRUE:
-            raise DataSourceError(f"task {task!r} loads from the Hugging Face hub, which {var} disables; "
-                                  f"{hint}")
+            raise DataSourceError(f"{subject} loads from the Hugging Face hub, which {var} disables; {hint}")
     try:
         import datasets
     except ImportError:
-        raise DataSourceError(f"task {task!r} needs the `datasets` package and the Hugging Face hub: run "
+        raise DataSourceError(f"{subject} needs the `datasets` package and the Hugging Face hub: run "
                               f"`pip install datasets`; {hint}") from None
     endpoint = os.environ.get("HF_ENDPOINT")
     if not endpoint:
@@ -49,7 +58,7 @@ def _hub_datasets(task: str, alternative: str) -> Any:
             with socket.create_connection((url.hostname or "", port), timeout=HUB_PROBE_TIMEOUT_S):
                 pass
         except OSError as e:
-            raise DataSourceError(f"task {task!r} needs the Hugging Face hub, which is unreachable "
+            raise DataSourceError(f"{subject} needs the Hugging Face hub, which is unreachable "
                                   f"({url.hostname}:{port}: {e}); {hint}") from None
     return datasets
 
