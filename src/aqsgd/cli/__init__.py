@@ -15,7 +15,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from aqsgd.cli import bench, codecs, data, report, train
+    from aqsgd.cli import bench, codecs, data, models, report, train
 
     parser = _Parser(
         prog="aqsgd",
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     codecs.register(sub)
     bench.register(sub)
     data.register(sub)
+    models.register(sub)
     report.register(sub)
     return parser
 

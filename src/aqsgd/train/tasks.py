@@ -46,7 +46,9 @@ TINY_MODELS = {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}  # random models of t
 DEFAULT_MODEL = {"sequence-classification": "minilm", "causal-lm": "smollm2", "image-classification": "resnet"}
 BUILTIN_SAMPLE_CAPS = (600, 200)
 """Training and evaluation samples a built-in task uses unless --max-train-samples / --max-eval-samples say."""
-_SOURCE_MODELS = ("minilm", "smollm2")  # pretrained models prepared offline from package registries
+_SOURCE_MODELS = ("minilm", "smollm2")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                    "spm.model", "sentencepiece.bpe.model")  # pretrained models prepared offline from package registries
 
 
 @dataclasses.dataclass
@@ -179,6 +181,8 @@ def _model_folder(cfg: TrainConfig, kind: str) -> Path | None:
         if not (Path(model) / "config.json").is_file():
             raise SpecError(f"--model {model}: the folder has no config.json (save a model there with "
                             f"save_pretrained)")
+        model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type")
+        _option(f"--model {model}", family_for, model_type, kind)  # an unsupported family: before anything loads
         return Path(model)
     if model.startswith(("/", ".", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model):
         raise SpecError(f"--model {model}: no such folder")  # a path, not a hub name (org/name)
@@ -189,6 +193,9 @@ def _tokenizer(folder: Path, model: str) -> Any:
     """The tokenizer saved next to a model."""
     from transformers import AutoTokenizer
 
+    if not any((folder / f).is_file() for f in _TOKENIZER_FILES):  # transformers 5 would build an empty one
+        raise DataSourceError(f"--model {model}: no tokenizer in {folder} (none of {', '.join(_TOKENIZER_FILES)}); "
+                              f"save one there with tokenizer.save_pretrained(...)")
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:  # noqa: BLE001 - a folder without a usable tokenizer: one clear line
