@@ -34,7 +34,8 @@ pytest.importorskip("transformers")
 
 
 def test_kinds_and_order() -> None:
-    assert MODEL_KINDS == ("gpt2", "llama", "bert-cls", "resnet", "sequential-mlp")
+    assert MODEL_KINDS == ("gpt2", "llama", "bert-cls", "resnet", "sequential-mlp", "mistral", "qwen2", "qwen3",
+                           "gemma2", "gemma3", "phi3", "olmo2", "gpt-neox", "deberta-v2-cls", "distilbert-cls")
     assert [f.kind for f in families()] == list(MODEL_KINDS)
 
 
@@ -110,9 +111,13 @@ def test_family_for_model_types() -> None:
     assert family_for("llama", "causal-lm") == "llama"
     assert family_for("bert", "sequence-classification") == "bert-cls"
     assert family_for("roberta", "sequence-classification") == "bert-cls"
-    expected = "causal-lm pipelines support model_type gpt2, llama, not 'mistral'"
+    assert family_for("mistral", "causal-lm") == "mistral"
+    expected = (
+        "causal-lm pipelines support model_type gemma2, gemma3_text, gpt2, gpt_neox, llama, mistral, olmo2, "
+        "phi3, qwen2, qwen3, not 't5'"
+    )
     with pytest.raises(SpecError, match=expected) as e:
-        family_for("mistral", "causal-lm")
+        family_for("t5", "causal-lm")
     _one_line(e)
     with pytest.raises(SpecError, match="task kinds: causal-lm, sequence-classification") as e:
         family_for("bert", "image-classification")

@@ -1,9 +1,18 @@
 """Model families: one module per family, and the registry that maps a recipe kind to its family.
 
-Every family module (:mod:`~aqsgd.models.gpt2`, :mod:`~aqsgd.models.llama`, :mod:`~aqsgd.models.bert`,
-:mod:`~aqsgd.models.resnet`, :mod:`~aqsgd.models.mlp`) defines ``FAMILY``, a
-:class:`~aqsgd.models.family.ModelFamily` holding all the library knows about that model; the registry is
-:mod:`aqsgd.models.registry`.
+Every family module defines ``FAMILY``, a :class:`~aqsgd.models.family.ModelFamily` holding all the
+library knows about that model; the registry is :mod:`aqsgd.models.registry`.  The families:
+
+* causal LMs: :mod:`~aqsgd.models.gpt2` and, on the generic decoder stage of :mod:`~aqsgd.models.decoder`,
+  :mod:`~aqsgd.models.llama`, :mod:`~aqsgd.models.mistral`, :mod:`~aqsgd.models.qwen2`,
+  :mod:`~aqsgd.models.qwen3`, :mod:`~aqsgd.models.gemma2`, :mod:`~aqsgd.models.gemma3`,
+  :mod:`~aqsgd.models.phi3`, :mod:`~aqsgd.models.olmo2`, :mod:`~aqsgd.models.gpt_neox`;
+* sequence classifiers: :mod:`~aqsgd.models.bert` (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA),
+  :mod:`~aqsgd.models.deberta_v2`, :mod:`~aqsgd.models.distilbert`;
+* others: :mod:`~aqsgd.models.resnet`, :mod:`~aqsgd.models.mlp`.
+
+:func:`family_for` maps a transformers ``model_type`` to its recipe kind and
+:func:`supported_model_types` lists the model types a task kind accepts.
 
 Importing this package imports neither transformers nor :mod:`aqsgd.pipeline`: family modules are loaded
 on first use.
@@ -22,6 +31,7 @@ from aqsgd.models.registry import (
     family_for,
     family_of_model,
     get_family,
+    supported_model_types,
     supported_models,
     truncate_config,
 )
@@ -41,6 +51,7 @@ __all__ = [
     "family_for",
     "family_of_model",
     "get_family",
+    "supported_model_types",
     "supported_models",
     "tiny_recipe",
     "truncate_config",

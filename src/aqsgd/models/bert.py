@@ -1,10 +1,16 @@
-"""The ``bert-cls`` family: BERT-family ``*ForSequenceClassification`` models (BERT, RoBERTa, ELECTRA ...).
+"""The ``bert-cls`` family: BERT-family ``*ForSequenceClassification`` models (BERT, RoBERTa, XLM-RoBERTa,
+CamemBERT, ELECTRA).
 
 Recipe config: a transformers config dict whose ``model_type`` (default ``"bert"``) selects the config
 class, with ``num_labels`` for the classifier head.  Any model laid out as ``<base>.embeddings``,
 ``<base>.encoder.layer`` and ``classifier`` cuts between its encoder layers: the first stage also holds
-the embeddings, the last the pooler (where the model has one) and the classifier.  The embeddings'
+the embeddings (and ELECTRA's ``embeddings_project`` where the embedding size differs from the hidden
+size), the last the pooler (where the model has one) and the classifier.  The embeddings'
 non-persistent ``position_ids`` / ``token_type_ids`` are recomputed after loading weights.
+
+:func:`~aqsgd.models.family_for` maps the model types of :data:`MODEL_TYPES` here; DeBERTa, whose encoder
+adds relative position embeddings, has its own family (:mod:`~aqsgd.models.deberta_v2`), and so has
+DistilBERT (:mod:`~aqsgd.models.distilbert`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from aqsgd.models.hf import build_transformers_model, set_dropout
 from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
 
 KIND = "bert-cls"
+MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
+"""The transformers model types served by this family."""
+_OTHER_FAMILIES = ("Deberta",)  # class-name prefixes of look-alike classifiers this stage would get wrong
 
 
 def sequence_classification_loss(config: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -52,7 +61,7 @@ def sequence_classification_loss(config: Any, logits: torch.Tensor, labels: torc
 class EncoderClassifierStage(PipelineStage):
     """A slice of a BERT-family ``*ForSequenceClassification`` model.
 
-    First stage: ``embeddings``; every stage: encoder layers with the bidirectional padding mask rebuilt
+    First stage: ``embeddings`` (then ``embeddings_project`` where the model has one); every stage: encoder layers with the bidirectional padding mask rebuilt
     from ``batch["attention_mask"]``; last stage: ``pooler`` -> ``dropout`` -> ``classifier`` (BERT) or
     ``classifier`` on the sequence output (RoBERTa/ELECTRA-style heads) and the classification loss.
     """
@@ -64,6 +73,7 @@ class EncoderClassifierStage(PipelineStage):
         self.layers = nn.ModuleList(base.encoder.layer[start:end])
         if self.is_first:
             self.embeddings = base.embeddings
+            self.embeddings_project: nn.Module | None = getattr(base, "embeddings_project", None)
         if self.is_last:
             pooler = getattr(base, "pooler", None)
             self.pooler: nn.Module | None = pooler
@@ -80,6 +90,8 @@ class EncoderClassifierStage(PipelineStage):
                 token_type_ids=batch.get("token_type_ids"),
                 position_ids=batch.get("position_ids"),
             )
+            if self.embeddings_project is not None:
+                hidden = self.embeddings_project(hidden)
         hidden = self._check_hidden(hidden)
         attention_mask = batch.get("attention_mask")
         if self.config.is_decoder:
@@ -107,7 +119,8 @@ class EncoderClassifierStage(PipelineStage):
 
 def _is_encoder_classifier(model: nn.Module) -> bool:
     """BERT-family sequence classifier: ``<base>.embeddings``, ``<base>.encoder.layer`` and ``classifier``."""
-    if not type(model).__name__.endswith("ForSequenceClassification"):
+    name = type(model).__name__
+    if not name.endswith("ForSequenceClassification") or name.startswith(_OTHER_FAMILIES):
         return False
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     encoder = getattr(base, "encoder", None)
@@ -121,10 +134,11 @@ def _is_encoder_classifier(model: nn.Module) -> bool:
 def _layout(model: nn.Module, loss_fn: LossFn) -> ModelLayout:
     base = getattr(model, model.base_model_prefix)
     post = [m for m in (getattr(base, "pooler", None), model.classifier) if m is not None]
+    pre = [m for m in (base.embeddings, getattr(base, "embeddings_project", None)) if m is not None]
     return ModelLayout(
         KIND,
         list(base.encoder.layer),
-        [base.embeddings],
+        pre,
         post,
         lambda i, s, a, b: EncoderClassifierStage(model, i, s, a, b),
     )
@@ -164,7 +178,7 @@ FAMILY = ModelFamily(
     kind=KIND,
     description=(
         "BERT-family *ForSequenceClassification (e.g. BertForSequenceClassification, "
-        "RobertaForSequenceClassification)"
+        "RobertaForSequenceClassification, ElectraForSequenceClassification)"
     ),
     stage=EncoderClassifierStage,
     build=lambda config, attn: build_transformers_model(
@@ -174,9 +188,10 @@ FAMILY = ModelFamily(
     layout=_layout,
     tiny_config=_tiny_config,
     task_kind="sequence-classification",
-    model_types=None,
+    model_types=MODEL_TYPES,
     blocks_key="num_hidden_layers",
     dropout=_dropout,
+    auto_class="AutoModelForSequenceClassification",
     buffer_initializers=tuple(
         (f"transformers.models.{package}.modeling_{package}", class_name, embedding_index_buffers)
         for package, class_name in (

@@ -74,6 +74,12 @@ class ModelFamily:
             the family has no dropout setting.
         buffer_initializers: ``(module path, class name, initializer)`` for the non-persistent buffers of
             the family's modules (registered lazily by :mod:`aqsgd.pipeline.materialize`).
+        auto_class: the transformers auto class that loads a pretrained folder of the family
+            (``"AutoModelForCausalLM"``, ``"AutoModelForSequenceClassification"``), or None for models that
+            are not transformers models.
+        checkpoint_renames: ``(model prefix, checkpoint prefix)`` pairs: a tensor whose name in the model
+            starts with ``model prefix`` may be stored under ``checkpoint prefix`` instead (GPT-NeoX's
+            ``lm_head.`` is saved as ``embed_out.`` by ``save_pretrained``).
     """
 
     kind: str
@@ -89,9 +95,18 @@ class ModelFamily:
     blocks_key: str | None = None
     dropout: Callable[[Mapping[str, Any], float], dict[str, Any]] | None = None
     buffer_initializers: tuple[tuple[str, str, BufferInitializer], ...] = ()
+    auto_class: str | None = None
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    def checkpoint_aliases(self, name: str) -> list[str]:
+        """The other names under which a checkpoint may store the model's tensor ``name``."""
+        return [old + name[len(new) :] for new, old in self.checkpoint_renames if name.startswith(new)]
 
     def truncate_config(self, config: dict[str, Any], n: int | None) -> dict[str, Any]:
         """``config`` keeping only the first ``n`` blocks (``None``: ``config`` itself).
+
+        A per-block ``layer_types`` list (the attention type of every layer, e.g. sliding-window or full) is
+        cut to its first ``n`` entries as well: transformers requires one entry per layer.
 
         Raises:
             SpecError: the family has no block count, the config lacks it, or ``n`` exceeds it.
@@ -104,7 +119,11 @@ class ModelFamily:
             raise SpecError(f"the {self.kind} config has no {self.blocks_key!r} to truncate")
         if n > config[self.blocks_key]:
             raise SpecError(f"the model has only {config[self.blocks_key]} blocks, asked for {n}")
-        return {**config, self.blocks_key: n}
+        truncated = {**config, self.blocks_key: n}
+        layer_types = config.get("layer_types")
+        if isinstance(layer_types, list) and len(layer_types) > n:
+            truncated["layer_types"] = layer_types[:n]
+        return truncated
 
     def with_dropout(self, config: Mapping[str, Any], p: float) -> dict[str, Any]:
         """``config`` with every dropout probability set to ``p``.

@@ -103,4 +103,5 @@ FAMILY = ModelFamily(
     model_types=("gpt2",),
     blocks_key="n_layer",
     dropout=set_dropout,
+    auto_class="AutoModelForCausalLM",
 )

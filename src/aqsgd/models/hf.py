@@ -1,4 +1,4 @@
-"""Helpers shared by the families built on transformers models (gpt2, llama, bert-cls).
+"""Helpers shared by the families built on transformers models (gpt2, the decoders, the classifiers).
 
 transformers is imported inside the functions only, so that importing a family module does not import it.
 """

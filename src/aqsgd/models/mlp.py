@@ -111,4 +111,5 @@ FAMILY = ModelFamily(
     layout=_layout,
     tiny_config=_tiny_config,
     takes_loss_fn=True,
+    auto_class=None,  # not a transformers model
 )

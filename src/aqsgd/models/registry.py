@@ -22,10 +22,22 @@ _FAMILY_MODULES: dict[str, str] = {
     "bert-cls": "aqsgd.models.bert",
     "resnet": "aqsgd.models.resnet",
     "sequential-mlp": "aqsgd.models.mlp",
+    # Decoder-only causal LMs on the generic stage of aqsgd.models.decoder, one kind per model_type.
+    "mistral": "aqsgd.models.mistral",
+    "qwen2": "aqsgd.models.qwen2",
+    "qwen3": "aqsgd.models.qwen3",
+    "gemma2": "aqsgd.models.gemma2",
+    "gemma3": "aqsgd.models.gemma3",
+    "phi3": "aqsgd.models.phi3",
+    "olmo2": "aqsgd.models.olmo2",
+    "gpt-neox": "aqsgd.models.gpt_neox",
+    # Encoder classifiers with their own stages.
+    "deberta-v2-cls": "aqsgd.models.deberta_v2",
+    "distilbert-cls": "aqsgd.models.distilbert",
 }
 
 MODEL_KINDS: tuple[str, ...] = tuple(_FAMILY_MODULES)
-"""The recipe kinds, one per family."""
+"""The recipe kinds, one per family (the original five first, so that their order is unchanged)."""
 
 
 def get_family(kind: str) -> ModelFamily:
@@ -61,9 +73,18 @@ def family_of_model(model: nn.Module) -> ModelFamily:
     raise ValueError(f"unsupported model type {type(model).__name__}; supported: {supported_models()}")
 
 
+def supported_model_types(task_kind: str) -> list[str]:
+    """The transformers ``model_type`` values that a task of kind ``task_kind`` accepts, sorted (empty for
+    a task kind that no transformers family serves)."""
+    return sorted(
+        {t for f in families() if f.task_kind == task_kind for t in f.model_types or ()}
+    )
+
+
 def family_for(model_type: str | None, task_kind: str) -> str:
     """The recipe kind for a transformers config's ``model_type`` in a task of kind ``task_kind``
-    (``"causal-lm"``: ``gpt2`` / ``llama``; ``"sequence-classification"``: ``bert-cls``).
+    (``"causal-lm"``: ``gpt2``, ``llama``, ``mistral`` ...; ``"sequence-classification"``: ``bert-cls``,
+    ``deberta-v2-cls``, ``distilbert-cls``); see :func:`supported_model_types`.
 
     Raises:
         SpecError: no family serves that model type for that task kind (one line listing the ones that do).
@@ -77,7 +98,7 @@ def family_for(model_type: str | None, task_kind: str) -> str:
         raise SpecError(
             f"no transformers model family serves task kind {task_kind!r}; task kinds: {', '.join(kinds)}"
         )
-    types = [t for f in serving for t in f.model_types or ()]
+    types = supported_model_types(task_kind)
     raise SpecError(f"{task_kind} pipelines support model_type {', '.join(types)}, not {model_type!r}")
 
 

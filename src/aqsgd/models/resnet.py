@@ -187,4 +187,5 @@ FAMILY = ModelFamily(
     tiny_config=_tiny_config,
     takes_loss_fn=True,
     task_kind="image-classification",
+    auto_class=None,  # not a transformers model
 )

@@ -78,8 +78,9 @@ class ModelRecipe:
     Attributes:
         kind: the model family, one of :data:`aqsgd.models.MODEL_KINDS`.
         config: the family's config dict, described in the family's module under :mod:`aqsgd.models`
-            (a transformers config dict for ``gpt2`` / ``llama`` / ``bert-cls``, the keyword arguments
-            of :class:`aqsgd.models.resnet.ResNet` for ``resnet``, layer sizes for ``sequential-mlp``).
+            (a transformers config dict for the transformers families: ``gpt2``, ``llama``, ``bert-cls``
+            ...; the keyword arguments of :class:`aqsgd.models.resnet.ResNet` for ``resnet``, layer sizes
+            for ``sequential-mlp``).
             The dict is normalised through JSON (tuples become lists, dict keys strings).
         weights: a safetensors file, or a directory holding ``model.safetensors``, sharded weights with
             ``model.safetensors.index.json``, or any ``*.safetensors`` files; ``None`` for a recipe that
@@ -369,12 +370,17 @@ def _is_persistent(slots: Sequence[_Slot]) -> bool:
 
 
 def _full_names(model: nn.Module) -> dict[int, list[str]]:
-    """``id(tensor)`` -> every name of that parameter/buffer in ``model`` (several when tied)."""
+    """``id(tensor)`` -> every name of that parameter/buffer in ``model`` (several when tied), followed by
+    the names its family's checkpoints may use instead (:attr:`ModelFamily.checkpoint_renames`)."""
     names: dict[int, list[str]] = {}
     for name, tensor in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(tensor), []).append(name)
     for name, tensor in model.named_buffers(remove_duplicate=False):
         names.setdefault(id(tensor), []).append(name)
+    family = next((f for f in families() if f.checkpoint_renames and f.matches(model)), None)
+    if family is not None:
+        for known in names.values():
+            known.extend(alias for name in list(known) for alias in family.checkpoint_aliases(name))
     return names
 
 

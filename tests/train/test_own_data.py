@@ -1,0 +1,133 @@
+"""Fine-tuning a model chosen by folder on the user's own files, through ``aqsgd train``: tiny random models of
+several families saved with ``save_pretrained`` next to a small tokenizer trained offline."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+
+import pytest
+
+from aqsgd.cli import main
+
+_WORDS = ("the cat dog sat ran on a mat big small red blue fast slow house tree river stone bird fish sun moon "
+          "light dark old new green").split()
+
+
+def _sentences(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 14))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A byte-level-free word-piece-ish BPE tokenizer of ~100 tokens, trained here on the test sentences."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=100, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[EOS]"])
+    tok.train_from_iterator(_sentences(200, 0), trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                                   sep_token="[SEP]", eos_token="[EOS]")
+    out = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(str(out))
+    return out
+
+
+def _save_model(folder, tokenizer_dir, model_type: str, auto: str, **config):
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    from aqsgd.models import family_for, get_family
+
+    task = "causal-lm" if auto == "AutoModelForCausalLM" else "sequence-classification"
+    tiny = get_family(family_for(model_type, task)).tiny_config(layers=4, hidden=32, vocab=128, seq_len=32)
+    tiny.update(config)
+    tiny.pop("model_type", None)
+    model = getattr(transformers, auto).from_config(AutoConfig.for_model(model_type, **tiny))
+    model.save_pretrained(str(folder))
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(folder))
+    return folder
+
+
+def _train(tmp_path, *args: str) -> dict:
+    argv = ["train", *args, "--stages", "2", "--micro-batches", "2", "--micro-batch-size", "4", "--epochs", "2",
+            "--max-length", "16", "--lr", "1e-3", "--output-dir", str(tmp_path / "runs"), "--run-name", "run",
+            "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--no-tensorboard"]
+    assert main(argv) == 0
+    return json.loads((tmp_path / "runs" / "run" / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_causal_lm_folder_on_a_txt_file(tmp_path, tokenizer_dir, model_type):
+    folder = _save_model(tmp_path / model_type, tokenizer_dir, model_type, "AutoModelForCausalLM")
+    text = tmp_path / "notes.txt"
+    text.write_text("\n".join(_sentences(120, 1)) + "\n", encoding="utf-8")
+    summary = _train(tmp_path, "--model", str(folder), "--train-file", str(text))
+    ppl = summary["eval"]["uncompressed"]["perplexity"]
+    assert summary["main_metric"] == "perplexity" and 1 < ppl < 200, summary["eval"]
+    assert summary["task"] == "notes" and summary["steps"] > 0
+
+
+def test_deberta_classifier_on_csv_files(tmp_path, tokenizer_dir):
+    folder = _save_model(tmp_path / "deberta", tokenizer_dir, "deberta-v2", "AutoModelForSequenceClassification")
+    for name, n, seed in (("train.csv", 96, 2), ("dev.csv", 24, 3)):
+        with open(tmp_path / name, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(["sentence", "topic"])
+            for s in _sentences(n, seed):
+                w.writerow([s, "animals" if ("cat" in s.split() or "dog" in s.split()) else "other"])
+    summary = _train(tmp_path, "--model", str(folder), "--train-file", str(tmp_path / "train.csv"),
+                     "--eval-file", str(tmp_path / "dev.csv"), "--text-column", "sentence", "--label-column", "topic")
+    assert summary["main_metric"] == "accuracy" and 0 <= summary["eval"]["uncompressed"]["accuracy"] <= 1
+    data = json.loads((tmp_path / "runs" / "run" / "data.json").read_text())
+    assert data["label_names"] == ["animals", "other"]
+
+
+def test_resume_refuses_a_changed_training_file(tmp_path, tokenizer_dir, capsys):
+    folder = _save_model(tmp_path / "qwen2", tokenizer_dir, "qwen2", "AutoModelForCausalLM")
+    text = tmp_path / "notes.txt"
+    text.write_text("\n".join(_sentences(80, 1)) + "\n", encoding="utf-8")
+    _train(tmp_path, "--model", str(folder), "--train-file", str(text), "--checkpoint-every", "2",
+           "--max-steps", "2")
+    text.write_text("\n".join(_sentences(80, 9)) + "\n", encoding="utf-8")
+    argv = ["train", "--model", str(folder), "--train-file", str(text), "--stages", "2", "--micro-batches", "2",
+            "--micro-batch-size", "4", "--max-length", "16", "--cache-dir", str(tmp_path / "cache"),
+            "--resume", str(tmp_path / "runs" / "run"), "--no-progress", "--no-tensorboard"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "notes.txt changed since the checkpoint" in err
+
+
+def test_unsupported_family_and_folder_errors(tmp_path, tokenizer_dir, capsys):
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    text = tmp_path / "a.txt"
+    text.write_text("\n".join(_sentences(40, 1)), encoding="utf-8")
+    argv = ["train", "--model", str(odd), "--train-file", str(text), "--cache-dir", str(tmp_path / "cache")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "t5" in err and "qwen2" in err and "llama" in err
+    assert main(["train", "--model", str(tmp_path / "missing" / "x"), "--train-file", str(text)]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    empty = tmp_path / "no-tokenizer"
+    _save_model(empty, tokenizer_dir, "qwen2", "AutoModelForCausalLM")
+    for f in empty.glob("*token*"):
+        f.unlink()
+    assert main(["train", "--model", str(empty), "--train-file", str(text), "--cache-dir", str(tmp_path / "c")]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_models_command_lists_the_families(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2", "gpt2", "gpt_neox", "bert",
+                       "roberta", "deberta-v2", "distilbert"):
+        assert model_type in out, model_type
