@@ -131,3 +131,25 @@ def test_models_command_lists_the_families(capsys):
     for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2", "gpt2", "gpt_neox", "bert",
                        "roberta", "deberta-v2", "distilbert"):
         assert model_type in out, model_type
+
+
+def test_deberta_distributed_equals_local(tmp_path, tokenizer_dir):
+    """DeBERTa's relative-position table is held by every stage (a tie across all three): the distributed run
+    sums its gradient over the stages exactly as the local one does."""
+    folder = _save_model(tmp_path / "deberta", tokenizer_dir, "deberta-v2", "AutoModelForSequenceClassification")
+    data = tmp_path / "train.jsonl"
+    rows = [{"text": s, "label": int("cat" in s.split())} for s in _sentences(64, 5)]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    common = ["--model", str(folder), "--train-file", str(data), "--stages", "3", "--micro-batches", "2",
+              "--micro-batch-size", "4", "--epochs", "2", "--max-length", "16", "--dropout", "0",
+              "--output-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache"), "--no-progress",
+              "--no-tensorboard", "--checkpoint-every", "0"]
+    assert main(["train", *common, "--run-name", "local"]) == 0
+    assert main(["train", *common, "--run-name", "dist", "--runtime", "distributed", "--timeout", "120"]) == 0
+
+    def losses(name):
+        rows = [json.loads(x) for x in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if r["kind"] == "train"]
+
+    assert len(losses("dist")) == len(losses("local")) == 16  # 58 training rows of 64, 8 per pass, 2 epochs
+    assert losses("dist") == pytest.approx(losses("local"), rel=1e-4)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 from rich.console import Console
@@ -22,8 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--codecs", nargs="+", default=None, metavar="SPEC",
                    help="codec specs (default: a representative set; see `aqsgd codecs`)")
     c.add_argument("--shape", type=parse_shape, default=(8, 512, 768), help="tensor shape (default: 8,512,768)")
-    c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu or cuda (default: cuda when available)")
+    c.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where the codecs run: auto (CUDA when available), cpu or cuda (default: auto)")
     c.add_argument("--repeats", type=positive_int, default=15, help="timed repeats per codec (default: 15)")
     c.add_argument("--warmup", type=positive_int, default=3, help="untimed warm-up calls (default: 3)")
     c.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
@@ -180,13 +179,11 @@ def run_pipeline(args: argparse.Namespace) -> int:
 
 def run_codecs(args: argparse.Namespace) -> int:
     from aqsgd.bench.codecs import DEFAULT_CODECS, bench_codecs, machine_description, write_json
+    from aqsgd.comm.device import resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("aqsgd: error: --device cuda but no CUDA device is available", file=sys.stderr)
-        return 2
+    device = resolve_device(args.device)  # --device cuda without a GPU: a SpecError, one line from main()
     console = Console(width=max(Console().width, 150))
     specs = args.codecs or DEFAULT_CODECS
     console.print(f"[bold]codec throughput[/]: fp32 tensor {tuple(args.shape)} on {machine_description(device)}; "

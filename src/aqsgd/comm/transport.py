@@ -34,7 +34,19 @@ own tag (``_TAG_BASE + channel``), so forward and backward traffic between the s
 NCCL ignores tags; there the transport instead builds one sub-group per (channel, direction) at
 construction (a collective: every rank must construct its Transport with the same ``channels``), so each
 NCCL communicator carries one ordered stream of messages and concurrent sends and receives cannot deadlock.
-The NCCL path is written to that design but has only been exercised here without a GPU.
+
+GPUs
+----
+``backend="gloo"`` (the default path, also for a CUDA ``device``): the wire is TCP and GPU payloads are
+staged through pinned host memory. ``isend`` queues non-blocking device-to-host copies on a side CUDA stream
+(after the work already queued on the caller's stream) and records an event; the sender thread waits on that
+event, then sends the host bytes, so the copy overlaps the stage's next computation and the bytes on the wire,
+payload CRC included, are those of the CPU path. The receiver thread receives into pinned memory, checks the
+CRC, copies the payloads to the device on a stream of its own and waits for that copy before it hands the
+packets over; ``RecvHandle.wait`` marks them as used by the caller's stream (``record_stream``).
+``backend="nccl"``: packets go GPU to GPU through the NCCL sub-groups (no payload CRC: the flag is clear for
+device payloads). The CUDA paths are written against documented PyTorch APIs but have not run on a GPU in this
+project's CI.
 
 Threads
 -------
@@ -84,11 +96,12 @@ import threading
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from aqsgd.comm.device import HostStager
 from aqsgd.comm.link import LinkSpec, Pacer
 from aqsgd.compress.packet import HEADER_BYTES, Packet, parse_header
 from aqsgd.errors import PacketError, PeerFailure, PeerTimeout, TransportError
@@ -247,6 +260,9 @@ class RecvHandle(_Handle):
         ``timeout`` seconds (default: the transport's ``timeout_s``)."""
         packets = self._wait(timeout, "send")
         assert packets is not None
+        for p in packets:  # payloads copied on a background thread's stream, now read on the caller's
+            if p.payload.is_cuda:
+                p.payload.record_stream(torch.cuda.current_stream(p.payload.device))
         return packets
 
 
@@ -254,8 +270,9 @@ class RecvHandle(_Handle):
 class _SendItem:
     packets: tuple[Packet, ...]
     handle: SendHandle
-    ready: object | None  # a CUDA event recorded on the caller's stream, or None
+    ready: object | None  # a CUDA event after the payloads (or their host copies) are complete, or None
     enqueued: float  # time.monotonic() when isend was called: when the message was handed to the link
+    staged_from: tuple[Packet, ...] = ()  # GPU packets whose host copies are in flight: kept alive until sent
 
 
 class _Worker(threading.Thread):
@@ -294,13 +311,27 @@ class _Worker(threading.Thread):
     def _group_and_tag(self, direction: str) -> tuple[dist.ProcessGroup | None, int]:
         return self.transport._route(self.peer, self.channel, direction)
 
+    def run(self) -> None:
+        # A CUDA transport's threads work on its device and on a stream of their own, so that their copies
+        # and NCCL calls wait for nothing that the training thread queued on its stream.
+        device = self.transport.device
+        if device.type != "cuda":
+            self._serve()
+            return
+        torch.cuda.set_device(device)
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            self._serve()
+
+    def _serve(self) -> None:
+        raise NotImplementedError
+
 
 class _Sender(_Worker):
     def __init__(self, transport: Transport, dst: int, channel: int, pacer: Pacer | None) -> None:
         super().__init__(transport, dst, channel, "send")
         self.pacer = pacer
 
-    def run(self) -> None:
+    def _serve(self) -> None:
         while True:
             item: _SendItem | None = self.requests.get()
             if item is None:
@@ -361,7 +392,7 @@ class _Receiver(_Worker):
     def __init__(self, transport: Transport, src: int, channel: int) -> None:
         super().__init__(transport, src, channel, "recv")
 
-    def run(self) -> None:
+    def _serve(self) -> None:
         while True:
             handle: RecvHandle | None = self.requests.get()
             if handle is None:
@@ -407,8 +438,9 @@ class _Receiver(_Worker):
             raise PacketError(
                 f"preamble announces {total} payload bytes, its headers {sum(h.payload_len for h in headers)}"
             )
+        staged = wire.type == "cpu" and t.device.type == "cuda"  # gloo to a GPU: through pinned memory
         if total:
-            payload = torch.empty(total, dtype=torch.uint8, device=wire)
+            payload = torch.empty(total, dtype=torch.uint8, device=wire, pin_memory=staged)
             dist.recv(payload, self.peer, group=group, tag=tag)
             if wire.type == "cuda":
                 torch.cuda.current_stream(wire).synchronize()
@@ -419,10 +451,14 @@ class _Receiver(_Worker):
         for h in headers:
             body = payload[offset:offset + h.payload_len]
             offset += h.payload_len
-            packet = Packet.from_header(h, body)
+            packet = Packet.from_header(h, body)  # checks the payload CRC of host bytes
             if packet.payload.device != t.device:
-                packet = dataclasses.replace(packet, payload=packet.payload.to(t.device))
+                # one copy per packet keeps every payload aligned; non-blocking from pinned memory, on this
+                # thread's stream, waited for below
+                packet = dataclasses.replace(packet, payload=packet.payload.to(t.device, non_blocking=staged))
             packets.append(packet)
+        if staged and total:
+            torch.cuda.current_stream(t.device).synchronize()
         t._account(self.peer, self.channel, "recv", packets)
         return packets, arrival
 
@@ -440,8 +476,10 @@ class Transport:
     :class:`LinkSpec` for every outgoing link or a ``{dst: LinkSpec}`` dict (links not in it are
     unlimited). ``peer_labels``: names for error messages (``{2: "stage 2"}``). ``channel_names``: names of
     channels for error messages (default: 0 = "forward activations", 1 = "backward gradients").
-    ``device``: where received packets are placed; with a CUDA device and an NCCL group every tensor goes
-    through NCCL on the GPU, with gloo it is staged through host memory. ``channels``: the channels used
+    ``device``: where received packets are placed. ``backend``: ``"gloo"`` (TCP; GPU payloads are staged
+    through pinned host memory, see the module docstring) or ``"nccl"`` (GPU to GPU; needs a CUDA ``device``);
+    None: NCCL when ``device`` is CUDA and the group's backend includes NCCL, else gloo. A gloo transport on a
+    group without gloo builds a gloo group of the same ranks (collectively). ``channels``: the channels used
     (only needed for NCCL, which builds sub-groups for them at construction, collectively).
     """
 
@@ -455,6 +493,7 @@ class Transport:
         channel_names: Mapping[int, str] | None = None,
         device: str | torch.device = "cpu",
         channels: Sequence[int] = (FORWARD, BACKWARD),
+        backend: str | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise TransportError("torch.distributed is not initialized: call dist.init_process_group first")
@@ -469,9 +508,21 @@ class Transport:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        backend = str(dist.get_backend(group)).lower()
-        self._nccl = self.device.type == "cuda" and "nccl" in backend
+        group_backend = str(dist.get_backend(group)).lower()
+        if backend is None:
+            self._nccl = self.device.type == "cuda" and "nccl" in group_backend
+        elif backend not in ("gloo", "nccl"):
+            raise TransportError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        elif backend == "nccl" and self.device.type != "cuda":
+            raise TransportError(f"the nccl backend moves GPU tensors: it needs a CUDA device, not "
+                                 f"{self.device}")
+        else:
+            self._nccl = backend == "nccl"
+        if not self._nccl and "gloo" not in group_backend:
+            self.group = dist.new_group(list(self.ranks), backend="gloo")
         self._wire_device = self.device if self._nccl else torch.device("cpu")
+        # gloo from a GPU: device-to-host copies of outgoing payloads on a side stream (see isend)
+        self._stager = HostStager(self.device) if self.device.type == "cuda" and not self._nccl else None
         self._links = links
         self._pacers: dict[int, Pacer | None] = {}
         self._senders: dict[tuple[int, int], _Sender] = {}
@@ -506,13 +557,27 @@ class Transport:
         if not all(isinstance(p, Packet) for p in packets):
             raise TransportError("isend takes a sequence of Packet")
         worker = self._sender(dst, channel)
-        ready = None
-        if any(p.payload.is_cuda for p in packets):
-            ready = torch.cuda.Event()
-            ready.record()
+        packets, staged_from, ready = self._stage(packets)
         handle = SendHandle(self, dst, channel)
-        worker.requests.put(_SendItem(packets, handle, ready, time.monotonic()))
+        worker.requests.put(_SendItem(packets, handle, ready, time.monotonic(), staged_from))
         return handle
+
+    def _stage(self, packets: tuple[Packet, ...]) -> tuple[tuple[Packet, ...], tuple[Packet, ...], Any]:
+        """``(packets to send, GPU packets to keep alive until then, event to wait on before sending)``.
+
+        CPU payloads: the packets themselves, nothing to keep, no event. GPU payloads over gloo: pinned host
+        copies, queued non-blocking on the side stream, and the event after them. GPU payloads over NCCL (or a
+        CPU transport given GPU payloads): the packets and an event on the caller's stream, after which their
+        bytes are complete."""
+        if not any(p.payload.is_cuda for p in packets):
+            return packets, (), None
+        if self._stager is not None:
+            hosts, ready = self._stager.to_host([p.payload for p in packets])
+            return tuple(dataclasses.replace(p, payload=h) for p, h in zip(packets, hosts)), packets, ready
+        device = next(p.payload.device for p in packets if p.payload.is_cuda)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        return packets, (), ready
 
     def irecv(self, src: int, channel: int) -> RecvHandle:
         """Post a receive of the next message from ``src`` on ``channel`` and return at once."""

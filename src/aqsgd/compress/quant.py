@@ -249,6 +249,9 @@ class QuantCodec(Codec):
             torch.addcmul(offset, v, _Groups.bcast(inv[start : start + n], d), out=tv)
             start += n
         if self.rounding == "stochastic":
+            if generator is not None and generator.device.type != t.device.type:
+                raise CodecError(f"{self.spec}: stochastic rounding of a tensor on {t.device} needs a "
+                                 f"generator on that device, got one on {generator.device}")
             t.add_(torch.rand(t.shape, dtype=cdt, device=t.device, generator=generator))
         if clip or self.rounding == "stochastic":
             t.clamp_(0.0, float(self.qmax))
@@ -261,13 +264,12 @@ class QuantCodec(Codec):
     def _decode(self, packet: Packet) -> torch.Tensor:
         groups = self._groups(packet.shape)
         out_dtype = packet.dtype
-        cdt = _compute_dtype(out_dtype)
         payload = packet.payload
         nsb = groups.nscales * self.scale_dtype.itemsize
         if groups.numel == 0:
             return torch.empty(packet.shape, dtype=out_dtype, device=payload.device)
         scales = bytes_as(payload[:nsb], self.scale_dtype)
-        if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        if bool((~torch.isfinite(scales) | (scales < 0)).any()):  # one host sync for both checks
             raise PacketError(f"{self.spec}: packet holds invalid (non-finite or negative) scales")
         codes = unpack_bits(payload[nsb:], self.bits, groups.numel)
         return self.dequantize(scales, codes, packet.shape, out_dtype)

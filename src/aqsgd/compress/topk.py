@@ -5,7 +5,9 @@
 and ``k = ceil(K * rest)`` values are kept from each row; per tensor, ``k = ceil(K * numel)`` from the whole.
 The kept values are encoded by a second codec (``fp16`` by default; ``fp32``, ``bf16`` or a quantizer such
 as ``q8``, whose groups default to rows of kept values) and the positions are stored as unsigned integers
-of the narrowest width that can index a row (1, 2, 4 or 8 bytes).
+of the narrowest width that can index a row (1, 2, 4 or 8 bytes, little-endian). They are written and read
+as the low bytes of int64 positions, so no unsigned 16- or 32-bit tensor (whose support on devices other
+than the CPU is limited) is ever made.
 
 Payload: the values codec's payload for the ``[rows, k]`` matrix of kept values, then the indices.
 Decoding scatters the values into zeros. NaN/Inf have the largest magnitudes, so they are always kept
@@ -84,7 +86,7 @@ class TopKCodec(Codec):
         idx = x2.abs().topk(k, dim=1, sorted=False).indices
         kept = x2.gather(1, idx)
         vals = self.values.encode(kept, generator=generator).payload
-        return torch.cat([vals, idx.to(index_dtype(n)).view(torch.uint8).view(-1)])
+        return torch.cat([vals, _index_bytes(idx, index_dtype(n).itemsize)])
 
     def _decode(self, packet: Packet) -> torch.Tensor:
         rows, n, k = self.layout(packet.shape)
@@ -96,8 +98,29 @@ class TopKCodec(Codec):
                        packet.payload[:vbytes])
         kept = self.values.decode(inner)
         # the indices start right after the values, at any byte (odd when e.g. q3 packs an odd count)
-        idx = bytes_as(packet.payload[vbytes:], index_dtype(n)).view(rows, k).to(torch.int64)
+        idx = _index_values(packet.payload[vbytes:], index_dtype(n).itemsize).view(rows, k)
         if bool(((idx < 0) | (idx >= n)).any()):  # int64 indices (rows over 2**32) can be negative
             raise PacketError(f"{self.spec}: packet holds indices outside its row of {n}")
         out.scatter_(1, idx, kept)
         return out.view(packet.shape)
+
+
+def _index_bytes(idx: torch.Tensor, width: int) -> torch.Tensor:
+    """The low ``width`` bytes of each (non-negative) int64 index, little-endian, in one flat uint8 tensor."""
+    idx = idx.to(torch.int64).contiguous()
+    if width == 8:
+        return idx.view(torch.uint8).view(-1)
+    if width == 1:
+        return idx.to(torch.uint8).view(-1)
+    return idx.view(-1, 1).view(torch.uint8)[:, :width].reshape(-1)
+
+
+def _index_values(data: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse of :func:`_index_bytes`: flat int64 indices from ``width`` bytes each."""
+    if width == 8:
+        return bytes_as(data, torch.int64).view(-1)
+    if width == 1:
+        return data.to(torch.int64)
+    words = data.new_zeros(data.numel() // width, 8)
+    words[:, :width] = data.view(-1, width)
+    return words.view(torch.int64).view(-1)

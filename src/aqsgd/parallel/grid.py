@@ -13,8 +13,10 @@ Groups
 :meth:`ProcessGrid.build` creates, with ``torch.distributed.new_group``, first the ``S`` data-parallel
 groups in stage order, then the ``D`` pipeline groups in replica order. Every rank creates every group in
 that order (torch.distributed requires all ranks to take part in each ``new_group`` call, members or not)
-and keeps the two it belongs to. :class:`GridLayout` is the same arithmetic without any process group, for
-planning and tests.
+and keeps the two it belongs to. Both use the world group's backend. :meth:`ProcessGrid.new_dp_group` builds
+another set of data-parallel groups on a backend of their own (NCCL for the gradient sync of a GPU run, see
+:mod:`aqsgd.comm.device`). :class:`GridLayout` is the same arithmetic without any process group, for planning
+and tests.
 """
 
 from __future__ import annotations
@@ -128,6 +130,16 @@ class ProcessGrid:
     def data_parallel(self) -> int:
         return self.layout.data_parallel
 
+    def new_dp_group(self, backend: str, *, timeout_s: float | None = None) -> Any:
+        """Collective (every rank, same arguments): the ``S`` data-parallel groups again, in stage order, with
+        ``backend`` (a name or a ``cpu:gloo,cuda:nccl`` string); returns this rank's."""
+        mine = None
+        for s in range(self.layout.num_stages):
+            group = new_group(self.layout.dp_ranks(s), timeout_s, backend=backend)
+            if s == self.stage:
+                mine = group
+        return mine
+
     def peer_labels(self) -> dict[int, str]:
         """A name for every rank, for error messages (``stage 1 replica 0``)."""
         return {r: self.layout.label(r) for r in range(self.layout.world_size)}
@@ -137,9 +149,12 @@ class ProcessGrid:
                 f"{self.num_stages}x{self.data_parallel})")
 
 
-def new_group(ranks: list[int], timeout_s: float | None = None) -> Any:
-    """``dist.new_group(ranks)`` whose collectives give up after ``timeout_s`` seconds (None: torch's default)."""
-    kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+def new_group(ranks: list[int], timeout_s: float | None = None, *, backend: str | None = None) -> Any:
+    """``dist.new_group(ranks)`` on ``backend`` (None: the world group's) whose collectives give up after
+    ``timeout_s`` seconds (None: torch's default)."""
+    kw: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    if backend is not None:
+        kw["backend"] = backend
     return dist.new_group(ranks=ranks, **kw)
 
 

@@ -61,9 +61,16 @@ Link emulation
     after it started (``k`` = sequential collective rounds: 1 for all-reduce, 2 for ``q<b>``, 3 for
     PowerSGD): one full-duplex link of that bandwidth per rank, transfers starting when ``sync`` starts.
 
+Devices
+    ``device`` is where the flat buckets, the codec work and the error-feedback state live: the GPU when the
+    group runs NCCL, the CPU for gloo (gloo collectives other than all-reduce and broadcast take CPU tensors
+    only). Gradients on another device are copied into the buckets and the averages copied back, so a GPU
+    stage may sync over gloo (through host memory) and every method works on either backend.
+
 Checkpoints
     ``state_dict()`` holds only tensors (error buffers, PowerSGD's P/Q memories and iteration counter), the
-    live ones, not copies (as ``nn.Module.state_dict`` does); ``load_state_dict`` restores copies of them.
+    live ones, not copies (as ``nn.Module.state_dict`` does); ``load_state_dict`` restores copies of them on
+    ``device``, wherever they were saved.
 """
 
 from __future__ import annotations
@@ -168,8 +175,8 @@ class _Bucket:
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
 
-    def flatten(self) -> torch.Tensor:
-        flat = torch.empty(self.numel, dtype=torch.float32)
+    def flatten(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        flat = torch.empty(self.numel, dtype=torch.float32, device=device)
         offset = 0
         for p, n in zip(self.params, self.sizes):
             if p.grad is None:
@@ -189,7 +196,7 @@ class _Bucket:
     def unflatten(self, flat: torch.Tensor) -> None:
         for p, v in zip(self.params, self.views(flat)):
             if p.grad is None:
-                p.grad = v.to(p.dtype).clone()
+                p.grad = v.to(device=p.device, dtype=p.dtype, copy=True)
             else:
                 p.grad.copy_(v)
 
@@ -218,10 +225,11 @@ class GradSync(abc.ABC):
     rounds = 1
 
     def __init__(self, group: Any = None, *, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 link: LinkSpec | None = None) -> None:
+                 link: LinkSpec | None = None, device: torch.device | str = "cpu") -> None:
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.group = group
+        self.device = torch.device(device)
         self.world = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -256,7 +264,7 @@ class GradSync(abc.ABC):
         if compress:
             nbytes, rounds = self._sync(buckets), self.rounds
         else:
-            nbytes, rounds = _allreduce(buckets, self.group, self.world), 1
+            nbytes, rounds = _allreduce(buckets, self.group, self.world, self.device), 1
         self.last_bytes, self.last_compressed = nbytes, compress
         if self.link is not None and not self.link.unlimited:
             remaining = t0 + self.link.tx_time(nbytes) + rounds * self.link.latency_s - time.monotonic()
@@ -276,8 +284,8 @@ class GradSync(abc.ABC):
             raise KeyError(f"{type(self).__name__} has no state, got keys {sorted(state)}")
 
 
-def _allreduce(buckets: list[_Bucket], group: Any, world: int) -> int:
-    flats = [b.flatten() for b in buckets]
+def _allreduce(buckets: list[_Bucket], group: Any, world: int, device: torch.device) -> int:
+    flats = [b.flatten(device) for b in buckets]
     works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
     for b, f, w in zip(buckets, flats, works):
         w.wait()
@@ -295,7 +303,7 @@ class AllReduceSync(GradSync):
     """Uncompressed fp32 all-reduce (the baseline)."""
 
     def _sync(self, buckets: list[_Bucket]) -> int:
-        return _allreduce(buckets, self.group, self.world)
+        return _allreduce(buckets, self.group, self.world, self.device)
 
 
 # -- quantized, error feedback in both phases -------------------------------------------------------------
@@ -305,8 +313,9 @@ class QuantizedSync(GradSync):
     rounds = 2
 
     def __init__(self, group: Any = None, *, bits: int = 8, block: int = DEFAULT_BLOCK,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, link: LinkSpec | None = None) -> None:
-        super().__init__(group, bucket_mb=bucket_mb, link=link)
+                 bucket_mb: float = DEFAULT_BUCKET_MB, link: LinkSpec | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(group, bucket_mb=bucket_mb, link=link, device=device)
         self.codec = QuantCodec(bits, granularity="block", block=block)
         self.bits, self.block = bits, block
         self.ef1: dict[int, torch.Tensor] = {}  # per bucket, padded length D * c: before the all-to-all
@@ -349,7 +358,7 @@ class QuantizedSync(GradSync):
     def _buffer(self, store: dict[int, torch.Tensor], index: int, numel: int) -> torch.Tensor:
         buf = store.get(index)
         if buf is None:
-            buf = store[index] = torch.zeros(numel, dtype=torch.float32)
+            buf = store[index] = torch.zeros(numel, dtype=torch.float32, device=self.device)
         elif buf.numel() != numel:
             raise ValueError(f"error-feedback buffer of bucket {index} has {buf.numel()} values, expected {numel} "
                              "(state from another model, bucket size or group size?)")
@@ -363,7 +372,7 @@ class QuantizedSync(GradSync):
             c = self.chunk_numel(b.numel)
             e1 = self._buffer(self.ef1, b.index, d * c)
             v = e1.clone()
-            v[: b.numel].add_(b.flatten())
+            v[: b.numel].add_(b.flatten(self.device))
             payload, deq = self._encode(v.view(d, c))
             torch.sub(v, deq.view(-1), out=e1)
             recv = torch.empty_like(payload)
@@ -378,7 +387,7 @@ class QuantizedSync(GradSync):
             w = s.add_(e2)
             payload, deq = self._encode(w.view(1, c))
             torch.sub(w, deq.view(-1), out=e2)
-            out = torch.empty(d * payload.shape[1], dtype=torch.uint8)
+            out = torch.empty(d * payload.shape[1], dtype=torch.uint8, device=self.device)
             gathers.append((b, c, out, _all_gather(out, payload.view(-1), self.group)))
         # phase 3: everyone decodes every chunk from the same bytes
         nbytes = 0
@@ -400,7 +409,8 @@ class QuantizedSync(GradSync):
             m = re.fullmatch(r"(ef1|ef2)\.(\d+)", key)
             if m is None:
                 raise KeyError(f"unexpected key {key!r} in a quantized grad sync state (ef1.<i>, ef2.<i>)")
-            (ef1 if m.group(1) == "ef1" else ef2)[int(m.group(2))] = value.detach().to(torch.float32).clone()
+            (ef1 if m.group(1) == "ef1" else ef2)[int(m.group(2))] = value.detach().to(
+                device=self.device, dtype=torch.float32, copy=True)
         self.ef1, self.ef2 = ef1, ef2
 
 
@@ -446,10 +456,11 @@ class PowerSGDSync(GradSync):
     rounds = 3  # fp32 remainder, P, Q: three dependent all-reduces
 
     def __init__(self, group: Any = None, *, rank: int = 1, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 link: LinkSpec | None = None, seed: int = 0, min_compression_rate: float = 2.0) -> None:
+                 link: LinkSpec | None = None, seed: int = 0, min_compression_rate: float = 2.0,
+                 device: torch.device | str = "cpu") -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-        super().__init__(group, bucket_mb=bucket_mb, link=link)
+        super().__init__(group, bucket_mb=bucket_mb, link=link, device=device)
         self.rank = rank
         # start_powerSGD_iter only has to satisfy the state's own check (> 1 with error feedback): sync()
         # decides warm-up through ``compress`` and moves the counter past it before calling the hook.
@@ -480,7 +491,7 @@ class PowerSGDSync(GradSync):
         # whichever thread completes the previous collective, so with several buckets in flight the order of
         # collectives on the group differs between ranks (gloo then fails with a size mismatch; observed).
         for b in buckets:
-            flat = b.flatten()
+            flat = b.flatten(self.device)
             hb = HookBucket(b.index, flat, b.views(flat), list(b.params), b.index == len(buckets) - 1)
             b.unflatten(powerSGD_hook(self.state, hb).wait())  # type: ignore[arg-type]
         return sum(self._bucket_bytes(b) for b in buckets)
@@ -502,7 +513,7 @@ class PowerSGDSync(GradSync):
             m = re.fullmatch(r"(error|p|q)\.(\d+)", key)
             if m is None:
                 raise KeyError(f"unexpected key {key!r} in a PowerSGD grad sync state (iter, error.<i>, p.<i>, q.<i>)")
-            stores[m.group(1)][int(m.group(2))] = value.detach().clone()
+            stores[m.group(1)][int(m.group(2))] = value.detach().to(self.device, copy=True)
         self.state.iter = it
         self.state.error_dict = stores["error"]
         self.state.p_memory_dict = stores["p"]
@@ -510,13 +521,15 @@ class PowerSGDSync(GradSync):
 
 
 def make_grad_sync(spec: str, group: Any = None, *, bucket_mb: float = DEFAULT_BUCKET_MB,
-                   link: LinkSpec | None = None, seed: int = 0) -> GradSync:
+                   link: LinkSpec | None = None, seed: int = 0,
+                   device: torch.device | str = "cpu") -> GradSync:
     """The :class:`GradSync` for a spec (``allreduce``, ``q8``, ``q4:block256``, ``powersgd:rank4``) over
-    ``group`` (None: the default group)."""
+    ``group`` (None: the default group), its buffers and state on ``device`` (the GPU for an NCCL group)."""
     parsed = parse_grad_sync(spec)
     if parsed.kind == "allreduce":
-        return AllReduceSync(group, bucket_mb=bucket_mb, link=link)
+        return AllReduceSync(group, bucket_mb=bucket_mb, link=link, device=device)
     if parsed.kind == "quant":
-        return QuantizedSync(group, bits=parsed.bits, block=parsed.block, bucket_mb=bucket_mb, link=link)
-    return PowerSGDSync(group, rank=parsed.rank, bucket_mb=bucket_mb, link=link, seed=seed)
+        return QuantizedSync(group, bits=parsed.bits, block=parsed.block, bucket_mb=bucket_mb, link=link,
+                             device=device)
+    return PowerSGDSync(group, rank=parsed.rank, bucket_mb=bucket_mb, link=link, seed=seed, device=device)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import enum
 import json
+import logging
 import os
 import zlib
 from pathlib import Path
@@ -37,6 +38,11 @@ from aqsgd.compress.cast import RawCodec
 from aqsgd.errors import PacketMismatchError, SchemeError
 
 __all__ = ["Phase", "Kind", "Side", "BoundaryScheme", "ids_tag"]
+
+log = logging.getLogger(__name__)
+# Bytes of a generator's state by device type: a CPU generator (Mersenne Twister) holds 5056, a CUDA one
+# (Philox) its seed and offset, 16. A state of the other type was saved on another kind of device.
+_GENERATOR_STATE_BYTES = {"cpu": torch.Generator().get_state().numel(), "cuda": 16}
 
 
 class Phase(str, enum.Enum):
@@ -109,6 +115,7 @@ class BoundaryScheme(abc.ABC):
             raise SchemeError(f"side must be 'sender' or 'receiver', got {side!r}") from None
         self.label = label
         self.device = torch.device(device)
+        self.seed = seed
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
@@ -156,7 +163,18 @@ class BoundaryScheme(abc.ABC):
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.generator.set_state(state["generator"])
+        saved = state["generator"]
+        here = self.device.type
+        other = [t for t, n in _GENERATOR_STATE_BYTES.items() if n == saved.numel() and t != here]
+        if here in _GENERATOR_STATE_BYTES and saved.numel() != _GENERATOR_STATE_BYTES[here] and other:
+            # CPU and CUDA generators draw different streams: a state cannot move between them. The random
+            # numbers (stochastic rounding only) restart from the scheme's seed; everything else continues.
+            log.warning("%s: the saved random generator state is a %s one, this scheme runs on %s; its "
+                        "stochastic rounding restarts from seed %d", self.label, other[0], self.device,
+                        self.seed)
+            self.generator.manual_seed(self.seed)
+            return
+        self.generator.set_state(saved)
 
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Write the scheme's complete state (safetensors + JSON, no pickle) into ``directory``; the form in which

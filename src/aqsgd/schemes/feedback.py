@@ -66,8 +66,11 @@ class SlotState:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"slot.{k}": v for k, v in self.buffers.items()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.buffers = {int(k.split(".", 1)[1]): v.clone() for k, v in state.items() if k.startswith("slot.")}
+    def load_state_dict(self, state: dict[str, torch.Tensor],
+                        device: torch.device | str | None = None) -> None:
+        """Restore copies of the buffers, on ``device`` (None: where the given tensors are)."""
+        self.buffers = {int(k.split(".", 1)[1]): v.to(device, copy=True) for k, v in state.items()
+                        if k.startswith("slot.")}
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +132,7 @@ class _FeedbackScheme(BoundaryScheme):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         super().load_state_dict(state)
         if isinstance(self.state, SlotState):
-            self.state.load_state_dict(state)
+            self.state.load_state_dict(state, self.device)
 
     # Files: ``state.safetensors`` (the generator), ``scheme.json``, and the error/estimate state in
     # ``slots.safetensors`` (slot key) or ``cache/`` (sample key), kept apart from the generator so that EF21's
@@ -151,7 +154,7 @@ class _FeedbackScheme(BoundaryScheme):
         if isinstance(self.state, SampleState):
             self.state.cache.load(f"{directory}/cache")
         elif (Path(directory) / _SLOTS_FILE).exists():
-            self.state.load_state_dict(_load_tensors(Path(directory) / _SLOTS_FILE))
+            self.state.load_state_dict(_load_tensors(Path(directory) / _SLOTS_FILE), self.device)
 
     def mirrored_state(self) -> tuple[str, ...]:
         if not self.two_sided:

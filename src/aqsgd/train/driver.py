@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from torch.utils.data import Dataset
 
+from aqsgd.comm.device import check_backends, resolve_device, world_backend
 from aqsgd.comm.launch import launch_local, leave_process_group
 from aqsgd.data.datasets import TaskSpec, register_task, registered_tasks
 from aqsgd.errors import SpecError
@@ -48,7 +49,11 @@ def worker(cfg_json: str, data: tuple[Dataset, Dataset] | None = None,
         register_task(spec, replace=True)
     cfg = TrainConfig.from_dict(json.loads(cfg_json))
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(cfg.pipeline.timeout, 10)))
+        # the process's GPU is current before the group exists (NCCL binds to it); see aqsgd.comm.device
+        device = resolve_device(cfg.pipeline.device, distributed=True)
+        check_backends(device, cfg.pipeline.p2p_backend, cfg.pipeline.dp_backend)
+        dist.init_process_group(world_backend(device, cfg.pipeline.p2p_backend),
+                                timeout=datetime.timedelta(seconds=max(cfg.pipeline.timeout, 10)))
     clean = False
     try:
         trainer = Trainer(cfg, data=data)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from aqsgd.comm import LinkSpec, Transport
+from aqsgd.comm.device import check_backends, group_backend, resolve_device, resolve_dp_backend
 from aqsgd.comm.transport import naming_peer_failures
 from aqsgd.data.datasets import epoch_batches
 from aqsgd.data.synthetic import microbatches
@@ -155,6 +156,9 @@ class Trainer:
         """The stages this process owns (all of them locally, its own one distributed), their boundary schemes,
         optimizers and, distributed, the transport, tied-weight groups and data-parallel gradient sync."""
         cfg, p, o = self.cfg, self.cfg.pipeline, self.cfg.optim
+        # locally every stage computes on one device; distributed, each process on cuda:(LOCAL_RANK mod GPUs)
+        device = self.device = resolve_device(p.device, distributed=self.distributed)
+        check_backends(device, p.p2p_backend, p.dp_backend)
         optim = OptimConfig(o.optimizer, o.lr, o.weight_decay, int(o.lr_warmup * self.total_steps), self.total_steps,
                             o.max_grad_norm)
         cache_dir = None
@@ -167,20 +171,33 @@ class Trainer:
         autocast = torch.bfloat16 if o.dtype == "bf16" else None
         torch.manual_seed(o.seed)
         recipe = self.task.recipe
+        # Weights are built and loaded on the CPU in both runtimes (the same numbers), then moved; Module.to
+        # keeps the Parameter objects, so weights tied across local stages stay shared.
         if self.grid is None:
-            model = load_weights(recipe.build("cpu"), recipe.weights)
-            stages = partition_model(model, p.stages, layers=p.layers, balance=p.balance)
+            model = load_weights(recipe.build("cpu"), recipe.weights).to(device)
+            parts = partition_model(model, p.stages, layers=p.layers, balance=p.balance)
+            stages = [s.to(device) for s in parts]
             return PipelineEngine(dict(enumerate(stages)), p.stages, comp, optim, schedule=p.schedule,
-                                  autocast=autocast)
+                                  device=device, autocast=autocast)
         links = LinkSpec.parse(p.link) if p.link else None
         module = materialize_stage(recipe, p.stages, self.grid.stage, layers=p.layers, balance=p.balance)
+        module = module.to(device)
         ties = shared_parameters(partition_model(recipe.build("meta"), p.stages, layers=p.layers, balance=p.balance))
-        grad_sync = (make_grad_sync(p.grad_sync, self.grid.dp_group, bucket_mb=p.grad_bucket_mb, link=links,
-                                    seed=o.seed) if p.data_parallel > 1 else None)
-        self.transport = Transport(timeout_s=p.timeout, links=links, peer_labels=self.grid.peer_labels())
+        grad_sync = None
+        if p.data_parallel > 1:
+            # NCCL replica groups of their own (collective, the same on every rank); gloo: the grid's groups,
+            # with the buckets in host memory
+            group, sync_device = self.grid.dp_group, torch.device("cpu")
+            if resolve_dp_backend(p.dp_backend, device) == "nccl":
+                group = self.grid.new_dp_group(group_backend("nccl"), timeout_s=p.timeout)
+                sync_device = device
+            grad_sync = make_grad_sync(p.grad_sync, group, bucket_mb=p.grad_bucket_mb, link=links,
+                                       seed=o.seed, device=sync_device)
+        self.transport = Transport(timeout_s=p.timeout, links=links, peer_labels=self.grid.peer_labels(),
+                                   device=device, backend=p.p2p_backend)
         return PipelineEngine({self.grid.stage: module}, p.stages, comp, optim, schedule=p.schedule,
-                              transport=self.transport, ties=ties, autocast=autocast, grid=self.grid,
-                              grad_sync=grad_sync)
+                              device=device, transport=self.transport, ties=ties, autocast=autocast,
+                              grid=self.grid, grad_sync=grad_sync)
 
     def _prepare_run_dir(self) -> RunDirLock | None:
         """Check, create and lock the run directory: here without a process group, by rank 0 otherwise (the
@@ -242,7 +259,15 @@ class Trainer:
         return Phase.WARMUP if epoch < self.cfg.compression.warmup_epochs else Phase.TRAIN
 
     def _passes(self, batches: list[dict[str, torch.Tensor]]) -> list[list[dict[str, torch.Tensor]]]:
-        return [microbatches(b, self.cfg.pipeline.micro_batches) for b in batches]
+        return [microbatches(self._on_device(b), self.cfg.pipeline.micro_batches) for b in batches]
+
+    def _on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch's tensors on the stages' device (non-blocking from pinned memory). Sample ids stay on the
+        host: the boundary schemes and their caches index with them there."""
+        if self.device.type == "cpu":
+            return batch
+        return {k: v if k == "sample_ids" or not isinstance(v, torch.Tensor)
+                else v.to(self.device, non_blocking=v.is_pinned()) for k, v in batch.items()}
 
     # -- evaluation --------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
@@ -259,14 +284,14 @@ class Trainer:
                 n = shard["sample_ids"].numel()
                 if n == 0:  # fewer samples than replicas in a last batch: every stage of this replica skips it
                     continue
-                loss, logits = self.engine.evaluate(microbatches(shard, self.cfg.pipeline.micro_batches), phase,
-                                                    keep_logits=classify)
+                mbs = microbatches(self._on_device(shard), self.cfg.pipeline.micro_batches)
+                loss, logits = self.engine.evaluate(mbs, phase, keep_logits=classify)
                 if loss is None:
                     continue
                 sums[0] += loss * n
                 sums[1] += n
                 if classify and logits is not None:
-                    p, y = torch.cat(logits).argmax(-1), shard["labels"]
+                    p, y = torch.cat(logits).argmax(-1).cpu(), shard["labels"]
                     sums[2:] += torch.tensor([float((p == y).sum()), float(((p == 1) & (y == 1)).sum()),
                                               float(((p == 0) & (y == 0)).sum()), float(((p == 1) & (y == 0)).sum()),
                                               float(((p == 0) & (y == 1)).sum())], dtype=torch.float64)
@@ -313,7 +338,8 @@ class Trainer:
                                   f"match to continue it")
         was, now = trainer_state.get("data", {}).get("fingerprint"), self.task.data_info.get("fingerprint")
         if was is not None and was != now:
-            files = ", ".join(map(str, self.task.data_info.get("files", []))) or "the data"
+            info = self.task.data_info
+            files = ", ".join(str(info[k]) for k in ("train_file", "eval_file", "dataset") if info.get(k)) or "the data"
             raise CheckpointError(f"--resume {path}: {files} changed since the checkpoint (sha256 {str(was)[:12]}... "
                                   f"then, {str(now)[:12]}... now); its sample ids and cached activations would not "
                                   f"match: restore the data or start a new run")
@@ -434,7 +460,10 @@ class Trainer:
         if not on:
             yield
             return
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
             yield
         name = "trace"
         if self.grid is not None:

@@ -38,9 +38,12 @@ Common rules
   written, so a rejected ``put`` changes nothing. Empty ``ids`` are allowed.
 * ``rows`` must have shape ``[len(ids), *row_shape]``.
 * ``get`` of an id that was never put (or was forgotten by ``reset``) raises :class:`CacheError`.
+* Rows (or codes and scales) live on ``device``; the visited mask of every backend stays in host
+  memory (sample ids are host data: no device round trip to tell seen from unseen rows).
 * ``save(directory)`` / ``load(directory)`` write and read safetensors files plus a ``meta.json``
-  (no pickle). ``load`` restores into an existing cache of the same backend, capacity, row shape and
-  storage format, and raises :class:`CacheError` otherwise.
+  (no pickle), always as host tensors: a cache saved on one device loads on another. ``load``
+  restores into an existing cache of the same backend, capacity, row shape and storage format, and
+  raises :class:`CacheError` otherwise.
 """
 
 from aqsgd.errors import CacheError

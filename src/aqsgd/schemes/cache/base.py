@@ -106,7 +106,9 @@ class ActivationCache(abc.ABC):
         self.row_shape = None if row_shape is None else _check_row_shape(row_shape)
         self.dtype = _check_dtype(dtype, "dtype", _COMPUTE_DTYPES)
         self.device = _normalize_device(device)
-        self._visited = torch.zeros(capacity, dtype=torch.bool, device=mask_device or self.device)
+        # The visited mask stays on the host whatever the device: sample ids are host data, so splitting a
+        # micro-batch into seen and unseen rows needs no device round trip (and no host sync).
+        self._visited = torch.zeros(capacity, dtype=torch.bool, device=mask_device or torch.device("cpu"))
         if num_samples is not None:
             self.check_capacity(num_samples)
 

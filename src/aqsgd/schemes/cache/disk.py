@@ -57,6 +57,19 @@ def _noop() -> None:
     return None
 
 
+def _to_host(t: Tensor) -> Tensor:
+    """A contiguous host copy of ``t`` (``t`` itself on the CPU, if contiguous). From a GPU: a non-blocking
+    copy into pinned memory, then a wait for an event recorded after it (not for the whole device)."""
+    if not t.is_cuda:
+        return t.contiguous()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(t.device))
+    done.synchronize()
+    return host
+
+
 class DiskCache(ActivationCache):
     """Rows in a ``numpy.memmap`` file, read ahead on one background thread.
 
@@ -76,8 +89,10 @@ class DiskCache(ActivationCache):
       returns the latest put of each id. Reads of a dropped prefetch may race with the write; their
       result is discarded.
 
-    When ``device`` is CUDA, prefetched rows are pinned on the worker thread and copied with
-    ``non_blocking=True``.
+    When ``device`` is CUDA, reads and writes go through pinned host memory: prefetched rows are pinned
+    on the worker thread and copied to the device with ``non_blocking=True`` (on the caller's stream, so
+    whatever reads them is ordered after the copy); a ``put`` copies its rows non-blocking into a pinned
+    buffer and waits only for that copy before writing the file.
 
     Use as a context manager or call :meth:`close` to stop the worker thread.
     """
@@ -128,8 +143,10 @@ class DiskCache(ActivationCache):
         self._mm: np.memmap | None = np.memmap(
             self.path, dtype=self._np_dtype, mode="w+", shape=self._file_shape
         )
+        # the worker pins memory for a CUDA cache: it works on that device (not on device 0 by default)
+        init, args = (torch.cuda.set_device, (self.device,)) if self._pin else (None, ())
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="aqsgd-diskcache"
+            max_workers=1, thread_name_prefix="aqsgd-diskcache", initializer=init, initargs=args
         )
 
     @property
@@ -238,7 +255,7 @@ class DiskCache(ActivationCache):
                     fut.cancel()
                     del self._pending[key]
             stored = rows.to(self.storage_dtype)
-            host = stored.cpu().contiguous()
+            host = _to_host(stored)
             if ids_np.size:
                 if self.storage_dtype == torch.bfloat16:
                     mm[ids_np] = host.view(torch.int16).numpy().view(np.uint16)

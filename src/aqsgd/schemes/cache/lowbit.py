@@ -150,5 +150,5 @@ class LowBitCache(ActivationCache):
         self.row_shape = row_shape
         self._packed = tensors["packed"].to(self.device)
         self._scales = tensors["scales"].to(self.device)
-        self._visited = tensors["visited"].to(self.device)
+        self._visited = tensors["visited"].to(self._visited.device)
 

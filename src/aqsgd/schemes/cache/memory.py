@@ -94,5 +94,5 @@ class MemoryCache(ActivationCache):
             return
         self.row_shape = row_shape
         self._rows = tensors["rows"].to(self.device)
-        self._visited = tensors["visited"].to(self.device)
+        self._visited = tensors["visited"].to(self._visited.device)
 

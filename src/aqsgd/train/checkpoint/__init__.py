@@ -4,7 +4,7 @@ anything is read, read without unpickling.
 Layout of ``RUN_DIR/checkpoints/step-NNNNNNNN/``::
 
     trainer.json                 position (epoch, batch, step), totals, the config
-    rank{r}.rng.json / .safetensors   RNG states of each process (python, torch)
+    rank{r}.rng.json / .safetensors   RNG states of each process (python, torch, and its GPU's in a CUDA run)
     stage{i}/model.safetensors   the stage's parameters and buffers
     stage{i}/optimizer.pt        optimizer state (torch.save; loaded with weights_only=True)
     stage{i}/scheduler.json      LR scheduler state

@@ -162,7 +162,9 @@ def _restore(path: Path, engine: Any, held: dict[int, dict[str, Any]], rank: int
             raise CheckpointError(f"{file}: holds the state of the {kind} optimizer, this run's stage {i} uses "
                                   f"{state['optimizer_class']}")
         with _reading(file, f"does not fit the optimizer of stage {i}"):
-            engine.load_state_dict({i: {"optimizer": torch.load(file, weights_only=True)}})
+            # read onto the host wherever it was saved; the optimizer moves it to its parameters' device
+            saved = torch.load(file, weights_only=True, map_location="cpu")
+            engine.load_state_dict({i: {"optimizer": saved}})
         file = d / "scheduler.json"
         sched = read_json(file)
         with _reading(file, f"does not fit the LR scheduler of stage {i}"):
@@ -190,4 +192,7 @@ def _restore(path: Path, engine: Any, held: dict[int, dict[str, Any]], rank: int
         random.setstate((py[0], tuple(py[1]), py[2]))
     file = path / f"rank{rank}.rng.safetensors"
     with _reading(file, "not a torch RNG state"):
-        torch.set_rng_state(load_file(str(file))["torch"])
+        states = load_file(str(file))
+        torch.set_rng_state(states["torch"])
+        if "cuda" in states and torch.cuda.is_available():  # a GPU run's (a CPU run has no use for it)
+            torch.cuda.set_rng_state(states["cuda"])

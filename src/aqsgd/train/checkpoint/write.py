@@ -143,6 +143,15 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path))
 
 
+def _rng_states() -> dict[str, torch.Tensor]:
+    """The torch RNG states of this process: the CPU generator's, and, once CUDA is in use, the current GPU's
+    (the device this process trains on; dropout on the GPU draws from it)."""
+    states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
 def _jsonable(o: Any) -> Any:
     if isinstance(o, torch.Tensor):
         return o.tolist()
@@ -192,7 +201,7 @@ def _write_own(writer: _Writer, engine: Any, position: dict[str, Any], rank: int
     py_state = random.getstate()
     writer.file(tmp / f"rank{rank}.rng.json", lambda p: p.write_text(
         json.dumps({"python": [py_state[0], list(py_state[1]), py_state[2]]})))
-    writer.file(tmp / f"rank{rank}.rng.safetensors", lambda p: save_file({"torch": torch.get_rng_state()}, str(p)))
+    writer.file(tmp / f"rank{rank}.rng.safetensors", lambda p: save_file(_rng_states(), str(p)))
     if rank == 0:
         writer.file(tmp / TRAINER, lambda p: p.write_text(json.dumps(position, indent=1)))
     return {"mirrored": mirrored, "optimizers": optimizers}
