@@ -87,7 +87,7 @@ def test_registered_task_reaches_the_spawned_stage_processes(tmp_path, registere
     cfg = _cfg(tmp_path, task=registered.name, runtime="distributed", run_name="dist", timeout=120.0)
     summary = run_training(cfg)
     assert summary is not None and summary["task"] == registered.name and summary["steps"] == 8
-    local = run_training(_cfg(tmp_path, task=registered.name, run_name="local"))
+    run_training(_cfg(tmp_path, task=registered.name, run_name="local"))
     assert _losses(tmp_path / "dist") == pytest.approx(_losses(tmp_path / "local"), rel=1e-5)
 
 
