@@ -17,7 +17,7 @@ SRC = ROOT / "src" / "aqsgd"
 # import name -> distribution name, where they differ
 _DIST = {"torch": "torch", "yaml": "pyyaml"}
 # imported only behind a guard that turns their absence into a one-line error naming the package
-_OPTIONAL = {"datasets", "huggingface_hub", "typing_extensions"}
+_OPTIONAL = {"datasets", "huggingface_hub", "typing_extensions", "pyarrow"}  # pyarrow: the [parquet] extra
 
 
 def _requirement_names(reqs: list[str]) -> set[str]:
@@ -42,7 +42,9 @@ def test_base_dependencies_cover_every_import():
     assert not missing, f"imported by aqsgd but not installed by `pip install .`: {missing}"
     # what `aqsgd train` writes and `aqsgd report` draws, and the SmolLM2 conversion, need no extra either
     assert {"tensorboard", "matplotlib", "transformers", "gguf", "accelerate"} <= base
-    assert _requirement_names(project["optional-dependencies"]["test"]) == {"pytest", "hypothesis"}
+    # the test extra adds the test tools and pyarrow, so that the .parquet reader of --train-file is tested
+    assert _requirement_names(project["optional-dependencies"]["test"]) == {"pytest", "hypothesis", "pyarrow"}
+    assert _requirement_names(project["optional-dependencies"]["parquet"]) == {"pyarrow"}
 
 
 def test_ci_runs_the_readme_test_command_in_a_fresh_environment():

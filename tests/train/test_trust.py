@@ -69,7 +69,7 @@ def test_model_layers_on_a_resnet_is_refused(tmp_path):
     with pytest.raises(SpecError, match="--model-layers"):
         from aqsgd.train.tasks import _model_recipe
 
-        _model_recipe(_cfg(tmp_path, model="resnet", model_layers=2), "image-classification", object())
+        _model_recipe(_cfg(tmp_path, model="resnet", model_layers=2), "image-classification", object(), None)
 
 
 @pytest.mark.parametrize("toml,needle", [
