@@ -385,3 +385,23 @@ def test_batches_stay_put_on_the_cpu_and_ids_stay_on_the_host():
     if torch.cuda.is_available():
         moved = Trainer._on_device(SimpleNamespace(device=torch.device("cuda", 0)), batch)
         assert moved["input_ids"].is_cuda and not moved["sample_ids"].is_cuda
+
+
+def test_backend_options_that_would_do_nothing_are_refused():
+    with pytest.raises(SpecError, match="^--p2p-backend: carries packets between stage processes"):
+        TrainConfig.of(device="cuda", p2p_backend="nccl").validate()  # local runtime
+    with pytest.raises(SpecError, match="^--dp-backend: .* needs --data-parallel 2"):
+        TrainConfig.of(runtime="distributed", dp_backend="gloo").validate()
+    TrainConfig.of(runtime="distributed", data_parallel=2, dp_backend="gloo").validate()
+
+
+def test_dtype_auto_is_bf16_on_a_gpu_with_bf16_and_fp32_elsewhere(monkeypatch):
+    from aqsgd.train.trainer import compute_dtype
+
+    assert compute_dtype("auto", torch.device("cpu")) == "fp32"
+    assert compute_dtype("bf16", torch.device("cpu")) == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert compute_dtype("auto", torch.device("cuda", 0)) == "bf16"
+    assert compute_dtype("fp32", torch.device("cuda", 0)) == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert compute_dtype("auto", torch.device("cuda", 0)) == "fp32"

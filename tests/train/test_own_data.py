@@ -153,3 +153,34 @@ def test_deberta_distributed_equals_local(tmp_path, tokenizer_dir):
 
     assert len(losses("dist")) == len(losses("local")) == 16  # 58 training rows of 64, 8 per pass, 2 epochs
     assert losses("dist") == pytest.approx(losses("local"), rel=1e-4)
+
+
+def _all_types(task_kind: str) -> list[str]:
+    from aqsgd.models import supported_model_types
+
+    return supported_model_types(task_kind)
+
+
+@pytest.mark.parametrize("model_type", _all_types("causal-lm"))
+def test_every_causal_lm_family_trains_from_a_folder(tmp_path, tokenizer_dir, model_type):
+    """A short `aqsgd train` over a tiny random model of each family, saved as a folder, on a .jsonl file."""
+    folder = _save_model(tmp_path / "m", tokenizer_dir, model_type, "AutoModelForCausalLM")
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"text": s}) for s in _sentences(60, 4)) + "\n", encoding="utf-8")
+    summary = _train(tmp_path, "--model", str(folder), "--train-file", str(data), "--max-steps", "3")
+    assert summary["steps"] == 3 and summary["main_metric"] == "perplexity"
+    assert 1 < summary["eval"]["compressed"]["perplexity"] < 1e4
+
+
+@pytest.mark.parametrize("model_type", _all_types("sequence-classification"))
+def test_every_classifier_family_trains_from_a_folder(tmp_path, tokenizer_dir, model_type):
+    """The same for each encoder family, on sentence pairs with integer labels in a .tsv file."""
+    folder = _save_model(tmp_path / "m", tokenizer_dir, model_type, "AutoModelForSequenceClassification")
+    data = tmp_path / "pairs.tsv"
+    lines = ["first\tsecond\tlabel"] + [f"{a}\t{b}\t{int(len(a) > len(b))}"
+                                        for a, b in zip(_sentences(60, 6), _sentences(60, 7))]
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    summary = _train(tmp_path, "--model", str(folder), "--train-file", str(data), "--text-column", "first",
+                     "--text-pair-column", "second", "--max-steps", "3")
+    assert summary["steps"] == 3 and summary["main_metric"] == "accuracy"
+    assert 0 <= summary["eval"]["compressed"]["accuracy"] <= 1

@@ -176,8 +176,8 @@ class OptimSection:
     """clip the global gradient norm (0: off)"""
     grad_accum: int = 1
     """pipeline passes accumulated per optimizer step"""
-    dtype: str = "fp32"
-    """compute dtype: fp32, or bf16 (autocast)"""
+    dtype: str = "auto"
+    """compute dtype: auto (bf16 autocast on a GPU that supports it, else fp32), fp32, or bf16 (autocast)"""
     seed: int = 0
     """seed of initialization, data order and stochastic rounding"""
 
@@ -443,7 +443,7 @@ class TrainConfig:
         for name, valid in (("runtime", ("local", "distributed")), ("optimizer", ("adamw", "sgd")),
                             ("device", ("auto", "cpu", "cuda")), ("p2p_backend", ("gloo", "nccl")),
                             ("dp_backend", ("auto", "gloo", "nccl")),
-                            ("dtype", ("fp32", "bf16")), ("balance", ("layers", "params")),
+                            ("dtype", ("auto", "fp32", "bf16")), ("balance", ("layers", "params")),
                             ("ef_key", ("slot", "sample"))):
             if v[name] not in valid:
                 raise bad(name, f"{v[name]!r} is not one of {', '.join(valid)}")
@@ -469,6 +469,12 @@ class TrainConfig:
             check_run_name(v["run_name"])
         if v["link"] is not None:
             parsed("link", LinkSpec.parse)
+        if v["p2p_backend"] != "gloo" and v["runtime"] != "distributed":
+            raise bad("p2p_backend", "carries packets between stage processes: it needs --runtime distributed (the "
+                      "local runtime passes tensors in memory)")
+        if v["dp_backend"] != "auto" and v["data_parallel"] < 2:
+            raise bad("dp_backend", "is the backend of the data-parallel gradient sync: it needs --data-parallel 2 "
+                      "or more")
         if v["device"] == "cpu" and "nccl" in (v["p2p_backend"], v["dp_backend"]):
             which = "p2p_backend" if v["p2p_backend"] == "nccl" else "dp_backend"
             raise bad(which, "nccl runs on GPUs only; it needs --device cuda (or auto on a machine with one)")

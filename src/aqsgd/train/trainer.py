@@ -60,7 +60,7 @@ from aqsgd.train.rundir import (RunDirError, RunDirLock, check_run_dir, prepare_
                                 truncate_metrics)
 from aqsgd.train.tasks import TaskSetup, effective_settings, setup_task
 
-__all__ = ["Trainer", "StepHook", "check_partition", "RESUME_MUST_MATCH"]
+__all__ = ["Trainer", "StepHook", "check_partition", "compute_dtype", "RESUME_MUST_MATCH"]
 
 log = logging.getLogger(__name__)
 _STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute_s", "encode_s", "decode_s", "wait_s", "sync_bytes",
@@ -91,6 +91,13 @@ def check_partition(cfg: TrainConfig, recipe: Any) -> None:
     except ValueError as e:
         option = (f"--layers {','.join(map(str, cfg.pipeline.layers))}" if cfg.pipeline.layers is not None else f"--stages {cfg.pipeline.stages}")
         raise SpecError(f"{option}: {e}") from None
+
+
+def compute_dtype(spec: str, device: torch.device) -> str:
+    """``fp32`` or ``bf16`` for ``--dtype spec`` on ``device``: ``auto`` is bf16 on a GPU that supports it."""
+    if spec != "auto":
+        return spec
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
 def _mcc(tp: float, tn: float, fp: float, fn: float) -> float:
@@ -168,7 +175,7 @@ class Trainer:
         c = cfg.compression
         comp = CompressionConfig.simple(c.forward, c.backward, num_samples=len(self.task.train), cache=c.cache,
                                         cache_dir=cache_dir, ef_key=c.ef_key, seed=o.seed)
-        autocast = torch.bfloat16 if o.dtype == "bf16" else None
+        autocast = torch.bfloat16 if compute_dtype(o.dtype, device) == "bf16" else None
         torch.manual_seed(o.seed)
         recipe = self.task.recipe
         # Weights are built and loaded on the CPU in both runtimes (the same numbers), then moved; Module.to
