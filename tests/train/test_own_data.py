@@ -184,3 +184,21 @@ def test_every_classifier_family_trains_from_a_folder(tmp_path, tokenizer_dir, m
                      "--text-pair-column", "second", "--max-steps", "3")
     assert summary["steps"] == 3 and summary["main_metric"] == "accuracy"
     assert 0 <= summary["eval"]["compressed"]["accuracy"] <= 1
+
+
+def test_data_option_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cases = [
+        (["--dataset", "stanfordnlp/imdb"], "--dataset stanfordnlp/imdb loads from the Hugging Face hub, which "
+                                            "HF_HUB_OFFLINE disables"),
+        (["--train-file", str(tmp_path / "none.csv")], f"--train-file {tmp_path / 'none.csv'}: no such file"),
+        (["--train-file", "a.csv", "--task", "wiki"], "--task: 'wiki' and --train-file both name the data"),
+        (["--train-file", "a.csv", "--dataset", "x"], "--dataset: give either --train-file or --dataset"),
+        (["--eval-file", "a.csv"], "--eval-file: needs --train-file"),
+        (["--train-file", "a.csv", "--eval-split", "0"], "--eval-split: must be in (0, 1)"),
+    ]
+    for args, message in cases:
+        assert main(["train", *args, "--cache-dir", str(tmp_path / "cache")]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("aqsgd: error: ") and "\n" not in err, err
+        assert message in err, (args, err)

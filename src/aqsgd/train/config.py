@@ -482,7 +482,7 @@ class TrainConfig:
         if len(own) > 1:
             raise bad("dataset", "give either --train-file or --dataset, not both")
         if own and v["task"] is not None:
-            raise bad("task", f"--task {v['task']} and --{own[0].replace('_', '-')} both name the data; give one")
+            raise bad("task", f"{v['task']!r} and --{own[0].replace('_', '-')} both name the data; give one")
         if v["eval_file"] is not None and v["train_file"] is None:
             raise bad("eval_file", "needs --train-file (the training data in the same format)")
         if not 0 < v["eval_split"] < 1:
