@@ -202,3 +202,21 @@ def test_data_option_errors_are_one_line(tmp_path, capsys, monkeypatch):
         err = capsys.readouterr().err.strip()
         assert err.startswith("aqsgd: error: ") and "\n" not in err, err
         assert message in err, (args, err)
+
+
+def test_builtin_text_task_uses_the_models_own_tokenizer(tmp_path, tokenizer_dir):
+    """bbc with a classifier folder is tokenized with that folder's tokenizer (not MiniLM's), and keeps the
+    built-in task's sample caps."""
+    from transformers import AutoTokenizer
+
+    from aqsgd.data import locate
+    from aqsgd.train.config import TrainConfig
+    from aqsgd.train.tasks import setup_task
+
+    if locate("bbc") is None:
+        pytest.skip("source 'bbc' is not prepared; run `aqsgd data prepare bbc`")
+    folder = _save_model(tmp_path / "roberta", tokenizer_dir, "roberta", "AutoModelForSequenceClassification")
+    setup = setup_task(TrainConfig.of(model=str(folder), cache_dir=str(tmp_path / "cache"), max_length=16))
+    assert setup.train.info["vocab_size"] == len(AutoTokenizer.from_pretrained(str(folder)))
+    assert len(setup.train) == 600 and len(setup.eval) == 200
+    assert setup.recipe.kind == "bert-cls" and setup.recipe.config["num_labels"] == 5

@@ -234,8 +234,8 @@ def _hf_recipe(kind: str, model_dir: Path, cfg: TrainConfig, *, num_labels: int 
         kwargs: dict[str, Any] = {}
         if cfg.model.layers:
             kwargs[family.blocks_key or "num_hidden_layers"] = cfg.model.layers
-        if num_labels is not None:
-            kwargs.update(num_labels=num_labels, **extra)
+        if num_labels is not None:  # a classifier saved with other labels gets a new (seeded) head, as run_glue does
+            kwargs.update(num_labels=num_labels, ignore_mismatched_sizes=True, **extra)
         model = auto.from_pretrained(str(model_dir), **kwargs)
         save_weights(model, path)
 
