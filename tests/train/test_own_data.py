@@ -195,6 +195,8 @@ def test_data_option_errors_are_one_line(tmp_path, capsys, monkeypatch):
         (["--train-file", "a.csv", "--task", "wiki"], "--task: 'wiki' and --train-file both name the data"),
         (["--train-file", "a.csv", "--dataset", "x"], "--dataset: give either --train-file or --dataset"),
         (["--eval-file", "a.csv"], "--eval-file: needs --train-file"),
+        (["--model", "Qwen/Qwen2.5-0.5B", "--task", "wiki"], "--model Qwen/Qwen2.5-0.5B: the Hugging Face hub is "
+                                                             "offline (HF_HUB_OFFLINE=1)"),
         (["--train-file", "a.csv", "--eval-split", "0"], "--eval-split: must be in (0, 1)"),
     ]
     for args, message in cases:
