@@ -31,6 +31,7 @@ import copy
 import csv
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -60,6 +61,7 @@ SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet")
 _INT = re.compile(r"-?(0|[1-9][0-9]*)")  # an integer written the one canonical way ("01" and "+1" are text)
 _SHOWN_LABELS = 20  # how many training labels an "unknown label" message lists
 
+log = logging.getLogger(__name__)
 _Fail = Callable[[str], DataFileError]
 
 
@@ -418,7 +420,7 @@ def load_text_files(
         "fingerprint": digests["train"] if eval_file is None else _combine(list(digests.values())),
         "fingerprints": digests,
     }
-    return _build(train, evals, tokenizer=tokenizer, tokenizer_for=tokenizer_for, max_length=max_length, text_column=text_column,
+    return _logged(train, evals, tokenizer=tokenizer, tokenizer_for=tokenizer_for, max_length=max_length, text_column=text_column,
                   text_pair_column=text_pair_column, label_column=label_column, eval_split=eval_split,
                   seed=seed, max_train_samples=max_train_samples, max_eval_samples=max_eval_samples,
                   info=info)
@@ -481,7 +483,7 @@ def load_hub_dataset(
         "eval_split_name": eval_name,
         "fingerprint": _combine([spec, *fps]) if all(isinstance(f, str) for f in fps) else None,
     }
-    return _build(train, evals, tokenizer=tokenizer, tokenizer_for=tokenizer_for, max_length=max_length, text_column=text_column,
+    return _logged(train, evals, tokenizer=tokenizer, tokenizer_for=tokenizer_for, max_length=max_length, text_column=text_column,
                   text_pair_column=text_pair_column, label_column=label, eval_split=eval_split, seed=seed,
                   max_train_samples=max_train_samples, max_eval_samples=max_eval_samples, info=info,
                   class_names=class_names)
@@ -497,6 +499,15 @@ def _hub_records(ds: Any, spec: str, split: str, wanted: Sequence[str]) -> Recor
 # --------------------------------------------------------------------------------------------------
 # from records to datasets
 # --------------------------------------------------------------------------------------------------
+
+
+def _logged(train: Records, evals: Records | None, **kw: Any) -> tuple[DictDataset, DictDataset]:
+    """:func:`_build`, with what was read and what it became in the log (tokenizing a large file takes a while)."""
+    log.info("%s %s: %d %ss with columns %s%s; tokenizing", train.option, train.source, len(train), train.unit,
+             ", ".join(train.column_names), "" if evals is None else f" (evaluation: {len(evals)} {evals.unit}s)")
+    out = _build(train, evals, **kw)
+    log.info("data: %d training and %d evaluation samples (%s)", len(out[0]), len(out[1]), out[0].info.get("kind"))
+    return out
 
 
 def _build(train: Records, evals: Records | None, *, tokenizer: Any, tokenizer_for: Callable[[str], Any] | None,
