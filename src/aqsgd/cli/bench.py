@@ -9,15 +9,20 @@ from rich.console import Console
 from rich.table import Table
 
 from aqsgd.cli.options import parse_shape, positive_int
+from aqsgd.errors import SpecError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark")
     bsub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    c = bsub.add_parser("codecs", help="codec encode/decode throughput against x.clone()",
+    c = bsub.add_parser("codecs", help="codec encode/decode throughput against x.clone(), or --quality",
                         description="Encode, decode and round-trip throughput of each codec on one "
                                     "activation-like fp32 tensor, next to x.clone() of the same tensor measured "
-                                    "in the same run (interleaved repeats, medians, warm-up excluded).")
+                                    "in the same run (interleaved repeats, medians, warm-up excluded). "
+                                    "With --quality: the quantizer's rate-distortion table instead "
+                                    "(relative squared error at 1..8 bits for every scale/grid/granularity "
+                                    "option on N(0, 1) data, next to the best uniform quantizer and the "
+                                    "Shannon bound).")
     c.add_argument("--codecs", nargs="+", default=None, metavar="SPEC",
                    help="codec specs (default: a representative set; see `aqsgd codecs`)")
     c.add_argument("--shape", type=parse_shape, default=(8, 512, 768), help="tensor shape (default: 8,512,768)")
@@ -27,6 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--warmup", type=positive_int, default=3, help="untimed warm-up calls (default: 3)")
     c.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     c.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
+    c.add_argument("--quality", action="store_true",
+                   help="rate-distortion table of q1..q8 on Gaussian data instead of throughput")
+    c.add_argument("--seed", type=int, default=0, help="seed of the --quality data (default: 0)")
+    c.add_argument("--png", metavar="PATH", default=None, help="with --quality: also plot it to PATH")
     c.set_defaults(func=run_codecs)
 
     from aqsgd.bench.pipeline import PipelineBenchConfig
@@ -36,8 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     pp = bsub.add_parser("pipeline", help="training throughput of stage processes over emulated links",
                          description="Samples/s of real stage processes (PyTorch's elastic launcher, gloo) over "
                                      "links emulated in the transport, for each setting and bandwidth; speed-up vs "
-                                     "fp32 next to the ideal speed-up of a steady-state model from the measured "
-                                     "compute time and bytes per micro-batch.")
+                                     "fp32 next to the ideal speed-up and the efficiency of the speed model (the step "
+                                     "the schedule allows, pipeline bubble included, from the measured compute "
+                                     "time and bytes per micro-batch; docs/design.md).")
     pp.add_argument("--stages", type=_ints, default=list(d.stages), help="stage counts (default: 2,4)")
     pp.add_argument("--bandwidths", type=_floats, default=list(d.bandwidths_mbps),
                     help="link bandwidths in Mbit/s (default: 1000,300,100,30,10)")
@@ -185,6 +195,10 @@ def run_codecs(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)  # --device cuda without a GPU: a SpecError, one line from main()
     console = Console(width=max(Console().width, 150))
+    if args.quality:
+        return run_codec_quality(args, device, console)
+    if args.png:
+        raise SpecError("--png: plots the --quality table; add --quality")
     specs = args.codecs or DEFAULT_CODECS
     console.print(f"[bold]codec throughput[/]: fp32 tensor {tuple(args.shape)} on {machine_description(device)}; "
                   f"median of {args.repeats} interleaved repeats after {args.warmup} warm-up calls")
@@ -201,4 +215,38 @@ def run_codecs(args: argparse.Namespace) -> int:
     if args.json:
         write_json(rows, args.json, device=device, command=args.command_line)
         console.print(f"wrote {args.json}")
+    return 0
+
+
+def run_codec_quality(args: argparse.Namespace, device: torch.device, console: Console) -> int:
+    from aqsgd.bench.codecs import machine_description
+    from aqsgd.bench.quality import BITS, bench_quality, write_quality_json, write_quality_png
+
+    if args.codecs:
+        raise SpecError("--codecs: --quality measures its own set of quantizer variants; leave --codecs out")
+    shape = tuple(args.shape)
+    machine = machine_description(device)
+    console.print(f"[bold]quantizer rate-distortion[/]: relative squared error ||x - C(x)||^2 / ||x||^2 "
+                  f"on one N(0, 1) fp32 tensor {shape} (seed {args.seed}) on {machine}; 1 = sending zeros")
+    rows = bench_quality(shape=shape, seed=args.seed, device=device)
+    table = Table()
+    table.add_column("q<b> options", justify="left")
+    table.add_column("scale bits/value", justify="right")
+    for b in BITS:
+        table.add_column(f"b={b}", justify="right")
+    for i, r in enumerate(rows):
+        if r.kind == "reference" and i and rows[i - 1].kind == "codec":
+            table.add_section()
+        cells = ["-" if e is None else f"{e:.3g}" for e in r.rel_mse]
+        table.add_row(r.label, "-" if r.scale_bits is None else f"{r.scale_bits:.3g}", *cells)
+    console.print(table)
+    console.print("default: channel scales (max over the other dims), max-abs scale (mean |x| for 1 bit), "
+                  "nearest rounding, mid-tread grid, fp16 scales")
+    if args.json:
+        write_quality_json(rows, args.json, shape=shape, seed=args.seed, command=args.command_line,
+                           machine=machine)
+        console.print(f"wrote {args.json}")
+    if args.png:
+        write_quality_png(rows, args.png, title=f"quantizer rate-distortion, N(0, 1) tensor {shape}")
+        console.print(f"wrote {args.png}")
     return 0

@@ -8,7 +8,8 @@ spec                                   codec
 ``q<b>[:opt...]``                      uniform symmetric quantization at b = 1..8 bits; options in any
                                        order: ``tensor`` | ``channel`` (default) | ``token`` |
                                        ``block<N>``; ``nearest`` (default) | ``stochastic``;
-                                       ``max`` (default) | ``l2``; ``midtread`` (default) |
+                                       ``max`` | ``l2`` | ``mean`` (1 bit only); default ``max``,
+                                       but ``mean`` for 1 bit with nearest rounding; ``midtread`` (default) |
                                        ``midrise`` (all 2^b codes, no zero level); ``scale16``
                                        (default) | ``scale32``
 ``topk<K>[:row|:tensor][+<codec>]``    keep fraction K in (0, 1] of largest magnitudes per row (default)
@@ -37,8 +38,10 @@ __all__ = ["make_codec", "SPEC_HELP", "CODEC_NAMES"]
 CODEC_NAMES = ("none", "fp32", "fp16", "bf16", "q<bits>", "topk<fraction>")
 SPEC_HELP = (
     "codec spec: none | fp32 | fp16 | bf16 | q<bits 1-8>[:tensor|channel|token|block<N>][:nearest|stochastic]"
-    "[:max|l2][:midtread|midrise][:scale16|scale32] | topk<fraction>[:row|tensor][+fp32|fp16|bf16|q<bits>...] "
-    "(e.g. q4, q2:token, q3:block64:stochastic, topk0.1, topk0.1+q8)"
+    "[:max|l2|mean][:midtread|midrise][:scale16|scale32] "
+    "| topk<fraction>[:row|tensor][+fp32|fp16|bf16|q<bits>...] "
+    "(e.g. q4, q2:token, q3:block64:stochastic, topk0.1, topk0.1+q8); "
+    "scale default: max, but mean (mean |x|) for 1 bit with nearest rounding"
 )
 _QUANT_RE = re.compile(r"q(\d+)")
 _TOPK_RE = re.compile(r"topk(\d*\.?\d+(?:e-?\d+)?)")
@@ -73,7 +76,7 @@ def _parse_quant(spec: str, text: str, default_granularity: str = "channel") -> 
             kw["block"] = int(size)
         elif opt in ("nearest", "stochastic"):
             setopt("rounding", "rounding", opt, opt)
-        elif opt in ("max", "l2"):
+        elif opt in ("max", "l2", "mean"):
             setopt("scale", "scale", opt, opt)
         elif opt in ("midtread", "midrise"):
             setopt("grid", "grid", opt, opt)
