@@ -8,7 +8,8 @@ from aqsgd.bench.pipeline import PipelineBenchConfig, bench_pipeline, measure, t
 
 ROW_FIELDS = {"setting", "stages", "data_parallel", "grad_sync", "bandwidth_mbps", "forward", "backward", "step_s",
               "compute_per_mb_s", "bytes_per_mb", "sync_bytes", "num_microbatches", "samples_per_s",
-              "speedup_vs_fp32", "ideal_speedup", "efficiency", "comm_compute_ratio"}
+              "speedup_vs_fp32", "ideal_speedup", "efficiency", "comm_compute_ratio", "ideal_step_s",
+              "stage_compute_per_mb_s", "fw_bytes_per_mb", "bw_bytes_per_mb", "schedule", "latency_ms"}
 
 
 def test_a_run_is_a_training_config(tmp_path):
@@ -33,6 +34,8 @@ def test_measure_takes_the_medians_of_the_timed_steps():
     m = measure(rows, num_microbatches=4, global_batch=8)
     assert m["step_s"] == 2.0 and m["samples_per_s"] == 4.0
     assert m["compute_per_mb_s"] == pytest.approx(0.6 / 4) and m["bytes_per_mb"] == 20
+    assert m["stage_compute_per_mb_s"] == pytest.approx([0.6 / 4, 0.3 / 4])
+    assert m["fw_bytes_per_mb"] == [20] and m["bw_bytes_per_mb"] == [0]  # boundary 0: stage 0 out, stage 1 back
 
 
 def test_sweep_produces_its_rows(tmp_path):
@@ -44,5 +47,6 @@ def test_sweep_produces_its_rows(tmp_path):
         assert ROW_FIELDS <= set(r), ROW_FIELDS - set(r)
         assert r["step_s"] > 0 and r["samples_per_s"] > 0
     fp32, aq = rows
-    assert fp32["speedup_vs_fp32"] == 1.0
+    assert fp32["speedup_vs_fp32"] == 1.0 and fp32["schedule"] == "1f1b"
+    assert fp32["efficiency"] == pytest.approx(fp32["ideal_step_s"] / fp32["step_s"])
     assert aq["bytes_per_mb"] < fp32["bytes_per_mb"] / 4  # 2-bit codes plus per-channel scales against fp32

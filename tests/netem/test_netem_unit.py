@@ -31,6 +31,7 @@ from aqsgd.bench.netem.cluster import _last_exception
 from aqsgd.bench.netem_wire import Impairment
 from aqsgd.bench.pipeline import summarize
 from aqsgd.bench.settings import SETTINGS
+from aqsgd.bench.speedmodel import step_time
 from aqsgd.cli import build_parser
 from aqsgd.cli.netem import config_from_args, register
 from aqsgd.cli.train import build_config
@@ -85,13 +86,16 @@ def test_snake_placement_gives_every_boundary_its_own_link():
 
 
 def test_ideal_model_stretches_the_sync_by_the_link_load():
-    row = dict(setting="fp32", stages=2, data_parallel=2, grad_sync="allreduce", bandwidth_mbps=8.0,
+    row = dict(setting="fp32", stages=2, data_parallel=2, grad_sync="allreduce", bandwidth_mbps=8.0, step_s=2.0,
                samples_per_s=1.0, compute_per_mb_s=0.1, bytes_per_mb=1e5, num_microbatches=4, sync_bytes=1e6)
     q8 = {**row, "grad_sync": "q8", "sync_bytes": 2.5e5, "samples_per_s": 1.5}
     one, two = summarize([dict(row, sync_load=1), dict(q8, sync_load=1)]), summarize([dict(row, sync_load=2), dict(q8, sync_load=2)])
-    # step = 4 x max(0.1, 0.1) + load x sync_bytes x 8 / 8e6
-    assert one[1]["ideal_speedup"] == pytest.approx((0.4 + 1.0) / (0.4 + 0.25))
-    assert two[1]["ideal_speedup"] == pytest.approx((0.4 + 2.0) / (0.4 + 0.5))
+    # the pipeline's step (1F1B, 2 stages, 4 micro-batches of 0.1 s, 0.1 s messages) plus load x sync_bytes x 8 / 8e6
+    pipe = step_time("1f1b", 2, 4, 0.1, 0.1, 0.1)
+    assert one[1]["ideal_step_s"] == pytest.approx(pipe + 0.25) and two[1]["ideal_step_s"] == pytest.approx(pipe + 0.5)
+    assert one[1]["ideal_speedup"] == pytest.approx((pipe + 1.0) / (pipe + 0.25))
+    assert two[1]["ideal_speedup"] == pytest.approx((pipe + 2.0) / (pipe + 0.5))
+    assert two[0]["efficiency"] == pytest.approx((pipe + 2.0) / 2.0)
     assert variant_label(two[1]) == "fp32, D=2 q8" and variant_label({"setting": "fp16"}) == "fp16"
 
 

@@ -6,11 +6,14 @@ Llama-style model on synthetic data: one warm-up epoch uncompressed (AQ-SGD fill
 timed), then ``measure_steps`` timed steps; samples/s is the batch size over the median step time of the first
 stage (its last backward ends a step).
 
-Next to each measured speed-up against fp32 at the same bandwidth we print the *ideal* speed-up of a simple
-steady-state model (docs/design.md, "Speed model"): a micro-batch costs a stage ``max(c, l)``, with ``c`` the measured compute
-plus encode/decode time per micro-batch of the busiest stage, and ``l`` the link time of the larger of the
-per-micro-batch forward/backward messages (links are full duplex). Ideal speed-up = ``max(c32, l32) /
-max(cX, lX)``; efficiency = measured / ideal. ``comm_compute_ratio`` = ``l32 / c32``.
+Each row is read against the *speed model* (:mod:`aqsgd.bench.speedmodel`, docs/design.md, "Speed model"):
+the shortest step the run's schedule allows with the measured compute + codec time per micro-batch of every
+stage and the measured bytes of every boundary's forward and backward messages over links of the row's
+bandwidth (one serial line per boundary and direction), pipeline fill and drain included.
+``ideal_step_s`` is that step, ``efficiency`` = ``ideal_step_s / step_s`` (1: the run is as fast as its
+schedule can be; below 1: time lost to what the model leaves out), ``ideal_speedup`` = ideal step of fp32 /
+ideal step of the row, ``comm_compute_ratio`` = fp32 link time of the larger message per micro-batch / the
+busiest stage's compute per micro-batch.
 
 Data parallelism (``data_parallel`` lists replica counts D > 1): ``stages x D`` processes per stage count and
 D, each replica pipeline on its own shard of a D-times larger global batch; every (setting, bandwidth) is
@@ -21,7 +24,7 @@ return before its bytes would have crossed one full-duplex link of the same band
 collective round). Rows then also carry ``sync_bytes`` (per rank and step) and two speed-ups:
 ``speedup_vs_fp32`` (against fp32 boundaries and fp32 all-reduce: nothing compressed) and
 ``speedup_vs_pipeline_only`` (against the same boundary setting with the fp32 all-reduce: only the pipeline
-compressed). The ideal model adds the paced sync time to the pipeline's: ``T = M max(c, l) + sync_s``.
+compressed). The speed model adds the paced sync time after the pipeline's step.
 Samples/s = global batch / median step time of rank 0 (stage 0 of replica 0; its step ends after the
 gradient sync). All processes share this machine's cores: with ``stages x D`` processes on fewer cores the
 compute term is inflated by contention, which the figures include.
@@ -40,6 +43,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from aqsgd.bench import speedmodel
 from aqsgd.bench.settings import SETTINGS
 from aqsgd.comm.launch import launch_local, leave_process_group
 from aqsgd.train.config import TrainConfig
@@ -88,7 +92,7 @@ def run_options(cfg: Any, setting: str, *, stages: int, replicas: int = 1, grad_
         "warmup_epochs": 1, "epochs": 1 + cfg.measure_steps, "lr": 1e-3, "lr_warmup": 0.0,
         "eval_every": 0, "checkpoint_every": 0, "progress": False, "tensorboard": False,
         "runtime": "distributed", "timeout": float(timeout_s), "output_dir": str(output_dir),
-        "run_name": run_name, "overwrite": True,
+        "run_name": run_name, "overwrite": True, "schedule": getattr(cfg, "schedule", "1f1b"),
     }
     if link is not None:
         opts["link"] = link
@@ -138,9 +142,12 @@ def _bench_entry(configs_json: str) -> list[list[dict[str, Any]] | None]:
 
 
 def measure(rows: list[dict[str, Any]], *, num_microbatches: int, global_batch: int) -> dict[str, Any]:
-    """The figures of one run from its train rows (``metrics.jsonl``), warm-up excluded: the median step time of
-    stage 0 (its last backward ends a step), the busiest stage's compute + codec time per micro-batch, its
-    largest per-micro-batch message, and the gradient-sync bytes per rank."""
+    """The figures of one run from its train rows (``metrics.jsonl``), warm-up excluded, per micro-batch and as
+    medians over the timed steps: the step time of stage 0 (its last backward ends a step), every stage's
+    compute + codec time (``stage_compute_per_mb_s``) and the busiest one's (``compute_per_mb_s``), the bytes
+    of every boundary's forward message (sent by the stage before it, ``fw_bytes_per_mb``) and backward
+    message (sent by the stage after it, ``bw_bytes_per_mb``), the largest of them (``bytes_per_mb``), and the
+    gradient-sync bytes per rank."""
     timed = [r for r in rows if r["phase"] != "warmup"]
     stages = list(zip(*(r["stages"] for r in timed)))  # per stage: its dict of every timed step
 
@@ -149,32 +156,36 @@ def measure(rows: list[dict[str, Any]], *, num_microbatches: int, global_batch: 
 
     m = num_microbatches
     step_s = med(stages[0], "step_s")
-    c = max(med(s, "compute_s") + med(s, "encode_s") + med(s, "decode_s") for s in stages) / m
+    per_stage = [(med(s, "compute_s") + med(s, "encode_s") + med(s, "decode_s")) / m for s in stages]
+    fw = [med(s, "fw_bytes") / m for s in stages[:-1]]
+    bw = [med(s, "bw_bytes") / m for s in stages[1:]]
     msg = max(max(med(s, "fw_bytes"), med(s, "bw_bytes")) for s in stages) / m
     sync_bytes = max(med(s, "sync_bytes") for s in stages)
-    return {"step_s": step_s, "compute_per_mb_s": c, "bytes_per_mb": msg, "sync_bytes": sync_bytes,
+    return {"step_s": step_s, "compute_per_mb_s": max(per_stage), "stage_compute_per_mb_s": per_stage,
+            "bytes_per_mb": msg, "fw_bytes_per_mb": fw, "bw_bytes_per_mb": bw, "sync_bytes": sync_bytes,
             "num_microbatches": m, "samples_per_s": global_batch / step_s}
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Add speed-ups, ideal speed-ups, efficiency and the fp32 comm:compute ratio (same stages, replicas and
-    bandwidth); with data parallelism also the speed-up over the same boundary setting with the fp32 all-reduce."""
+    """Add the speed model's step (``ideal_step_s``, :func:`aqsgd.bench.speedmodel.row_step_time`), efficiency
+    (``ideal_step_s / step_s``), speed-ups and ideal speed-ups against fp32 and the fp32 comm:compute ratio (same
+    stages, replicas and bandwidth); with data parallelism also the speed-up over the same boundary setting
+    with the fp32 all-reduce."""
     key = lambda row: (row["stages"], row.get("data_parallel", 1), row["bandwidth_mbps"])  # noqa: E731
     fp32 = lambda row: row.get("grad_sync", "allreduce") == "allreduce"  # noqa: E731
     base = {key(r): r for r in rows if r["setting"] == "fp32" and fp32(r)}
     pipeline_only = {(key(r), r["setting"]): r for r in rows if fp32(r)}
     for r in rows:
+        r["ideal_step_s"] = speedmodel.row_step_time(r)
+    for r in rows:
         b = base[key(r)]
-        bps = r["bandwidth_mbps"] * 1e6
-        link = lambda row: row["bytes_per_mb"] * 8 / bps  # noqa: E731
-        step = lambda row: (row.get("num_microbatches", 1) * max(row["compute_per_mb_s"], link(row))  # noqa: E731
-                            + row.get("sync_bytes", 0) * max(row.get("sync_load", 1), 1) * 8 / bps)
         r["speedup_vs_fp32"] = r["samples_per_s"] / b["samples_per_s"]
         if r.get("data_parallel", 1) > 1:
             r["speedup_vs_pipeline_only"] = r["samples_per_s"] / pipeline_only[(key(r), r["setting"])]["samples_per_s"]
-        r["ideal_speedup"] = step(b) / step(r)
-        r["efficiency"] = r["speedup_vs_fp32"] / r["ideal_speedup"]
-        r["comm_compute_ratio"] = link(b) / b["compute_per_mb_s"]
+        r["ideal_speedup"] = b["ideal_step_s"] / r["ideal_step_s"]
+        r["efficiency"] = r["ideal_step_s"] / r["step_s"]
+        link = speedmodel.transfer_time(b["bytes_per_mb"], r["bandwidth_mbps"] * 1e6)
+        r["comm_compute_ratio"] = link / b["compute_per_mb_s"]
     return rows
 
 
@@ -201,6 +212,7 @@ def bench_pipeline(cfg: PipelineBenchConfig, work_dir: str | None = None, progre
                 for (name, bw, c), history in zip(plan, histories):
                     rows.append({"setting": name, "stages": stages, "data_parallel": dp,
                                  "grad_sync": c.pipeline.grad_sync, "bandwidth_mbps": bw,
+                                 "latency_ms": cfg.latency_ms, "schedule": c.pipeline.schedule,
                                  "forward": c.compression.forward, "backward": c.compression.backward,
                                  **measure(history, num_microbatches=cfg.num_microbatches,
                                            global_batch=c.global_batch_size)})

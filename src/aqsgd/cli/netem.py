@@ -38,8 +38,9 @@ def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
                     "(tbf; delay and loss by a user-space wire), over gloo/TCP, for fp32, fp16, direct and AQ-SGD "
                     "compression (with --data-parallel also gradient syncs between replicas), from "
                     "--max-mbps down to where the fp32 link time is --target-ratio x the compute time. "
-                    "Reports samples/s, speed-up vs fp32, the ideal speed-up (max(compute, link) per "
-                    "micro-batch), efficiency and the fp32 comm:compute ratio. Needs root and iproute2.")
+                    "Reports samples/s, speed-up vs fp32, the ideal speed-up and the efficiency (the step the "
+                    "schedule can reach, bubble included, over the measured step; see docs/design.md, Speed "
+                    "model) and the fp32 comm:compute ratio. Needs root and iproute2.")
     p.add_argument("--stages", type=int, choices=(2, 4), default=2, help="pipeline stages (default: 2)")
     p.add_argument("--bandwidths", type=_positive_float, nargs="+", default=None, metavar="MBPS",
                    help="explicit bandwidths in Mbit/s, highest first (default: derived from a calibration run)")

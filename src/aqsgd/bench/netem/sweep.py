@@ -11,10 +11,11 @@ First a calibration run of fp32 at the top bandwidth measures the compute time p
 fp32 message size; the sweep then goes down from the top bandwidth in steps of ``sqrt(10)`` to the bandwidth
 where the fp32 link time per micro-batch is ``target_ratio`` (10) times ``c``. At each bandwidth every setting
 runs ``runs`` times (fresh processes each time); samples/s is the median over the runs of each run's
-median-step throughput. Speed-ups, ideal speed-ups (``max(c, l)`` per micro-batch and stage,
-:func:`aqsgd.bench.pipeline.summarize`), efficiency and the fp32 comm:compute ratio follow. The ideal model uses
-the *measured* TCP goodput of the link (``link_mbps``), not the nominal rate, so that efficiency measures how
-well the pipeline overlaps communication and compute rather than TCP/IP header overhead; the nominal rate is
+median-step throughput. The step the schedule can reach (:func:`aqsgd.bench.speedmodel.row_step_time`, the
+speed model ``aqsgd bench pipeline`` uses too), efficiency = that step / the measured one, speed-ups, ideal
+speed-ups and the fp32 comm:compute ratio follow (:func:`aqsgd.bench.pipeline.summarize`). The model uses the
+*measured* TCP goodput of the link (``link_mbps``), not the nominal rate, so that efficiency measures how well
+the pipeline overlaps communication and compute rather than TCP/IP header overhead; the nominal rate is
 reported next to it. Delay stays 0 unless ``delay_ms`` asks for it (it then goes through the user-space wire,
 too slow for bulk Gbit/s links).
 
@@ -24,7 +25,7 @@ The ``S x D`` processes lie along the one chain (:func:`~aqsgd.bench.netem.clust
 forwards, replica 1 backwards, ...), so every pipeline boundary keeps a dedicated link, the last stages of
 replicas 0 and 1 are neighbours, and the other stages' replicas reach each other through the chain, as on a
 real line of hosts. Their syncs then share links: with 2 stages x 2 replicas the middle link carries both
-stages' syncs, and the ideal model multiplies the sync time by that load
+stages' syncs, and the speed model multiplies the sync time by that load
 (:func:`~aqsgd.bench.netem.cluster.sync_link_load`). Speed-ups of data-parallel rows are against the fp32
 pipeline with the fp32 all-reduce at the same ``D``.
 """
@@ -96,6 +97,7 @@ class NetemBenchConfig:
     data_parallel: int = 1
     dp_settings: Sequence[str] = ("fp32", "aqsgd fw2/bw4")
     grad_syncs: Sequence[str] = ("allreduce", "q8")
+    schedule: str = "1f1b"  # the pipeline schedule of every run (gpipe or 1f1b)
 
     @classmethod
     def quick(cls, **kw: Any) -> NetemBenchConfig:
@@ -164,8 +166,10 @@ def _row(cfg: NetemBenchConfig, name: str, replicas: int, sync: str, bw: float, 
             "step_s": statistics.median(m["step_s"] for m in measured),
             "compute_per_mb_s": statistics.median(m["compute_per_mb_s"] for m in measured),
             "bytes_per_mb": statistics.median(m["bytes_per_mb"] for m in measured),
+            **{k: [statistics.median(v) for v in zip(*(m[k] for m in measured))]
+               for k in ("stage_compute_per_mb_s", "fw_bytes_per_mb", "bw_bytes_per_mb")},
             "sync_bytes": statistics.median(m["sync_bytes"] for m in measured),
-            "num_microbatches": cfg.num_microbatches}
+            "num_microbatches": cfg.num_microbatches, "schedule": cfg.schedule, "latency_ms": cfg.delay_ms}
 
 
 def _summarize_with_link_rate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -260,7 +264,7 @@ def bench_netem(cfg: NetemBenchConfig, workdir: str | Path,
     rows = []
     for bw in grid:
         link = links[bw]
-        # the ideal model's line: the slower direction's measured goodput
+        # the speed model's line: the slower direction's measured goodput
         link_mbps = min(link["forward_mbps"], link["backward_mbps"], bw)
         for name, replicas, sync in _variants(cfg):
             rows.append(_row(cfg, name, replicas, sync, bw, link_mbps, results[(bw, name, replicas, sync)]))
