@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 from rich.console import Console
@@ -67,6 +68,31 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="gradient syncs compared when D > 1, e.g. allreduce,q8,q4,powersgd:rank4 (default: allreduce,q8)")
     pp.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
     pp.set_defaults(func=run_pipeline)
+
+    from aqsgd.bench.vs_torch import LatencyConfig, VsTorchConfig
+
+    dv, dl = VsTorchConfig(), LatencyConfig()
+    vt = bsub.add_parser("vs-torch", help="uncompressed pipeline vs torch.distributed.pipelining, same stages",
+                         description="Samples/s of aqsgd's uncompressed pipeline and of PyTorch's PipelineStage "
+                                     "with ScheduleGPipe and Schedule1F1B on the same stage modules and weights "
+                                     "(tiny Llama, fp32, gloo on loopback, one thread per process, AdamW with "
+                                     "clipping; interleaved rounds, medians, first-step losses checked equal), "
+                                     "then one message's hand-over and ping-pong latency, aqsgd transport vs "
+                                     "dist.send/recv.")
+    vt.add_argument("--stages", type=_ints, default=list(dv.stages), help="stage counts (default: 2,4)")
+    vt.add_argument("--schedules", type=lambda t: t.split(","), default=list(dv.schedules),
+                    help="gpipe and/or 1f1b (default: gpipe,1f1b)")
+    vt.add_argument("--hidden", type=positive_int, default=dv.hidden, help="model width (default: 256)")
+    vt.add_argument("--layers", type=positive_int, default=dv.layers, help="transformer blocks (default: 4)")
+    vt.add_argument("--seq-len", type=positive_int, default=dv.seq_len, help="tokens per sample (default: 128)")
+    vt.add_argument("--micro-batch-size", type=positive_int, default=dv.microbatch_size, help="(default: 4)")
+    vt.add_argument("--micro-batches", type=positive_int, default=dv.num_microbatches, help="(default: 8)")
+    vt.add_argument("--steps", type=positive_int, default=dv.steps, help="timed steps per round (default: 3)")
+    vt.add_argument("--repeats", type=positive_int, default=dv.repeats, help="timed rounds (default: 4)")
+    vt.add_argument("--latency-repeats", type=int, default=dl.repeats,
+                    help="messages per size and round in the latency test; 0 skips it (default: 200)")
+    vt.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
+    vt.set_defaults(func=run_vs_torch)
 
     from aqsgd.bench.convergence import DEFAULT_TASKS as CONV_DEFAULT_TASKS
     from aqsgd.bench.convergence import SETTINGS as CONV_SETTINGS
@@ -183,6 +209,60 @@ def run_pipeline(args: argparse.Namespace) -> int:
     console.print(table)
     if args.json:
         write_json(rows, args.json, cfg=cfg, command=args.command_line, machine=machine)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def run_vs_torch(args: argparse.Namespace) -> int:
+    from aqsgd.bench.codecs import machine_description
+    from aqsgd.bench.vs_torch import (
+        LatencyConfig,
+        VsTorchConfig,
+        bench_latency,
+        bench_vs_torch,
+        check_losses,
+        write_json,
+    )
+
+    bad = [s for s in args.schedules if s not in ("gpipe", "1f1b")]
+    if bad:
+        raise SpecError(f"--schedules: unknown {', '.join(bad)} (gpipe, 1f1b)")
+    cfg = VsTorchConfig(stages=args.stages, schedules=args.schedules, hidden=args.hidden, layers=args.layers,
+                        seq_len=args.seq_len, microbatch_size=args.micro_batch_size,
+                        num_microbatches=args.micro_batches, steps=args.steps, repeats=args.repeats)
+    console = Console(width=max(Console().width, 150))
+    machine = machine_description(torch.device("cpu"))
+    console.print(f"[bold]aqsgd vs torch.distributed.pipelining[/] on {machine}: Llama-style model, {cfg.layers} "
+                  f"blocks x {cfg.hidden}, {cfg.seq_len} tokens, {cfg.num_microbatches} micro-batches of "
+                  f"{cfg.microbatch_size}, fp32; median of {cfg.repeats} x {cfg.steps} interleaved steps")
+    rows = bench_vs_torch(cfg, progress=lambda m: console.print(m))
+    table = Table()
+    for col in ("stages", "schedule", "aqsgd samples/s", "torch samples/s", "aqsgd/torch", "aqsgd step ms",
+                "torch step ms", "first-step loss aqsgd", "first-step loss torch"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    for r in rows:
+        table.add_row(str(r["stages"]), f"{r['schedule']} / {r['torch_schedule']}", f"{r['aqsgd_samples_per_s']:.1f}",
+                      f"{r['torch_samples_per_s']:.1f}", f"{r['ratio']:.2f}x", f"{1e3 * r['aqsgd_step_s']:.1f}",
+                      f"{1e3 * r['torch_step_s']:.1f}", f"{r['aqsgd_first_loss']:.6f}", f"{r['torch_first_loss']:.6f}")
+    console.print(table)
+    check_losses(rows)
+    console.print("first-step losses equal")
+    latency: list = []
+    if args.latency_repeats > 0:
+        lcfg = LatencyConfig(repeats=args.latency_repeats)
+        latency = bench_latency(lcfg)
+        lt = Table(title="one message between two processes (median ms)")
+        for col in ("payload bytes", "aqsgd hand-over", "torch hand-over", "ratio", "aqsgd ping-pong",
+                    "torch ping-pong", "ratio "):
+            lt.add_column(col, justify="right")
+        for r in latency:
+            lt.add_row(f"{r['payload_bytes']:,}", f"{r['aqsgd_handover_ms']:.3f}", f"{r['torch_handover_ms']:.3f}",
+                       f"{r['handover_ratio']:.2f}x", f"{r['aqsgd_pingpong_ms']:.3f}", f"{r['torch_pingpong_ms']:.3f}",
+                       f"{r['pingpong_ratio']:.2f}x")
+        console.print(lt)
+    if args.json:
+        write_json({"benchmark": "vs-torch", "command": args.command_line, "machine": machine,
+                    "config": dataclasses.asdict(cfg), "rows": rows, "latency": latency}, args.json)
         console.print(f"wrote {args.json}")
     return 0
 

@@ -4,30 +4,42 @@ Wire protocol
 -------------
 One *message* carries 0..8 :class:`~aqsgd.compress.packet.Packet` s from one rank to another on one
 *channel* (an integer 0..255; :data:`FORWARD` = 0 for activations, :data:`BACKWARD` = 1 for gradients by
-convention). It is two tensors, sent with the same tag:
+convention). It is a *preamble* and the packets' payloads, sent with the same tag:
 
-1. the *preamble*, a fixed :data:`PREAMBLE_BYTES` = 576-byte uint8 tensor (no pickle)::
+1. the preamble, a fixed :data:`PREAMBLE_BYTES` = 576-byte uint8 block (no pickle)::
 
        offset bytes field
        0      4     magic b"AQTP"
-       4      1     protocol version (1)
+       4      1     protocol version (2)
        5      1     number of packets n (0..8)
        6      2     channel
        8      8     sequence number of the message on its (sender, receiver, channel)
        16     8     total payload bytes (sum of the packets' payload lengths)
        24     8     arrival time, float64 wall-clock seconds (0 = deliver at once); see link emulation
-       32     28    reserved (zero)
+       32     1     flags: 0x01 = the payload follows in the same gloo message
+       33     27    reserved (zero)
        60     4     CRC-32 of bytes 0..59 and 64..575
        64     512   the n packets' 64-byte headers, then zeros
 
-2. when the total is non-zero, one uint8 tensor with the packets' payloads concatenated, exactly the
-   announced size.
+2. the packets' payloads concatenated, exactly the announced total.
+
+Most messages are one gloo message (preamble and payloads in one uint8 tensor): every receive is posted with
+a buffer of the link's *receive size* (gloo accepts a shorter message into a longer buffer), so the receiver
+need not learn the size first. A message longer than the receive size goes as two gloo messages (the
+preamble alone, then the payloads, exactly sized) and raises the receive size to its own length (at most
+576 bytes + 64 MiB). Both sides keep the receive size of each (sender, receiver, channel) by the same rule
+from the same ordered messages, starting at 576 bytes + 64 KiB, and the flag tells the receiver which form
+came (a disagreement is a malformed message). A pipeline's messages keep one size, so after the first
+(when larger than 64 KiB) each costs one gloo rendezvous. NCCL needs exactly sized receives: there every
+message with a payload goes in two parts.
 
 The receiver checks magic, version, CRC, channel and sequence number, parses every header with
 :func:`~aqsgd.compress.packet.parse_header` and builds the packets with ``Packet.from_header`` (payload
 length and, for CPU payloads, payload CRC). What the wire carries per message is therefore
 ``PREAMBLE_BYTES + sum(payload bytes)`` = ``sum(packet.nbytes)`` (the codec's wire formula) plus a protocol
-overhead of ``PREAMBLE_BYTES - 64 n`` bytes; :attr:`Transport.stats` reports both.
+overhead of ``PREAMBLE_BYTES - 64 n`` bytes; :attr:`Transport.stats` reports both. Packets carry a CRC-32
+of their CPU payloads unless the transport was built with ``checksum=False`` (trusted links: the sender then
+clears the packets' checksum flag and the receiver checks nothing but lengths and the preamble's own CRC).
 
 Channels are separated by tags: gloo matches a send to a receive by (peer, tag), and every channel has its
 own tag (``_TAG_BASE + channel``), so forward and backward traffic between the same two ranks never mix.
@@ -50,7 +62,10 @@ project's CI.
 
 Threads
 -------
-``isend`` only enqueues: one sender thread per (dst, channel) paces and sends messages in FIFO order.
+``isend`` never blocks: one sender thread per (dst, channel) paces and sends messages in FIFO order. On a
+*direct* link (no link emulation, gloo, host payloads) ``isend`` itself starts the message with a gloo
+``isend`` (its bytes leave as soon as the peer's receive is posted) and the sender thread only waits for its
+completion, accounts it and completes the handle.
 ``irecv`` enqueues a receive request: one receiver thread per (src, channel) serves requests in order, so
 several irecvs posted on the same (src, channel) complete in order. A receiver thread only has a
 ``dist.recv`` outstanding while some request is pending, so an idle transport holds nothing in gloo.
@@ -80,7 +95,7 @@ matching receive (a rendezvous, even for 100 bytes), so a sleeping receiver thre
 and serialize the latency of pipelined messages. The same rendezvous means a send to a peer that has not
 posted its ``irecv`` yet waits on the sender thread (the training thread is not blocked); the message's
 arrival time was fixed when it was scheduled, so the emulated timing is that of a buffered network as long
-as receivers post early. Each message also costs two real rendezvous (~1-4 ms on a loaded machine); since
+as receivers post early. Each message also costs one or two real rendezvous (~1-4 ms on a loaded machine); since
 the schedule runs from hand-over times these costs do not accumulate, but a link is only emulated
 faithfully while the real path is faster than the emulated one.
 """
@@ -125,11 +140,14 @@ FORWARD = 0
 BACKWARD = 1
 MAX_PACKETS = 8
 MAX_CHANNEL = 255
-_PREFIX = struct.Struct("<4sBBHQQd28sI")
+_PREFIX = struct.Struct("<4sBBHQQdB27sI")
 _PREFIX_BYTES = _PREFIX.size
 PREAMBLE_BYTES = _PREFIX_BYTES + MAX_PACKETS * HEADER_BYTES
 _MAGIC = b"AQTP"
-_VERSION = 1
+_VERSION = 2
+_FLAG_INLINE = 0x01  # the payload follows the preamble in the same gloo message
+_INLINE_START = 64 * 1024  # payload bytes a receive can take in one message before any larger one came
+_INLINE_MAX = 64 * 1024 * 1024  # beyond this, messages always travel as preamble + payload
 _TAG_BASE = 0x7100
 _DEFAULT_CHANNEL_NAMES = {FORWARD: "forward activations", BACKWARD: "backward gradients"}
 _JOIN_TIMEOUT_S = 2.0
@@ -164,9 +182,10 @@ class LinkStats:
         return self.packet_bytes + self.overhead_bytes
 
 
-def _build_preamble(n: int, channel: int, seq: int, total: int, arrival: float, headers: bytes) -> bytes:
+def _build_preamble(n: int, channel: int, seq: int, total: int, arrival: float, headers: bytes,
+                    flags: int = 0) -> bytes:
     region = headers.ljust(MAX_PACKETS * HEADER_BYTES, b"\0")
-    head = _PREFIX.pack(_MAGIC, _VERSION, n, channel, seq, total, arrival, b"", 0)[:60]
+    head = _PREFIX.pack(_MAGIC, _VERSION, n, channel, seq, total, arrival, flags, b"", 0)[:60]
     crc = zlib.crc32(region, zlib.crc32(head))
     return head + struct.pack("<I", crc) + region
 
@@ -175,16 +194,25 @@ def _parse_preamble(buf: bytes) -> tuple[int, int, int, int, float]:
     """(n, channel, seq, total, arrival) of a preamble; raises :class:`PacketError` when malformed."""
     if len(buf) != PREAMBLE_BYTES:
         raise PacketError(f"preamble of {len(buf)} bytes, expected {PREAMBLE_BYTES}")
-    magic, version, n, channel, seq, total, arrival, reserved, crc = _PREFIX.unpack(buf[:_PREFIX_BYTES])
+    magic, version, n, channel, seq, total, arrival, flags, reserved, crc = _PREFIX.unpack(buf[:_PREFIX_BYTES])
     if magic != _MAGIC:
         raise PacketError(f"not an aqsgd transport message (magic {magic!r}, expected {_MAGIC!r})")
     if version != _VERSION:
         raise PacketError(f"unsupported transport protocol version {version} (this build speaks {_VERSION})")
     if zlib.crc32(buf[_PREFIX_BYTES:], zlib.crc32(buf[:60])) != crc:
         raise PacketError("corrupted message preamble (CRC mismatch)")
-    if n > MAX_PACKETS or any(reserved):
+    if n > MAX_PACKETS or any(reserved) or flags & ~_FLAG_INLINE:
         raise PacketError(f"malformed message preamble ({n} packets, at most {MAX_PACKETS})")
     return n, channel, seq, total, arrival
+
+
+def _preamble_flags(buf: bytes) -> int:
+    return buf[32]
+
+
+def _next_capacity(capacity: int, need: int, nccl: bool) -> int:
+    """The message size a receive can take in one piece after a message of ``need`` bytes went in two."""
+    return capacity if nccl else max(capacity, min(need, PREAMBLE_BYTES + _INLINE_MAX))
 
 
 class _Handle:
@@ -273,6 +301,9 @@ class _SendItem:
     ready: object | None  # a CUDA event after the payloads (or their host copies) are complete, or None
     enqueued: float  # time.monotonic() when isend was called: when the message was handed to the link
     staged_from: tuple[Packet, ...] = ()  # GPU packets whose host copies are in flight: kept alive until sent
+    works: list[Any] | None = None  # started on the caller's thread (a direct link): the gloo sends in flight
+    wire: list[torch.Tensor] = dataclasses.field(default_factory=list)  # their buffers, alive until sent
+    error: BaseException | None = None  # starting them failed
 
 
 class _Worker(threading.Thread):
@@ -286,6 +317,9 @@ class _Worker(threading.Thread):
         self.requests: queue.Queue = queue.Queue()
         self.failure: tuple[str, BaseException] | None = None
         self.seq = 0
+        # The size of the next receive on this link, the same on both sides: a message that fits travels as one
+        # gloo message (preamble + payload), a larger one as two, and raises it (see the module docstring).
+        self.capacity = PREAMBLE_BYTES if transport._nccl else PREAMBLE_BYTES + _INLINE_START
 
     def _error_for(self, message: str, cause: BaseException | None) -> PeerFailure:
         err = PeerFailure(message, rank=self.peer, label=self.transport.peer_labels.get(self.peer))
@@ -330,6 +364,22 @@ class _Sender(_Worker):
     def __init__(self, transport: Transport, dst: int, channel: int, pacer: Pacer | None) -> None:
         super().__init__(transport, dst, channel, "send")
         self.pacer = pacer
+        # A direct link (no pacing, gloo, host payloads) starts each send on the caller's thread with a gloo
+        # isend, so the bytes leave without waiting for this thread; the thread only waits for completion.
+        self.direct = pacer is None and not transport._nccl and transport._stager is None
+        self._post_lock = threading.Lock()
+
+    def post(self, item: _SendItem) -> None:
+        """Start ``item`` on the calling thread (a direct link), then queue it for completion."""
+        with self._post_lock:
+            if self.failure is None and not self.transport._closing.is_set():
+                try:
+                    item.wire, _ = self._messages(item)
+                    group, tag = self._group_and_tag("send")
+                    item.works = [dist.isend(m, self.peer, group=group, tag=tag) for m in item.wire]
+                except BaseException as e:  # noqa: BLE001 - surfaces in the caller's wait()
+                    item.error = e
+            self.requests.put(item)
 
     def _serve(self) -> None:
         while True:
@@ -340,7 +390,15 @@ class _Sender(_Worker):
                 self._reject(item.handle)
                 continue
             try:
-                self._send(item)
+                if item.error is not None:
+                    raise item.error
+                if item.works is None:
+                    self._send(item)
+                else:
+                    for w in item.works:
+                        w.wait()
+                    item.wire = []
+                    self.transport._account(self.peer, self.channel, "send", item.packets)
             except BaseException as e:  # noqa: BLE001 - surfaces in the caller's wait()
                 t = self.transport
                 if t._closing.is_set():
@@ -356,12 +414,24 @@ class _Sender(_Worker):
                 item.handle._finish()
 
     def _send(self, item: _SendItem) -> None:
+        messages, departure = self._messages(item)
+        group, tag = self._group_and_tag("send")
+        for m in messages:
+            dist.send(m, self.peer, group=group, tag=tag)
+        self.transport._account(self.peer, self.channel, "send", item.packets)
+        if departure is not None:
+            self._sleep_until_wall(departure)
+
+    def _messages(self, item: _SendItem) -> tuple[list[torch.Tensor], float | None]:
+        """The gloo/NCCL messages of ``item`` in order (one or two, see the module docstring) and, on an
+        emulated link, the wall-clock time the message has left the line; advances the link's state."""
         t = self.transport
         wire = t._wire_device
         if item.ready is not None:
             item.ready.synchronize()  # type: ignore[attr-defined]
         packets = item.packets
-        headers = b"".join(p.header_bytes() for p in packets)
+        checksum = None if t.checksum else False  # None: a payload CRC for host bytes
+        headers = b"".join(p.header_bytes(checksum=checksum) for p in packets)
         total = sum(p.payload.numel() for p in packets)
         arrival = 0.0
         departure = None
@@ -372,20 +442,31 @@ class _Sender(_Worker):
             now_mono, now_wall = time.monotonic(), time.time()
             departure = now_wall + (slot.depart - now_mono)
             arrival = now_wall + (slot.arrive - now_mono)
-        preamble = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers)
-        pre = torch.frombuffer(bytearray(preamble), dtype=torch.uint8).to(wire)
-        group, tag = self._group_and_tag("send")
-        dist.send(pre, self.peer, group=group, tag=tag)
-        if total:
+        need = PREAMBLE_BYTES + total
+        inline = need <= self.capacity
+        preamble = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers,
+                                   _FLAG_INLINE if inline else 0)
+        pre = torch.frombuffer(bytearray(preamble), dtype=torch.uint8)
+        if inline:
+            if total:
+                msg = torch.empty(need, dtype=torch.uint8, device=wire)
+                msg[:PREAMBLE_BYTES].copy_(pre)
+                offset = PREAMBLE_BYTES
+                for p in packets:
+                    msg[offset:offset + p.payload.numel()].copy_(p.payload)
+                    offset += p.payload.numel()
+            else:
+                msg = pre.to(wire)
+            messages = [msg]
+        else:
             if len(packets) == 1:
                 payload = packets[0].payload.to(wire)
             else:
                 payload = torch.cat([p.payload.to(wire) for p in packets if p.payload.numel()])
-            dist.send(payload.contiguous(), self.peer, group=group, tag=tag)
+            messages = [pre.to(wire), payload.contiguous()]
+            self.capacity = _next_capacity(self.capacity, need, t._nccl)
         self.seq += 1
-        t._account(self.peer, self.channel, "send", packets)
-        if departure is not None:
-            self._sleep_until_wall(departure)
+        return messages, departure
 
 
 class _Receiver(_Worker):
@@ -425,10 +506,16 @@ class _Receiver(_Worker):
         t = self.transport
         wire = t._wire_device
         group, tag = self._group_and_tag("recv")
-        pre = torch.empty(PREAMBLE_BYTES, dtype=torch.uint8, device=wire)
-        dist.recv(pre, self.peer, group=group, tag=tag)
-        buf = pre.cpu().numpy().tobytes()
+        staged = wire.type == "cpu" and t.device.type == "cuda"  # gloo to a GPU: through pinned memory
+        first = torch.empty(self.capacity, dtype=torch.uint8, device=wire, pin_memory=staged)
+        dist.recv(first, self.peer, group=group, tag=tag)  # gloo takes a shorter message into a longer buffer
+        buf = first[:PREAMBLE_BYTES].cpu().numpy().tobytes()
         n, channel, seq, total, arrival = _parse_preamble(buf)
+        need = PREAMBLE_BYTES + total
+        inline = need <= self.capacity
+        if inline != bool(_preamble_flags(buf) & _FLAG_INLINE):
+            raise PacketError(f"message number {seq} of {need} bytes was split differently than this receiver "
+                              f"expected (receive size {self.capacity}): the two sides are out of step")
         if channel != self.channel:
             raise PacketError(f"message for channel {channel} arrived on channel {self.channel}")
         if seq != self.seq:
@@ -438,14 +525,14 @@ class _Receiver(_Worker):
             raise PacketError(
                 f"preamble announces {total} payload bytes, its headers {sum(h.payload_len for h in headers)}"
             )
-        staged = wire.type == "cpu" and t.device.type == "cuda"  # gloo to a GPU: through pinned memory
-        if total:
+        if inline:
+            payload = first[PREAMBLE_BYTES:need]
+        else:
             payload = torch.empty(total, dtype=torch.uint8, device=wire, pin_memory=staged)
             dist.recv(payload, self.peer, group=group, tag=tag)
-            if wire.type == "cuda":
-                torch.cuda.current_stream(wire).synchronize()
-        else:
-            payload = torch.empty(0, dtype=torch.uint8, device=wire)
+            self.capacity = _next_capacity(self.capacity, need, t._nccl)
+        if wire.type == "cuda":
+            torch.cuda.current_stream(wire).synchronize()
         self.seq += 1
         packets, offset = [], 0
         for h in headers:
@@ -480,7 +567,8 @@ class Transport:
     through pinned host memory, see the module docstring) or ``"nccl"`` (GPU to GPU; needs a CUDA ``device``);
     None: NCCL when ``device`` is CUDA and the group's backend includes NCCL, else gloo. A gloo transport on a
     group without gloo builds a gloo group of the same ranks (collectively). ``channels``: the channels used
-    (only needed for NCCL, which builds sub-groups for them at construction, collectively).
+    (only needed for NCCL, which builds sub-groups for them at construction, collectively). ``checksum``:
+    send a CRC-32 of every CPU payload and check it on receipt (default); False skips both (trusted links).
     """
 
     def __init__(
@@ -494,12 +582,14 @@ class Transport:
         device: str | torch.device = "cpu",
         channels: Sequence[int] = (FORWARD, BACKWARD),
         backend: str | None = None,
+        checksum: bool = True,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise TransportError("torch.distributed is not initialized: call dist.init_process_group first")
         if not timeout_s > 0:
             raise TransportError(f"timeout_s must be positive, got {timeout_s}")
         self.group = group
+        self.checksum = bool(checksum)
         self.timeout_s = float(timeout_s)
         self.rank = dist.get_rank()
         self.ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
@@ -559,7 +649,11 @@ class Transport:
         worker = self._sender(dst, channel)
         packets, staged_from, ready = self._stage(packets)
         handle = SendHandle(self, dst, channel)
-        worker.requests.put(_SendItem(packets, handle, ready, time.monotonic(), staged_from))
+        item = _SendItem(packets, handle, ready, time.monotonic(), staged_from)
+        if worker.direct:
+            worker.post(item)
+        else:
+            worker.requests.put(item)
         return handle
 
     def _stage(self, packets: tuple[Packet, ...]) -> tuple[tuple[Packet, ...], tuple[Packet, ...], Any]:
