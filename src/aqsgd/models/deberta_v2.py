@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from aqsgd.errors import SpecError
-from aqsgd.models.bert import embedding_index_buffers
+from aqsgd.models.bert import embedding_index_buffers, sequence_classification_loss
 from aqsgd.models.family import ModelFamily, ModelLayout
 from aqsgd.models.hf import build_transformers_model, is_transformers_instance, set_dropout
 from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
@@ -57,15 +57,7 @@ def deberta_classification_loss(config: Any, logits: torch.Tensor, labels: torch
             labels = torch.gather(labels, 0, label_index.view(-1))
             return F.cross_entropy(labeled_logits.view(-1, num_labels).float(), labels.view(-1))
         return -((F.log_softmax(logits, -1) * labels).sum(-1)).mean()
-    if problem_type == "regression":
-        if num_labels == 1:
-            return F.mse_loss(logits.squeeze(), labels.squeeze())
-        return F.mse_loss(logits, labels)
-    if problem_type == "single_label_classification":
-        return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1))
-    if problem_type == "multi_label_classification":
-        return F.binary_cross_entropy_with_logits(logits, labels)
-    raise ValueError(f"unsupported problem_type {problem_type!r}")
+    return sequence_classification_loss(config, logits, labels)  # an explicit problem_type: as BERT's head
 
 
 class DebertaV2ClassifierStage(PipelineStage):
