@@ -50,58 +50,26 @@ def relative_errors(spec: str, x: torch.Tensor) -> dict[str, float]:
 def measure(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from aqsgd.bench.boundary import collect_boundary_tensors
     from aqsgd.bench.codecs import machine_description
     from aqsgd.data.datasets import collate, load_task
     from aqsgd.data.sources import require
-    from aqsgd.pipeline.partition import even_counts
 
     torch.manual_seed(args.seed)
     folder = require(args.model) if args.model == "smollm2" else Path(args.model)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    layers = model.config.num_hidden_layers
-    counts = even_counts(layers, args.stages)
-    boundaries = [sum(counts[: i + 1]) - 1 for i in range(args.stages - 1)]  # last decoder layer of each stage
     ds = load_task(args.task, "train", seq_len=args.seq_len, max_samples=args.samples)
+    keys = ("input_ids", "attention_mask", "labels")
     probe = collate([ds[i] for i in range(args.micro_batch)])
-    inputs = {k: probe[k] for k in ("input_ids", "attention_mask")}
-
-    captured: dict[int, torch.Tensor] = {}
-    grads: dict[int, torch.Tensor] = {}
-
-    def hook(i: int):
-        def f(_module, _inputs, out):
-            h = out[0] if isinstance(out, tuple) else out
-            captured[i] = h.detach().clone()
-            if h.requires_grad:
-                h.register_hook(lambda g: grads.__setitem__(i, g.detach().clone()))
-        return f
-
-    handles = [model.model.layers[i].register_forward_hook(hook(i)) for i in boundaries]
-    model.eval()  # no dropout in the probe's passes: the change measured is the weights'
-    model(**inputs, labels=probe["labels"]).loss.backward()
-    a0, g0 = dict(captured), dict(grads)
-    model.zero_grad()
-
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     order = torch.randperm(len(ds) - args.micro_batch) + args.micro_batch  # never the probe's samples
-    for step in range(args.steps):
-        batch = collate([ds[int(i)] for i in order[step * args.batch: (step + 1) * args.batch]])
-        model(**{k: batch[k] for k in ("input_ids", "attention_mask", "labels")}).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        print(f"\rAdamW step {step + 1}/{args.steps}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    model.eval()
-    with torch.no_grad():
-        model(**inputs)
-    for h in handles:
-        h.remove()
+    batches = (collate([ds[int(i)] for i in order[step * args.batch: (step + 1) * args.batch]])
+               for step in range(args.steps))
+    bt = collect_boundary_tensors(model, {k: probe[k] for k in keys}, ({k: b[k] for k in keys} for b in batches),
+                                  stages=args.stages, lr=args.lr)
+    boundaries = bt.boundaries
 
     rows = []
-    for i in boundaries:
-        a, d, g = captured[i], captured[i] - a0[i], g0[i]
+    for i, a, d, g in zip(boundaries, *(bt.tensors[k] for k in ("activation", "delta", "gradient"))):
         token_norm = a.norm(dim=-1)
         info = {"after_layer": i, "shape": list(a.shape),
                 "position0_norm_over_median": (token_norm[:, 0].mean() / token_norm[:, 1:].median()).item(),

@@ -23,7 +23,14 @@ from aqsgd.comm import (
     TransportError,
 )
 from aqsgd.comm.testing import ProcessFailure, run_processes
-from aqsgd.comm.transport import _build_preamble, _parse_preamble
+from aqsgd.comm.transport import (
+    _FLAG_CHECKSUM,
+    _FLAG_INLINE,
+    _INLINE_START,
+    _TAG_BASE,
+    _build_preamble,
+    _parse_preamble,
+)
 from aqsgd.compress import HEADER_BYTES, make_codec
 from aqsgd.errors import PacketError
 
@@ -153,6 +160,115 @@ def _failure_rank(rank: int, world_size: int) -> dict:
     return out
 
 
+# Payload bytes of the messages of the two-part fallback scenario: the first exceeds the initial receive size
+# (two gloo messages, the receive size becomes its length), the next ones fit (one gloo message each) up to one
+# that exceeds the new size again, with two packets (their payloads concatenated), after which a two-packet
+# message of 200 kB fits. Two-part: messages 0 and 4.
+_FALLBACK_SIZES = [[100_000], [1_024], [100_000], [], [150_000, 150_000], [64, 200_000], [40]]
+_TWO_PART = {0, 4}
+
+
+def _fallback_messages(src: int) -> list[list]:
+    g = torch.Generator().manual_seed(7 + src)
+    raw = make_codec("none")
+    out = []
+    for sizes in _FALLBACK_SIZES:
+        out.append([raw.encode(torch.randn(n // 4, generator=g)).with_tag(n) for n in sizes])
+    out[-1] = [make_codec("q2").encode(torch.randn(4, 16, generator=g))]  # a packet with a real codec
+    return out
+
+
+def _counting(calls: dict, name: str, fn):
+    def wrapper(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def _fallback(rank: int, checksum: bool) -> dict:
+    """Both ranks send ``_fallback_messages`` to each other on FORWARD; counts the gloo messages."""
+    from aqsgd.comm.transport import _Worker
+
+    peer = 1 - rank
+    calls: dict = {}
+    originals = _Worker._recv_into, _Worker._isend
+    _Worker._recv_into = _counting(calls, "recv", _Worker._recv_into)
+    _Worker._isend = _counting(calls, "isend", _Worker._isend)
+    try:
+        with Transport(timeout_s=20, checksum=checksum) as t:
+            recvs = [t.irecv(peer, FORWARD) for _ in _FALLBACK_SIZES]
+            sends = [t.isend(m, peer, FORWARD) for m in _fallback_messages(rank)]
+            received = [[p.to_bytes() for p in h.wait()] for h in recvs]
+            for h in sends:
+                h.wait()
+            stats = {tuple(k): (v.messages, v.packets, v.packet_bytes, v.overhead_bytes) for k, v in t.stats.items()}
+            sizes = (t._senders[(peer, FORWARD)].capacity, t._receivers[(peer, FORWARD)].capacity)
+    finally:
+        _Worker._recv_into, _Worker._isend = originals
+    return {"received": received, "stats": stats, "calls": calls, "sizes": sizes}
+
+
+def _mismatch(rank: int) -> dict:
+    """Rank 0 checksums, rank 1 does not; each sends one message to the other (rank 0 a two-part one)."""
+    peer = 1 - rank
+    out: dict = {}
+    labels = {0: "stage 0", 1: "stage 1"}
+    with Transport(timeout_s=20, checksum=rank == 0, peer_labels=labels) as t:
+        first, second = t.irecv(peer, FORWARD), t.irecv(peer, FORWARD)
+        size = 200_000 if rank == 0 else 1_000
+        sent = t.isend([make_codec("none").encode(torch.ones(size // 4))], peer, FORWARD)
+        for name, h in (("first", first), ("second", second)):
+            try:
+                h.wait(10)
+                out[name] = ("ok", "", None, None)
+            except PeerFailure as e:
+                out[name] = (type(e).__name__, str(e), e.rank, e.label)
+        try:
+            sent.wait(10)  # the receiver took the whole message in before it refused it
+            out["sent"] = "ok"
+        except PeerFailure as e:
+            out["sent"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _corrupted(rank: int, checksum: bool) -> dict:
+    """Rank 0 hand-builds a message whose payload does not match its header's CRC (one flipped bit; without
+    checksums the header carries none) and sends it with a plain gloo send; rank 1 receives it."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        packet = make_codec("none").encode(torch.arange(256, dtype=torch.float32))
+        header = packet.header_bytes(checksum=checksum)
+        payload = bytearray(packet.payload.numpy().tobytes())
+        payload[100] ^= 0x10
+        flags = _FLAG_INLINE | (_FLAG_CHECKSUM if checksum else 0)
+        preamble = _build_preamble(1, FORWARD, 0, len(payload), 0.0, header, flags)
+        dist.send(torch.frombuffer(bytearray(preamble + payload), dtype=torch.uint8), 1, tag=_TAG_BASE + FORWARD)
+        return {}
+    with Transport(timeout_s=20, checksum=checksum, peer_labels={0: "stage 0"}) as t:
+        try:
+            got = t.recv(0, FORWARD)
+        except PeerFailure as e:
+            return {"error": (type(e).__name__, str(e), e.rank)}
+        expected = make_codec("none").encode(torch.arange(256, dtype=torch.float32)).payload
+        return {"delivered": int((got[0].payload != expected).sum())}
+
+
+def _options_rank(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    out: dict = {}
+    for checksum in (True, False):
+        out[f"fallback_{checksum}"] = _fallback(rank, checksum)
+        dist.barrier()
+    out["mismatch"] = _mismatch(rank)
+    dist.barrier()
+    for checksum in (True, False):
+        out[f"corrupted_{checksum}"] = _corrupted(rank, checksum)
+        dist.barrier()
+    return out
+
+
 def _raising_rank(rank: int, world_size: int) -> None:
     if rank == 1:
         raise RuntimeError("boom on purpose")
@@ -174,6 +290,11 @@ def emulation():
 def failure():
     r0, _ = run_processes(_failure_rank, 2, timeout_s=60, may_exit={1})
     return r0
+
+
+@pytest.fixture(scope="module")
+def options():
+    return run_processes(_options_rank, 2, timeout_s=90)
 
 
 # ---------------------------------------------------------------------------- tests
@@ -266,3 +387,60 @@ def test_transport_needs_an_initialized_process_group():
 
 def test_stats_key_is_a_named_tuple():
     assert StatsKey(1, FORWARD, "send") == (1, 0, "send")
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_messages_over_the_receive_size_go_in_two_parts_and_raise_it(options, checksum):
+    """A message larger than the tracked receive size (64 KiB of payload at first) travels as preamble +
+    payload and raises the size on both sides; the smaller ones after it travel in one gloo message; every
+    message arrives intact and the byte counts are exact, with payload checksums on and off."""
+    assert _FALLBACK_SIZES[0][0] > _INLINE_START and sum(_FALLBACK_SIZES[4]) > _FALLBACK_SIZES[0][0]
+    for rank, result in enumerate(options):
+        peer = 1 - rank
+        r = result[f"fallback_{checksum}"]
+        sent, received = _fallback_messages(rank), _fallback_messages(peer)
+        assert r["received"] == [[p.to_bytes() for p in m] for m in received]
+        n = len(_FALLBACK_SIZES)
+        for direction, msgs in (("send", sent), ("recv", received)):
+            packets = sum(len(m) for m in msgs)
+            assert r["stats"][(peer, FORWARD, direction)] == (
+                n, packets, sum(p.nbytes for m in msgs for p in m), n * PREAMBLE_BYTES - packets * HEADER_BYTES)
+        # gloo messages: one per message plus one per two-part message, both ways
+        assert r["calls"] == {"recv": n + len(_TWO_PART), "isend": n + len(_TWO_PART)}
+        largest = PREAMBLE_BYTES + sum(_FALLBACK_SIZES[4])
+        assert r["sizes"] == (largest, largest)
+
+
+def test_checksum_setting_mismatch_fails_the_link_naming_the_peer(options):
+    expect = {0: ("stage 1 (rank 1)", "without", "checksum=True"),
+              1: ("stage 0 (rank 0)", "with", "checksum=False")}
+    for rank, result in enumerate(options):
+        r = result["mismatch"]
+        peer, how, mine = expect[rank]
+        kind, message, who, label = r["first"]
+        assert kind == "PeerFailure" and who == 1 - rank and label == f"stage {1 - rank}"
+        assert len(message.splitlines()) == 1
+        assert message.startswith(f"{peer} sends forward activations {how} payload checksums")
+        assert mine in message and "same setting" in message
+        assert r["second"][:2] == r["first"][:2]  # the link stays failed
+        assert r["sent"] == "ok"  # the whole message was taken in, a two-part one included (rank 0's)
+
+
+def test_corrupted_payload_is_detected_with_checksums(options):
+    kind, message, who = options[1]["corrupted_True"]["error"]
+    assert kind == "PeerFailure" and who == 0
+    assert message == ("stage 0 (rank 0) sent a malformed message on forward activations: corrupted packet "
+                       "payload (CRC mismatch)")
+
+
+def test_without_checksums_a_corrupted_payload_goes_unnoticed(options):
+    """What ``checksum=False`` gives up: the same flipped bit is delivered as it came (trusted links only)."""
+    assert options[1]["corrupted_False"] == {"delivered": 1}
+
+
+def test_preamble_flags():
+    for flags in (0, _FLAG_INLINE, _FLAG_CHECKSUM, _FLAG_INLINE | _FLAG_CHECKSUM):
+        buf = _build_preamble(0, 0, 0, 0, 0.0, b"", flags)
+        assert _parse_preamble(buf) == (0, 0, 0, 0, 0.0) and buf[32] == flags
+    with pytest.raises(PacketError, match="malformed"):
+        _parse_preamble(_build_preamble(0, 0, 0, 0, 0.0, b"", 0x04))

@@ -1,4 +1,4 @@
-"""``aqsgd bench codecs --quality``: rate-distortion of the quantizer on Gaussian data.
+"""``aqsgd bench codecs --quality``: quantizer rate-distortion on Gaussian data and real boundary tensors.
 
 For every scale / grid / granularity variant of ``q<b>`` and ``b = 1..8`` it measures the relative squared
 error ``||x - C(x)||^2 / ||x||^2`` on one standard-normal tensor (fixed seed), next to two references for a
@@ -12,6 +12,12 @@ unit Gaussian source:
 - the Shannon bound ``2^(-2b)``, the distortion-rate function of a Gaussian at ``b`` bits per value, which no
   scalar quantizer reaches.
 
+The same table on real boundary tensors (``--data minilm smollm2``): the activations, AQ-SGD deltas and
+activation gradients of :mod:`aqsgd.bench.boundary`, one table per model and kind, each figure the mean over
+the boundaries of the relative squared error. The Gaussian references stay as they are, labelled ``N(0,1)``:
+they are what the same bits achieve on a Gaussian source, not optima for these tensors (the Shannon row,
+``sigma^2 2^(-2b)``, is an upper bound on the distortion-rate function of any source of that variance).
+
 A relative error of 1 is what sending zeros costs. The codec figures include nothing for the scales (one
 per group, ``scale_bits`` per value more on the wire), so the comparison with the references is at equal
 bits for the codes.
@@ -19,6 +25,7 @@ bits for the codes.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -27,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from aqsgd.bench.boundary import BoundaryTensors
 from aqsgd.compress import make_codec
 
 __all__ = [
@@ -34,7 +42,9 @@ __all__ = [
     "DEFAULT_VARIANTS",
     "QualityRow",
     "bench_quality",
+    "boundary_quality",
     "gaussian_uniform_mse",
+    "kurtosis",
     "optimal_uniform_mse",
     "reference_rows",
     "shannon_bound",
@@ -99,6 +109,7 @@ def gaussian_uniform_mse(levels: int, step: float) -> float:
     return total
 
 
+@functools.cache
 def optimal_uniform_mse(levels: int) -> tuple[float, float]:
     """``(minimum expected squared error, its step)`` of a uniform ``levels``-level quantizer of N(0, 1).
 
@@ -137,18 +148,58 @@ class QualityRow:
     specs: list[str | None] = field(default_factory=list)  # canonical spec per bit width (codecs only)
     rel_mse: list[float | None] = field(default_factory=list)
     scale_bits: float | None = None  # wire bits per value spent on scales (codecs only)
+    source: str = "gaussian"  # the data: gaussian, minilm, smollm2
+    tensor: str = "normal"  # normal (gaussian); activation, delta or gradient (the models' boundary tensors)
+    rel_mse_by_boundary: list[list[float | None]] | None = None  # per bit width, one figure per boundary
 
 
-def reference_rows(bits: Sequence[int] = BITS) -> list[QualityRow]:
-    """The best uniform quantizers (``2^b`` and ``2^b - 1`` levels) and the Shannon bound."""
+def kurtosis(x: torch.Tensor) -> float:
+    """``E[x^4] / E[x^2]^2`` over all values: 3 for a Gaussian, larger for heavier tails."""
+    x2 = x.double().square()
+    return float(x2.square().mean() / x2.mean().square())
+
+
+def reference_rows(bits: Sequence[int] = BITS, *, source: str = "gaussian", tensor: str = "normal"
+                   ) -> list[QualityRow]:
+    """The best uniform quantizers (``2^b`` and ``2^b - 1`` levels) and the Shannon bound of a unit Gaussian;
+    labelled ``N(0,1) ...`` next to another source's figures."""
     midrise = [optimal_uniform_mse(2**b)[0] for b in bits]
     midtread = [optimal_uniform_mse(2**b - 1 if b > 1 else 2)[0] for b in bits]
-    return [
-        QualityRow(REFERENCE_LABELS["uniform_midrise"], "reference", [None] * len(bits), midrise),
-        QualityRow(REFERENCE_LABELS["uniform_midtread"], "reference", [None] * len(bits), midtread),
-        QualityRow(REFERENCE_LABELS["shannon"], "reference", [None] * len(bits),
-                   [shannon_bound(b) for b in bits]),
-    ]
+    prefix = "" if source == "gaussian" else "N(0,1) "
+    return [QualityRow(prefix + REFERENCE_LABELS[key], "reference", [None] * len(bits), errs, None, source, tensor)
+            for key, errs in (("uniform_midrise", midrise), ("uniform_midtread", midtread),
+                              ("shannon", [shannon_bound(b) for b in bits]))]
+
+
+def _codec_rows(xs: Sequence[torch.Tensor], variants: Sequence[tuple[str, str]], bits: Sequence[int],
+                g: torch.Generator, source: str, tensor: str) -> list[QualityRow]:
+    """Every variant at every width on each tensor of ``xs`` (same shape); ``rel_mse`` is the mean over them.
+
+    A variant that is not valid at some width (``:mean`` beyond 1 bit) gets ``None`` there.
+    """
+    shape = tuple(xs[0].shape)
+    numel = xs[0].numel()
+    refs = [(x, x.double(), float(x.double().square().sum())) for x in xs]
+    rows = []
+    for label, suffix in variants:
+        specs: list[str | None] = []
+        per_x: list[list[float | None]] = []
+        scale_bits = None
+        for b in bits:
+            try:
+                codec = make_codec(f"q{b}{suffix}")
+            except ValueError:
+                specs.append(None)
+                per_x.append([None] * len(xs))
+                continue
+            specs.append(codec.spec)
+            per_x.append([float((codec.roundtrip(x, generator=g).double() - xd).square().sum()) / energy
+                          for x, xd, energy in refs])
+            scale_bits = (codec.payload_bytes(shape) - -(-numel * b // 8)) * 8 / numel
+        mean = [None if e[0] is None else sum(e) / len(e) for e in per_x]
+        rows.append(QualityRow(label, "codec", specs, mean, scale_bits, source, tensor,
+                               per_x if len(xs) > 1 else None))
+    return rows
 
 
 def bench_quality(variants: Sequence[tuple[str, str]] = DEFAULT_VARIANTS, *, bits: Sequence[int] = BITS,
@@ -161,38 +212,33 @@ def bench_quality(variants: Sequence[tuple[str, str]] = DEFAULT_VARIANTS, *, bit
     device = torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tuple(shape), generator=g, device=device, dtype=torch.float32)
-    xd = x.double()
-    energy = float(xd.square().sum())
-    numel = x.numel()
+    return _codec_rows([x], variants, bits, g, "gaussian", "normal") + reference_rows(bits)
+
+
+def boundary_quality(tensors: BoundaryTensors, source: str, variants: Sequence[tuple[str, str]] = DEFAULT_VARIANTS,
+                     *, bits: Sequence[int] = BITS, seed: int = 0,
+                     device: str | torch.device = "cpu") -> list[QualityRow]:
+    """The table of :func:`bench_quality` for each kind of boundary tensor (activation, delta, gradient) of
+    ``tensors``: every figure the mean over the boundaries (each boundary's own figures in
+    ``rel_mse_by_boundary``), then the Gaussian references."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)  # stochastic rounding
     rows = []
-    for label, suffix in variants:
-        specs: list[str | None] = []
-        errs: list[float | None] = []
-        scale_bits = None
-        for b in bits:
-            try:
-                codec = make_codec(f"q{b}{suffix}")
-            except ValueError:
-                specs.append(None)
-                errs.append(None)
-                continue
-            y = codec.roundtrip(x, generator=g)
-            specs.append(codec.spec)
-            errs.append(float((y.double() - xd).square().sum()) / energy)
-            code_bytes = -(-numel * b // 8)
-            scale_bits = (codec.payload_bytes(tuple(shape)) - code_bytes) * 8 / numel
-        rows.append(QualityRow(label, "codec", specs, errs, scale_bits))
-    return rows + reference_rows(bits)
+    for kind, xs in tensors.tensors.items():
+        xs = [x.to(device, torch.float32) for x in xs]
+        rows += _codec_rows(xs, variants, bits, g, source, kind) + reference_rows(bits, source=source, tensor=kind)
+    return rows
 
 
-def write_quality_json(rows: list[QualityRow], path: str | Path, *, shape: Sequence[int], seed: int,
+def write_quality_json(rows: list[QualityRow], path: str | Path, *, data: dict[str, dict],
                        bits: Sequence[int] = BITS, command: str, machine: str) -> None:
+    """The rows, each with its ``source`` and ``tensor``; ``data`` describes each source by name."""
     out = {
         "benchmark": "codecs-quality",
         "command": command,
         "machine": machine,
-        "data": {"distribution": "normal(0, 1)", "shape": list(shape), "seed": seed, "dtype": "float32"},
-        "metric": "relative squared error ||x - C(x)||^2 / ||x||^2",
+        "data": data,
+        "metric": "relative squared error ||x - C(x)||^2 / ||x||^2 (mean over the boundaries for model tensors)",
         "bits": list(bits),
         "rows": [asdict(r) for r in rows],
     }
@@ -200,27 +246,62 @@ def write_quality_json(rows: list[QualityRow], path: str | Path, *, shape: Seque
     Path(path).write_text(json.dumps(out, indent=1))
 
 
+def panel_title(source: str, tensor: str) -> str:
+    return "N(0, 1) data" if source == "gaussian" else f"{source} {tensor}s"
+
+
 def write_quality_png(rows: list[QualityRow], path: str | Path, *, bits: Sequence[int] = BITS,
                       title: str = "") -> None:
-    """Rate-distortion plot: relative squared error (log scale) against bits per value."""
+    """Rate-distortion plot: relative squared error (log scale) against bits per value, one panel per
+    source and tensor kind."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    styles = {REFERENCE_LABELS["uniform_midrise"]: {"color": "black", "ls": "--", "lw": 1.8},
-              REFERENCE_LABELS["uniform_midtread"]: {"color": "black", "ls": ":", "lw": 1.8},
-              REFERENCE_LABELS["shannon"]: {"color": "grey", "ls": "-.", "lw": 1.8}}
-    ncodec = sum(r.kind == "codec" for r in rows)
-    colors = iter(plt.get_cmap("tab20")(i % 20) for i in range(ncodec))
+    panels: dict[str, dict[str, list[QualityRow]]] = {}  # a row of panels per source, one per tensor kind
     for r in rows:
+        panels.setdefault(r.source, {}).setdefault(r.tensor, []).append(r)
+    nrows, ncols = len(panels), max(len(kinds) for kinds in panels.values())
+    single = nrows == ncols == 1
+    fig, axes = plt.subplots(nrows, ncols, figsize=(8, 5.5) if single else (4.5 * ncols + 2.5, 3.8 * nrows),
+                             squeeze=False)
+    used = []
+    styles = {"uniform_midrise": {"color": "black", "ls": "--", "lw": 1.8},
+              "uniform_midtread": {"color": "black", "ls": ":", "lw": 1.8},
+              "shannon": {"color": "grey", "ls": "-.", "lw": 1.8}}
+    styles = {label: styles[key] for key, label in REFERENCE_LABELS.items()}
+    cmap = plt.get_cmap("tab20")
+    for axrow, (source, kinds) in zip(axes, panels.items()):
+        for ax, (tensor, prows) in zip(axrow, kinds.items()):
+            used.append(ax)
+            _plot_panel(ax, prows, bits, styles, cmap, single, panel_title(source, tensor))
+    for ax in axes.flat:
+        ax.set_visible(ax in used)
+    if single:
+        axes[0, 0].set_title(title or "quantizer rate-distortion on N(0, 1) data")
+        axes[0, 0].legend(fontsize=7, ncol=2)
+    else:
+        fig.suptitle(title or "quantizer rate-distortion; black and grey: N(0, 1) references")
+        fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="center right", fontsize=7)
+    fig.tight_layout(rect=None if single else (0, 0, 1 - 2.3 / fig.get_figwidth(), 1))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_panel(ax, prows: list[QualityRow], bits: Sequence[int], styles: dict, cmap, single: bool,
+                title: str) -> None:
+    """One panel: every row of one source and tensor kind."""
+    colors = iter(cmap(i % 20) for i in range(len(prows)))
+    for r in prows:
         pts = [(b, e) for b, e in zip(bits, r.rel_mse) if e is not None and e > 0]
         if not pts:
             continue
         xs, ys = zip(*pts)
         if r.kind == "reference":
-            ax.plot(xs, ys, label=r.label, **styles.get(r.label, {}))
+            base = r.label.removeprefix("N(0,1) ")
+            ax.plot(xs, ys, label=r.label if single else base, **styles.get(base, {}))
         else:
             ax.plot(xs, ys, marker="o", ms=3, lw=1, color=next(colors),
                     label=f"q<b>{':' + r.label if r.label != 'default' else ''}")
@@ -229,10 +310,6 @@ def write_quality_png(rows: list[QualityRow], path: str | Path, *, bits: Sequenc
     ax.set_yscale("log")
     ax.set_xlabel("bits per value (codes only)")
     ax.set_ylabel("relative squared error")
-    ax.set_title(title or "quantizer rate-distortion on N(0, 1) data")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if not single:
+        ax.set_title(title, fontsize=10)

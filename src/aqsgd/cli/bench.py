@@ -12,6 +12,8 @@ from rich.table import Table
 from aqsgd.cli.options import parse_shape, positive_int
 from aqsgd.errors import SpecError
 
+QUALITY_DATA = ("gaussian", "minilm", "smollm2", "all")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark")
@@ -23,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "With --quality: the quantizer's rate-distortion table instead "
                                     "(relative squared error at 1..8 bits for every scale/grid/granularity "
                                     "option on N(0, 1) data, next to the best uniform quantizer and the "
-                                    "Shannon bound).")
+                                    "Shannon bound; with --data also on MiniLM's and SmolLM2's boundary "
+                                    "tensors).")
     c.add_argument("--codecs", nargs="+", default=None, metavar="SPEC",
                    help="codec specs (default: a representative set; see `aqsgd codecs`)")
     c.add_argument("--shape", type=parse_shape, default=(8, 512, 768), help="tensor shape (default: 8,512,768)")
@@ -34,9 +37,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     c.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
     c.add_argument("--quality", action="store_true",
-                   help="rate-distortion table of q1..q8 on Gaussian data instead of throughput")
+                   help="rate-distortion table of q1..q8 on Gaussian data (or --data) instead of throughput")
+    c.add_argument("--data", nargs="+", choices=QUALITY_DATA, default=None, metavar="SOURCE",
+                   help="with --quality: what to measure on: gaussian (one N(0, 1) tensor of --shape), minilm, "
+                        "smollm2 (the offline model's activations, AQ-SGD deltas and activation gradients at "
+                        "the boundaries of a 4-stage split, on BBC News text: about 20 s and 1.5 min on 2 CPU "
+                        "cores), or all (default: gaussian)")
     c.add_argument("--seed", type=int, default=0, help="seed of the --quality data (default: 0)")
     c.add_argument("--png", metavar="PATH", default=None, help="with --quality: also plot it to PATH")
+    c.add_argument("--cache-path", nargs="*", default=None, metavar="CACHE",
+                   help="instead of the codec table: the AQ-SGD cache path per micro-batch (the delta scheme's "
+                        "sender: get, a - m, encode, decode, m + d, put; its receiver: get, decode, add, put) "
+                        "for each cache spec (default: memory lowbit4 disk) with --codecs (default: q2), "
+                        "against x.clone(); with a disk cache also its reads from disk with and without "
+                        "prefetch")
+    c.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="with --cache-path: where the disk caches go (default: a temporary folder, removed)")
     c.set_defaults(func=run_codecs)
 
     from aqsgd.bench.pipeline import PipelineBenchConfig
@@ -275,10 +291,14 @@ def run_codecs(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)  # --device cuda without a GPU: a SpecError, one line from main()
     console = Console(width=max(Console().width, 150))
+    if args.cache_path is not None or args.cache_dir:
+        return run_cache_path(args, device, console)
     if args.quality:
         return run_codec_quality(args, device, console)
     if args.png:
         raise SpecError("--png: plots the --quality table; add --quality")
+    if args.data:
+        raise SpecError("--data: chooses the --quality data; add --quality")
     specs = args.codecs or DEFAULT_CODECS
     console.print(f"[bold]codec throughput[/]: fp32 tensor {tuple(args.shape)} on {machine_description(device)}; "
                   f"median of {args.repeats} interleaved repeats after {args.warmup} warm-up calls")
@@ -299,17 +319,66 @@ def run_codecs(args: argparse.Namespace) -> int:
 
 
 def run_codec_quality(args: argparse.Namespace, device: torch.device, console: Console) -> int:
+    from aqsgd.bench.boundary import PRESETS, require_sources, source_boundary_tensors
     from aqsgd.bench.codecs import machine_description
-    from aqsgd.bench.quality import BITS, bench_quality, write_quality_json, write_quality_png
+    from aqsgd.bench.quality import (
+        BITS,
+        bench_quality,
+        boundary_quality,
+        kurtosis,
+        panel_title,
+        write_quality_json,
+        write_quality_png,
+    )
 
     if args.codecs:
         raise SpecError("--codecs: --quality measures its own set of quantizer variants; leave --codecs out")
+    chosen = args.data or ["gaussian"]
+    sources = [s for s in QUALITY_DATA[:-1] if s in chosen or "all" in chosen]
+    models = [s for s in sources if s != "gaussian"]
+    for s in models:
+        require_sources(s)  # before measuring anything: one line naming `aqsgd data prepare NAME`
     shape = tuple(args.shape)
     machine = machine_description(device)
-    console.print(f"[bold]quantizer rate-distortion[/]: relative squared error ||x - C(x)||^2 / ||x||^2 "
-                  f"on one N(0, 1) fp32 tensor {shape} (seed {args.seed}) on {machine}; 1 = sending zeros")
-    rows = bench_quality(shape=shape, seed=args.seed, device=device)
-    table = Table()
+    console.print(f"[bold]quantizer rate-distortion[/] on {machine}: relative squared error "
+                  f"||x - C(x)||^2 / ||x||^2; 1 = sending zeros")
+    rows, data = [], {}
+    if "gaussian" in sources:
+        rows += bench_quality(shape=shape, seed=args.seed, device=device)
+        data["gaussian"] = {"distribution": "normal(0, 1)", "shape": list(shape), "seed": args.seed,
+                            "dtype": "float32"}
+        _quality_table(console, rows, f"one N(0, 1) fp32 tensor {shape} (seed {args.seed})")
+    for source in models:
+        bt = source_boundary_tensors(source, seed=args.seed, device=device)
+        info = bt.info | {"kurtosis": {k: [kurtosis(x) for x in xs] for k, xs in bt.tensors.items()}}
+        data[source] = info
+        new = boundary_quality(bt, source, seed=args.seed, device=device)
+        rows += new
+        for kind in bt.tensors:
+            k = info["kurtosis"][kind]
+            _quality_table(console, [r for r in new if r.tensor == kind],
+                           f"{panel_title(source, kind)}: {PRESETS[source].description}, "
+                           f"{info['micro_batch']} x {info['seq_len']} tokens, after blocks {bt.boundaries} "
+                           f"(delta: {info['steps']} AdamW steps of {info['batch']} at lr {info['lr']:g}); "
+                           f"mean over the {len(bt.boundaries)} boundaries; kurtosis "
+                           f"{min(k):.3g}-{max(k):.3g} (Gaussian: 3); N(0,1) rows are Gaussian references")
+    console.print("default: channel scales (max over the other dims), max-abs scale (mean |x| for 1 bit), "
+                  "nearest rounding, mid-tread grid, fp16 scales")
+    if args.json:
+        write_quality_json(rows, args.json, data=data, bits=BITS, command=args.command_line, machine=machine)
+        console.print(f"wrote {args.json}")
+    if args.png:
+        title = (f"quantizer rate-distortion, N(0, 1) tensor {shape}" if sources == ["gaussian"] else
+                 "quantizer rate-distortion (mean over boundaries); black and grey: N(0, 1) references")
+        write_quality_png(rows, args.png, title=title)
+        console.print(f"wrote {args.png}")
+    return 0
+
+
+def _quality_table(console: Console, rows: list, title: str) -> None:
+    from aqsgd.bench.quality import BITS
+
+    table = Table(title=title, title_justify="left")
     table.add_column("q<b> options", justify="left")
     table.add_column("scale bits/value", justify="right")
     for b in BITS:
@@ -320,13 +389,85 @@ def run_codec_quality(args: argparse.Namespace, device: torch.device, console: C
         cells = ["-" if e is None else f"{e:.3g}" for e in r.rel_mse]
         table.add_row(r.label, "-" if r.scale_bits is None else f"{r.scale_bits:.3g}", *cells)
     console.print(table)
-    console.print("default: channel scales (max over the other dims), max-abs scale (mean |x| for 1 bit), "
-                  "nearest rounding, mid-tread grid, fp16 scales")
+
+
+def run_cache_path(args: argparse.Namespace, device: torch.device, console: Console) -> int:
+    """``--cache-path``: the AQ-SGD cache path per micro-batch (and the disk cache's prefetch) instead of the codec
+    table."""
+    from aqsgd.bench.cachepath import (
+        DEFAULT_CACHES,
+        DEFAULT_CODEC,
+        MICROBATCHES,
+        bench_cache_path,
+        bench_prefetch,
+        check_specs,
+        write_cache_path_json,
+    )
+    from aqsgd.bench.codecs import machine_description
+
+    if args.cache_path is None:
+        raise SpecError("--cache-dir: where --cache-path puts its disk caches; add --cache-path")
+    if args.quality or args.png or getattr(args, "data", None):
+        raise SpecError("--cache-path and --quality are separate tables; give one of them")
+    caches = args.cache_path or list(DEFAULT_CACHES)
+    codecs = args.codecs or [DEFAULT_CODEC]
+    check_specs(codecs, caches)
+    shape = tuple(args.shape)
+    if len(shape) < 2:
+        raise SpecError(f"--shape {args.shape}: the cache path needs rows (samples) and a row shape, e.g. 8,512,768")
+    machine = machine_description(device)
+    where = args.cache_dir or "a temporary folder"
+    console.print(f"[bold]AQ-SGD cache path[/]: delta scheme (sender and receiver of one boundary, TRAIN phase), "
+                  f"fp32 micro-batches {shape} cycling over {MICROBATCHES} micro-batches of distinct sample ids, "
+                  f"on {machine}; "
+                  f"median of {args.repeats} interleaved repeats after {args.warmup} warm-up calls; disk caches "
+                  f"in {where}, read from the page cache here")
+    rows = bench_cache_path(codecs, caches, shape=shape, device=device, repeats=args.repeats, warmup=args.warmup,
+                            cache_dir=args.cache_dir)
+    table = Table()
+    for col in ("cache", "codec", "send GB/s", "recv GB/s", "clone GB/s", "send/clone", "recv/clone", "send ms",
+                "recv ms", "get", "a-m", "encode", "decode", "m+d", "put", "B/sample"):
+        table.add_column(col, justify="left" if col in ("cache", "codec") else "right")
+    for r in rows:
+        table.add_row(r.cache, r.codec, f"{r.sender_gbps:.2f}", f"{r.receiver_gbps:.2f}", f"{r.clone_gbps:.2f}",
+                      f"{r.sender_vs_clone:.3f}", f"{r.receiver_vs_clone:.3f}", f"{r.sender_ms:.2f}",
+                      f"{r.receiver_ms:.2f}", *(f"{v:.2f}" for v in (r.get_ms, r.sub_ms, r.encode_ms, r.decode_ms,
+                                                                     r.add_ms, r.put_ms)),
+                      f"{r.cache_bytes_per_sample:,}")
+    console.print(table)
+    console.print("send: the sender's path, recv: the receiver's; GB/s: fp32 activation bytes per second; get .. "
+                  "put: each step alone (ms per micro-batch, on a third cache of the same spec); B/sample: the "
+                  "cache's bytes per sample")
+    broken = [r.cache for r in rows if not r.caches_identical]
+    if broken:
+        console.print(f"[red]sender and receiver caches differ after the run: {', '.join(broken)}[/]")
+    prefetch = []
+    for spec in (c for c in caches if c.split(":")[0] == "disk"):
+        prefetch += bench_prefetch(codecs[0], spec, shape=shape, device=device, repeats=args.repeats,
+                                   cache_dir=args.cache_dir)
+    if prefetch:
+        console.print(f"[bold]disk cache reads[/]: steps of {MICROBATCHES} micro-batches through the sender, "
+                      f"in the stage runner's order (prefetch of micro-batch k+1 when k arrives, a stand-in "
+                      f"forward of one {shape[-1]}x{shape[-1]} linear layer, send); median of {args.repeats} steps per mode, "
+                      f"interleaved. cold: the file's pages dropped before every step (fsync, "
+                      f"madvise/posix_fadvise DONTNEED), resident = its share in the page cache then (mincore)")
+        ptable = Table()
+        for col in ("cache", "pages", "prefetch", "resident", "read wait ms/step", "slowest get ms", "hidden",
+                    "step ms", "forward ms/mb", "hits/misses"):
+            ptable.add_column(col, justify="left" if col in ("cache", "pages", "prefetch") else "right")
+        for r in prefetch:
+            ptable.add_row(r.cache, r.pages, "yes" if r.prefetch else "no",
+                           "-" if r.resident_before is None else f"{r.resident_before:.0%}",
+                           f"{r.step_read_wait_ms:.2f}", f"{r.max_get_wait_ms:.2f}",
+                           "-" if r.hidden is None else f"{r.hidden:.0%}",
+                           f"{r.step_ms:.1f}", f"{r.forward_ms:.1f}", f"{r.hits}/{r.misses}")
+        console.print(ptable)
+        if any(r.pages == "cold" and not r.pages_dropped for r in prefetch):
+            console.print("[yellow]the file's pages could not be dropped (tmpfs, or not Linux?): the cold rows "
+                          "may have been read from the page cache[/]")
     if args.json:
-        write_quality_json(rows, args.json, shape=shape, seed=args.seed, command=args.command_line,
-                           machine=machine)
+        config = {"codecs": list(codecs), "caches": list(caches), "shape": list(shape), "microbatches": MICROBATCHES,
+                  "repeats": args.repeats, "warmup": args.warmup, "cache_dir": args.cache_dir}
+        write_cache_path_json(rows, prefetch, args.json, device=device, command=args.command_line, config=config)
         console.print(f"wrote {args.json}")
-    if args.png:
-        write_quality_png(rows, args.png, title=f"quantizer rate-distortion, N(0, 1) tensor {shape}")
-        console.print(f"wrote {args.png}")
     return 0

@@ -16,7 +16,8 @@ convention). It is a *preamble* and the packets' payloads, sent with the same ta
        8      8     sequence number of the message on its (sender, receiver, channel)
        16     8     total payload bytes (sum of the packets' payload lengths)
        24     8     arrival time, float64 wall-clock seconds (0 = deliver at once); see link emulation
-       32     1     flags: 0x01 = the payload follows in the same gloo message
+       32     1     flags: 0x01 = the payload follows in the same gloo message; 0x02 = the sender checksums
+                    CPU payloads (its ``checksum`` setting, which the receiver's must equal)
        33     27    reserved (zero)
        60     4     CRC-32 of bytes 0..59 and 64..575
        64     512   the n packets' 64-byte headers, then zeros
@@ -40,6 +41,9 @@ length and, for CPU payloads, payload CRC). What the wire carries per message is
 overhead of ``PREAMBLE_BYTES - 64 n`` bytes; :attr:`Transport.stats` reports both. Packets carry a CRC-32
 of their CPU payloads unless the transport was built with ``checksum=False`` (trusted links: the sender then
 clears the packets' checksum flag and the receiver checks nothing but lengths and the preamble's own CRC).
+Both ends of a link must agree: every preamble carries the sender's setting, and a receiver built with the
+other one fails the link with a :class:`~aqsgd.errors.PeerFailure` naming the peer (not a silently unchecked
+or wrongly checked stream).
 
 Channels are separated by tags: gloo matches a send to a receive by (peer, tag), and every channel has its
 own tag (``_TAG_BASE + channel``), so forward and backward traffic between the same two ranks never mix.
@@ -68,10 +72,13 @@ Threads
 completion, accounts it and completes the handle.
 ``irecv`` enqueues a receive request: one receiver thread per (src, channel) serves requests in order, so
 several irecvs posted on the same (src, channel) complete in order. A receiver thread only has a
-``dist.recv`` outstanding while some request is pending, so an idle transport holds nothing in gloo.
+receive outstanding while some request is pending, so an idle transport holds nothing in gloo.
 Concurrent use of one gloo process group from several threads is safe for point-to-point operations:
 ``ProcessGroupGloo::send/recv`` post an unbound buffer on the calling thread and the TCP pair serializes
-the writes (the tests run four threads per process on one pair).
+the writes (the tests run four threads per process on one pair). Over gloo the threads call the process
+group's ``send``/``recv`` directly, as ``dist.isend``/``dist.recv`` do after their argument checks (which the
+transport has made once, at construction and per link): those checks cost tens of microseconds of Python
+per call, about a tenth of a small message's hand-over.
 
 Failures
 --------
@@ -82,7 +89,7 @@ naming the peer in ``wait()``. A peer that is alive but silent makes ``wait()`` 
 timeouts are not used for this: a timed-out gloo operation poisons the whole gloo context. After a timeout
 the request stays queued (it completes if the message comes later); callers normally give up and close.
 ``close()`` fails every queued request, wakes sleeping threads and joins them with a bounded wait; a thread
-stuck in ``dist.recv`` for a peer that never sends is left behind as a daemon (logged), never waited on.
+stuck in a gloo receive for a peer that never sends is left behind as a daemon (logged), never waited on.
 
 Link emulation
 --------------
@@ -119,7 +126,7 @@ import torch.distributed as dist
 from aqsgd.comm.device import HostStager
 from aqsgd.comm.link import LinkSpec, Pacer
 from aqsgd.compress.packet import HEADER_BYTES, Packet, parse_header
-from aqsgd.errors import PacketError, PeerFailure, PeerTimeout, TransportError
+from aqsgd.errors import ConfigMismatchError, PacketError, PeerFailure, PeerTimeout, TransportError
 
 __all__ = [
     "BACKWARD",
@@ -146,6 +153,8 @@ PREAMBLE_BYTES = _PREFIX_BYTES + MAX_PACKETS * HEADER_BYTES
 _MAGIC = b"AQTP"
 _VERSION = 2
 _FLAG_INLINE = 0x01  # the payload follows the preamble in the same gloo message
+_FLAG_CHECKSUM = 0x02  # the sender's checksum setting: its CPU payloads carry a CRC-32
+_FLAGS = _FLAG_INLINE | _FLAG_CHECKSUM
 _INLINE_START = 64 * 1024  # payload bytes a receive can take in one message before any larger one came
 _INLINE_MAX = 64 * 1024 * 1024  # beyond this, messages always travel as preamble + payload
 _TAG_BASE = 0x7100
@@ -201,7 +210,7 @@ def _parse_preamble(buf: bytes) -> tuple[int, int, int, int, float]:
         raise PacketError(f"unsupported transport protocol version {version} (this build speaks {_VERSION})")
     if zlib.crc32(buf[_PREFIX_BYTES:], zlib.crc32(buf[:60])) != crc:
         raise PacketError("corrupted message preamble (CRC mismatch)")
-    if n > MAX_PACKETS or any(reserved) or flags & ~_FLAG_INLINE:
+    if n > MAX_PACKETS or any(reserved) or flags & ~_FLAGS:
         raise PacketError(f"malformed message preamble ({n} packets, at most {MAX_PACKETS})")
     return n, channel, seq, total, arrival
 
@@ -320,6 +329,12 @@ class _Worker(threading.Thread):
         # The size of the next receive on this link, the same on both sides: a message that fits travels as one
         # gloo message (preamble + payload), a larger one as two, and raises it (see the module docstring).
         self.capacity = PREAMBLE_BYTES if transport._nccl else PREAMBLE_BYTES + _INLINE_START
+        # gloo: the process group's own send/recv, called directly (torch.distributed's wrappers around them
+        # cost tens of microseconds of Python per call, a large part of a small message's latency)
+        self._pg = None
+        if not transport._nccl:
+            self._pg = transport.group if transport.group is not None else dist.group.WORLD
+            self._pg_peer = dist.get_group_rank(self._pg, peer)
 
     def _error_for(self, message: str, cause: BaseException | None) -> PeerFailure:
         err = PeerFailure(message, rank=self.peer, label=self.transport.peer_labels.get(self.peer))
@@ -344,6 +359,22 @@ class _Worker(threading.Thread):
 
     def _group_and_tag(self, direction: str) -> tuple[dist.ProcessGroup | None, int]:
         return self.transport._route(self.peer, self.channel, direction)
+
+    def _isend(self, tensor: torch.Tensor) -> Any:
+        """Start sending ``tensor`` to the peer on this link; returns the work to wait for."""
+        group, tag = self._group_and_tag("send")
+        if self._pg is not None:
+            return self._pg.send([tensor], self._pg_peer, tag)
+        return dist.isend(tensor, self.peer, group=group, tag=tag)
+
+    def _recv_into(self, tensor: torch.Tensor) -> None:
+        """Receive the peer's next message on this link into ``tensor`` (blocking; gloo takes a shorter message
+        into a longer buffer)."""
+        group, tag = self._group_and_tag("recv")
+        if self._pg is not None:
+            self._pg.recv([tensor], self._pg_peer, tag).wait()
+        else:
+            dist.recv(tensor, self.peer, group=group, tag=tag)
 
     def run(self) -> None:
         # A CUDA transport's threads work on its device and on a stream of their own, so that their copies
@@ -375,8 +406,7 @@ class _Sender(_Worker):
             if self.failure is None and not self.transport._closing.is_set():
                 try:
                     item.wire, _ = self._messages(item)
-                    group, tag = self._group_and_tag("send")
-                    item.works = [dist.isend(m, self.peer, group=group, tag=tag) for m in item.wire]
+                    item.works = [self._isend(m) for m in item.wire]
                 except BaseException as e:  # noqa: BLE001 - surfaces in the caller's wait()
                     item.error = e
             self.requests.put(item)
@@ -415,9 +445,8 @@ class _Sender(_Worker):
 
     def _send(self, item: _SendItem) -> None:
         messages, departure = self._messages(item)
-        group, tag = self._group_and_tag("send")
         for m in messages:
-            dist.send(m, self.peer, group=group, tag=tag)
+            self._isend(m).wait()
         self.transport._account(self.peer, self.channel, "send", item.packets)
         if departure is not None:
             self._sleep_until_wall(departure)
@@ -444,8 +473,8 @@ class _Sender(_Worker):
             arrival = now_wall + (slot.arrive - now_mono)
         need = PREAMBLE_BYTES + total
         inline = need <= self.capacity
-        preamble = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers,
-                                   _FLAG_INLINE if inline else 0)
+        flags = (_FLAG_INLINE if inline else 0) | (_FLAG_CHECKSUM if t.checksum else 0)
+        preamble = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers, flags)
         pre = torch.frombuffer(bytearray(preamble), dtype=torch.uint8)
         if inline:
             if total:
@@ -485,6 +514,10 @@ class _Receiver(_Worker):
             peer, chan = t.describe_peer(self.peer), t.channel_name(self.channel)
             try:
                 packets, arrival = self._recv()
+            except ConfigMismatchError as e:
+                self._fail_link(str(e), e)
+                self._reject(handle)
+                continue
             except PacketError as e:
                 self._fail_link(f"{peer} sent a malformed message on {chan}: {e}", e)
                 self._reject(handle)
@@ -505,15 +538,15 @@ class _Receiver(_Worker):
     def _recv(self) -> tuple[list[Packet], float]:
         t = self.transport
         wire = t._wire_device
-        group, tag = self._group_and_tag("recv")
         staged = wire.type == "cpu" and t.device.type == "cuda"  # gloo to a GPU: through pinned memory
         first = torch.empty(self.capacity, dtype=torch.uint8, device=wire, pin_memory=staged)
-        dist.recv(first, self.peer, group=group, tag=tag)  # gloo takes a shorter message into a longer buffer
+        self._recv_into(first)
         buf = first[:PREAMBLE_BYTES].cpu().numpy().tobytes()
         n, channel, seq, total, arrival = _parse_preamble(buf)
+        flags = _preamble_flags(buf)
         need = PREAMBLE_BYTES + total
         inline = need <= self.capacity
-        if inline != bool(_preamble_flags(buf) & _FLAG_INLINE):
+        if inline != bool(flags & _FLAG_INLINE):
             raise PacketError(f"message number {seq} of {need} bytes was split differently than this receiver "
                               f"expected (receive size {self.capacity}): the two sides are out of step")
         if channel != self.channel:
@@ -529,16 +562,22 @@ class _Receiver(_Worker):
             payload = first[PREAMBLE_BYTES:need]
         else:
             payload = torch.empty(total, dtype=torch.uint8, device=wire, pin_memory=staged)
-            dist.recv(payload, self.peer, group=group, tag=tag)
+            self._recv_into(payload)
             self.capacity = _next_capacity(self.capacity, need, t._nccl)
         if wire.type == "cuda":
             torch.cuda.current_stream(wire).synchronize()
         self.seq += 1
+        if bool(flags & _FLAG_CHECKSUM) != t.checksum:  # checked once all of the message is in
+            raise ConfigMismatchError(
+                f"{t.describe_peer(self.peer)} sends {t.channel_name(self.channel)} "
+                f"{'without' if t.checksum else 'with'} payload checksums, this process's transport has "
+                f"checksum={t.checksum}: both ends of a link need the same setting (aqsgd train: "
+                f"--checksum/--no-checksum on every stage)")
         packets, offset = [], 0
         for h in headers:
             body = payload[offset:offset + h.payload_len]
             offset += h.payload_len
-            packet = Packet.from_header(h, body)  # checks the payload CRC of host bytes
+            packet = Packet.from_header(h, body, verify=t.checksum)  # checks the payload CRC of host bytes
             if packet.payload.device != t.device:
                 # one copy per packet keeps every payload aligned; non-blocking from pinned memory, on this
                 # thread's stream, waited for below

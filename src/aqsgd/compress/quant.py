@@ -50,6 +50,7 @@ from typing import Sequence
 
 import torch
 
+from aqsgd.compress import fused
 from aqsgd.compress.base import Codec, numel_of, raise_non_finite
 from aqsgd.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
 from aqsgd.compress.packet import Family, Packet, bytes_as
@@ -234,19 +235,44 @@ class QuantCodec(Codec):
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         if x.numel() == 0:
             return torch.empty(0, dtype=torch.uint8, device=x.device)
+        if fused.applies(x, self.rounding):
+            out = self._encode_fused(x)
+            if out is not None:
+                return out
         stored, codes = self.quantize(x, generator)
         return torch.cat([stored.view(torch.uint8), pack_bits(codes, self.bits)])
 
-    def quantize(self, x: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(stored scales, flat uint8 codes)`` of a non-empty tensor, before packing."""
-        groups = self._groups(x.shape)
-        cdt = _compute_dtype(x.dtype)
-        flat = x.reshape(-1)
-        if flat.dtype != cdt:
-            flat = flat.to(cdt)
-        views = groups.views(flat)
-        raw = [self._scales(v, d) for v, d in views]
-        s = raw[0] if len(raw) == 1 else torch.cat(raw)
+    def _encode_fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The packet payload from the numba kernels (:mod:`aqsgd.compress.fused`); None where they do not apply."""
+        plan = fused.plan(x.shape, self.granularity, self.block)
+        if plan is None:
+            return None
+        rows, k, by_col = plan
+        x2 = x.detach().reshape(rows, k)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.to(torch.float32).contiguous()
+        if self.scale_mode == "max":
+            s = torch.from_numpy(fused.max_abs(x2.numpy(), by_col))
+            if self.granularity == "tensor":
+                s = s.amax().reshape(1)
+        elif self.scale_mode == "l2" and self.granularity != "tensor":
+            # the same view and reduction as the eager path's (max-abs is exact in any order; the mean is torch's)
+            rms = x2.square().mean(dim=0 if by_col else 1).sqrt()
+            s = torch.minimum(torch.from_numpy(fused.max_abs(x2.numpy(), by_col)), rms * self._l2_clip)
+        else:
+            s = torch.cat([self._scales(v, d) for v, d in self._groups(x.shape).views(x2.view(-1))])
+        stored, inv, _ = self._scale_steps(s, torch.float32)
+        if inv.numel() != (k if by_col else rows):
+            inv = inv.expand(rows)
+        nsb = stored.numel() * self.scale_dtype.itemsize
+        out = torch.empty(nsb + rows * k * self.bits // 8, dtype=torch.uint8)
+        out[:nsb] = stored.view(torch.uint8)
+        fused.encode(x2.numpy(), inv.contiguous().numpy(), by_col, self.qmax / 2.0 + 0.5, self.bits, self.qmax,
+                     out[nsb:].view(rows, -1).numpy())
+        return out
+
+    def _scale_steps(self, s: torch.Tensor, cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Checked stored scales, the reciprocal steps ``qmax / (2 * scale)`` (0 for a zero scale), max scale."""
         # One host sync for both checks: NaN/Inf anywhere make the largest scale non-finite.
         smax = float(s.max())
         if self.check_finite:
@@ -258,6 +284,19 @@ class QuantCodec(Codec):
         stored = store_scales(s, self.scale_dtype)
         sf = stored.to(cdt)
         inv = torch.where(sf > 0, self.qmax / (2.0 * sf), torch.zeros_like(sf))
+        return stored, inv, smax
+
+    def quantize(self, x: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(stored scales, flat uint8 codes)`` of a non-empty tensor, before packing."""
+        groups = self._groups(x.shape)
+        cdt = _compute_dtype(x.dtype)
+        flat = x.reshape(-1)
+        if flat.dtype != cdt:
+            flat = flat.to(cdt)
+        views = groups.views(flat)
+        raw = [self._scales(v, d) for v, d in views]
+        s = raw[0] if len(raw) == 1 else torch.cat(raw)
+        stored, inv, smax = self._scale_steps(s, cdt)
         clip = self.scale_mode != "max" or (self.scale_dtype == torch.float16 and smax > _FP16_MAX)
         t = torch.empty_like(flat)
         # t = x / step + qmax / 2 is the fractional code (level k at t = k): +0.5 and floor round to nearest
@@ -292,8 +331,33 @@ class QuantCodec(Codec):
         scales = bytes_as(payload[:nsb], self.scale_dtype)
         if bool((~torch.isfinite(scales) | (scales < 0)).any()):  # one host sync for both checks
             raise PacketError(f"{self.spec}: packet holds invalid (non-finite or negative) scales")
-        codes = unpack_bits(payload[nsb:], self.bits, groups.numel)
-        return self.dequantize(scales, codes, packet.shape, out_dtype)
+        return self.dequantize_packed(scales, payload[nsb:], packet.shape, out_dtype)
+
+    def dequantize_packed(self, scales: torch.Tensor, packed: torch.Tensor, shape: Sequence[int],
+                          out_dtype: torch.dtype) -> torch.Tensor:
+        """Stored scales and packed codes (flat uint8) to a tensor of ``shape``: fused where it applies."""
+        plan = fused.plan(shape, self.granularity, self.block)
+        if (plan is None or packed.device.type != "cpu" or out_dtype == torch.float64 or not fused.enabled()):
+            return self.dequantize(scales, unpack_bits(packed, self.bits, numel_of(shape)), shape, out_dtype)
+        rows, k, by_col = plan
+        mul, low, step = self._levels(scales, torch.float32)
+        if step.numel() != (k if by_col else rows):
+            step = step.expand(rows)
+        out = torch.empty(rows, k, dtype=torch.float32)
+        fused.decode_into(packed.view(rows, -1).numpy(), step.contiguous().numpy(), by_col, self.bits, mul, low,
+                          out.numpy())
+        out = out.view(shape)
+        return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+    def _levels(self, scales: torch.Tensor, cdt: torch.dtype) -> tuple[int, int, torch.Tensor]:
+        """``(mul, low, step)``: code ``c`` decodes to ``(c * mul - low) * step`` of its group."""
+        if self.grid == "midrise" and self.bits > 1:
+            # code c is level (c - qmax/2) * step = (2c - qmax) * scale / qmax: an odd integer times scale / qmax
+            return 2, self.qmax, scales.to(cdt) / self.qmax
+        if self.bits == 1:  # +-1 times the scale
+            return 2, 1, scales.to(cdt)
+        # signed level c - L (an exact small integer) times scale / L
+        return 1, self.qmax // 2, scales.to(cdt) / (self.qmax // 2)
 
     def dequantize(self, scales: torch.Tensor, codes: torch.Tensor, shape: Sequence[int],
                    out_dtype: torch.dtype) -> torch.Tensor:
@@ -342,6 +406,9 @@ def quantize_groups(
     n8 = -(-n // 8) * 8
     if g * n == 0:
         return x.new_zeros((g, packed_nbytes(n, bits)), dtype=torch.uint8), x.new_zeros(g, dtype=torch.float16)
+    if n8 == n:  # rows end on byte boundaries: the packet's codes are the rows packed one after another
+        payload = codec._encode(x.contiguous(), generator)
+        return payload[2 * g :].view(g, -1), bytes_as(payload[: 2 * g], torch.float16)
     scales, codes = codec.quantize(x.contiguous(), generator)
     codes = codes.view(g, n)
     if n8 != n:  # zero padding codes, so each row packs on its own and its spare bits are zero
@@ -356,6 +423,9 @@ def dequantize_groups(
     """Inverse of :func:`quantize_groups`: float ``[G, n]``."""
     g = packed.shape[0]
     n8 = -(-n // 8) * 8
+    if n8 == n:
+        codec = QuantCodec(bits, granularity="token", scale="max")
+        return codec.dequantize_packed(scales.to(torch.float16).reshape(-1), packed.reshape(-1), (g, n), dtype)
     row = n8 * bits // 8
     if packed.shape[1] != row:
         packed = torch.nn.functional.pad(packed, (0, row - packed.shape[1]))

@@ -128,6 +128,10 @@ class PipelineSection:
     """backend of the data-parallel gradient sync: auto (nccl on GPU, else gloo), gloo or nccl"""
     timeout: float = 60.0
     """seconds a stage waits for a neighbour before failing (distributed)"""
+    checksum: bool = True
+    """send a CRC-32 of every packet payload between stages and check it on receipt (distributed, gloo: NCCL
+    carries none); --no-checksum skips it on trusted links (TCP still checks its segments); the same on every
+    stage, free to change on --resume"""
     link: str | None = None
     """emulated link between stages, e.g. 100mbit,5ms (distributed)"""
     data_parallel: int = 1

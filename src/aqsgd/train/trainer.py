@@ -79,7 +79,7 @@ RESUME_MUST_MATCH = frozenset({
     "cache", "ef_key", "optimizer", "grad_accum", "seed"})
 # where and how this invocation runs and reports: not part of the training, never compared
 _RUN_ONLY = frozenset({"cache_dir", "output_dir", "run_name", "resume", "overwrite", "progress", "tensorboard",
-                       "trace", "timeout", "keep_checkpoints"})
+                       "trace", "timeout", "checksum", "keep_checkpoints"})
 
 
 def check_partition(cfg: TrainConfig, recipe: Any) -> None:
@@ -201,7 +201,7 @@ class Trainer:
             grad_sync = make_grad_sync(p.grad_sync, group, bucket_mb=p.grad_bucket_mb, link=links,
                                        seed=o.seed, device=sync_device)
         self.transport = Transport(timeout_s=p.timeout, links=links, peer_labels=self.grid.peer_labels(),
-                                   device=device, backend=p.p2p_backend)
+                                   device=device, backend=p.p2p_backend, checksum=p.checksum)
         return PipelineEngine({self.grid.stage: module}, p.stages, comp, optim, schedule=p.schedule,
                               device=device, transport=self.transport, ties=ties, autocast=autocast,
                               grid=self.grid, grad_sync=grad_sync)

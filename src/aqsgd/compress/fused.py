@@ -1,0 +1,153 @@
+"""Fused quantize-and-pack and unpack-and-dequantize for CPU tensors, compiled with numba.
+
+The eager quantizer (:mod:`aqsgd.compress.quant`) is a chain of whole-tensor PyTorch operations, each a
+full pass over memory: scale, multiply-add, clamp, convert, then several shift/or passes to pack the codes.
+Here one pass reads the input and writes the packed codes (and, for the max-abs scale, one more pass finds
+the scales), with the rows split over the threads. Decoding is one pass from packed codes to the output.
+
+Why numba and not ``torch.compile``: Inductor emits scalar C++ for the byte packing on the CPU (q2 encode
+9.2 ms against 5.9 ms eager in our trial) and compiles for ~24 s on first use; numba vectorizes these loops
+with LLVM, installs as a wheel from PyPI, compiles in ~1-2 s per kernel and caches the machine code on disk
+(``cache=True``), so later processes start at once.
+
+The packets are byte-identical to the eager path's, and tests hold that for every bit width and
+granularity: the scales and the reciprocal step come from the same PyTorch code, the code of a value is
+``fma(x, inv, offset)`` (PyTorch's ``addcmul`` on the CPU also rounds once) truncated after clamping to
+``[0, qmax]``, and decoding multiplies an exact small integer by the same per-group step.
+
+Used only where it applies: a CPU tensor computed in fp32 (fp32, bf16 or fp16 input), nearest rounding, a
+last dimension that is a multiple of 8, and for ``blockN`` a block size that is a multiple of 8 and divides
+the tensor. Everything else (stochastic rounding, float64, CUDA tensors, odd shapes) takes the eager path.
+Without numba every codec takes the eager path, after one warning. ``AQSGD_FUSED=0`` forces the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from typing import Sequence
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["available", "enabled", "set_enabled", "compile_seconds", "encode", "decode_into", "plan"]
+
+_lock = threading.Lock()
+_state: dict = {"enabled": os.environ.get("AQSGD_FUSED", "1") not in ("0", "false", "no", "off"),
+                "kernels": None, "warned": False, "compile_s": {}}
+
+
+def _load():
+    """Import numba and define the kernels once; None (after one warning) where numba is missing."""
+    if _state["kernels"] is not None:
+        return _state["kernels"] or None
+    with _lock:
+        if _state["kernels"] is None:
+            try:
+                from aqsgd.compress import _fused_kernels as k
+            except ImportError as e:  # numba absent, or built for another numpy
+                _state["kernels"] = False
+                if not _state["warned"]:
+                    _state["warned"] = True
+                    warnings.warn(f"fused codec kernels unavailable ({e}); quantization uses the slower eager "
+                                  "PyTorch path (pip install numba)", RuntimeWarning, stacklevel=3)
+            else:
+                _state["kernels"] = k
+    return _state["kernels"] or None
+
+
+def available() -> bool:
+    """Whether the numba kernels can be used at all on this machine."""
+    return _load() is not None
+
+
+def enabled() -> bool:
+    """Whether codecs take the fused path where it applies (numba present and not switched off)."""
+    return _state["enabled"] and available()
+
+
+def set_enabled(flag: bool) -> bool:
+    """Switch the fused path on or off for this process; returns the previous setting (tests, A/B runs)."""
+    old = _state["enabled"]
+    _state["enabled"] = bool(flag)
+    return old
+
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds each kernel's first call took in this process (compile, or load from numba's disk cache)."""
+    return dict(_state["compile_s"])
+
+
+def _call(name: str, *args):
+    torch_threads = torch.get_num_threads()
+    try:
+        return _call_kernel(name, *args)
+    finally:
+        # numba's OpenMP pool shares the thread setting with torch's: put torch's back
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
+
+
+def _call_kernel(name: str, *args):
+    k = _load()
+    fn = getattr(k, name)
+    threads = max(1, min(torch.get_num_threads(), k.max_threads()))
+    if name in _state["compile_s"]:
+        if _state.get("serialize"):
+            with _lock:
+                return fn(threads, *args)
+        return fn(threads, *args)
+    with _lock:
+        t0 = time.perf_counter()
+        out = fn(threads, *args)
+        dt = time.perf_counter() - t0
+        _state["compile_s"][name] = dt
+        # numba's own 'workqueue' pool (used where neither OpenMP nor TBB loads) aborts the process when two
+        # threads launch kernels at once: serialize the calls there
+        _state["serialize"] = k.threading_layer() == "workqueue"
+    log.info("fused codec kernel %s ready in %.2f s (first call: compile or cache load)", name, dt)
+    return out
+
+
+def plan(shape: Sequence[int], granularity: str, block: int) -> tuple[int, int, bool] | None:
+    """``(rows, row_length, scale_per_column)`` of the 2-D view the kernels work on, or None (eager)."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    if numel == 0 or len(shape) == 0:
+        return None
+    cols = int(shape[-1])
+    if granularity == "block":
+        if block % 8 or numel % block:
+            return None
+        return numel // block, block, False
+    if cols % 8:
+        return None
+    return numel // cols, cols, granularity == "channel"
+
+
+def applies(x: torch.Tensor, rounding: str) -> bool:
+    return (x.device.type == "cpu" and rounding == "nearest"
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and enabled())
+
+
+def max_abs(x2: np.ndarray, by_col: bool) -> np.ndarray:
+    """Max |x| of each column (``by_col``) or row of a 2-D fp32 array; NaN anywhere in a group gives NaN."""
+    return _call("colmax" if by_col else "rowmax", x2)
+
+
+def encode(x2: np.ndarray, inv: np.ndarray, by_col: bool, offset: float, bits: int, qmax: int,
+           out: np.ndarray) -> None:
+    """Codes ``trunc(clamp(fma(x, inv, offset), 0, qmax))`` of ``x2`` [R, K], packed into ``out`` [R, K*bits/8]."""
+    _call("quant_pack", x2, inv, by_col, np.float32(offset), bits, np.float32(qmax), out)
+
+
+def decode_into(packed: np.ndarray, step: np.ndarray, by_col: bool, bits: int, mul: int, low: int,
+                out: np.ndarray) -> None:
+    """``out[r, j] = (code * mul - low) * step[group]`` from packed codes [R, K*bits/8] into fp32 ``out`` [R, K]."""
+    _call("unpack_dequant", packed, step, by_col, bits, np.float32(mul), np.float32(low), out)
