@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--cache-path", nargs="*", default=None, metavar="CACHE",
                    help="instead of the codec table: the AQ-SGD cache path per micro-batch (the delta scheme's "
                         "sender: get, a - m, encode, decode, m + d, put; its receiver: get, decode, add, put) "
-                        "for each cache spec (default: memory lowbit4 disk) with --codecs (default: q2), "
+                        "for each cache spec (default: memory lowbit4 disk) with --codecs (q2 unless given), "
                         "against x.clone(); with a disk cache also its reads from disk with and without "
                         "prefetch")
     c.add_argument("--cache-dir", metavar="DIR", default=None,
