@@ -21,6 +21,13 @@ def codecs(d: dict) -> list[str]:
     return out
 
 
+def codecs_cache_path(d: dict) -> list[str]:
+    """``aqsgd bench codecs --cache-path``: the AQ-SGD cache path and, with a disk cache, its prefetch table."""
+    from aqsgd.bench.cachepath import markdown_table
+
+    return markdown_table(d)
+
+
 def pipeline(d: dict) -> list[str]:
     out = ["| stages | D | grad sync | Mbit/s | setting | samples/s | speed-up vs fp32 | ideal | efficiency "
            "| vs pipeline-only | fp32 comm:compute |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -66,7 +73,7 @@ def main(paths: list[str]) -> int:
     for p in paths:
         d = json.loads(Path(p).read_text())
         kind = d.get("benchmark") or ("convergence" if "table" in d else None)
-        lines = {"codecs": codecs, "pipeline": pipeline, "convergence": convergence, "netem": netem,
+        lines = {"codecs": codecs, "codecs-cache-path": codecs_cache_path, "pipeline": pipeline, "convergence": convergence, "netem": netem,
                  "boundary_errors": boundary_errors}[kind](d)
         commands = d.get("commands") or [d.get("command", "")]
         print(f"<!-- {p}: {' ; '.join(commands)} on {d.get('machine', '')} -->")

@@ -126,9 +126,26 @@ def test_cli_writes_table_json_and_png(tmp_path, capsys):
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_cli_quality_rejects_codecs_and_png_needs_quality(tmp_path):
-    assert main(["bench", "codecs", "--quality", "--codecs", "q4", "--device", "cpu"]) == 2
+def test_cli_quality_codecs_png_conflict_and_png_needs_quality(tmp_path):
+    assert main(["bench", "codecs", "--quality", "--codecs", "q4", "--png", str(tmp_path / "x.png"),
+                 "--device", "cpu"]) == 2
     assert main(["bench", "codecs", "--png", str(tmp_path / "x.png"), "--device", "cpu"]) == 2
+
+
+def test_cli_quality_of_named_codecs_measures_packet_bits(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["bench", "codecs", "--quality", "--codecs", "q2:l2", "q2:rot64:l2:midrise", "q2:l2:zstd", "tah",
+                 "--shape", "16,512", "--device", "cpu", "--json", str(out)]) == 0
+    assert "q2:rot64:l2:midrise" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "codecs-quality-specs"
+    rows = {r["spec"]: r for r in data["rows"]}
+    n = 16 * 512
+    assert rows["q2:l2"]["bits_per_value"] == pytest.approx(8 * (64 + 512 * 2 + n // 4) / n)
+    assert rows["q2:rot64:l2:midrise"]["bits_per_value"] == pytest.approx(8 * (64 + n // 64 * 2 + n // 4) / n)
+    assert rows["q2:l2:zstd"]["rel_mse"] == rows["q2:l2"]["rel_mse"]  # lossless stage
+    # rotated midrise tiles on Gaussian data: near the optimal 4-level uniform quantizer (0.119)
+    assert rows["q2:rot64:l2:midrise"]["rel_mse"] < 0.13 < rows["q2:l2"]["rel_mse"]
 
 
 def test_quality_option_misuse_is_one_line(capsys):
@@ -136,8 +153,11 @@ def test_quality_option_misuse_is_one_line(capsys):
 
     assert main(["bench", "codecs", "--device", "cpu", "--png", "x.png"]) == 2
     assert capsys.readouterr().err.strip() == "aqsgd: error: --png: plots the --quality table; add --quality"
-    assert main(["bench", "codecs", "--device", "cpu", "--quality", "--codecs", "q2"]) == 2
+    assert main(["bench", "codecs", "--device", "cpu", "--quality", "--codecs", "q2", "--png", "x.png"]) == 2
     assert "leave --codecs out" in capsys.readouterr().err
+    assert main(["bench", "codecs", "--device", "cpu", "--quality", "--codecs", "q2:rot63"]) == 2
+    err = capsys.readouterr().err
+    assert "power of two" in err and err.count("\n") == 1
 
 
 # --- real boundary tensors (--data minilm smollm2), on tiny random stand-ins of the two models ---------------

@@ -84,3 +84,26 @@ def test_cli(tmp_path, capsys):
     assert len(saved["commands"]) == 2 and "--seeds 0,1" in saved["commands"][0]
     assert "--seeds" not in saved["runs"]["aqsgd fw2/bw4"]["command"]
     assert saved["runs"]["fp32 @seed1"]["command"] == saved["commands"][0]
+
+
+def test_fewer_bits_study_reports_loss_gap_wire_bits_and_step_time(tmp_path):
+    """The `fewer-bits` study: its own result file with its settings only, and per row the training-loss gap
+    to fp32, the bits per value that crossed the wire and the step time; zstd trains bit for bit as without."""
+    runs = tmp_path / "runs"
+    names = ["fp32", "aqsgd fw2/bw4 rot", "aqsgd fw2/bw4 rot zstd"]
+    results = run_study("synthetic-lm", runs, settings=names, overrides={"epochs": 2}, study="fewer-bits")
+    rot, rotz = results["runs"]["aqsgd fw2/bw4 rot"], results["runs"]["aqsgd fw2/bw4 rot zstd"]
+    assert rot["train_loss"] == rotz["train_loss"]
+    path, _ = write_results("synthetic-lm", results, runs, tmp_path / "out", command="test", machine="here",
+                            study="fewer-bits")
+    assert path.name == "fewer-bits-synthetic-lm.json"
+    saved = json.loads(path.read_text())
+    assert saved["study"] == "fewer-bits" and set(saved["runs"]) == {"fp32", "aqsgd fw2/bw4 rot zstd"}
+    rows = {r["setting"]: r for r in saved["table"]}
+    assert rows["fp32"]["train_loss_gap"] == 0.0
+    assert 31.9 < rows["fp32"]["wire_bits_per_value"] < 32.5  # fp32 plus the headers
+    z = rows["aqsgd fw2/bw4 rot zstd"]
+    assert z["train_loss_gap"] is not None and z["step_s"] > 0
+    # 2-bit codes and a scale per 64 values (2.25 bits) or fewer after zstd; more than nothing
+    assert 0.5 < z["wire_bits_per_value"] < 2.6 and 2 < z["wire_bits_per_value_backward"] < 4.6
+    assert rot["traffic"]["forward_bits_per_value"] > rotz["traffic"]["forward_bits_per_value"] * 0.99

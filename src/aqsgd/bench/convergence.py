@@ -24,7 +24,7 @@ from aqsgd.train.config import TrainConfig
 from aqsgd.train.report import HIGHER_IS_BETTER, load_run
 from aqsgd.train.trainer import Trainer
 
-__all__ = ["SETTINGS", "TASKS", "DEFAULT_TASKS", "run_study", "study_table", "write_results",
+__all__ = ["SETTINGS", "TASKS", "DEFAULT_TASKS", "STUDIES", "run_study", "study_table", "write_results",
            "format_relative"]
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,18 @@ DEFAULT_SETTINGS: dict[str, list[str]] = {
     "synthetic-lm": ["fp32", "aqsgd fw2/bw4", "direct fw2/bw4"],
 }
 
+# the `fewer-bits` study: rotated tiles, outlier rows, the zstd stage, AQ-SGD at 1 bit and the 2025 peer
+# (TAH-Quant). The zstd stage is lossless, so a `zstd` run trains exactly as the same setting without it.
+_FEWER_BITS = ["fp32", "aqsgd fw2/bw4 l2 zstd", "aqsgd fw2/bw4 rot zstd", "direct fw3/bw6 rot zstd",
+               "tah-quant zstd", "direct fw4/bw6 rot zstd", "aqsgd fw2/bw4 rot outlier", "aqsgd fw2/bw4 l2 outlier",
+               "aqsgd fw1/bw4 rot zstd", "aqsgd fw1/bw4"]
+FEWER_BITS_SETTINGS: dict[str, list[str]] = {
+    "minilm-bbc": _FEWER_BITS, "smollm2-wiki": _FEWER_BITS,
+    "synthetic-lm": ["fp32", "aqsgd fw2/bw4 rot zstd", "tah-quant"],
+}
+#: the studies there are: their default settings per task (their result files are named ``<study>-<task>``)
+STUDIES: dict[str, dict[str, list[str]]] = {"convergence": DEFAULT_SETTINGS, "fewer-bits": FEWER_BITS_SETTINGS}
+
 
 def _slug(name: str) -> str:
     return name.replace(" ", "").replace("/", "-").replace("%", "").replace("+", "-")
@@ -68,7 +80,7 @@ def run_key(name: str, seed: int) -> str:
 
 def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = None, overrides: dict[str, Any] | None = None,
               seeds: list[int] | None = None, progress: Callable[[str], None] | None = None,
-              command: str | None = None, keep_checkpoints: bool = False) -> dict[str, Any]:
+              command: str | None = None, keep_checkpoints: bool = False, study: str = "convergence") -> dict[str, Any]:
     """Run every setting on one task, once per seed (default: seed 0; the seed sets the data order, the
     initialization of new heads and stochastic rounding); returns (and writes) the collected results. A
     study is continued from ``<out_dir>/<task>/study.json``; one with other task settings is refused.
@@ -86,7 +98,7 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
                              f"now {base}); use another --runs-dir")
         results["runs"] = previous.get("runs", {})
     for seed in seeds or [0]:
-        for name in settings or DEFAULT_SETTINGS[task]:
+        for name in settings or STUDIES[study][task]:
             key = run_key(name, seed)
             if key in results["runs"]:
                 continue
@@ -112,10 +124,31 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
     return results
 
 
+def _traffic(run: Any) -> dict[str, Any]:
+    """Over the compressed training steps: bits on the wire per fp32 value in each direction (packet bytes,
+    headers and scales included, divided by the fp32 bytes they stand for), the median step time, and the
+    mean training loss of every epoch."""
+    rows = [r for r in run.train_rows if r.get("phase") == "train" and r.get("stages")]
+
+    def bits(kind: str) -> float | None:
+        sent = sum(st[f"{kind}_bytes"] for r in rows for st in r["stages"])
+        raw = sum(st[f"{kind}_raw"] for r in rows for st in r["stages"])
+        return 32.0 * sent / raw if raw else None
+
+    steps = [r["time"]["step"] for r in rows if r.get("time")]
+    epochs: dict[int, list[float]] = {}
+    for r in run.train_rows:
+        if r.get("loss") is not None and r.get("epoch") is not None:
+            epochs.setdefault(int(r["epoch"]), []).append(float(r["loss"]))
+    return {"forward_bits_per_value": bits("fw"), "backward_bits_per_value": bits("bw"),
+            "step_s": statistics.median(steps) if steps else None,
+            "epoch_train_loss": {str(e): statistics.fmean(v) for e, v in sorted(epochs.items())}}
+
+
 def _run_record(name: str, seed: int, run_name: str, fw: str, bw: str, summary: dict[str, Any], run: Any,
                 wall_s: float) -> dict[str, Any]:
     return {"setting": name, "seed": seed, "run_dir": run_name,
-            "forward": fw, "backward": bw, "summary": summary, "wall_s": wall_s,
+            "forward": fw, "backward": bw, "summary": summary, "wall_s": wall_s, "traffic": _traffic(run),
             "train_loss": [(r["step"], r["loss"]) for r in run.train_rows],
             "eval": [{"step": r["step"], "compressed": r["compressed"], "uncompressed": r["uncompressed"]}
                      for r in run.eval_rows],
@@ -169,6 +202,8 @@ def study_table(results: dict[str, Any]) -> list[dict[str, Any]]:
         best_refs = [best(b) if b else None for b in fp32_runs]
         best_off = [best(r) for r in runs]
         rel_best = [rel(v, ref) for v, ref in zip(best_off, best_refs)]
+        gaps = [_gap(r, b) for r, b in zip(runs, fp32_runs)]
+        traffic = [r.get("traffic") or {} for r in runs]
         first = runs[0]
         rows.append({"setting": name, "forward": first["forward"], "backward": first["backward"],
                      "metric": first["summary"]["main_metric"], "seeds": seeds,
@@ -179,8 +214,23 @@ def study_table(results: dict[str, Any]) -> list[dict[str, Any]]:
                      "best_off": mean(best_off), "best_off_runs": best_off,
                      "rel_best_off_vs_fp32": mean(rel_best), "rel_best_off_vs_fp32_std": std(rel_best),
                      "compression_ratio": mean([r["summary"]["compression_ratio"] for r in runs]),
+                     "train_loss_gap": mean(gaps), "train_loss_gap_std": std(gaps),
+                     "wire_bits_per_value": mean([t.get("forward_bits_per_value") for t in traffic]),
+                     "wire_bits_per_value_backward": mean([t.get("backward_bits_per_value") for t in traffic]),
+                     "step_s": mean([t.get("step_s") for t in traffic]),
                      "steps": first["summary"]["steps"], "wall_s": sum(r["wall_s"] for r in runs)})
     return rows
+
+
+def _gap(run: dict[str, Any], fp32: dict[str, Any] | None) -> float | None:
+    """Last epoch's mean training loss of ``run`` minus that of ``fp32`` (the same seed), in nats."""
+    if not fp32:
+        return None
+    a, b = (run.get("traffic") or {}).get("epoch_train_loss"), (fp32.get("traffic") or {}).get("epoch_train_loss")
+    if not a or not b:
+        return None
+    last = max(a, key=int)
+    return a[last] - b[last] if last in b else None
 
 
 def format_relative(value: float | None, spread: float | None = None) -> str:
@@ -191,19 +241,25 @@ def format_relative(value: float | None, spread: float | None = None) -> str:
 
 
 def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_dir: str | Path, *, command: str,
-                  machine: str, tag: str | None = None) -> tuple[Path, Path]:
+                  machine: str, tag: str | None = None, study: str = "convergence",
+                  settings: list[str] | None = None) -> tuple[Path, Path]:
     """The study's JSON (table, curves, final metrics) and a PNG of its runs under ``out_dir``, named
-    ``convergence-<task>[-<tag>].json/.png``. ``command`` is this invocation; ``commands`` lists every
+    ``<study>-<task>[-<tag>].json/.png``; a study's files hold its own settings only (several studies may
+    share one runs directory, and so their fp32 runs), plus any other ``settings`` asked for by name. ``command`` is this invocation; ``commands`` lists every
     command that added runs to the study, in order (runs recorded before commands were kept name none)."""
     from aqsgd.train.report import load_run, plot_runs
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    wanted = set(STUDIES[study][task])
+    if study != "convergence":  # the convergence study keeps every run of its directory, as before
+        keep = wanted | set(settings or [])
+        results = {**results, "runs": {k: r for k, r in results["runs"].items() if r.get("setting", k) in keep}}
     commands = list(dict.fromkeys(r["command"] for r in results["runs"].values() if r.get("command")))
-    results = {**results, "table": study_table(results), "machine": machine, "command": command,
+    results = {**results, "study": study, "table": study_table(results), "machine": machine, "command": command,
                "commands": commands or [command],
-               "complete": {r.get("setting", k) for k, r in results["runs"].items()} >= set(DEFAULT_SETTINGS[task])}
-    stem = f"convergence-{task}" + (f"-{tag}" if tag else "")
+               "complete": {r.get("setting", k) for k, r in results["runs"].items()} >= wanted}
+    stem = f"{study}-{task}" + (f"-{tag}" if tag else "")
     path = out / f"{stem}.json"
     path.write_text(json.dumps(results, indent=1))
     # the curves of seed 0 (one per setting)

@@ -48,6 +48,7 @@ __all__ = [
     "optimal_uniform_mse",
     "reference_rows",
     "shannon_bound",
+    "spec_quality",
     "write_quality_json",
     "write_quality_png",
 ]
@@ -227,6 +228,31 @@ def boundary_quality(tensors: BoundaryTensors, source: str, variants: Sequence[t
     for kind, xs in tensors.tensors.items():
         xs = [x.to(device, torch.float32) for x in xs]
         rows += _codec_rows(xs, variants, bits, g, source, kind) + reference_rows(bits, source=source, tensor=kind)
+    return rows
+
+
+def spec_quality(tensors: dict[str, list[torch.Tensor]], specs: Sequence[str], source: str, *, seed: int = 0,
+                 device: str | torch.device = "cpu") -> list[dict]:
+    """Named codecs (any spec, fixed or data-dependent size) on each kind of tensor: per spec and kind, the
+    relative squared error and the bits per value that really crossed the wire (packet bytes, header and
+    scales included, over the values), each the mean over the tensors of that kind (one per boundary)."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    rows = []
+    for spec in specs:
+        codec = make_codec(spec)
+        for kind, xs in tensors.items():
+            errs, bits = [], []
+            for x in xs:
+                x = x.to(device, torch.float32)
+                p = codec.encode(x, generator=g)
+                y = codec.decode(p)
+                xd = x.double()
+                errs.append(float((y.double() - xd).square().sum() / xd.square().sum()))
+                bits.append(8.0 * p.nbytes / x.numel())
+            rows.append({"spec": codec.spec, "source": source, "tensor": kind, "rel_mse": sum(errs) / len(errs),
+                         "bits_per_value": sum(bits) / len(bits), "rel_mse_by_boundary": errs,
+                         "bits_per_value_by_boundary": bits})
     return rows
 
 

@@ -53,6 +53,32 @@ SETTINGS: dict[str, Setting] = {
     # (~100x the others) sets every per-channel scale, and a midrise grid then sends the other positions'
     # near-zero values of those channels as +-step/2 (benchmarks/boundary_errors.py)
     "aqsgd fw2/bw4 token l2 midrise": Setting("delta:q2:token:l2:midrise", "direct:q4"),
+    # -- fewer bits (the `fewer-bits` study) --------------------------------------------------------------
+    # randomized Hadamard rotation of 64-value tiles and one l2-clipped scale per tile: a sink's or a loud
+    # channel's energy is spread over its tile instead of setting the scale of every value it shares it with;
+    # the rotated tiles are near-Gaussian, where the 4-level midrise grid halves the 2-bit error (SmolLM2
+    # activations: 0.41 for q2:l2, 0.030 rotated, 0.012 rotated midrise; `aqsgd bench codecs --quality
+    # --data smollm2 --codecs ...`, docs/bench-codecs.md). Gradients rotated too (0.047 -> 0.012 at 4 bits)
+    "aqsgd fw2/bw4 rot": Setting("delta:q2:rot64:l2:midrise", "direct:q4:rot64:l2"),
+    # rows (tokens) whose norm is 8x the median go apart in bf16: no model-specific position
+    "aqsgd fw2/bw4 l2 outlier": Setting("delta:q2:l2:outlier8", "direct:q4"),
+    "aqsgd fw2/bw4 rot outlier": Setting("delta:q2:rot64:l2:midrise:outlier8", "direct:q4:rot64:l2"),
+    # cache-free: rotated direct quantization at 3 and 4 bits, the gradients at 6 bits rotated (as TAH-Quant);
+    # tiles of 128 at 4 bits keep the scales at 0.125 bits per value (4.13 in all, 3.7 with zstd)
+    "direct fw3/bw6 rot": Setting("direct:q3:rot64:l2:midrise", "direct:q6:rot32"),
+    "direct fw4/bw6 rot": Setting("direct:q4:rot128:l2", "direct:q6:rot32"),
+    # the 2025 peer: TAH-Quant's compressor (3/4 bits per token by entropy forward, 6 bits backward)
+    "tah-quant": Setting("direct:tah", "direct:tah6"),
+    # AQ-SGD at 1 bit (sign of the delta times its mean |delta| per channel / per tile)
+    "aqsgd fw1/bw4": Setting("delta:q1", "direct:q4"),
+    "aqsgd fw1/bw4 rot": Setting("delta:q1:rot64", "direct:q4"),
+    # the lossless zstd stage: the same training (bit for bit) as without it, fewer bytes on the wire
+    "aqsgd fw2/bw4 l2 zstd": Setting("delta:q2:l2:zstd", "direct:q4:zstd"),
+    "aqsgd fw2/bw4 rot zstd": Setting("delta:q2:rot64:l2:midrise:zstd", "direct:q4:rot64:l2:zstd"),
+    "aqsgd fw1/bw4 rot zstd": Setting("delta:q1:rot64:zstd", "direct:q4:rot64:l2:zstd"),
+    "direct fw3/bw6 rot zstd": Setting("direct:q3:rot64:l2:midrise:zstd", "direct:q6:rot32:zstd"),
+    "direct fw4/bw6 rot zstd": Setting("direct:q4:rot128:l2:zstd", "direct:q6:rot32:zstd"),
+    "tah-quant zstd": Setting("direct:tah:zstd", "direct:tah6:zstd"),
 }
 
 

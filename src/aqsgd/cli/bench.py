@@ -112,6 +112,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     from aqsgd.bench.convergence import DEFAULT_TASKS as CONV_DEFAULT_TASKS
     from aqsgd.bench.convergence import SETTINGS as CONV_SETTINGS
+    from aqsgd.bench.convergence import STUDIES as CONV_STUDIES
     from aqsgd.bench.convergence import TASKS as CONV_TASKS
 
     cv = bsub.add_parser("convergence", help="fp32 vs direct quantization vs AQ-SGD vs TopK/EF, same seed and data",
@@ -120,8 +121,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                      "JSON, a PNG per task and a table.")
     cv.add_argument("tasks", nargs="*", choices=list(CONV_TASKS), default=list(CONV_DEFAULT_TASKS), metavar="TASK",
                     help=f"tasks, of {', '.join(CONV_TASKS)} (default: {' '.join(CONV_DEFAULT_TASKS)})")
+    cv.add_argument("--study", choices=list(CONV_STUDIES), default="convergence",
+                    help="which study: its default settings and the name of its result files, "
+                         "<study>-TASK.json (default: convergence; fewer-bits: rotated tiles, outlier rows, "
+                         "zstd, 1-bit AQ-SGD, TAH-Quant)")
     cv.add_argument("--settings", nargs="+", choices=list(CONV_SETTINGS), default=None, metavar="SETTING",
-                    help="settings (default: all)")
+                    help="settings (default: the study's)")
     cv.add_argument("--runs-dir", default="runs/convergence", help="run directories (default: runs/convergence); "
                     "an interrupted study continues where it stopped")
     cv.add_argument("--results-dir", default="benchmarks/results", help="JSON and PNG output (default: benchmarks/results)")
@@ -149,7 +154,7 @@ def run_convergence(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from aqsgd.bench.codecs import machine_description
-    from aqsgd.bench.convergence import format_relative, run_study, study_table, write_results
+    from aqsgd.bench.convergence import STUDIES, format_relative, run_study, study_table, write_results
 
     console = Console(width=max(Console().width, 150))
     overrides = {k: v for k, v in (("epochs", args.epochs), ("max_train_samples", args.max_train_samples),
@@ -162,13 +167,16 @@ def run_convergence(args: argparse.Namespace) -> int:
     for task in args.tasks:
         results = run_study(task, args.runs_dir, settings=args.settings, overrides=overrides, seeds=args.seeds,
                             progress=lambda m: console.print(m), command=command,
-                            keep_checkpoints=args.keep_checkpoints)
+                            keep_checkpoints=args.keep_checkpoints, study=args.study)
         path, png = write_results(task, results, args.runs_dir, out, command=command,
-                                  machine=machine_description(torch.device("cpu")), tag=args.tag)
-        rows = study_table(results)
-        table = Table(title=f"convergence: {task}" + (f" (means over seeds {args.seeds})" if len(args.seeds) > 1 else ""))
+                                  machine=machine_description(torch.device("cpu")), tag=args.tag, study=args.study,
+                                  settings=args.settings)
+        rows = [r for r in study_table(results) if args.study == "convergence"
+                or r["setting"] in STUDIES[args.study][task] or r["setting"] in (args.settings or [])]
+        table = Table(title=f"{args.study}: {task}" + (f" (means over seeds {args.seeds})" if len(args.seeds) > 1 else ""))
         for col in ("setting", "forward", "backward", "train loss", "metric", "eval (comp. on)", "eval (comp. off)",
-                    "on vs fp32", "off vs fp32", "best off", "best vs fp32", "traffic ratio"):
+                    "on vs fp32", "off vs fp32", "best off", "best vs fp32", "loss gap", "fw bits/value",
+                    "traffic ratio"):
             table.add_column(col, justify="left" if col in ("setting", "forward", "backward", "metric") else "right")
         for r in rows:
             fmt = lambda v, p=4: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
@@ -176,6 +184,7 @@ def run_convergence(args: argparse.Namespace) -> int:
                           fmt(r["eval_on"]), fmt(r["eval_off"]), format_relative(r["rel_vs_fp32"], r["rel_vs_fp32_std"]),
                           format_relative(r["rel_off_vs_fp32"], r["rel_off_vs_fp32_std"]), fmt(r["best_off"]),
                           format_relative(r["rel_best_off_vs_fp32"], r["rel_best_off_vs_fp32_std"]),
+                          fmt(r["train_loss_gap"], 3), fmt(r["wire_bits_per_value"], 2),
                           fmt(r["compression_ratio"], 2))
         console.print(table)
         console.print(f"wrote {path} and {png}")
@@ -331,9 +340,9 @@ def run_codec_quality(args: argparse.Namespace, device: torch.device, console: C
         write_quality_png,
     )
 
-    if args.codecs:
-        raise SpecError("--codecs: --quality measures its own set of quantizer variants; leave --codecs out")
     chosen = args.data or ["gaussian"]
+    if args.codecs:
+        return run_spec_quality(args, device, console, chosen)
     sources = [s for s in QUALITY_DATA[:-1] if s in chosen or "all" in chosen]
     models = [s for s in sources if s != "gaussian"]
     for s in models:
@@ -372,6 +381,60 @@ def run_codec_quality(args: argparse.Namespace, device: torch.device, console: C
                  "quantizer rate-distortion (mean over boundaries); black and grey: N(0, 1) references")
         write_quality_png(rows, args.png, title=title)
         console.print(f"wrote {args.png}")
+    return 0
+
+
+def run_spec_quality(args: argparse.Namespace, device: torch.device, console: Console, chosen: list[str]) -> int:
+    """``--quality --codecs SPEC...``: the named codecs (any spec) on the chosen data, with the bits per value
+    that cross the wire measured from the packets."""
+    import json
+    from pathlib import Path
+
+    from aqsgd.bench.boundary import require_sources, source_boundary_tensors
+    from aqsgd.bench.codecs import machine_description
+    from aqsgd.bench.quality import kurtosis, spec_quality
+    from aqsgd.compress import make_codec
+
+    if args.png:
+        raise SpecError("--png: plots the per-bit-width --quality table; leave --codecs out for it")
+    specs = [make_codec(s).spec for s in args.codecs]  # every spec checked before anything is measured
+    sources = [s for s in QUALITY_DATA[:-1] if s in chosen or "all" in chosen]
+    for s in sources:
+        if s != "gaussian":
+            require_sources(s)
+    machine = machine_description(device)
+    console.print(f"[bold]codec quality[/] on {machine}: relative squared error ||x - C(x)||^2 / ||x||^2 "
+                  "and bits per value on the wire (packet bytes, header and scales included)")
+    rows, data = [], {}
+    for source in sources:
+        if source == "gaussian":
+            g = torch.Generator(device=device).manual_seed(args.seed)
+            tensors = {"normal": [torch.randn(tuple(args.shape), generator=g, device=device)]}
+            data[source] = {"distribution": "normal(0, 1)", "shape": list(args.shape), "seed": args.seed}
+        else:
+            bt = source_boundary_tensors(source, seed=args.seed, device=device)
+            tensors = bt.tensors
+            data[source] = bt.info | {"kurtosis": {k: [kurtosis(x) for x in xs] for k, xs in tensors.items()}}
+        new = spec_quality(tensors, specs, source, seed=args.seed, device=device)
+        rows += new
+        table = Table(title=f"{source}: mean over {len(next(iter(tensors.values())))} tensor(s) per kind",
+                      title_justify="left")
+        table.add_column("codec", justify="left")
+        for kind in tensors:
+            table.add_column(f"{kind} bits/value", justify="right")
+            table.add_column(f"{kind} rel. error", justify="right")
+        for spec in specs:
+            cells = []
+            for kind in tensors:
+                r = next(r for r in new if r["spec"] == spec and r["tensor"] == kind)
+                cells += [f"{r['bits_per_value']:.3f}", f"{r['rel_mse']:.4g}"]
+            table.add_row(spec, *cells)
+        console.print(table)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"benchmark": "codecs-quality-specs", "command": args.command_line,
+                                               "machine": machine, "data": data, "rows": rows}, indent=1))
+        console.print(f"wrote {args.json}")
     return 0
 
 

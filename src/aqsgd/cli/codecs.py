@@ -31,6 +31,10 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right" if col != "spec" else "left")
     for spec in args.specs:
         c = make_codec(spec)
-        table.add_row(spec, c.spec, f"{c.wire_bytes(args.shape):,}", f"{c.ratio(args.shape):.2f}x")
+        bound = "" if c.fixed_size else "≤ "  # the size depends on the data: the largest there can be
+        table.add_row(spec, c.spec, f"{bound}{c.wire_bytes(args.shape):,}",
+                      f"{'≥ ' if bound else ''}{c.ratio(args.shape):.2f}x")
     console.print(table)
+    if any(not make_codec(s).fixed_size for s in args.specs):
+        console.print("≤: the packet size depends on the data (outlier rows, zstd); shown is the largest")
     return 0

@@ -199,3 +199,49 @@ def quant_pack(threads, x, inv, by_col, offset, bits, qmax, out):
 def unpack_dequant(threads, p, step, by_col, bits, mul, low, out):
     numba.set_num_threads(threads)
     _unpack_dequant(p, step, by_col, bits, mul, low, out, *_chunks(out.shape[0], threads))
+
+
+@njit(inline="always")
+def _butterflies(buf, g):
+    """The butterflies of the PyTorch path, stage by stage in the same order, on ``buf`` [g, 8]: eight rows
+    at once (one per lane), so that every addition is an 8-wide vector operation."""
+    h = 1
+    while h < g:
+        for i in range(0, g, 2 * h):
+            for j in range(i, i + h):
+                for lane in range(8):
+                    a = buf[j, lane]
+                    b = buf[j + h, lane]
+                    buf[j, lane] = a + b
+                    buf[j + h, lane] = a - b
+        h *= 2
+
+
+@njit(parallel=True, cache=True)
+def _fwht_rows(x, s, c, inverse, out, nchunk, per):
+    r_, g = x.shape
+    for ch in prange(nchunk):
+        buf = np.zeros((g, 8), np.float32)
+        end = min(r_, (ch + 1) * per)
+        for r0 in range(ch * per, end, 8):
+            n = min(8, end - r0)
+            for lane in range(n):
+                if inverse:
+                    for j in range(g):
+                        buf[j, lane] = x[r0 + lane, j]
+                else:
+                    for j in range(g):
+                        buf[j, lane] = x[r0 + lane, j] * s[j]
+            _butterflies(buf, g)
+            for lane in range(n):
+                if inverse:
+                    for j in range(g):
+                        out[r0 + lane, j] = (buf[j, lane] * c) * s[j]
+                else:
+                    for j in range(g):
+                        out[r0 + lane, j] = buf[j, lane] * c
+
+
+def fwht_rows(threads, x, s, c, inverse, out):
+    numba.set_num_threads(threads)
+    _fwht_rows(x, s, c, inverse, out, *_chunks(x.shape[0], threads))

@@ -3,7 +3,10 @@
 A codec is built from a spec string (see :mod:`aqsgd.compress.registry`) and is immutable. ``encode``
 accepts any floating dtype on any device and ``decode`` returns the same dtype on the payload's device.
 ``wire_bytes(shape)`` is the exact size of the packet that ``encode`` produces for that shape, header
-included, so traffic can be planned (and checked) without encoding anything.
+included, so traffic can be planned (and checked) without encoding anything. Codecs whose size depends on
+the data (an entropy stage, outlier rows sent apart, a per-token choice of bit width) set
+``fixed_size = False``: for them ``payload_bytes``/``wire_bytes`` are upper bounds, and ``packet.nbytes``
+is what really crosses the wire (the header carries the payload length).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class Codec(abc.ABC):
     """Stateless compressor of one tensor into one :class:`Packet`."""
 
     family: ClassVar[Family]
+    #: False where the payload size depends on the data; ``payload_bytes`` is then an upper bound
+    fixed_size: ClassVar[bool] = True
 
     @property
     @abc.abstractmethod
@@ -51,10 +56,11 @@ class Codec(abc.ABC):
 
     @abc.abstractmethod
     def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
-        """Exact payload size for a tensor of this shape (and input dtype, for dtype-preserving codecs)."""
+        """Exact payload size for a tensor of this shape (and input dtype, for dtype-preserving codecs); the
+        largest possible size where ``fixed_size`` is False."""
 
     def wire_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
-        """Exact packet size on the wire, header included."""
+        """Exact packet size on the wire, header included (an upper bound where ``fixed_size`` is False)."""
         return HEADER_BYTES + self.payload_bytes(shape, dtype)
 
     def ratio(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> float:
@@ -74,7 +80,10 @@ class Codec(abc.ABC):
         # encoding is not differentiable: without detach, in-place and out= ops fail on tensors requiring grad
         payload = self._encode(x.detach().contiguous(), generator)
         expected = self.payload_bytes(x.shape, x.dtype)
-        assert payload.numel() == expected, (self.spec, payload.numel(), expected)
+        if self.fixed_size:
+            assert payload.numel() == expected, (self.spec, payload.numel(), expected)
+        else:
+            assert payload.numel() <= expected, (self.spec, payload.numel(), expected)
         return Packet(self.family, x.dtype, tuple(x.shape), self.fingerprint, payload)
 
     def decode(self, packet: Packet) -> torch.Tensor:
@@ -87,9 +96,10 @@ class Codec(abc.ABC):
         if packet.dtype not in FLOAT_DTYPES:
             raise PacketMismatchError(f"{self.spec}: packet dtype {packet.dtype} is not a floating dtype")
         expected = self.payload_bytes(packet.shape, packet.dtype)
-        if packet.payload.numel() != expected:
+        if packet.payload.numel() != expected and (self.fixed_size or packet.payload.numel() > expected):
+            need = f"needs {expected}" if self.fixed_size else f"allows at most {expected}"
             raise PacketMismatchError(
-                f"{self.spec}: payload of {packet.payload.numel()} bytes, shape {packet.shape} needs {expected}"
+                f"{self.spec}: payload of {packet.payload.numel()} bytes, shape {packet.shape} {need}"
             )
         return self._decode(packet)
 

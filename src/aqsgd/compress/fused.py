@@ -35,7 +35,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["available", "enabled", "set_enabled", "compile_seconds", "encode", "decode_into", "plan"]
+__all__ = ["available", "enabled", "set_enabled", "compile_seconds", "encode", "decode_into", "plan", "fwht"]
 
 _lock = threading.Lock()
 _state: dict = {"enabled": os.environ.get("AQSGD_FUSED", "1") not in ("0", "false", "no", "off"),
@@ -151,3 +151,9 @@ def decode_into(packed: np.ndarray, step: np.ndarray, by_col: bool, bits: int, m
                 out: np.ndarray) -> None:
     """``out[r, j] = (code * mul - low) * step[group]`` from packed codes [R, K*bits/8] into fp32 ``out`` [R, K]."""
     _call("unpack_dequant", packed, step, by_col, bits, np.float32(mul), np.float32(low), out)
+
+
+def fwht(x2: np.ndarray, signs: np.ndarray, c: float, inverse: bool, out: np.ndarray) -> None:
+    """Walsh-Hadamard transform of each row of fp32 ``x2`` [R, G] into ``out``: ``H (s * x) * c`` or, with
+    ``inverse``, ``(H x * c) * s`` (see :mod:`aqsgd.compress.hadamard`)."""
+    _call("fwht_rows", x2, signs, np.float32(c), inverse, out)

@@ -87,6 +87,10 @@ class Family(enum.IntEnum):
     CAST = 2
     QUANT = 3
     TOPK = 4
+    ROTATED = 5
+    OUTLIER = 6
+    ENTROPY = 7
+    TAH = 8
 
 
 @dataclasses.dataclass(frozen=True)

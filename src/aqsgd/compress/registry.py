@@ -15,9 +15,21 @@ spec                                   codec
 ``topk<K>[:row|:tensor][+<codec>]``    keep fraction K in (0, 1] of largest magnitudes per row (default)
                                        or per tensor; kept values in fp16 (default) or ``+<codec>``
                                        (``fp32``, ``bf16``, ``q<b>...``; quantizer groups default to rows)
+``tah[:tile<G>]``                      TAH-Quant's forward compressor (He et al., 2025): tiles of 64,
+                                       pivot swap and Hadamard where a tile has an outlier, asymmetric
+                                       min/max per tile, 3 bits for the 20 % lowest-entropy tokens, 4
+                                       for the rest
+``tah<b>[:tile<G>]``                   its backward quantizer: symmetric max-abs per tile of 32, ``b``
+                                       bits (``tah6``); see :mod:`aqsgd.compress.tahquant`
 =====================================  ==============================================================
 
-Examples: ``q4``, ``q2:token``, ``q3:block64:stochastic``, ``topk0.1``, ``topk0.1+q8``.
+Wrapper options, after any codec's own (see :mod:`aqsgd.compress.wrappers`): ``rot<G>[s<seed>]``
+(``q<b>`` only: randomized Hadamard rotation of tiles of G values, one scale per tile by default),
+``outlier<F>`` (rows with norm above F x the median go apart in bf16), ``zstd[<level>]`` (lossless
+entropy stage). They compose as ``zstd(outlier(rot(codec)))`` whatever their order.
+
+Examples: ``q4``, ``q2:token``, ``q3:block64:stochastic``, ``topk0.1``, ``topk0.1+q8``, ``q3:rot64:l2``,
+``q2:l2:outlier8:zstd``.
 """
 
 from __future__ import annotations
@@ -31,20 +43,27 @@ from aqsgd.compress.base import Codec
 from aqsgd.compress.cast import CastCodec, RawCodec
 from aqsgd.compress.quant import QuantCodec
 from aqsgd.compress.topk import TopKCodec
+from aqsgd.compress.wrappers import EntropyCodec, OutlierCodec, RotatedCodec
 from aqsgd.errors import SpecError
 
 __all__ = ["make_codec", "SPEC_HELP", "CODEC_NAMES"]
 
-CODEC_NAMES = ("none", "fp32", "fp16", "bf16", "q<bits>", "topk<fraction>")
+CODEC_NAMES = ("none", "fp32", "fp16", "bf16", "q<bits>", "topk<fraction>", "tah")
 SPEC_HELP = (
     "codec spec: none | fp32 | fp16 | bf16 | q<bits 1-8>[:tensor|channel|token|block<N>][:nearest|stochastic]"
     "[:max|l2|mean][:midtread|midrise][:scale16|scale32] "
     "| topk<fraction>[:row|tensor][+fp32|fp16|bf16|q<bits>...] "
-    "(e.g. q4, q2:token, q3:block64:stochastic, topk0.1, topk0.1+q8); "
-    "scale default: max, but mean (mean |x|) for 1 bit with nearest rounding"
+    "| tah | tah<bits> "
+    "(e.g. q4, q2:token, q3:block64:stochastic, topk0.1, topk0.1+q8, q3:rot64:l2, q2:l2:outlier8:zstd); "
+    "scale default: max, but mean (mean |x|) for 1 bit with nearest rounding; "
+    "wrappers on any codec: :rot<G> (q only), :outlier<F>, :zstd[<level>]"
 )
 _QUANT_RE = re.compile(r"q(\d+)")
 _TOPK_RE = re.compile(r"topk(\d*\.?\d+(?:e-?\d+)?)")
+_ROT_RE = re.compile(r"rot(\d+)(?:s(\d+))?")
+_OUTLIER_RE = re.compile(r"outlier(\d*\.?\d+)")
+_ZSTD_RE = re.compile(r"zstd(\d*)")
+_TAH_RE = re.compile(r"tah(\d*)")
 
 
 def _error(spec: str, why: str) -> SpecError:
@@ -126,6 +145,47 @@ def make_codec(spec: str) -> Codec:
 @functools.lru_cache(maxsize=256)
 def _make_codec(spec: str) -> Codec:
     text = spec.strip().lower()
+    rot = outlier = zstd = None
+    core: list[str] = []
+    for tok in text.split(":"):
+        for name, rx in (("rot", _ROT_RE), ("outlier", _OUTLIER_RE), ("zstd", _ZSTD_RE)):
+            m = rx.fullmatch(tok)
+            if m:
+                if locals()[name] is not None:
+                    raise _error(spec, f"option {name!r} given twice")
+                if name == "rot":
+                    rot = (int(m.group(1)), int(m.group(2) or 0))
+                elif name == "outlier":
+                    outlier = float(m.group(1))
+                else:
+                    zstd = int(m.group(1) or 1)
+                break
+        else:
+            core.append(tok)
+    if rot is None and outlier is None and zstd is None:
+        return _make_core(spec, text)
+    text = ":".join(core)
+    if rot is not None and not (text.startswith("q") and "+" not in text):
+        raise _error(spec, "rot<G> applies to q<bits> quantizers only")
+    try:
+        codec = (_parse_quant(spec, text, default_granularity="token") if rot is not None
+                 else _make_core(spec, text))
+        if rot is not None:
+            codec = RotatedCodec(codec, rot[0], rot[1])
+        if outlier is not None:
+            if isinstance(codec, RawCodec):
+                raise SpecError("outlier rows need a lossy codec to set apart from, not 'none'")
+            codec = OutlierCodec(codec, outlier)
+        if zstd is not None:
+            codec = EntropyCodec(codec, zstd)
+    except SpecError as e:
+        if str(e).startswith("invalid codec spec"):
+            raise
+        raise _error(spec, str(e)) from None
+    return codec
+
+
+def _make_core(spec: str, text: str) -> Codec:
     if text == "none":
         return RawCodec()
     if text in ("fp32", "fp16", "bf16"):
@@ -134,4 +194,25 @@ def _make_codec(spec: str) -> Codec:
         return _parse_topk(spec, text)
     if text.startswith("q"):
         return _parse_quant(spec, text)
+    if text.startswith("tah"):
+        return _parse_tah(spec, text)
     raise _error(spec, "unknown codec name")
+
+
+def _parse_tah(spec: str, text: str) -> Codec:
+    head, *opts = text.split(":")
+    m = _TAH_RE.fullmatch(head)
+    if not m:
+        raise _error(spec, f"{head!r} is not tah or tah<bits>")
+    from aqsgd.compress.tahquant import TahQuantCodec
+
+    kw: dict = {}
+    for opt in opts:
+        if opt.startswith("tile") and opt[4:].isdigit():
+            kw["tile"] = int(opt[4:])
+        else:
+            raise _error(spec, f"unknown TAH-Quant option {opt!r} (valid: tile<G>)")
+    try:
+        return TahQuantCodec(int(m.group(1)) if m.group(1) else None, **kw)
+    except ValueError as e:
+        raise _error(spec, str(e)) from None

@@ -262,6 +262,7 @@ class StageRunner:
         self.stats = StepStats()
         self.pending_sends: list[Handle] = []
         self.recvs: dict[tuple[ActionKind, int], Handle] = {}
+        self._prefetched: set[int] = set()  # micro-batches whose cache rows were prefetched this step
         for a in plan:
             if a.kind is RECV_F:
                 self.recvs[(RECV_F, a.microbatch)] = self.transport.irecv(self.ranks[self.stage - 1], FORWARD_CHANNEL)
@@ -270,12 +271,15 @@ class StageRunner:
         self._prefetch(0)
 
     def _prefetch(self, mb: int) -> None:
+        # Micro-batch mb + 1 is prefetched when micro-batch mb's forward starts: at its RECV_F, or at its
+        # FORWARD on stage 0 (which receives no forward); each micro-batch at most once per step.
         # evaluation never reads the caches, and its sample ids are not the training set's (they may be
         # beyond the caches' capacity)
         if self.phase not in (Phase.TRAIN, Phase.WARMUP):
             return
-        if mb >= len(self.microbatches) or "sample_ids" not in self.microbatches[mb]:
+        if mb >= len(self.microbatches) or "sample_ids" not in self.microbatches[mb] or mb in self._prefetched:
             return
+        self._prefetched.add(mb)
         for s in self.schemes.values():
             if isinstance(s, DeltaScheme):
                 s.prefetch(self.microbatches[mb]["sample_ids"])
@@ -307,6 +311,7 @@ class StageRunner:
             self._prefetch(mb + 1)
             return
         if kind is FORWARD:
+            self._prefetch(mb + 1)  # stage 0 has no RECV_F to start the next micro-batch's read (a no-op elsewhere)
             grad = self.phase in (Phase.TRAIN, Phase.WARMUP)
             keep = self.is_last and self.keep_logits
             with torch.set_grad_enabled(grad), torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16,

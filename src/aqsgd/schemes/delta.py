@@ -55,15 +55,20 @@ class DeltaScheme(BoundaryScheme):
             return [self._tagged(self.raw.encode(x), 0, Kind.RAW)]
         seen, new = self._split(ids)
         packets = []
+        # seen and new are ascending positions: when one of them covers the whole micro-batch it is
+        # 0..n-1, and x and ids serve as they are (no copy of the activation)
         if seen.numel():
-            sid = ids[seen]
+            whole = seen.numel() == ids.numel()
+            sid = ids if whole else ids[seen]
             m = self.cache.get(sid)
-            packet = self.codec.encode(x[seen.to(x.device)].to(m.dtype) - m, generator=self.generator)
+            xs = x if whole else x[seen.to(x.device)]
+            packet = self.codec.encode(xs.to(m.dtype) - m, generator=self.generator)
             self.cache.put(sid, m + self.codec.decode(packet))
             packets.append(self._tagged(packet, 0, Kind.DELTA))
         if new.numel():
-            rows = x[new.to(x.device)]
-            self.cache.put(ids[new], rows)
+            whole = new.numel() == ids.numel()
+            rows = x if whole else x[new.to(x.device)]
+            self.cache.put(ids if whole else ids[new], rows)
             packets.append(self._tagged(self.raw.encode(rows), 0, Kind.RAW))
         return packets
 

@@ -62,14 +62,16 @@ class MemoryCache(ActivationCache):
     def _lazy_shape_ok(self) -> bool:
         return True
 
+    # index_select / index_copy_ rather than rows[ids] / rows[ids] = ...: the same values, several times faster
+    # on the CPU (ids are validated int64 and unique, so index_copy_ is deterministic)
     def _read(self, ids: Tensor) -> Tensor:
         assert self._rows is not None
-        return self._rows[ids.to(self.device)].to(self.dtype)
+        return torch.index_select(self._rows, 0, ids.to(self.device)).to(self.dtype)
 
     def _write(self, ids: Tensor, rows: Tensor) -> Tensor:
         assert self._rows is not None
         stored = rows.to(device=self.device, dtype=self.storage_dtype)
-        self._rows[ids.to(self.device)] = stored
+        self._rows.index_copy_(0, ids.to(self.device), stored)
         return stored.to(self.dtype)
 
     def _payload_nbytes(self) -> int:

@@ -1,0 +1,269 @@
+"""Codecs that wrap another codec: a rotation before it, outlier rows beside it, an entropy stage after it.
+
+Spec options (any order, after the inner codec's own options; see :mod:`aqsgd.compress.registry`):
+
+``rot<G>`` (``q<b>`` only)
+    Randomized Hadamard rotation of tiles of ``G`` consecutive values (``G`` a power of two, e.g. 32, 64,
+    128; the flattened tensor is zero-padded to a multiple of ``G``), then the quantizer on the rotated
+    tiles viewed as ``[tiles, G]``. Its granularity refers to that view: one scale per tile by default
+    (``token``), or ``tensor``, ``channel`` (per position in the tile), ``block<N>``. The random signs come
+    from seed 0, or ``rot<G>s<seed>``; sender and receiver build them from the spec. Rotation spreads one
+    large value over its tile, so a tile's scale is set by its energy rather than by its largest entry.
+    The packet is the quantizer's payload of ``[ceil(numel / G), G]`` values: exact bytes, fixed size.
+``outlier<F>``
+    Rows (all dims but the last) whose L2 norm is more than ``F`` times the median row norm are sent apart
+    in bf16, their indices in the packet; the inner codec gets the other rows only, so an attention sink
+    no longer sets every per-channel scale. At most ``max(1, rows // 16)`` rows (the largest) go apart.
+    Chosen from the data of each tensor, no fixed position. Payload: ``uint32`` count, ``uint32`` row
+    indices (ascending), bf16 rows, then the inner payload of the remaining rows. Size depends on the data.
+``zstd`` / ``zstd<L>``
+    A lossless zstandard stage over the inner payload (level ``L``, default 1): AQ-SGD deltas late in
+    training are mostly the zero code. Payload: one mode byte (0 = stored as is when zstd would not
+    shrink it, 1 = a zstd frame), then the bytes. Size depends on the data; ``packet.nbytes`` counts what
+    really crosses the wire. The stage runs on the CPU (device payloads are copied to the host and back).
+
+Composition is fixed, whatever the option order: ``zstd(outlier(rot(inner)))``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+from aqsgd.compress import hadamard
+from aqsgd.compress.base import Codec, numel_of, raise_non_finite
+from aqsgd.compress.packet import Family, Packet, bytes_as
+from aqsgd.compress.quant import QuantCodec
+from aqsgd.errors import NonFiniteError, PacketError, SpecError
+
+__all__ = ["RotatedCodec", "OutlierCodec", "EntropyCodec"]
+
+
+def _inner_packet(inner: Codec, dtype: torch.dtype, shape: tuple[int, ...], payload: torch.Tensor) -> Packet:
+    return Packet(inner.family, dtype, shape, inner.fingerprint, payload)
+
+
+class RotatedCodec(Codec):
+    """``q<b>[...]:rot<G>[s<seed>]``: randomized Hadamard rotation of tiles, then the quantizer per tile."""
+
+    family = Family.ROTATED
+
+    def __init__(self, inner: QuantCodec, tile: int, seed: int = 0) -> None:
+        if not isinstance(inner, QuantCodec):
+            raise SpecError(f"rotation applies to q<bits> quantizers, not {inner.spec!r}")
+        hadamard.check_tile(tile)
+        if not isinstance(seed, int) or seed < 0:
+            raise SpecError(f"rotation seed must be a non-negative integer, got {seed!r}")
+        self.inner, self.tile, self.seed = inner, tile, seed
+
+    @property
+    def spec(self) -> str:
+        head, *opts = self.inner.spec.split(":")
+        if self.inner.granularity == "token":
+            opts.remove("token")
+        elif self.inner.granularity == "channel":
+            opts.insert(0, "channel")
+        rot = f"rot{self.tile}" + (f"s{self.seed}" if self.seed else "")
+        return ":".join([head, rot, *opts])
+
+    def _tiles(self, shape: Sequence[int]) -> tuple[int, int]:
+        n = numel_of(shape)
+        return n, -(-n // self.tile)
+
+    def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
+        _, tiles = self._tiles(shape)
+        return self.inner.payload_bytes((tiles, self.tile), torch.float32)
+
+    def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        n, tiles = self._tiles(x.shape)
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8, device=x.device)
+        flat = x.reshape(-1)
+        if tiles * self.tile != n:
+            flat = torch.nn.functional.pad(flat.to(torch.float32), (0, tiles * self.tile - n))
+        y = hadamard.rotate(flat, self.tile, self.seed)
+        try:
+            return self.inner._encode(y, generator)
+        except NonFiniteError:
+            raise_non_finite(self.spec)
+            raise
+
+    def _decode(self, packet: Packet) -> torch.Tensor:
+        n, tiles = self._tiles(packet.shape)
+        if n == 0:
+            return torch.empty(packet.shape, dtype=packet.dtype, device=packet.payload.device)
+        y = self.inner._decode(_inner_packet(self.inner, torch.float32, (tiles, self.tile), packet.payload))
+        out = hadamard.unrotate(y, self.tile, self.seed).view(-1)[:n].view(packet.shape)
+        return out if packet.dtype == torch.float32 else out.to(packet.dtype)
+
+
+class OutlierCodec(Codec):
+    """``<inner>:outlier<F>``: rows with norm above ``F`` x the median row norm go apart in bf16."""
+
+    family = Family.OUTLIER
+    fixed_size = False
+
+    def __init__(self, inner: Codec, factor: float) -> None:
+        if not factor > 1.0 or factor != factor or factor == float("inf"):
+            raise SpecError(f"outlier factor must be a finite number above 1, got {factor!r}")
+        self.inner, self.factor = inner, float(factor)
+
+    @property
+    def spec(self) -> str:
+        return f"{self.inner.spec}:outlier{self.factor:g}"
+
+    @staticmethod
+    def _rows(shape: Sequence[int]) -> tuple[int, int]:
+        if len(shape) == 0:
+            return 1, 1
+        d = int(shape[-1])
+        return (numel_of(shape) // d if d else 0), d
+
+    @staticmethod
+    def cap(rows: int) -> int:
+        """Most rows that may go apart."""
+        return max(1, rows // 16)
+
+    def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
+        rows, d = self._rows(shape)
+        return 4 + self.cap(rows) * (4 + 2 * d) + self.inner.payload_bytes((rows, d), dtype)
+
+    def select(self, x2: torch.Tensor) -> torch.Tensor:
+        """Ascending int64 indices of the outlier rows of ``x2`` [R, D]."""
+        rows = x2.shape[0]
+        sq = x2.float().square().sum(dim=1)
+        if not bool(torch.isfinite(sq).all()):
+            raise_non_finite(self.spec)
+        if rows < 2:
+            return torch.empty(0, dtype=torch.int64, device=x2.device)
+        med = sq.median()  # the lower median of the squared norms: the same order as the norms'
+        idx = torch.nonzero(sq > med * (self.factor * self.factor)).view(-1)
+        cap = self.cap(rows)
+        if idx.numel() > cap:
+            idx = torch.topk(sq, cap).indices.sort().values
+        return idx
+
+    def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        rows, d = self._rows(x.shape)
+        x2 = x.reshape(rows, d)
+        idx = self.select(x2) if x2.numel() else torch.empty(0, dtype=torch.int64, device=x.device)
+        k = idx.numel()
+        if k:
+            keep = torch.ones(rows, dtype=torch.bool, device=x.device)
+            keep[idx] = False
+            rest = x2[keep]
+            apart = x2.index_select(0, idx).to(torch.bfloat16).contiguous()
+        else:
+            rest, apart = x2, x2.new_empty((0, d), dtype=torch.bfloat16)
+        inner = self.inner._encode(rest.contiguous(), generator)
+        head = torch.tensor([k, *idx.tolist()], dtype=torch.int64).to(torch.int32).view(torch.uint8)
+        return torch.cat([head.to(x.device), apart.view(-1).view(torch.uint8), inner])
+
+    def _decode(self, packet: Packet) -> torch.Tensor:
+        rows, d = self._rows(packet.shape)
+        p = packet.payload
+        if p.numel() < 4:
+            raise PacketError(f"{self.spec}: payload of {p.numel()} bytes holds no outlier count")
+        k = int(bytes_as(p[:4], torch.int32).item())
+        if not 0 <= k <= min(self.cap(rows), rows):
+            raise PacketError(f"{self.spec}: packet announces {k} outlier rows; at most {self.cap(rows)} "
+                              f"of {rows} rows may go apart")
+        off = 4 + 4 * k
+        nrow = 2 * k * d
+        if p.numel() < off + nrow:
+            raise PacketError(f"{self.spec}: payload of {p.numel()} bytes is too short for {k} outlier rows")
+        idx = bytes_as(p[4:off], torch.int32).to(torch.int64)
+        if k and (bool((idx[1:] <= idx[:-1]).any()) or int(idx[0]) < 0 or int(idx[-1]) >= rows):
+            raise PacketError(f"{self.spec}: outlier row indices must be ascending and below {rows}")
+        apart = bytes_as(p[off : off + nrow], torch.bfloat16).view(k, d)
+        inner = self.inner.decode(_inner_packet(self.inner, packet.dtype, (rows - k, d), p[off + nrow :]))
+        if not k:
+            return inner.view(packet.shape)
+        out = torch.empty((rows, d), dtype=inner.dtype, device=inner.device)
+        keep = torch.ones(rows, dtype=torch.bool, device=inner.device)
+        keep[idx.to(inner.device)] = False
+        out[keep] = inner.view(rows - k, d)
+        out.index_copy_(0, idx.to(inner.device), apart.to(device=inner.device, dtype=inner.dtype))
+        return out.view(packet.shape)
+
+
+_local = threading.local()
+
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError as e:  # a base dependency; only a broken install gets here
+        raise SpecError(f"the zstd entropy stage needs the zstandard package ({e}); pip install zstandard") from None
+    return zstandard
+
+
+class EntropyCodec(Codec):
+    """``<inner>:zstd[<level>]``: the inner payload through zstandard (lossless)."""
+
+    family = Family.ENTROPY
+    fixed_size = False
+    LEVELS = range(1, 20)
+
+    def __init__(self, inner: Codec, level: int = 1) -> None:
+        if not isinstance(level, int) or level not in self.LEVELS:
+            raise SpecError(f"zstd level must be an integer in 1..19, got {level!r}")
+        _zstd()
+        self.inner, self.level = inner, level
+
+    @property
+    def spec(self) -> str:
+        return f"{self.inner.spec}:zstd" + (f"{self.level}" if self.level != 1 else "")
+
+    @property
+    def lossless(self) -> bool:
+        return self.inner.lossless
+
+    def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
+        return 1 + self.inner.payload_bytes(shape, dtype)
+
+    def _ctx(self):
+        ctx = getattr(_local, "ctx", None)
+        if ctx is None:
+            ctx = _local.ctx = {}
+        key = self.level
+        if key not in ctx:  # zstandard's contexts are not thread-safe: one per thread and level
+            z = _zstd()
+            ctx[key] = (z.ZstdCompressor(level=self.level, write_checksum=False),
+                        z.ZstdDecompressor())
+        return ctx[key]
+
+    def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        raw = self.inner._encode(x, generator)
+        host = raw.cpu() if raw.device.type != "cpu" else raw
+        comp = self._ctx()[0].compress(memoryview(host.numpy())) if host.numel() else b""
+        if len(comp) < host.numel():
+            out = torch.empty(1 + len(comp), dtype=torch.uint8)
+            out[0] = 1
+            out[1:] = torch.frombuffer(bytearray(comp), dtype=torch.uint8)
+        else:
+            out = torch.cat([torch.zeros(1, dtype=torch.uint8), host])
+        return out.to(raw.device) if raw.device.type != "cpu" else out
+
+    def _decode(self, packet: Packet) -> torch.Tensor:
+        p = packet.payload
+        if p.numel() < 1:
+            raise PacketError(f"{self.spec}: empty payload (no mode byte)")
+        host = p.cpu() if p.device.type != "cpu" else p
+        mode = int(host[0])
+        bound = self.inner.payload_bytes(packet.shape, packet.dtype)
+        if mode == 0:
+            inner = host[1:]
+        elif mode == 1:
+            try:
+                data = self._ctx()[1].decompress(memoryview(host[1:].numpy()), max_output_size=bound)
+            except Exception as e:  # zstandard.ZstdError: a corrupt frame
+                raise PacketError(f"{self.spec}: corrupt zstd frame ({e})") from None
+            inner = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else host.new_empty(0)
+        else:
+            raise PacketError(f"{self.spec}: unknown entropy mode byte {mode} (0 = stored, 1 = zstd)")
+        if inner.numel() > bound:
+            raise PacketError(f"{self.spec}: inner payload of {inner.numel()} bytes, at most {bound} allowed")
+        return self.inner.decode(_inner_packet(self.inner, packet.dtype, packet.shape, inner.to(p.device)))
