@@ -68,25 +68,24 @@ def _rows(x: torch.Tensor, tile: int) -> torch.Tensor:
     return flat.view(-1, tile)
 
 
-def rotate(x: torch.Tensor, tile: int, seed: int) -> torch.Tensor:
-    """``H D x / sqrt(tile)`` of every tile of ``x`` (numel a multiple of ``tile``): fp32 [numel/tile, tile]."""
+def _transform(x: torch.Tensor, tile: int, seed: int, inverse: bool) -> torch.Tensor:
     x2 = _rows(x, tile)
     s = signs(tile, seed, x2.device)
     c = 1.0 / math.sqrt(tile)
     if x2.device.type == "cpu" and fused.enabled() and x2.shape[0] > 0:
         out = torch.empty_like(x2)
-        fused.fwht(x2.contiguous().numpy(), s.numpy(), c, False, out.numpy())
+        fused.fwht(x2.contiguous().numpy(), s.numpy(), c, inverse, out.numpy())
         return out
+    if inverse:
+        return _fwht_torch(x2, tile).mul_(c).mul_(s)
     return _fwht_torch(x2 * s, tile).mul_(c)
+
+
+def rotate(x: torch.Tensor, tile: int, seed: int) -> torch.Tensor:
+    """``H D x / sqrt(tile)`` of every tile of ``x`` (numel a multiple of ``tile``): fp32 [numel/tile, tile]."""
+    return _transform(x, tile, seed, inverse=False)
 
 
 def unrotate(y: torch.Tensor, tile: int, seed: int) -> torch.Tensor:
     """Inverse of :func:`rotate`: ``D H y / sqrt(tile)`` of fp32 ``y`` [numel/tile, tile] (a new tensor)."""
-    y2 = _rows(y, tile)
-    s = signs(tile, seed, y2.device)
-    c = 1.0 / math.sqrt(tile)
-    if y2.device.type == "cpu" and fused.enabled() and y2.shape[0] > 0:
-        out = torch.empty_like(y2)
-        fused.fwht(y2.contiguous().numpy(), s.numpy(), c, True, out.numpy())
-        return out
-    return _fwht_torch(y2, tile).mul_(c).mul_(s)
+    return _transform(y, tile, seed, inverse=True)

@@ -64,6 +64,7 @@ _ROT_RE = re.compile(r"rot(\d+)(?:s(\d+))?")
 _OUTLIER_RE = re.compile(r"outlier(\d*\.?\d+)")
 _ZSTD_RE = re.compile(r"zstd(\d*)")
 _TAH_RE = re.compile(r"tah(\d*)")
+_WRAPPERS = (("rot", _ROT_RE), ("outlier", _OUTLIER_RE), ("zstd", _ZSTD_RE))
 
 
 def _error(spec: str, why: str) -> SpecError:
@@ -145,23 +146,19 @@ def make_codec(spec: str) -> Codec:
 @functools.lru_cache(maxsize=256)
 def _make_codec(spec: str) -> Codec:
     text = spec.strip().lower()
-    rot = outlier = zstd = None
+    wrappers: dict[str, re.Match] = {}
     core: list[str] = []
     for tok in text.split(":"):
-        for name, rx in (("rot", _ROT_RE), ("outlier", _OUTLIER_RE), ("zstd", _ZSTD_RE)):
-            m = rx.fullmatch(tok)
-            if m:
-                if locals()[name] is not None:
-                    raise _error(spec, f"option {name!r} given twice")
-                if name == "rot":
-                    rot = (int(m.group(1)), int(m.group(2) or 0))
-                elif name == "outlier":
-                    outlier = float(m.group(1))
-                else:
-                    zstd = int(m.group(1) or 1)
-                break
-        else:
+        name, m = next(((n, rx.fullmatch(tok)) for n, rx in _WRAPPERS if rx.fullmatch(tok)), (None, None))
+        if name is None:
             core.append(tok)
+        elif name in wrappers:
+            raise _error(spec, f"option {name!r} given twice")
+        else:
+            wrappers[name] = m
+    rot = (int(wrappers["rot"].group(1)), int(wrappers["rot"].group(2) or 0)) if "rot" in wrappers else None
+    outlier = float(wrappers["outlier"].group(1)) if "outlier" in wrappers else None
+    zstd = int(wrappers["zstd"].group(1) or 1) if "zstd" in wrappers else None
     if rot is None and outlier is None and zstd is None:
         return _make_core(spec, text)
     text = ":".join(core)
