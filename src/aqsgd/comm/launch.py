@@ -60,6 +60,11 @@ If every peer named is already on the path (a cycle: typically two processes tha
 other, the later report being a consequence of the earlier one's departure), the process at fault is the one
 named by the earliest report. With no report at all it is the first process that exited.
 
+A process that exits (a crash) is seen by the elastic launcher at its next poll (every 0.2 s), which then
+stops the others at once: a peer that has not yet noticed the loss does not get to report. The process at
+fault is still the one that exited, but without ``rank_names`` it may then be named by its rank, since its
+label comes from the peers' reports.
+
 Where the details go
 --------------------
 Every process's outcome (error, time, traceback; how a silent one ended), the launcher's
