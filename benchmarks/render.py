@@ -13,11 +13,18 @@ def _fmt(v, spec=".2f"):
 
 
 def codecs(d: dict) -> list[str]:
-    out = ["| codec | encode GB/s | decode GB/s | clone GB/s | encode / clone | decode / clone | wire bytes | ratio |",
-           "|---|---|---|---|---|---|---|---|"]
+    eager = any(r.get("eager_encode_gbps") is not None for r in d["rows"])
+    extra = " eager encode GB/s | eager decode GB/s | fused gain enc / dec |" if eager else ""
+    out = ["| codec | encode GB/s | decode GB/s | clone GB/s | encode / clone | decode / clone |" + extra
+           + " wire bytes | ratio |", "|---|---|---|---|---|---|" + ("---|---|---|" if eager else "") + "---|---|"]
     for r in d["rows"]:
+        cells = ""
+        if eager:
+            cells = (f" {r['eager_encode_gbps']:.2f} | {r['eager_decode_gbps']:.2f} | "
+                     f"{r['encode_gbps'] / r['eager_encode_gbps']:.1f}x / {r['decode_gbps'] / r['eager_decode_gbps']:.1f}x |")
         out.append(f"| `{r['codec']}` | {r['encode_gbps']:.2f} | {r['decode_gbps']:.2f} | {r['clone_gbps']:.1f} | "
-                   f"{r['encode_vs_clone']:.2f} | {r['decode_vs_clone']:.2f} | {r['wire_bytes']:,} | {r['ratio']:.1f}x |")
+                   f"{r['encode_vs_clone']:.2f} | {r['decode_vs_clone']:.2f} |{cells} {r['wire_bytes']:,} | "
+                   f"{r['ratio']:.1f}x |")
     return out
 
 

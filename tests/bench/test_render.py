@@ -34,3 +34,24 @@ def test_cache_path_without_prefetch_rows_renders_one_table(tmp_path, capsys):
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "| pages |" not in out and sum(ln.startswith("| `") for ln in out.splitlines()) == 1
+
+
+def _codec_rows(eager: bool) -> dict:
+    row = {"codec": "q2", "encode_gbps": 8.0, "decode_gbps": 12.0, "clone_gbps": 20.0, "encode_vs_clone": 0.4,
+           "decode_vs_clone": 0.6, "wire_bytes": 788032, "ratio": 16.0}
+    if eager:
+        row.update(eager_encode_gbps=2.0, eager_decode_gbps=4.0)
+    return {"benchmark": "codecs", "command": "aqsgd bench codecs", "machine": "test", "rows": [row]}
+
+
+def test_codec_throughput_renders_the_eager_columns_when_measured(tmp_path, capsys):
+    for eager in (False, True):
+        path = tmp_path / f"codecs-{eager}.json"
+        path.write_text(json.dumps(_codec_rows(eager)))
+        assert main([str(path)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        header, rule, row = lines[1], lines[2], lines[3]
+        assert header.count("|") == rule.count("|") == row.count("|")
+        assert ("eager encode GB/s" in header) == eager
+        if eager:
+            assert "| 2.00 | 4.00 | 4.0x / 3.0x |" in row, row

@@ -33,6 +33,23 @@ def test_bench_codecs_json(tmp_path):
             assert key in r
         assert r["encode_gbps"] > 0 and r["decode_gbps"] > 0 and r["clone_gbps"] > 0
     assert rows[0]["wire_bytes"] == 64 + 32 * 2 + 4 * 16 * 32 // 4
+    # the fused kernels (numba, a base dependency) are on: every codec is timed with them off too
+    for r in rows:
+        assert r["eager_encode_gbps"] > 0 and r["eager_decode_gbps"] > 0
+
+
+def test_bench_codecs_without_fused_kernels_has_no_eager_columns(tmp_path):
+    from aqsgd.compress import fused
+
+    path = tmp_path / "codecs.json"
+    old = fused.set_enabled(False)
+    try:
+        assert main(["bench", "codecs", "--codecs", "q4", "--shape", "2,8,16", "--repeats", "1", "--warmup", "1",
+                     "--json", str(path)]) == 0
+    finally:
+        fused.set_enabled(old)
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["eager_encode_gbps"] is None and row["eager_decode_gbps"] is None
 
 
 def test_console_script_entry_point():

@@ -3,6 +3,10 @@
 Throughput is bytes of the fp32 input per second. ``clone`` (a plain copy of the same tensor, measured in
 the same run, interleaved with the codecs) is the memory-bandwidth reference; ``encode_vs_clone`` is
 ``encode_gbps / clone_gbps``. Medians over repeats after warm-up.
+
+Where the fused CPU kernels are on (:mod:`aqsgd.compress.fused`), every codec is also timed with them
+switched off, in the same interleaved rounds (``eager_encode_gbps``/``eager_decode_gbps``), so the fused
+path's gain is a ratio measured side by side; a codec that never takes the fused path shows ~1.0x there.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Sequence
 import torch
 
 from aqsgd.bench.timing import interleaved_medians
-from aqsgd.compress import make_codec
+from aqsgd.compress import fused, make_codec
 
 __all__ = ["DEFAULT_CODECS", "CodecRow", "bench_codecs", "machine_description"]
 
@@ -42,6 +46,8 @@ class CodecRow:
     ratio: float
     max_abs_err: float
     rel_err: float
+    eager_encode_gbps: float | None = None  # the same codec with the fused kernels off (None: they were off)
+    eager_decode_gbps: float | None = None
 
 
 def machine_description(device: torch.device) -> str:
@@ -61,8 +67,10 @@ def machine_description(device: torch.device) -> str:
 def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] = (8, 512, 768),
                  device: str | torch.device = "cpu", repeats: int = 15, warmup: int = 3,
                  seed: int = 0) -> list[CodecRow]:
-    """Measure every codec on one activation-like tensor (Gaussian with a few large outlier channels)."""
+    """Measure every codec on one activation-like tensor (Gaussian with a few large outlier channels); on a
+    CPU with the fused kernels on, each codec with them off too (module docstring)."""
     device = torch.device(device)
+    compare_eager = device.type == "cpu" and fused.enabled()
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tuple(shape), generator=g, device=device)
     x[..., :: max(1, shape[-1] // 8)] *= 8.0  # a few outlier channels, as transformer activations have
@@ -71,14 +79,15 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
     for spec in specs:
         codec = make_codec(spec)
         packet = codec.encode(x, generator=g)
-        t = interleaved_medians(
-            {
-                "clone": lambda: x.clone(),
-                "encode": lambda: codec.encode(x, generator=g),
-                "decode": lambda: codec.decode(packet),
-            },
-            device=device, warmup=warmup, repeats=repeats,
-        )
+        calls = {
+            "clone": lambda: x.clone(),
+            "encode": lambda: codec.encode(x, generator=g),
+            "decode": lambda: codec.decode(packet),
+        }
+        if compare_eager:
+            calls["eager_encode"] = lambda: _eager(codec.encode, x, generator=g)
+            calls["eager_decode"] = lambda: _eager(codec.decode, packet)
+        t = interleaved_medians(calls, device=device, warmup=warmup, repeats=repeats)
         y = codec.decode(packet)
         clone = nbytes / t["clone"] / 1e9
         enc, dec = nbytes / t["encode"] / 1e9, nbytes / t["decode"] / 1e9
@@ -88,8 +97,19 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             clone_gbps=clone, encode_vs_clone=enc / clone, decode_vs_clone=dec / clone,
             wire_bytes=packet.nbytes, ratio=nbytes / packet.nbytes,
             max_abs_err=float((y - x).abs().max()), rel_err=float((y - x).norm() / x.norm()),
+            eager_encode_gbps=nbytes / t["eager_encode"] / 1e9 if compare_eager else None,
+            eager_decode_gbps=nbytes / t["eager_decode"] / 1e9 if compare_eager else None,
         ))
     return rows
+
+
+def _eager(fn, *args, **kwargs):
+    """``fn`` with the fused kernels switched off for the call."""
+    old = fused.set_enabled(False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        fused.set_enabled(old)
 
 
 def write_json(rows: list[CodecRow], path: str | Path, *, device: torch.device, command: str) -> None:

@@ -60,7 +60,7 @@ DEFAULT_SETTINGS: dict[str, list[str]] = {
 # (TAH-Quant). The zstd stage is lossless, so a `zstd` run trains exactly as the same setting without it.
 _FEWER_BITS = ["fp32", "aqsgd fw2/bw4 l2 zstd", "aqsgd fw2/bw4 rot zstd", "direct fw3/bw6 rot zstd",
                "tah-quant zstd", "direct fw4/bw6 rot zstd", "aqsgd fw2/bw4 rot outlier", "aqsgd fw2/bw4 l2 outlier",
-               "aqsgd fw1/bw4 rot zstd", "aqsgd fw1/bw4"]
+               "aqsgd fw1/bw4 rot zstd", "aqsgd fw1/bw4", "aqsgd fw2 rot only", "bw4 rot only"]
 FEWER_BITS_SETTINGS: dict[str, list[str]] = {
     "minilm-bbc": _FEWER_BITS, "smollm2-wiki": _FEWER_BITS,
     "synthetic-lm": ["fp32", "aqsgd fw2/bw4 rot zstd", "tah-quant"],

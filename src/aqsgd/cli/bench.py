@@ -312,13 +312,17 @@ def run_codecs(args: argparse.Namespace) -> int:
     console.print(f"[bold]codec throughput[/]: fp32 tensor {tuple(args.shape)} on {machine_description(device)}; "
                   f"median of {args.repeats} interleaved repeats after {args.warmup} warm-up calls")
     rows = bench_codecs(specs, shape=args.shape, device=device, repeats=args.repeats, warmup=args.warmup)
-    table = Table()
+    eager = any(r.eager_encode_gbps is not None for r in rows)
+    table = Table(caption="eager: the same codec with the fused kernels off, timed in the same rounds"
+                  if eager else None)
     for col in ("codec", "encode GB/s", "decode GB/s", "round-trip GB/s", "clone GB/s", "enc/clone",
-                "dec/clone", "wire bytes", "ratio", "rel err"):
+                "dec/clone", *(("eager enc GB/s", "eager dec GB/s") if eager else ()), "wire bytes", "ratio",
+                "rel err"):
         table.add_column(col, justify="left" if col == "codec" else "right")
     for r in rows:
+        extra = (f"{r.eager_encode_gbps:.2f}", f"{r.eager_decode_gbps:.2f}") if eager else ()
         table.add_row(r.codec, f"{r.encode_gbps:.2f}", f"{r.decode_gbps:.2f}", f"{r.roundtrip_gbps:.2f}",
-                      f"{r.clone_gbps:.2f}", f"{r.encode_vs_clone:.2f}", f"{r.decode_vs_clone:.2f}",
+                      f"{r.clone_gbps:.2f}", f"{r.encode_vs_clone:.2f}", f"{r.decode_vs_clone:.2f}", *extra,
                       f"{r.wire_bytes:,}", f"{r.ratio:.1f}x", f"{r.rel_err:.3g}")
     console.print(table)
     if args.json:
