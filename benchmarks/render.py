@@ -76,12 +76,30 @@ def boundary_errors(d: dict) -> list[str]:
     return markdown_table(d)
 
 
+def codec_quality_specs(d: dict) -> list[str]:
+    """``aqsgd bench codecs --quality --codecs SPEC...``: per data source, each codec's measured bits per value
+    and relative error on each kind of boundary tensor (means over the source's boundaries)."""
+    kinds = list(dict.fromkeys(r["tensor"] for r in d["rows"]))
+    out: list[str] = []
+    for source in dict.fromkeys(r["source"] for r in d["rows"]):
+        cells = {(r["spec"], r["tensor"]): r for r in d["rows"] if r["source"] == source}
+        if out:
+            out.append("")
+        out += [f"{source}:", "", "| codec | " + " | ".join(f"{k}: bits/value | error" for k in kinds) + " |",
+                "|---|" + "---|---|" * len(kinds)]
+        for spec in dict.fromkeys(sp for sp, _ in cells):
+            row = [f"{cells[spec, k]['bits_per_value']:.2f} | {cells[spec, k]['rel_mse']:.3g}" if (spec, k) in cells
+                   else "- | -" for k in kinds]
+            out.append(f"| `{spec}` | " + " | ".join(row) + " |")
+    return out
+
+
 def main(paths: list[str]) -> int:
     for p in paths:
         d = json.loads(Path(p).read_text())
         kind = d.get("benchmark") or ("convergence" if "table" in d else None)
         lines = {"codecs": codecs, "codecs-cache-path": codecs_cache_path, "pipeline": pipeline, "convergence": convergence, "netem": netem,
-                 "boundary_errors": boundary_errors}[kind](d)
+                 "boundary_errors": boundary_errors, "codecs-quality-specs": codec_quality_specs}[kind](d)
         commands = d.get("commands") or [d.get("command", "")]
         print(f"<!-- {p}: {' ; '.join(commands)} on {d.get('machine', '')} -->")
         print("\n".join(lines))

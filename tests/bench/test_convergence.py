@@ -71,6 +71,16 @@ def test_result_files(study, tmp_path):
     assert len(saved["table"]) == 2
 
 
+def test_a_study_continued_from_its_json_writes_the_table_without_the_plot(study, tmp_path, caplog):
+    # the run directories stayed on another machine: the JSON (table, curves) is written, the plot is not
+    runs, results = study
+    caplog.set_level("WARNING", logger="aqsgd.bench.convergence")
+    path, png = write_results("synthetic-lm", results, tmp_path / "elsewhere", tmp_path, command="test",
+                              machine="here")
+    assert png is None and len(json.loads(path.read_text())["table"]) == 2
+    assert any("not redrawn: run directories not found" in r.getMessage() for r in caplog.records)
+
+
 def test_cli(tmp_path, capsys):
     code = main(["bench", "convergence", "synthetic-lm", "--settings", "fp32", "--epochs", "2", "--seeds", "0,1",
                  "--runs-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "out"), "--tag", "t"])

@@ -55,3 +55,16 @@ def test_codec_throughput_renders_the_eager_columns_when_measured(tmp_path, caps
         assert ("eager encode GB/s" in header) == eager
         if eager:
             assert "| 2.00 | 4.00 | 4.0x / 3.0x |" in row, row
+
+
+def test_codec_quality_of_named_specs_renders_one_table_per_source(capsys):
+    path = RESULTS / "codecs-quality-under-1.5-bits.json"
+    d = json.loads(path.read_text())
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    specs = list(dict.fromkeys(r["spec"] for r in d["rows"]))
+    sources = list(dict.fromkeys(r["source"] for r in d["rows"]))
+    assert [ln for ln in out.splitlines() if ln.endswith(":")] == [f"{s}:" for s in sources]
+    assert sum(ln.startswith("| `") for ln in out.splitlines()) == len(specs) * len(sources)
+    r = d["rows"][0]
+    assert f"| {r['bits_per_value']:.2f} | {r['rel_mse']:.3g} |" in out

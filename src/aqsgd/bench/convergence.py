@@ -60,7 +60,8 @@ DEFAULT_SETTINGS: dict[str, list[str]] = {
 # (TAH-Quant). The zstd stage is lossless, so a `zstd` run trains exactly as the same setting without it.
 _FEWER_BITS = ["fp32", "aqsgd fw2/bw4 l2 zstd", "aqsgd fw2/bw4 rot zstd", "direct fw3/bw6 rot zstd",
                "tah-quant zstd", "direct fw4/bw6 rot zstd", "aqsgd fw2/bw4 rot outlier", "aqsgd fw2/bw4 l2 outlier",
-               "aqsgd fw1/bw4 rot zstd", "aqsgd fw1/bw4", "aqsgd fw2 rot only", "bw4 rot only"]
+               "aqsgd fw1/bw4 rot zstd", "aqsgd fw1/bw4", "aqsgd fw2 rot only", "bw4 rot only",
+               "aqsgd fw3/bw4 rot zstd"]
 FEWER_BITS_SETTINGS: dict[str, list[str]] = {
     "minilm-bbc": _FEWER_BITS, "smollm2-wiki": _FEWER_BITS,
     "synthetic-lm": ["fp32", "aqsgd fw2/bw4 rot zstd", "tah-quant"],
@@ -242,11 +243,13 @@ def format_relative(value: float | None, spread: float | None = None) -> str:
 
 def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_dir: str | Path, *, command: str,
                   machine: str, tag: str | None = None, study: str = "convergence",
-                  settings: list[str] | None = None) -> tuple[Path, Path]:
+                  settings: list[str] | None = None) -> tuple[Path, Path | None]:
     """The study's JSON (table, curves, final metrics) and a PNG of its runs under ``out_dir``, named
     ``<study>-<task>[-<tag>].json/.png``; a study's files hold its own settings only (several studies may
     share one runs directory, and so their fp32 runs), plus any other ``settings`` asked for by name. ``command`` is this invocation; ``commands`` lists every
-    command that added runs to the study, in order (runs recorded before commands were kept name none)."""
+    command that added runs to the study, in order (runs recorded before commands were kept name none). The
+    PNG is None (with a warning) when a seed-0 run directory is missing, e.g. for a study continued from its
+    JSON on another machine: the JSON is still written."""
     from aqsgd.train.report import load_run, plot_runs
 
     out = Path(out_dir)
@@ -262,9 +265,14 @@ def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_
     stem = f"{study}-{task}" + (f"-{tag}" if tag else "")
     path = out / f"{stem}.json"
     path.write_text(json.dumps(results, indent=1))
-    # the curves of seed 0 (one per setting)
-    runs = [load_run(Path(runs_dir) / task / r.get("run_dir", _slug(key)), label=r.get("setting", key))
-            for key, r in results["runs"].items() if r.get("seed", 0) == 0]
+    # the curves of seed 0 (one per setting), drawn from the run directories (the records hold no byte curves)
+    dirs = {r.get("setting", key): Path(runs_dir) / task / r.get("run_dir", _slug(key))
+            for key, r in results["runs"].items() if r.get("seed", 0) == 0}
+    missing = [str(d) for d in dirs.values() if not d.is_dir()]
+    if missing:  # a study continued from its JSON elsewhere: the table is complete, the plot would not be
+        log.warning("%s not redrawn: run directories not found: %s", f"{stem}.png", ", ".join(missing))
+        return path, None
     png = out / f"{stem}.png"
-    plot_runs(runs, png, baseline="fp32" if "fp32" in results["runs"] else None)
+    plot_runs([load_run(d, label=name) for name, d in dirs.items()], png,
+              baseline="fp32" if "fp32" in results["runs"] else None)
     return path, png

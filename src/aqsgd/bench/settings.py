@@ -79,6 +79,8 @@ SETTINGS: dict[str, Setting] = {
     "direct fw3/bw6 rot zstd": Setting("direct:q3:rot64:l2:midrise:zstd", "direct:q6:rot32:zstd"),
     "direct fw4/bw6 rot zstd": Setting("direct:q4:rot128:l2:zstd", "direct:q6:rot32:zstd"),
     "tah-quant zstd": Setting("direct:tah:zstd", "direct:tah6:zstd"),
+    # the rotated AQ-SGD row with 3-bit deltas: what one more bit does to its training-loss gap
+    "aqsgd fw3/bw4 rot zstd": Setting("delta:q3:rot64:l2:midrise:zstd", "direct:q4:rot64:l2:zstd"),
     # ablations of the rotated fw2/bw4 row: which direction its training-loss gap comes from
     "aqsgd fw2 rot only": Setting("delta:q2:rot64:l2:midrise:zstd", "none"),
     "bw4 rot only": Setting("none", "direct:q4:rot64:l2:zstd"),

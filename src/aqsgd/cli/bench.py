@@ -187,7 +187,7 @@ def run_convergence(args: argparse.Namespace) -> int:
                           fmt(r["train_loss_gap"], 3), fmt(r["wire_bits_per_value"], 2),
                           fmt(r["compression_ratio"], 2))
         console.print(table)
-        console.print(f"wrote {path} and {png}")
+        console.print(f"wrote {path}" + (f" and {png}" if png else " (the plot needs every seed-0 run directory)"))
     return 0
 
 
