@@ -149,7 +149,7 @@ def _make_codec(spec: str) -> Codec:
     wrappers: dict[str, re.Match] = {}
     core: list[str] = []
     for tok in text.split(":"):
-        name, m = next(((n, rx.fullmatch(tok)) for n, rx in _WRAPPERS if rx.fullmatch(tok)), (None, None))
+        name, m = next(((n, hit) for n, rx in _WRAPPERS if (hit := rx.fullmatch(tok))), (None, None))
         if name is None:
             core.append(tok)
         elif name in wrappers:
