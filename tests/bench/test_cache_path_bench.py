@@ -21,7 +21,7 @@ from aqsgd.bench.cachepath import (
     resident_fraction,
 )
 from aqsgd.cli import main
-from aqsgd.compress import make_codec
+from aqsgd.compress import fused, make_codec
 from aqsgd.schemes import DiskCache, make_cache
 
 SHAPE = (2, 16, 64)  # 2 samples of 16 x 64 per micro-batch
@@ -46,6 +46,12 @@ def test_one_row_per_codec_and_cache(rows):
         assert r.sender_vs_clone == pytest.approx(r.sender_gbps / r.clone_gbps)
         assert r.receiver_vs_clone == pytest.approx(r.receiver_gbps / r.clone_gbps)
         assert r.caches_identical  # both sides' caches bit-identical after every timed call
+        # the in-memory cache runs the fused AQ-SGD step; the same paths also timed with the kernels off
+        assert r.fused == (r.cache == "memory" and fused.enabled())
+        if fused.enabled():
+            assert r.eager_sender_ms > 0 and r.eager_receiver_ms > 0
+        else:
+            assert r.eager_sender_ms is None and r.eager_receiver_ms is None
 
 
 def test_wire_and_cache_bytes(rows):

@@ -16,6 +16,12 @@ that alternate between visits, so the cache rows, activations and deltas come fr
 training rather than staying in the CPU's caches; the clone cycles over the same activations. The components
 (get, subtract, encode, decode, add, put) are timed alone as well, on a third cache of the same spec.
 
+Where the cache keeps its rows in CPU memory (``memory``) and the codec is a plain quantizer, the two sides
+run as one fused pass over the rows (:meth:`Codec.encode_delta` / :meth:`Codec.decode_delta`): the
+components then describe the step-by-step path, which the same rounds also time whole with the fused kernels
+switched off (``eager_sender_ms`` / ``eager_receiver_ms``, on a fourth pair), so the gain is a ratio measured
+side by side.
+
 :func:`bench_prefetch` measures the disk cache's read-ahead the way the stage runner uses it
 (:meth:`StageRunner._prefetch`: ``prefetch`` of micro-batch ``k + 1`` when micro-batch ``k`` arrives, before
 its forward), with the file's pages dropped from the OS page cache before each step (``cold``) or left in
@@ -41,6 +47,7 @@ import torch
 
 from aqsgd.bench.codecs import machine_description
 from aqsgd.bench.timing import interleaved_medians, sync
+from aqsgd.compress import fused as fused_kernels
 from aqsgd.compress import make_codec
 from aqsgd.schemes import DeltaScheme, DiskCache, Phase, make_cache, make_scheme
 
@@ -77,6 +84,11 @@ class CachePathRow:
     cache_bytes_per_sample: int
     wire_bytes: int
     caches_identical: bool
+    # the same two paths with the fused kernels off, in the same rounds (a fourth pair of the same spec); None
+    # where they were not compared (not on the CPU, or the kernels unavailable)
+    eager_sender_ms: float | None = None
+    eager_receiver_ms: float | None = None
+    fused: bool = False  # whether the sender's step ran the fused AQ-SGD kernels (memory cache, q<b> codec)
 
 
 @dataclass
@@ -205,25 +217,49 @@ def bench_cache_path(codecs: Sequence[str] = (DEFAULT_CODEC,), caches: Sequence[
                                  cache_dir=tmp, activations=xs)
                 probe = CachePair(spec, codec, shape, microbatches=microbatches, device=device, seed=seed,
                                   cache_dir=Path(tmp) / "probe", activations=xs)
+                eager = None
+                if device.type == "cpu" and fused_kernels.enabled():
+                    eager = CachePair(spec, codec, shape, microbatches=microbatches, device=device, seed=seed,
+                                      cache_dir=Path(tmp) / "eager", activations=xs)
                 try:
-                    rows.append(_measure(pair, probe, nbytes, repeats=repeats, warmup=warmup, seed=seed))
+                    rows.append(_measure(pair, probe, eager, nbytes, repeats=repeats, warmup=warmup, seed=seed))
                 finally:
-                    pair.close()
-                    probe.close()
+                    for p in (pair, probe, eager):
+                        if p is not None:
+                            p.close()
     return rows
 
 
-def _measure(pair: CachePair, probe: CachePair, nbytes: int, *, repeats: int, warmup: int,
-             seed: int) -> CachePathRow:
-    k_count, device = pair.microbatches, pair.device
+def _sides(pair: CachePair) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The pair's sender and receiver paths as two calls that run in turn: ``recv`` consumes the packets that
+    ``send`` made just before, then moves on to the next micro-batch."""
     state: dict[str, Any] = {"k": 0, "packets": None}
 
     def send() -> None:
         state["packets"] = pair.send(state["k"])
 
-    def recv() -> None:  # consumes the packets that send() made just before (the functions run in turn)
+    def recv() -> None:
         pair.recv(state["k"], state["packets"])
-        state["k"] = (state["k"] + 1) % k_count
+        state["k"] = (state["k"] + 1) % pair.microbatches
+
+    return send, recv
+
+
+def _unfused(fn: Callable[[], None]) -> Callable[[], None]:
+    def call() -> None:
+        old = fused_kernels.set_enabled(False)
+        try:
+            fn()
+        finally:
+            fused_kernels.set_enabled(old)
+
+    return call
+
+
+def _measure(pair: CachePair, probe: CachePair, eager: CachePair | None, nbytes: int, *, repeats: int, warmup: int,
+             seed: int) -> CachePathRow:
+    k_count, device = pair.microbatches, pair.device
+    send, recv = _sides(pair)
 
     clone_k = _Cycle(k_count)
 
@@ -249,8 +285,23 @@ def _measure(pair: CachePair, probe: CachePair, nbytes: int, *, repeats: int, wa
         "add": lambda: (lambda k: ms[k] + dhats[k])(cyc["add"].next()),
         "put": lambda: (lambda k: cache.put(probe.ids[k], ms[k]))(cyc["put"].next()),
     }
+    if eager is not None:
+        eager_send, eager_recv = _sides(eager)
+        fns["eager_send"], fns["eager_recv"] = _unfused(eager_send), _unfused(eager_recv)
     t = interleaved_medians(fns, device=device, warmup=warmup, repeats=repeats)
-    sent = pair.send(0)
+    codec = pair.sender.codec
+    fused_steps: list[bool] = []
+
+    def spy(x: torch.Tensor, store: Any) -> Any:  # did the sender's step take the fused path?
+        out = type(codec).encode_delta(codec, x, store)
+        fused_steps.append(out is not None)
+        return out
+
+    codec.encode_delta = spy  # type: ignore[method-assign]
+    try:
+        sent = pair.send(0)
+    finally:
+        del codec.encode_delta
     pair.recv(0, sent)
     clone_gbps = nbytes / t["clone"] / 1e9
     snd, rcv = nbytes / t["send"] / 1e9, nbytes / t["recv"] / 1e9
@@ -262,7 +313,10 @@ def _measure(pair: CachePair, probe: CachePair, nbytes: int, *, repeats: int, wa
         get_ms=t["get"] * 1e3, sub_ms=t["sub"] * 1e3, encode_ms=t["encode"] * 1e3, decode_ms=t["decode"] * 1e3,
         add_ms=t["add"] * 1e3, put_ms=t["put"] * 1e3,
         cache_bytes_per_sample=_cache_bytes_per_sample(pair), wire_bytes=sum(p.nbytes for p in sent),
-        caches_identical=pair.identical(),
+        caches_identical=pair.identical() and (eager is None or eager.identical()),
+        eager_sender_ms=t["eager_send"] * 1e3 if eager is not None else None,
+        eager_receiver_ms=t["eager_recv"] * 1e3 if eager is not None else None,
+        fused=any(fused_steps),
     )
 
 
@@ -458,13 +512,18 @@ def write_cache_path_json(rows: list[CachePathRow], prefetch: list[PrefetchRow],
 
 def markdown_table(d: dict[str, Any]) -> list[str]:
     """The two tables of a :func:`write_cache_path_json` file as markdown (for docs/bench-codecs.md)."""
-    out = ["| cache | codec | sender GB/s | receiver GB/s | clone GB/s | sender / clone | receiver / clone "
-           "| get | a − m | encode | decode | m + d | put (ms) | cache bytes / sample |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| cache | codec | fused | sender GB/s | receiver GB/s | clone GB/s | sender / clone | receiver / clone "
+           "| send / recv ms | unfused send / recv ms | get | a − m | encode | decode | m + d | put (ms) "
+           "| cache bytes / sample |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         parts = " | ".join(f"{r[k]:.2f}" for k in ("get_ms", "sub_ms", "encode_ms", "decode_ms", "add_ms", "put_ms"))
-        out.append(f"| `{r['cache']}` | `{r['codec']}` | {r['sender_gbps']:.2f} | {r['receiver_gbps']:.2f} | "
-                   f"{r['clone_gbps']:.1f} | {r['sender_vs_clone']:.3f} | {r['receiver_vs_clone']:.3f} | {parts} | "
+        unfused = ("-" if r.get("eager_sender_ms") is None
+                   else f"{r['eager_sender_ms']:.2f} / {r['eager_receiver_ms']:.2f}")
+        out.append(f"| `{r['cache']}` | `{r['codec']}` | {'yes' if r.get('fused') else 'no'} | "
+                   f"{r['sender_gbps']:.2f} | {r['receiver_gbps']:.2f} | "
+                   f"{r['clone_gbps']:.1f} | {r['sender_vs_clone']:.3f} | {r['receiver_vs_clone']:.3f} | "
+                   f"{r['sender_ms']:.2f} / {r['receiver_ms']:.2f} | {unfused} | {parts} | "
                    f"{r['cache_bytes_per_sample']:,} |")
     if d.get("prefetch"):
         out += ["", "| cache | pages | prefetch | resident at step start | read wait, ms / step "

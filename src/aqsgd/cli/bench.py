@@ -492,19 +492,22 @@ def run_cache_path(args: argparse.Namespace, device: torch.device, console: Cons
     rows = bench_cache_path(codecs, caches, shape=shape, device=device, repeats=args.repeats, warmup=args.warmup,
                             cache_dir=args.cache_dir)
     table = Table()
-    for col in ("cache", "codec", "send GB/s", "recv GB/s", "clone GB/s", "send/clone", "recv/clone", "send ms",
-                "recv ms", "get", "a-m", "encode", "decode", "m+d", "put", "B/sample"):
-        table.add_column(col, justify="left" if col in ("cache", "codec") else "right")
+    for col in ("cache", "codec", "fused", "send GB/s", "recv GB/s", "clone GB/s", "send/clone", "recv/clone",
+                "send ms", "recv ms", "unfused send ms", "unfused recv ms", "get", "a-m", "encode", "decode", "m+d",
+                "put", "B/sample"):
+        table.add_column(col, justify="left" if col in ("cache", "codec", "fused") else "right")
     for r in rows:
-        table.add_row(r.cache, r.codec, f"{r.sender_gbps:.2f}", f"{r.receiver_gbps:.2f}", f"{r.clone_gbps:.2f}",
-                      f"{r.sender_vs_clone:.3f}", f"{r.receiver_vs_clone:.3f}", f"{r.sender_ms:.2f}",
-                      f"{r.receiver_ms:.2f}", *(f"{v:.2f}" for v in (r.get_ms, r.sub_ms, r.encode_ms, r.decode_ms,
-                                                                     r.add_ms, r.put_ms)),
+        table.add_row(r.cache, r.codec, "yes" if r.fused else "no", f"{r.sender_gbps:.2f}", f"{r.receiver_gbps:.2f}",
+                      f"{r.clone_gbps:.2f}", f"{r.sender_vs_clone:.3f}", f"{r.receiver_vs_clone:.3f}",
+                      f"{r.sender_ms:.2f}", f"{r.receiver_ms:.2f}",
+                      *("-" if v is None else f"{v:.2f}" for v in (r.eager_sender_ms, r.eager_receiver_ms)),
+                      *(f"{v:.2f}" for v in (r.get_ms, r.sub_ms, r.encode_ms, r.decode_ms, r.add_ms, r.put_ms)),
                       f"{r.cache_bytes_per_sample:,}")
     console.print(table)
-    console.print("send: the sender's path, recv: the receiver's; GB/s: fp32 activation bytes per second; get .. "
-                  "put: each step alone (ms per micro-batch, on a third cache of the same spec); B/sample: the "
-                  "cache's bytes per sample")
+    console.print("send: the sender's path, recv: the receiver's; fused: the sender's step ran as one pass over the "
+                  "cache rows (memory cache, q<b> codec); unfused: the same paths with the fused kernels off, timed "
+                  "in the same rounds; GB/s: fp32 activation bytes per second; get .. put: each step alone (ms per "
+                  "micro-batch, on a third cache of the same spec); B/sample: the cache's bytes per sample")
     broken = [r.cache for r in rows if not r.caches_identical]
     if broken:
         console.print(f"[red]sender and receiver caches differ after the run: {', '.join(broken)}[/]")

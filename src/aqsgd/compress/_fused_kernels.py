@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange
 from numba.core import types as nt
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 @intrinsic
@@ -25,6 +26,100 @@ def _fma32(typingctx, a, b, c):
         return builder.fma(*args)
 
     return sig, codegen
+
+
+@intrinsic
+def _h2f(typingctx, h):
+    """fp16 bits (uint16) to fp32: LLVM's ``fpext half``, exact (F16C's vcvtph2ps on x86)."""
+    sig = nt.float32(nt.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _f2h(typingctx, f):
+    """fp32 to fp16 bits (uint16), rounded to nearest even as PyTorch's ``.to(torch.float16)``: ``fptrunc``."""
+    sig = nt.uint16(nt.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def _u2f(typingctx, u):
+    """The fp32 whose bits are ``u`` (uint32)."""
+    sig = nt.float32(nt.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _f2u(typingctx, f):
+    """The bits (uint32) of the fp32 ``f``."""
+    sig = nt.uint32(nt.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+# Cache storage formats of the fused AQ-SGD kernels: fp32 rows as they are, fp16 and bf16 rows as uint16 bits.
+FMT_FP32, FMT_FP16, FMT_BF16 = 0, 1, 2
+
+
+def _load(row, j, fmt):
+    """``row[j]`` (a 1-D view of the storage) as fp32, for storage format ``fmt``; numba implementation below."""
+
+
+def _store(row, j, v, fmt):
+    """Round the fp32 ``v`` to the storage format, write it to ``row[j]``, return the stored value as fp32."""
+
+
+@overload(_load)
+def _load_impl(row, j, fmt):
+    if row.dtype == nt.float32:
+        return lambda row, j, fmt: row[j]
+
+    def impl(row, j, fmt):
+        if fmt == FMT_FP16:
+            return _h2f(row[j])
+        return _u2f(np.uint32(row[j]) << np.uint32(16))
+
+    return impl
+
+
+@overload(_store)
+def _store_impl(row, j, v, fmt):
+    if row.dtype == nt.float32:
+        def impl32(row, j, v, fmt):
+            row[j] = v
+            return v
+
+        return impl32
+
+    def impl(row, j, v, fmt):
+        if fmt == FMT_FP16:
+            h = _f2h(v)
+            row[j] = h
+            return _h2f(h)
+        # bf16, rounded to nearest even as PyTorch's c10::BFloat16 does (NaN to its canonical 0x7FC0)
+        u = _f2u(v)
+        b = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        if v != v:
+            b = np.uint32(0x7FC0)
+        row[j] = np.uint16(b)
+        return _u2f(b << np.uint32(16))
+
+    return impl
 
 
 def max_threads() -> int:
@@ -122,24 +217,24 @@ def _colmax(x, nchunk, per):
     return res
 
 
+@njit(inline="always")
+def _absmax_bits(v, k):
+    """Max |v[j]| over a 1-D fp32 view, as the bits of that fp32. With the sign bit cleared, unsigned integer
+    order is float order, and every NaN is above +inf: an integer max (which vectorizes, where a float max
+    that keeps NaN does not) is the max |v|, or a NaN where the row has one."""
+    mx = np.uint32(0)
+    for j in range(k):
+        mx = max(mx, _f2u(v[j]) & np.uint32(0x7FFFFFFF))
+    return mx
+
+
 @njit(parallel=True, cache=True)
 def _rowmax(x, nchunk, per):
     r_, k = x.shape
     res = np.empty(r_, np.float32)
     for ch in prange(nchunk):
-        acc = np.empty(8, np.float32)  # eight lanes, so the loop vectorizes; NaN sticks once seen
         for r in range(ch * per, min(r_, (ch + 1) * per)):
-            acc[:] = 0.0
-            for j0 in range(0, k, 8):
-                for i in range(8):
-                    a = abs(x[r, j0 + i])
-                    if a > acc[i] or a != a:
-                        acc[i] = a
-            m = acc[0]
-            for i in range(1, 8):
-                if acc[i] > m or acc[i] != acc[i]:
-                    m = acc[i]
-            res[r] = m
+            res[r] = _u2f(_absmax_bits(x[r], k))
     return res
 
 
@@ -245,3 +340,145 @@ def _fwht_rows(x, s, c, inverse, out, nchunk, per):
 def fwht_rows(threads, x, s, c, inverse, out):
     numba.set_num_threads(threads)
     _fwht_rows(x, s, c, inverse, out, *_chunks(x.shape[0], threads))
+
+
+# ---------------------------------------------------------------------------------------------- AQ-SGD, fused
+# The sender's and the receiver's step of ``delta`` against an in-memory cache, without materializing m, x - m,
+# the decoded delta or m + delta: row r of the [R, K] view of the micro-batch is row (r % rpb) of sample
+# ids[r // rpb] in the storage ``st`` [capacity, rpb * K] (fp32, or fp16/bf16 bits as uint16). The loops work
+# on 1-D row views: indexing the 2-D arrays inside them kept LLVM from vectorizing (4x slower).
+
+@njit(inline="always")
+def _cache_row(st, ids, rpb, r, k):
+    o = (r % rpb) * k
+    return st[ids[r // rpb], o:o + k]
+
+
+@njit(parallel=True, cache=True)
+def _delta_colmax(x, st, ids, rpb, fmt, nchunk, per):
+    r_, k = x.shape
+    part = np.zeros((nchunk, k), np.float32)
+    for ch in prange(nchunk):
+        pc = part[ch]
+        for r in range(ch * per, min(r_, (ch + 1) * per)):
+            m, xr = _cache_row(st, ids, rpb, r, k), x[r]
+            for j in range(k):
+                a = abs(xr[j] - _load(m, j, fmt))
+                if a > pc[j] or a != a:
+                    pc[j] = a
+    res = part[0].copy()
+    for ch in range(1, nchunk):
+        for j in range(k):
+            a = part[ch, j]
+            if a > res[j] or a != a:
+                res[j] = a
+    return res
+
+
+@njit(parallel=True, cache=True)
+def _delta_rowmax(x, st, ids, rpb, fmt, nchunk, per):
+    r_, k = x.shape
+    res = np.empty(r_, np.float32)
+    for ch in prange(nchunk):
+        d = np.empty(k, np.float32)
+        for r in range(ch * per, min(r_, (ch + 1) * per)):
+            m, xr = _cache_row(st, ids, rpb, r, k), x[r]
+            for j in range(k):
+                d[j] = xr[j] - _load(m, j, fmt)
+            res[r] = _u2f(_absmax_bits(d, k))
+    return res
+
+
+@njit(parallel=True, cache=True)
+def _delta_into(x, st, ids, rpb, fmt, out, nchunk, per):
+    r_, k = x.shape
+    for ch in prange(nchunk):
+        for r in range(ch * per, min(r_, (ch + 1) * per)):
+            m, xr, orow = _cache_row(st, ids, rpb, r, k), x[r], out[r]
+            for j in range(k):
+                orow[j] = xr[j] - _load(m, j, fmt)
+
+
+@njit(parallel=True, cache=True)
+def _delta_quant_update(x, st, ids, rpb, fmt, inv, by_col, offset, bits, qmax, step, mul, low, out, nchunk, per):
+    r_, k = x.shape
+    for ch in prange(nchunk):
+        c64 = np.empty(k // 8, np.uint64)
+        c = c64.view(np.uint8)
+        c16, c32 = c64.view(np.uint16), c64.view(np.uint32)
+        mf = np.empty(k, np.float32)
+        for r in range(ch * per, min(r_, (ch + 1) * per)):
+            m, xr = _cache_row(st, ids, rpb, r, k), x[r]
+            for j in range(k):
+                mf[j] = _load(m, j, fmt)
+            if by_col:
+                for j in range(k):
+                    t = min(max(_fma32(xr[j] - mf[j], inv[j], offset), np.float32(0.0)), qmax)
+                    c[j] = np.uint8(np.int32(t))
+            else:
+                sc = inv[r]
+                for j in range(k):
+                    t = min(max(_fma32(xr[j] - mf[j], sc, offset), np.float32(0.0)), qmax)
+                    c[j] = np.uint8(np.int32(t))
+            _pack(c, c16, c32, c64, out, r, bits)
+            # m + decode(code), in the decoder's arithmetic (an exact small integer times the group's step)
+            if by_col:
+                for j in range(k):
+                    _store(m, j, mf[j] + (np.float32(c[j]) * mul - low) * step[j], fmt)
+            else:
+                sc = step[r]
+                for j in range(k):
+                    _store(m, j, mf[j] + (np.float32(c[j]) * mul - low) * sc, fmt)
+
+
+@njit(parallel=True, cache=True)
+def _delta_dequant_update(p, st, ids, rpb, fmt, step, by_col, bits, mul, low, out, nchunk, per):
+    r_, k = out.shape
+    for ch in prange(nchunk):
+        c64 = np.empty(k // 8, np.uint64)
+        c = c64.view(np.uint8)
+        c16, c32 = c64.view(np.uint16), c64.view(np.uint32)
+        for r in range(ch * per, min(r_, (ch + 1) * per)):
+            m, orow = _cache_row(st, ids, rpb, r, k), out[r]
+            _unpack(p, r, c, c16, c32, c64, bits)
+            if by_col:
+                for j in range(k):
+                    orow[j] = _store(m, j, _load(m, j, fmt) + (np.float32(c[j]) * mul - low) * step[j], fmt)
+            else:
+                sc = step[r]
+                for j in range(k):
+                    orow[j] = _store(m, j, _load(m, j, fmt) + (np.float32(c[j]) * mul - low) * sc, fmt)
+
+
+@njit(parallel=False, cache=True)
+def _round_to_storage(v, st, fmt):
+    """Test hook: every value of fp32 ``v`` rounded into row 0 of ``st``, as the kernels store it."""
+    row = st[0]
+    for j in range(v.shape[0]):
+        _store(row, j, v[j], fmt)
+
+
+def delta_absmax(threads, x, st, ids, rpb, fmt, by_col):
+    numba.set_num_threads(threads)
+    fn = _delta_colmax if by_col else _delta_rowmax
+    return fn(x, st, ids, rpb, fmt, *_chunks(x.shape[0], threads))
+
+
+def delta_into(threads, x, st, ids, rpb, fmt, out):
+    numba.set_num_threads(threads)
+    _delta_into(x, st, ids, rpb, fmt, out, *_chunks(x.shape[0], threads))
+
+
+def delta_quant_update(threads, x, st, ids, rpb, fmt, inv, by_col, offset, bits, qmax, step, mul, low, out):
+    numba.set_num_threads(threads)
+    _delta_quant_update(x, st, ids, rpb, fmt, inv, by_col, offset, bits, qmax, step, mul, low, out,
+                        *_chunks(x.shape[0], threads))
+
+
+def delta_dequant_update(threads, p, st, ids, rpb, fmt, step, by_col, bits, mul, low, out):
+    numba.set_num_threads(threads)
+    _delta_dequant_update(p, st, ids, rpb, fmt, step, by_col, bits, mul, low, out, *_chunks(out.shape[0], threads))
+
+
+def round_to_storage(threads, v, st, fmt):
+    _round_to_storage(v, st, fmt)

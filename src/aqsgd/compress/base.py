@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import abc
 import zlib
-from typing import ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import torch
 
 from aqsgd.compress.packet import HEADER_BYTES, MAX_NDIM, Family, Packet
 from aqsgd.errors import CodecError, NonFiniteError, PacketMismatchError
+
+if TYPE_CHECKING:
+    from aqsgd.compress.fused import RowStore
 
 __all__ = ["Codec", "FLOAT_DTYPES", "numel_of"]
 
@@ -88,6 +91,11 @@ class Codec(abc.ABC):
 
     def decode(self, packet: Packet) -> torch.Tensor:
         """Decompress a packet produced by an equal codec; :class:`PacketMismatchError` otherwise."""
+        self.check_packet(packet)
+        return self._decode(packet)
+
+    def check_packet(self, packet: Packet) -> None:
+        """Raise :class:`PacketMismatchError` unless an equal codec could have produced ``packet``."""
         if packet.family != self.family or packet.fingerprint != self.fingerprint:
             raise PacketMismatchError(
                 f"packet was encoded by another codec (family {packet.family.name}, fingerprint "
@@ -101,7 +109,19 @@ class Codec(abc.ABC):
             raise PacketMismatchError(
                 f"{self.spec}: payload of {packet.payload.numel()} bytes, shape {packet.shape} {need}"
             )
-        return self._decode(packet)
+
+    # -- AQ-SGD against an in-memory cache, fused (optional) ------------------------------------------
+    def encode_delta(self, x: torch.Tensor, store: "RowStore") -> Packet | None:
+        """The sender's AQ-SGD step in one go: the packet ``encode(x - m)``, ``m`` the rows of ``store`` (in
+        fp32), with every row updated in place to ``m + decode(packet)`` in the store's format. Packet and rows
+        are bit-identical to that sequence of calls. None where this codec has no fused step for ``x``: the
+        caller then runs the sequence itself."""
+        return None
+
+    def decode_delta(self, packet: Packet, store: "RowStore") -> torch.Tensor | None:
+        """The receiver's step: rows updated in place to ``m + decode(packet)`` in the store's format, returned
+        as fp32 (what ``put`` returns). None where this codec has no fused step for the packet."""
+        return None
 
     def roundtrip(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
         """``decode(encode(x))``."""

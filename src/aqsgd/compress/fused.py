@@ -19,6 +19,14 @@ Used only where it applies: a CPU tensor computed in fp32 (fp32, bf16 or fp16 in
 last dimension that is a multiple of 8, and for ``blockN`` a block size that is a multiple of 8 and divides
 the tensor. Everything else (stochastic rounding, float64, CUDA tensors, odd shapes) takes the eager path.
 Without numba every codec takes the eager path, after one warning. ``AQSGD_FUSED=0`` forces the eager path.
+
+AQ-SGD's step against an in-memory cache has its own kernels (:class:`RowStore`, ``delta_*``): the sender's
+pass reads the activation and the cache row, quantizes ``x - m``, packs the codes and writes ``m + decode``
+back into the row in the cache's storage format (fp16 through LLVM's ``fptrunc``, which rounds to nearest
+even as PyTorch does; bf16 rounded the same way in integer arithmetic); the receiver's pass unpacks, adds and
+stores. Where the scale is a max, one more pass finds it from ``x - m`` without materializing it; ``l2`` and
+``mean`` scales materialize ``x - m`` once so that torch computes their means. Neither side allocates ``m``,
+``x - m``, the decoded delta or the sum, and the result is bit-identical to get, encode, decode, add, put.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import os
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -35,7 +44,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["available", "enabled", "set_enabled", "compile_seconds", "encode", "decode_into", "plan", "fwht"]
+__all__ = ["available", "enabled", "set_enabled", "compile_seconds", "encode", "decode_into", "plan", "fwht",
+           "RowStore", "delta_max_abs", "delta_into", "delta_encode_update", "delta_decode_update"]
 
 _lock = threading.Lock()
 _state: dict = {"enabled": os.environ.get("AQSGD_FUSED", "1") not in ("0", "false", "no", "off"),
@@ -157,3 +167,68 @@ def fwht(x2: np.ndarray, signs: np.ndarray, c: float, inverse: bool, out: np.nda
     """Walsh-Hadamard transform of each row of fp32 ``x2`` [R, G] into ``out``: ``H (s * x) * c`` or, with
     ``inverse``, ``(H x * c) * s`` (see :mod:`aqsgd.compress.hadamard`)."""
     _call("fwht_rows", x2, signs, np.float32(c), inverse, out)
+
+
+# -------------------------------------------------------------------------------- AQ-SGD against a memory cache
+_STORE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernels' FMT_* codes
+
+
+@dataclass(frozen=True)
+class RowStore:
+    """Rows of an activation cache's CPU storage that a codec's fused AQ-SGD step reads and updates in place.
+
+    ``data`` is the whole storage ``[capacity, n]`` (fp32, or the uint16 bits of fp16/bf16 rows) sharing memory
+    with the cache's tensor; ``ids`` (int64) are the rows of the micro-batch, in its order; ``fmt`` is the
+    storage format. Built by the cache (:meth:`ActivationCache.row_store`), which has validated the ids.
+    """
+
+    data: np.ndarray
+    ids: np.ndarray
+    fmt: int
+
+    @property
+    def row_numel(self) -> int:
+        return int(self.data.shape[1])
+
+    @classmethod
+    def of(cls, storage: torch.Tensor, ids: torch.Tensor) -> "RowStore | None":
+        """The store over ``storage`` [capacity, *row_shape]; None where the kernels cannot update it in place
+        (not on the CPU, another dtype, not contiguous) or where they are off."""
+        fmt = _STORE_FORMATS.get(storage.dtype)
+        if fmt is None or storage.device.type != "cpu" or not storage.is_contiguous() or not enabled():
+            return None
+        flat = storage.detach().view(storage.shape[0], -1)
+        data = flat.numpy() if fmt == 0 else flat.view(torch.int16).numpy().view(np.uint16)
+        return cls(data, ids.to(device="cpu", dtype=torch.int64).contiguous().numpy(), fmt)
+
+
+def delta_max_abs(x2: np.ndarray, store: RowStore, rpb: int, by_col: bool) -> np.ndarray:
+    """Max ``|x - m|`` of each column (``by_col``) or row of fp32 ``x2`` [R, K], ``m`` the store's rows (``rpb``
+    rows of ``x2`` per sample); NaN anywhere in a group gives NaN."""
+    return _call("delta_absmax", x2, store.data, store.ids, rpb, store.fmt, by_col)
+
+
+def delta_into(x2: np.ndarray, store: RowStore, rpb: int, out: np.ndarray) -> None:
+    """``out = x - m`` (fp32 [R, K])."""
+    _call("delta_into", x2, store.data, store.ids, rpb, store.fmt, out)
+
+
+def delta_encode_update(x2: np.ndarray, store: RowStore, rpb: int, inv: np.ndarray, by_col: bool, offset: float,
+                        bits: int, qmax: int, step: np.ndarray, mul: int, low: int, out: np.ndarray) -> None:
+    """The sender's step: codes of ``x - m`` packed into ``out`` as :func:`encode` packs them, and each stored
+    row set to ``m + (code * mul - low) * step`` rounded to the storage format, as ``put(m + decode(...))``."""
+    _call("delta_quant_update", x2, store.data, store.ids, rpb, store.fmt, inv, by_col, np.float32(offset), bits,
+          np.float32(qmax), step, np.float32(mul), np.float32(low), out)
+
+
+def delta_decode_update(packed: np.ndarray, store: RowStore, rpb: int, step: np.ndarray, by_col: bool, bits: int,
+                        mul: int, low: int, out: np.ndarray) -> None:
+    """The receiver's step: each stored row set to ``m + (code * mul - low) * step`` in the storage format, and
+    ``out`` (fp32 [R, K]) to the stored values, as ``put(m + decode(...))`` returns them."""
+    _call("delta_dequant_update", packed, store.data, store.ids, rpb, store.fmt, step, by_col, bits,
+          np.float32(mul), np.float32(low), out)
+
+
+def round_to_storage(v: np.ndarray, store: RowStore) -> None:
+    """Round every value of fp32 ``v`` into row 0 of the store as the kernels store values (tests)."""
+    _call("round_to_storage", v, store.data, store.fmt)

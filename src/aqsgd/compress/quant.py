@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from aqsgd.compress import fused
@@ -251,25 +252,90 @@ class QuantCodec(Codec):
         x2 = x.detach().reshape(rows, k)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.to(torch.float32).contiguous()
-        if self.scale_mode == "max":
-            s = torch.from_numpy(fused.max_abs(x2.numpy(), by_col))
-            if self.granularity == "tensor":
-                s = s.amax().reshape(1)
-        elif self.scale_mode == "l2" and self.granularity != "tensor":
-            # the same view and reduction as the eager path's (max-abs is exact in any order; the mean is torch's)
-            rms = x2.square().mean(dim=0 if by_col else 1).sqrt()
-            s = torch.minimum(torch.from_numpy(fused.max_abs(x2.numpy(), by_col)), rms * self._l2_clip)
-        else:
-            s = torch.cat([self._scales(v, d) for v, d in self._groups(x.shape).views(x2.view(-1))])
+        s = self._fused_scales(x2, x.shape, by_col, lambda: fused.max_abs(x2.numpy(), by_col))
         stored, inv, _ = self._scale_steps(s, torch.float32)
-        if inv.numel() != (k if by_col else rows):
-            inv = inv.expand(rows)
+        out, nsb = self._fused_payload(stored, rows, k)
+        fused.encode(x2.numpy(), self._per_group(inv, rows, k, by_col), by_col, self.qmax / 2.0 + 0.5, self.bits,
+                     self.qmax, out[nsb:].view(rows, -1).numpy())
+        return out
+
+    def _fused_scales(self, x2: torch.Tensor, shape: Sequence[int], by_col: bool, max_abs) -> torch.Tensor:
+        """Each group's scale, as the eager path computes it, from the fp32 view ``x2`` and a kernel's max |x|
+        per column or row (``max_abs()``; exact in any order, where a mean is not: that stays torch's)."""
+        if self.scale_mode == "max":
+            s = torch.from_numpy(max_abs())
+            return s.amax().reshape(1) if self.granularity == "tensor" else s
+        if self.scale_mode == "l2" and self.granularity != "tensor":
+            # the same view and reduction as the eager path's
+            rms = x2.square().mean(dim=0 if by_col else 1).sqrt()
+            return torch.minimum(torch.from_numpy(max_abs()), rms * self._l2_clip)
+        return torch.cat([self._scales(v, d) for v, d in self._groups(shape).views(x2.view(-1))])
+
+    def _fused_payload(self, stored: torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor, int]:
+        """An uninitialized payload with the stored scales written at its head, and the scales' byte count."""
         nsb = stored.numel() * self.scale_dtype.itemsize
         out = torch.empty(nsb + rows * k * self.bits // 8, dtype=torch.uint8)
         out[:nsb] = stored.view(torch.uint8)
-        fused.encode(x2.numpy(), inv.contiguous().numpy(), by_col, self.qmax / 2.0 + 0.5, self.bits, self.qmax,
-                     out[nsb:].view(rows, -1).numpy())
-        return out
+        return out, nsb
+
+    @staticmethod
+    def _per_group(v: torch.Tensor, rows: int, k: int, by_col: bool) -> np.ndarray:
+        """One value per column (``by_col``) or per row of the kernels' view, as a contiguous fp32 array."""
+        if v.numel() != (k if by_col else rows):
+            v = v.expand(rows)
+        return v.contiguous().numpy()
+
+    def _delta_plan(self, shape: Sequence[int], store: fused.RowStore) -> tuple[int, int, bool, int] | None:
+        """``(rows, k, by_col, rows per sample)`` for the fused AQ-SGD step, or None (the caller goes eager)."""
+        plan = fused.plan(shape, self.granularity, self.block)
+        if plan is None or not shape or int(shape[0]) != store.ids.shape[0]:
+            return None
+        rows, k, by_col = plan
+        n = numel_of(shape) // int(shape[0])
+        if n != store.row_numel or n % k:  # a block straddling two samples' rows
+            return None
+        return rows, k, by_col, n // k
+
+    def encode_delta(self, x: torch.Tensor, store: fused.RowStore) -> Packet | None:
+        if x.numel() == 0 or not fused.applies(x, self.rounding):
+            return None
+        plan = self._delta_plan(x.shape, store)
+        if plan is None:
+            return None
+        rows, k, by_col, rpb = plan
+        x2 = x.detach().reshape(rows, k)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.to(torch.float32).contiguous()
+        if self.scale_mode == "max":
+            s = self._fused_scales(x2, x.shape, by_col, lambda: fused.delta_max_abs(x2.numpy(), store, rpb, by_col))
+        else:  # the scale needs a mean of x - m in torch's order: materialize x - m once
+            d = torch.empty(rows, k)
+            fused.delta_into(x2.numpy(), store, rpb, d.numpy())
+            s = self._fused_scales(d, x.shape, by_col, lambda: fused.max_abs(d.numpy(), by_col))
+        stored, inv, _ = self._scale_steps(s, torch.float32)
+        mul, low, step = self._levels(stored, torch.float32)
+        out, nsb = self._fused_payload(stored, rows, k)
+        fused.delta_encode_update(x2.numpy(), store, rpb, self._per_group(inv, rows, k, by_col), by_col,
+                                  self.qmax / 2.0 + 0.5, self.bits, self.qmax, self._per_group(step, rows, k, by_col),
+                                  mul, low, out[nsb:].view(rows, -1).numpy())
+        return Packet(self.family, torch.float32, tuple(x.shape), self.fingerprint, out)
+
+    def decode_delta(self, packet: Packet, store: fused.RowStore) -> torch.Tensor | None:
+        self.check_packet(packet)
+        if (packet.dtype != torch.float32 or packet.payload.device.type != "cpu" or packet.payload.numel() == 0
+                or not fused.enabled()):
+            return None
+        plan = self._delta_plan(packet.shape, store)
+        if plan is None:
+            return None
+        rows, k, by_col, rpb = plan
+        nsb = self._groups(packet.shape).nscales * self.scale_dtype.itemsize
+        scales = self._checked_scales(packet.payload[:nsb])
+        mul, low, step = self._levels(scales, torch.float32)
+        out = torch.empty(rows, k, dtype=torch.float32)
+        fused.delta_decode_update(packet.payload[nsb:].view(rows, -1).numpy(), store, rpb,
+                                  self._per_group(step, rows, k, by_col), by_col, self.bits, mul, low, out.numpy())
+        return out.view(packet.shape)
 
     def _scale_steps(self, s: torch.Tensor, cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Checked stored scales, the reciprocal steps ``qmax / (2 * scale)`` (0 for a zero scale), max scale."""
@@ -328,10 +394,14 @@ class QuantCodec(Codec):
         nsb = groups.nscales * self.scale_dtype.itemsize
         if groups.numel == 0:
             return torch.empty(packet.shape, dtype=out_dtype, device=payload.device)
-        scales = bytes_as(payload[:nsb], self.scale_dtype)
+        scales = self._checked_scales(payload[:nsb])
+        return self.dequantize_packed(scales, payload[nsb:], packet.shape, out_dtype)
+
+    def _checked_scales(self, raw: torch.Tensor) -> torch.Tensor:
+        scales = bytes_as(raw, self.scale_dtype)
         if bool((~torch.isfinite(scales) | (scales < 0)).any()):  # one host sync for both checks
             raise PacketError(f"{self.spec}: packet holds invalid (non-finite or negative) scales")
-        return self.dequantize_packed(scales, payload[nsb:], packet.shape, out_dtype)
+        return scales
 
     def dequantize_packed(self, scales: torch.Tensor, packed: torch.Tensor, shape: Sequence[int],
                           out_dtype: torch.dtype) -> torch.Tensor:

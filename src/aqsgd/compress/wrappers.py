@@ -236,7 +236,9 @@ class EntropyCodec(Codec):
         return ctx[key]
 
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        raw = self.inner._encode(x, generator)
+        return self._compress(self.inner._encode(x, generator))
+
+    def _compress(self, raw: torch.Tensor) -> torch.Tensor:
         host = raw.cpu() if raw.device.type != "cpu" else raw
         comp = self._ctx()[0].compress(memoryview(host.numpy())) if host.numel() else b""
         if len(comp) < host.numel():
@@ -248,6 +250,22 @@ class EntropyCodec(Codec):
         return out.to(raw.device) if raw.device.type != "cpu" else out
 
     def _decode(self, packet: Packet) -> torch.Tensor:
+        return self.inner.decode(self._inner(packet))
+
+    def encode_delta(self, x: torch.Tensor, store) -> Packet | None:
+        inner = self.inner.encode_delta(x, store)
+        if inner is None:
+            return None
+        return Packet(self.family, inner.dtype, inner.shape, self.fingerprint, self._compress(inner.payload))
+
+    def decode_delta(self, packet: Packet, store) -> torch.Tensor | None:
+        self.check_packet(packet)
+        if packet.payload.device.type != "cpu":
+            return None
+        return self.inner.decode_delta(self._inner(packet), store)
+
+    def _inner(self, packet: Packet) -> Packet:
+        """The inner codec's packet inside ``packet`` (decompressed)."""
         p = packet.payload
         if p.numel() < 1:
             raise PacketError(f"{self.spec}: empty payload (no mode byte)")
@@ -266,4 +284,4 @@ class EntropyCodec(Codec):
             raise PacketError(f"{self.spec}: unknown entropy mode byte {mode} (0 = stored, 1 = zstd)")
         if inner.numel() > bound:
             raise PacketError(f"{self.spec}: inner payload of {inner.numel()} bytes, at most {bound} allowed")
-        return self.inner.decode(_inner_packet(self.inner, packet.dtype, packet.shape, inner.to(p.device)))
+        return _inner_packet(self.inner, packet.dtype, packet.shape, inner.to(p.device))

@@ -60,10 +60,8 @@ class DeltaScheme(BoundaryScheme):
         if seen.numel():
             whole = seen.numel() == ids.numel()
             sid = ids if whole else ids[seen]
-            m = self.cache.get(sid)
             xs = x if whole else x[seen.to(x.device)]
-            packet = self.codec.encode(xs.to(m.dtype) - m, generator=self.generator)
-            self.cache.put(sid, m + self.codec.decode(packet))
+            packet = self._send_delta(xs, sid)
             packets.append(self._tagged(packet, 0, Kind.DELTA))
         if new.numel():
             whole = new.numel() == ids.numel()
@@ -90,9 +88,7 @@ class DeltaScheme(BoundaryScheme):
                     f"expects {idx.numel()} (sender and receiver caches disagree on which samples were seen)"
                 )
             if packet.kind == Kind.DELTA:
-                sid = ids[idx]
-                m = self.cache.get(sid)
-                parts.append((idx, self.cache.put(sid, m + self.codec.decode(packet))))
+                parts.append((idx, self._recv_delta(packet, ids[idx])))
             else:
                 rows = self.raw.decode(packet)
                 self.cache.put(ids[idx], rows)
@@ -102,6 +98,30 @@ class DeltaScheme(BoundaryScheme):
         for idx, rows in parts:
             out[idx.to(out.device)] = rows.to(out.dtype)
         return out
+
+    def _send_delta(self, x: torch.Tensor, ids: torch.Tensor) -> Packet:
+        """``C(x - m)``, and ``m <- m + decode(C(x - m))``: in one fused pass over the cache's rows where the
+        codec and the cache allow it (an in-memory cache on the CPU, a ``q<b>`` codec), else step by step.
+        Both give the same packet and the same rows, bit for bit."""
+        store = self.cache.row_store(ids)
+        if store is not None:
+            packet = self.codec.encode_delta(x, store)
+            if packet is not None:
+                return packet
+        m = self.cache.get(ids)
+        packet = self.codec.encode(x.to(m.dtype) - m, generator=self.generator)
+        self.cache.put(ids, m + self.codec.decode(packet))
+        return packet
+
+    def _recv_delta(self, packet: Packet, ids: torch.Tensor) -> torch.Tensor:
+        """``m <- m + decode(packet)``, returned as stored (fused where :meth:`_send_delta` is)."""
+        store = self.cache.row_store(ids)
+        if store is not None:
+            out = self.codec.decode_delta(packet, store)
+            if out is not None:
+                return out
+        m = self.cache.get(ids)
+        return self.cache.put(ids, m + self.codec.decode(packet))
 
     def describe(self) -> dict:
         d = super().describe()

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
+from aqsgd.compress.fused import RowStore
 from aqsgd.errors import CacheError
 
 __all__ = ["ActivationCache"]
@@ -150,6 +151,13 @@ class ActivationCache(abc.ABC):
         if out.numel() > 0 and out.device == rows.device and out.data_ptr() == rows.data_ptr():
             out = out.clone()  # never hand the caller's own tensor back
         return out
+
+    def row_store(self, ids: Tensor) -> RowStore | None:
+        """The rows of ``ids`` (all visited; validated as :meth:`get` validates them) as a
+        :class:`~aqsgd.compress.fused.RowStore` that a codec's fused AQ-SGD step reads and updates in place, or
+        None where this backend, device or dtype has no such storage: the caller then uses get and put. Writing
+        through the store must leave exactly what ``put`` would have stored."""
+        return None
 
     def prefetch(self, ids: Tensor) -> None:
         """Hint that ``get(ids)`` follows soon. A no-op for in-memory backends (ids are still validated)."""

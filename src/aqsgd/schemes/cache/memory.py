@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from aqsgd.compress.fused import RowStore
 from aqsgd.schemes.cache.base import (
     _DTYPE_NAMES,
     _STORAGE_DTYPES,
@@ -73,6 +74,13 @@ class MemoryCache(ActivationCache):
         stored = rows.to(device=self.device, dtype=self.storage_dtype)
         self._rows.index_copy_(0, ids.to(self.device), stored)
         return stored.to(self.dtype)
+
+    def row_store(self, ids: Tensor) -> RowStore | None:
+        if self._rows is None or self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        ids = self._check_ids(ids)
+        self._require_visited(ids)
+        return RowStore.of(self._rows, ids) if ids.numel() else None
 
     def _payload_nbytes(self) -> int:
         return 0 if self._rows is None else self._rows.numel() * self._rows.element_size()
