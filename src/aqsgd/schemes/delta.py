@@ -94,6 +94,8 @@ class DeltaScheme(BoundaryScheme):
                 self.cache.put(ids[idx], rows)
                 parts.append((idx, rows))
         first = parts[0][1]
+        if kinds == [Kind.DELTA]:  # every row seen: positions 0..n-1, and the new rows are a fresh tensor
+            return first.to(self.cache.dtype)
         out = torch.empty((ids.numel(), *first.shape[1:]), dtype=self.cache.dtype, device=first.device)
         for idx, rows in parts:
             out[idx.to(out.device)] = rows.to(out.dtype)
