@@ -90,6 +90,20 @@ def test_codecs_without_a_fused_step_take_the_step_by_step_path(spec, fused_rece
     assert torch.equal(a[2], a[3])
 
 
+def test_a_wrapped_codec_without_a_fused_step_is_not_decompressed_twice(monkeypatch):
+    """``zstd`` over a rotated codec: the receiver's fused attempt declines before decompressing."""
+    from aqsgd.compress.wrappers import EntropyCodec
+
+    calls = []
+    inner = EntropyCodec._inner
+    monkeypatch.setattr(EntropyCodec, "_inner", lambda self, p: calls.append(1) or inner(self, p))
+    a = _steps("q2:rot64:zstd", torch.float16, fused_on=True, steps=2)
+    assert torch.equal(a[2], a[3])
+    # step 2's DELTA packet, decompressed once by each side (the sender decodes it to update its own rows);
+    # step 1 sends every row in full
+    assert len(calls) == 2
+
+
 def test_caches_without_in_place_rows_take_the_step_by_step_path():
     ids = torch.tensor([1, 3])
     lowbit = LowBitCache(8, bits=4)

@@ -41,6 +41,8 @@ class Codec(abc.ABC):
     family: ClassVar[Family]
     #: False where the payload size depends on the data; ``payload_bytes`` is then an upper bound
     fixed_size: ClassVar[bool] = True
+    #: True where ``encode_delta``/``decode_delta`` can run fused (they may still decline a given tensor)
+    has_fused_delta: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod

@@ -149,6 +149,7 @@ class QuantCodec(Codec):
     """``q<bits>[:tensor|channel|token|block<N>][:stochastic][:max|l2|mean][:midrise][:scale32]``."""
 
     family = Family.QUANT
+    has_fused_delta = True
 
     def __init__(
         self,

@@ -252,6 +252,10 @@ class EntropyCodec(Codec):
     def _decode(self, packet: Packet) -> torch.Tensor:
         return self.inner.decode(self._inner(packet))
 
+    @property
+    def has_fused_delta(self) -> bool:  # type: ignore[override]
+        return self.inner.has_fused_delta
+
     def encode_delta(self, x: torch.Tensor, store) -> Packet | None:
         inner = self.inner.encode_delta(x, store)
         if inner is None:
@@ -260,8 +264,8 @@ class EntropyCodec(Codec):
 
     def decode_delta(self, packet: Packet, store) -> torch.Tensor | None:
         self.check_packet(packet)
-        if packet.payload.device.type != "cpu":
-            return None
+        if packet.payload.device.type != "cpu" or not self.inner.has_fused_delta:
+            return None  # (before decompressing: the caller's decode() would decompress again)
         return self.inner.decode_delta(self._inner(packet), store)
 
     def _inner(self, packet: Packet) -> Packet:
