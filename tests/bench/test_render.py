@@ -16,13 +16,28 @@ def test_cache_path_result_renders_both_tables(capsys):
     lines = capsys.readouterr().out.splitlines()
     d = json.loads(path.read_text())
     assert lines[0].startswith(f"<!-- {path}: {d['command']} on ")
-    assert lines[1].startswith("| cache | codec | sender GB/s | receiver GB/s | clone GB/s |")
+    assert lines[1].startswith("| cache | codec | fused | sender GB/s | receiver GB/s | clone GB/s |")
     rows = [ln for ln in lines if ln.startswith("| `")]
     assert len(rows) == len(d["rows"]) + len(d["prefetch"])
-    assert rows[0].startswith(f"| `{d['rows'][0]['cache']}` | `{d['rows'][0]['codec']}` | ")
+    r0 = d["rows"][0]
+    assert rows[0].startswith(f"| `{r0['cache']}` | `{r0['codec']}` | {'yes' if r0['fused'] else 'no'} | ")
+    assert f"| {r0['eager_sender_ms']:.2f} / {r0['eager_receiver_ms']:.2f} |" in rows[0]
     assert "| cache | pages | prefetch | resident at step start |" in "\n".join(lines)
     first = d["prefetch"][0]
     assert rows[len(d["rows"])].endswith(f"| {first['hits']}/{first['misses']} |")
+
+
+def test_cache_path_file_without_the_fused_columns_renders(tmp_path, capsys):
+    """A file written before the fused step (no ``fused`` / ``eager_*_ms``) renders with "no" and "-"."""
+    d = json.loads((RESULTS / "codecs-cache-path-cpu.json").read_text())
+    for r in d["rows"]:
+        for key in ("fused", "eager_sender_ms", "eager_receiver_ms"):
+            r.pop(key)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(d))
+    assert main([str(path)]) == 0
+    first = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| `"))
+    assert "| no |" in first and "| - |" in first
 
 
 def test_cache_path_without_prefetch_rows_renders_one_table(tmp_path, capsys):
