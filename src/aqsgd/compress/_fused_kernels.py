@@ -198,6 +198,18 @@ def _unpack(p, r, c, c16, c32, c64, bits):
             c64[j] = v
 
 
+@njit(inline="always")
+def _merge_parts(part):
+    """Column max over the chunks' partial maxima ``part`` [nchunk, K]; a NaN in any chunk sticks."""
+    res = part[0].copy()
+    for ch in range(1, part.shape[0]):
+        for j in range(part.shape[1]):
+            a = part[ch, j]
+            if a > res[j] or a != a:
+                res[j] = a
+    return res
+
+
 @njit(parallel=True, cache=True)
 def _colmax(x, nchunk, per):
     r_, k = x.shape
@@ -208,13 +220,7 @@ def _colmax(x, nchunk, per):
                 a = abs(x[r, j])
                 if a > part[ch, j] or a != a:
                     part[ch, j] = a
-    res = part[0].copy()
-    for ch in range(1, nchunk):
-        for j in range(k):
-            a = part[ch, j]
-            if a > res[j] or a != a:
-                res[j] = a
-    return res
+    return _merge_parts(part)
 
 
 @njit(inline="always")
@@ -366,13 +372,7 @@ def _delta_colmax(x, st, ids, rpb, fmt, nchunk, per):
                 a = abs(xr[j] - _load(m, j, fmt))
                 if a > pc[j] or a != a:
                     pc[j] = a
-    res = part[0].copy()
-    for ch in range(1, nchunk):
-        for j in range(k):
-            a = part[ch, j]
-            if a > res[j] or a != a:
-                res[j] = a
-    return res
+    return _merge_parts(part)
 
 
 @njit(parallel=True, cache=True)

@@ -250,15 +250,21 @@ class QuantCodec(Codec):
         if plan is None:
             return None
         rows, k, by_col = plan
-        x2 = x.detach().reshape(rows, k)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.to(torch.float32).contiguous()
+        x2 = self._fp32_rows(x, rows, k)
         s = self._fused_scales(x2, x.shape, by_col, lambda: fused.max_abs(x2.numpy(), by_col))
         stored, inv, _ = self._scale_steps(s, torch.float32)
         out, nsb = self._fused_payload(stored, rows, k)
         fused.encode(x2.numpy(), self._per_group(inv, rows, k, by_col), by_col, self.qmax / 2.0 + 0.5, self.bits,
                      self.qmax, out[nsb:].view(rows, -1).numpy())
         return out
+
+    @staticmethod
+    def _fp32_rows(x: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+        """``x`` as the contiguous fp32 ``[rows, k]`` view the kernels read (a copy only where needed)."""
+        x2 = x.detach().reshape(rows, k)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.to(torch.float32).contiguous()
+        return x2
 
     def _fused_scales(self, x2: torch.Tensor, shape: Sequence[int], by_col: bool, max_abs) -> torch.Tensor:
         """Each group's scale, as the eager path computes it, from the fp32 view ``x2`` and a kernel's max |x|
@@ -304,9 +310,7 @@ class QuantCodec(Codec):
         if plan is None:
             return None
         rows, k, by_col, rpb = plan
-        x2 = x.detach().reshape(rows, k)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.to(torch.float32).contiguous()
+        x2 = self._fp32_rows(x, rows, k)
         if self.scale_mode == "max":
             s = self._fused_scales(x2, x.shape, by_col, lambda: fused.delta_max_abs(x2.numpy(), store, rpb, by_col))
         else:  # the scale needs a mean of x - m in torch's order: materialize x - m once
