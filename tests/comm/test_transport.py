@@ -444,3 +444,55 @@ def test_preamble_flags():
         assert _parse_preamble(buf) == (0, 0, 0, 0, 0.0) and buf[32] == flags
     with pytest.raises(PacketError, match="malformed"):
         _parse_preamble(_build_preamble(0, 0, 0, 0, 0.0, b"", 0x04))
+
+
+class _FakeTransport:
+    """What a handle asks of its transport: the default timeout, names, and the wait-time counter."""
+
+    timeout_s = 5.0
+    peer_labels: dict = {}
+    _cuda = False
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+
+    def describe_peer(self, rank: int) -> str:
+        return f"rank {rank}"
+
+    def channel_name(self, channel: int) -> str:
+        return f"channel {channel}"
+
+    def _add_wait(self, peer: int, channel: int, direction: str, seconds: float) -> None:
+        self.waited += seconds
+
+
+def test_handle_completes_once_and_stays_complete():
+    """A handle's completion (a bare lock) is set once: a second finish (close() racing a background thread)
+    is ignored, and wait()/done() may be called any number of times, from several threads."""
+    import threading
+
+    from aqsgd.comm.transport import RecvHandle, SendHandle
+    from aqsgd.errors import PeerTimeout
+
+    fake = _FakeTransport()
+    h = RecvHandle(fake, 1, FORWARD)
+    assert not h.done()
+    with pytest.raises(PeerTimeout, match="rank 1 did not send channel 0 within 0.01 s"):
+        h.wait(timeout=0.01)
+    with pytest.raises(PeerTimeout):
+        h.wait(timeout=-1)  # a negative timeout: no wait at all
+    got = []
+    waiters = [threading.Thread(target=lambda: got.append(h.wait())) for _ in range(3)]
+    for w in waiters:
+        w.start()
+    h._finish(["first"])
+    h._finish(["second"])
+    for w in waiters:
+        w.join(5)
+    assert got == [["first"]] * 3 and h.done() and h.wait() == ["first"]
+    s = SendHandle(fake, 1, FORWARD)
+    s._finish(error=TransportError("closed"))
+    for _ in range(2):
+        with pytest.raises(TransportError, match="closed"):
+            s.wait()
+    assert s.done() and fake.waited > 0

@@ -244,3 +244,28 @@ def test_encode_tensor_requiring_grad(spec):
     codec = make_codec(spec)
     y, y_detached = (codec.roundtrip(t, generator=torch.Generator().manual_seed(0)) for t in (x, x.detach()))
     assert torch.equal(y, y_detached)
+
+
+def test_payload_crc_is_zlibs_crc32():
+    """The accelerated CRC gives zlib's value (the wire format's), for every layout a tensor can have."""
+    from aqsgd.compress.packet import crc32_of_buffer, crc32_of_tensor
+
+    g = torch.Generator().manual_seed(3)
+    for n in (0, 1, 7, 64, 4099, 1 << 20):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        raw = data.numpy().tobytes()
+        assert crc32_of_tensor(data) == zlib.crc32(raw) == crc32_of_buffer(raw)
+        assert crc32_of_buffer(raw, 12345) == zlib.crc32(raw, 12345)  # continued from an earlier value
+    x = torch.randn(6, 10, generator=g)
+    assert crc32_of_tensor(x) == zlib.crc32(x.numpy().tobytes())
+    assert crc32_of_tensor(x.t()) == zlib.crc32(x.t().contiguous().numpy().tobytes())  # strided
+
+
+def test_header_takes_a_precomputed_payload_crc():
+    from aqsgd.compress.packet import crc32_of_tensor
+
+    p = make_codec("q4").encode(torch.randn(4, 32))
+    assert p.header_bytes(payload_crc=crc32_of_tensor(p.payload)) == p.header_bytes()
+    assert p.header_bytes(checksum=False, payload_crc=123) == p.header_bytes(checksum=False)  # no CRC sent
+    with pytest.raises(PacketError, match="CRC"):
+        Packet.from_bytes(p.header_bytes(payload_crc=crc32_of_tensor(p.payload) ^ 1) + p.payload.numpy().tobytes())

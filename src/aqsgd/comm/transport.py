@@ -109,6 +109,7 @@ faithfully while the real path is faster than the emulated one.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import dataclasses
 import logging
@@ -120,12 +121,13 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Iterator, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from aqsgd.comm.device import HostStager
 from aqsgd.comm.link import LinkSpec, Pacer
-from aqsgd.compress.packet import HEADER_BYTES, Packet, parse_header
+from aqsgd.compress.packet import HEADER_BYTES, Packet, crc32_of_buffer, parse_header
 from aqsgd.errors import ConfigMismatchError, PacketError, PeerFailure, PeerTimeout, TransportError
 
 __all__ = [
@@ -160,6 +162,7 @@ _INLINE_MAX = 64 * 1024 * 1024  # beyond this, messages always travel as preambl
 _TAG_BASE = 0x7100
 _DEFAULT_CHANNEL_NAMES = {FORWARD: "forward activations", BACKWARD: "backward gradients"}
 _JOIN_TIMEOUT_S = 2.0
+_FINISH_LOCK = threading.Lock()
 assert _PREFIX_BYTES == 64
 
 
@@ -225,7 +228,11 @@ def _next_capacity(capacity: int, need: int, nccl: bool) -> int:
 
 
 class _Handle:
-    """Completion of one queued operation; set exactly once by a background thread."""
+    """Completion of one queued operation; set exactly once by a background thread.
+
+    The completion is a bare lock, held from construction until ``_finish`` releases it (a
+    ``threading.Event`` costs a condition variable and a lock per waiter: several microseconds on each side
+    of every message, a visible part of a small message's hand-over)."""
 
     _direction = ""
 
@@ -233,28 +240,34 @@ class _Handle:
         self._transport = transport
         self.peer = peer
         self.channel = channel
-        self._event = threading.Event()
+        self._pending = _thread.allocate_lock()
+        self._pending.acquire()
+        self._finished = False
         self._packets: list[Packet] | None = None
         self._error: BaseException | None = None
         self._deliver_at = 0.0
 
     def done(self) -> bool:
         """True once the operation completed or failed (``wait`` then returns or raises at once)."""
-        return self._event.is_set() and (self._error is not None or time.time() >= self._deliver_at)
+        return self._finished and (self._error is not None or time.time() >= self._deliver_at)
 
     def _finish(
         self, packets: list[Packet] | None = None, error: BaseException | None = None, deliver_at: float = 0.0
     ) -> None:
-        if self._event.is_set():
-            return
-        self._packets, self._error, self._deliver_at = packets, error, deliver_at
-        self._event.set()
+        with _FINISH_LOCK:  # a background thread and close() may race to finish the same handle
+            if self._finished:
+                return
+            self._packets, self._error, self._deliver_at = packets, error, deliver_at
+            self._finished = True
+        self._pending.release()
 
     def _wait(self, timeout: float | None, verb: str) -> list[Packet] | None:
         limit = self._transport.timeout_s if timeout is None else timeout
         t0 = time.monotonic()
         try:
-            finished = self._event.wait(limit)
+            finished = self._pending.acquire(True, min(max(limit, 0.0), threading.TIMEOUT_MAX))
+            if finished:
+                self._pending.release()  # later wait() and done() calls see it complete
             if finished and self._error is None:
                 # Emulated latency: the message was received but is not delivered before its arrival time.
                 # (This is not a failure, so it is not bounded by the timeout.)
@@ -297,9 +310,10 @@ class RecvHandle(_Handle):
         ``timeout`` seconds (default: the transport's ``timeout_s``)."""
         packets = self._wait(timeout, "send")
         assert packets is not None
-        for p in packets:  # payloads copied on a background thread's stream, now read on the caller's
-            if p.payload.is_cuda:
-                p.payload.record_stream(torch.cuda.current_stream(p.payload.device))
+        if self._transport._cuda:
+            for p in packets:  # payloads copied on a background thread's stream, now read on the caller's
+                if p.payload.is_cuda:
+                    p.payload.record_stream(torch.cuda.current_stream(p.payload.device))
         return packets
 
 
@@ -323,7 +337,7 @@ class _Worker(threading.Thread):
         self.transport = transport
         self.peer = peer
         self.channel = channel
-        self.requests: queue.Queue = queue.Queue()
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.failure: tuple[str, BaseException] | None = None
         self.seq = 0
         # The size of the next receive on this link, the same on both sides: a message that fits travels as one
@@ -335,6 +349,7 @@ class _Worker(threading.Thread):
         if not transport._nccl:
             self._pg = transport.group if transport.group is not None else dist.group.WORLD
             self._pg_peer = dist.get_group_rank(self._pg, peer)
+            self._tag = _TAG_BASE + channel
 
     def _error_for(self, message: str, cause: BaseException | None) -> PeerFailure:
         err = PeerFailure(message, rank=self.peer, label=self.transport.peer_labels.get(self.peer))
@@ -362,18 +377,18 @@ class _Worker(threading.Thread):
 
     def _isend(self, tensor: torch.Tensor) -> Any:
         """Start sending ``tensor`` to the peer on this link; returns the work to wait for."""
-        group, tag = self._group_and_tag("send")
         if self._pg is not None:
-            return self._pg.send([tensor], self._pg_peer, tag)
+            return self._pg.send([tensor], self._pg_peer, self._tag)
+        group, tag = self._group_and_tag("send")
         return dist.isend(tensor, self.peer, group=group, tag=tag)
 
     def _recv_into(self, tensor: torch.Tensor) -> None:
         """Receive the peer's next message on this link into ``tensor`` (blocking; gloo takes a shorter message
         into a longer buffer)."""
-        group, tag = self._group_and_tag("recv")
         if self._pg is not None:
-            self._pg.recv([tensor], self._pg_peer, tag).wait()
+            self._pg.recv([tensor], self._pg_peer, self._tag).wait()
         else:
+            group, tag = self._group_and_tag("recv")
             dist.recv(tensor, self.peer, group=group, tag=tag)
 
     def run(self) -> None:
@@ -459,9 +474,17 @@ class _Sender(_Worker):
         if item.ready is not None:
             item.ready.synchronize()  # type: ignore[attr-defined]
         packets = item.packets
-        checksum = None if t.checksum else False  # None: a payload CRC for host bytes
-        headers = b"".join(p.header_bytes(checksum=checksum) for p in packets)
-        total = sum(p.payload.numel() for p in packets)
+        # host payloads into a host message: one numpy view per payload gives its size, its CRC and the copy
+        # (each torch call costs microseconds, many of them when the caches are cold after idling)
+        hosts = [p.payload.numpy() for p in packets] if wire.type == "cpu" and item.ready is None else None
+        if hosts is not None:
+            headers = b"".join(p.header_bytes(checksum=t.checksum, payload_crc=crc32_of_buffer(a) if t.checksum
+                                              else None) for p, a in zip(packets, hosts))
+            total = sum(a.size for a in hosts)
+        else:
+            checksum = None if t.checksum else False  # None: a payload CRC for host bytes
+            headers = b"".join(p.header_bytes(checksum=checksum) for p in packets)
+            total = sum(p.payload.numel() for p in packets)
         arrival = 0.0
         departure = None
         if self.pacer is not None:
@@ -475,6 +498,15 @@ class _Sender(_Worker):
         inline = need <= self.capacity
         flags = (_FLAG_INLINE if inline else 0) | (_FLAG_CHECKSUM if t.checksum else 0)
         preamble = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers, flags)
+        if inline and hosts is not None:
+            buf = np.empty(need, dtype=np.uint8)
+            buf[:PREAMBLE_BYTES] = np.frombuffer(preamble, dtype=np.uint8)
+            offset = PREAMBLE_BYTES
+            for a in hosts:
+                buf[offset:offset + a.size] = a
+                offset += a.size
+            self.seq += 1
+            return [torch.from_numpy(buf)], departure
         pre = torch.frombuffer(bytearray(preamble), dtype=torch.uint8)
         if inline:
             if total:
@@ -540,8 +572,9 @@ class _Receiver(_Worker):
         wire = t._wire_device
         staged = wire.type == "cpu" and t.device.type == "cuda"  # gloo to a GPU: through pinned memory
         first = torch.empty(self.capacity, dtype=torch.uint8, device=wire, pin_memory=staged)
+        host = first.numpy() if wire.type == "cpu" else None
         self._recv_into(first)
-        buf = first[:PREAMBLE_BYTES].cpu().numpy().tobytes()
+        buf = (host[:PREAMBLE_BYTES] if host is not None else first[:PREAMBLE_BYTES].cpu().numpy()).tobytes()
         n, channel, seq, total, arrival = _parse_preamble(buf)
         flags = _preamble_flags(buf)
         need = PREAMBLE_BYTES + total
@@ -553,16 +586,18 @@ class _Receiver(_Worker):
             raise PacketError(f"message for channel {channel} arrived on channel {self.channel}")
         if seq != self.seq:
             raise PacketError(f"message number {seq} arrived where number {self.seq} was due (out of step)")
-        headers = [parse_header(buf[_PREFIX_BYTES + i * HEADER_BYTES:][:HEADER_BYTES]) for i in range(n)]
+        headers = [parse_header(buf[_PREFIX_BYTES + i * HEADER_BYTES:_PREFIX_BYTES + (i + 1) * HEADER_BYTES])
+                   for i in range(n)]
         if sum(h.payload_len for h in headers) != total:
             raise PacketError(
                 f"preamble announces {total} payload bytes, its headers {sum(h.payload_len for h in headers)}"
             )
         if inline:
-            payload = first[PREAMBLE_BYTES:need]
+            payload, offset = first, PREAMBLE_BYTES  # the packets' payloads are slices of the one buffer
         else:
-            payload = torch.empty(total, dtype=torch.uint8, device=wire, pin_memory=staged)
+            payload, offset = torch.empty(total, dtype=torch.uint8, device=wire, pin_memory=staged), 0
             self._recv_into(payload)
+            host = payload.numpy() if host is not None else None
             self.capacity = _next_capacity(self.capacity, need, t._nccl)
         if wire.type == "cuda":
             torch.cuda.current_stream(wire).synchronize()
@@ -573,19 +608,26 @@ class _Receiver(_Worker):
                 f"{'without' if t.checksum else 'with'} payload checksums, this process's transport has "
                 f"checksum={t.checksum}: both ends of a link need the same setting (aqsgd train: "
                 f"--checksum/--no-checksum on every stage)")
-        packets, offset = [], 0
+        packets = []
+        moved = wire != t.device
         for h in headers:
-            body = payload[offset:offset + h.payload_len]
-            offset += h.payload_len
-            packet = Packet.from_header(h, body, verify=t.checksum)  # checks the payload CRC of host bytes
-            if packet.payload.device != t.device:
+            end = offset + h.payload_len
+            body = payload[offset:end]
+            if host is not None and t.checksum and h.payload_crc is not None:  # on the host view: no torch call
+                if crc32_of_buffer(host[offset:end]) != h.payload_crc:
+                    raise PacketError("corrupted packet payload (CRC mismatch)")
+                packet = Packet.from_header(h, body, verify=False)
+            else:
+                packet = Packet.from_header(h, body, verify=t.checksum)  # checks the payload CRC of host bytes
+            offset = end
+            if moved:
                 # one copy per packet keeps every payload aligned; non-blocking from pinned memory, on this
                 # thread's stream, waited for below
                 packet = dataclasses.replace(packet, payload=packet.payload.to(t.device, non_blocking=staged))
             packets.append(packet)
         if staged and total:
             torch.cuda.current_stream(t.device).synchronize()
-        t._account(self.peer, self.channel, "recv", packets)
+        t._account(self.peer, self.channel, "recv", packets, total)
         return packets, arrival
 
 
@@ -637,6 +679,7 @@ class Transport:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._cuda = self.device.type == "cuda"
         group_backend = str(dist.get_backend(group)).lower()
         if backend is None:
             self._nccl = self.device.type == "cuda" and "nccl" in group_backend
@@ -685,7 +728,8 @@ class Transport:
             raise TransportError(f"a message carries at most {MAX_PACKETS} packets, got {len(packets)}")
         if not all(isinstance(p, Packet) for p in packets):
             raise TransportError("isend takes a sequence of Packet")
-        worker = self._sender(dst, channel)
+        # a link's worker exists only once its peer and channel were checked (close() forgets them all)
+        worker = self._senders.get((dst, channel)) or self._sender(dst, channel)
         packets, staged_from, ready = self._stage(packets)
         handle = SendHandle(self, dst, channel)
         item = _SendItem(packets, handle, ready, time.monotonic(), staged_from)
@@ -714,7 +758,7 @@ class Transport:
 
     def irecv(self, src: int, channel: int) -> RecvHandle:
         """Post a receive of the next message from ``src`` on ``channel`` and return at once."""
-        worker = self._receiver(src, channel)
+        worker = self._receivers.get((src, channel)) or self._receiver(src, channel)
         handle = RecvHandle(self, src, channel)
         worker.requests.put(handle)
         return handle
@@ -842,12 +886,15 @@ class Transport:
         sender, receiver = (self.rank, peer) if direction == "send" else (peer, self.rank)
         return self._subgroups[(channel, sender < receiver)], 0
 
-    def _account(self, peer: int, channel: int, direction: str, packets: Sequence[Packet]) -> None:
+    def _account(self, peer: int, channel: int, direction: str, packets: Sequence[Packet],
+                 payload_bytes: int | None = None) -> None:
+        if payload_bytes is None:
+            payload_bytes = sum(p.payload.numel() for p in packets)
         with self._stats_lock:
             s = self._stats.setdefault(StatsKey(peer, channel, direction), LinkStats())
             s.messages += 1
             s.packets += len(packets)
-            s.packet_bytes += sum(p.nbytes for p in packets)
+            s.packet_bytes += payload_bytes + HEADER_BYTES * len(packets)
             s.overhead_bytes += PREAMBLE_BYTES - HEADER_BYTES * len(packets)
 
     def _add_wait(self, peer: int, channel: int, direction: str, seconds: float) -> None:
