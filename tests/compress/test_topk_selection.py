@@ -27,6 +27,18 @@ from aqsgd.compress.topk import topk_indices
 FAST = {"sample": 64, "min_row": 0}  # the sampled path on rows of a few hundred values and up
 
 
+@pytest.fixture(autouse=True, params=["kernel", "numpy"])
+def selection_path(request):
+    """Every test runs on both selections: the compiled per-row kernel (numba) and the numpy passes."""
+    from aqsgd.compress import fused
+
+    if request.param == "kernel" and not fused.available():
+        pytest.skip("numba is not installed")
+    old = fused.set_enabled(request.param == "kernel")
+    yield request.param
+    fused.set_enabled(old)
+
+
 def canonical(x2: torch.Tensor, k: int) -> torch.Tensor:
     """Positions of the k largest magnitudes of each row, ties toward the lower positions, increasing."""
     bits = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
@@ -197,6 +209,45 @@ def test_codec_packets_are_canonical_and_sorted():
         vbytes = codec.values.payload_bytes((rows, k), x.dtype)
         idx = topk_module._index_values(first.payload[vbytes:], 4 if n > 65536 else 2).view(rows, k)
         assert torch.equal(idx, canonical(x.view(rows, n), k))
+
+
+@pytest.mark.parametrize("spec", ["topk0.1", "topk0.01+bf16", "topk0.3+fp32", "topk0.05:tensor", "topk0.1+q8"])
+@pytest.mark.parametrize("data", ["normal", "integers", "misled"])
+def test_encode_is_byte_identical_to_the_step_by_step_path(selection_path, spec, data):
+    """One kernel selects, gathers, casts and packs the indices (``fused.topk_encode``), or packs after the
+    selection (``fused.topk_pack``): the packets equal those of gather, cast and index packing in torch."""
+    from aqsgd.compress import fused
+
+    g = torch.Generator().manual_seed(10)
+    n = 70000  # above MIN_ROW: the sampled selection
+    if data == "integers":  # ties at the k-th magnitude
+        x = torch.randint(-6, 7, (3, n), generator=g).float()
+    else:
+        x = torch.randn(3, n, generator=g) * 3
+    if data == "misled":  # row 1's sample sees only huge values: that row is ranked in full
+        pos = torch.from_numpy(topk_module._sample_positions(n, topk_module.SAMPLE))
+        x[1, pos] = 1e3 + torch.rand(pos.numel(), generator=g)
+    codec = make_codec(spec)
+    packet = codec.encode(x)
+    old = fused.set_enabled(False)
+    try:
+        reference = codec.encode(x)
+    finally:
+        fused.set_enabled(old)
+    assert packet.to_bytes() == reference.to_bytes()
+    assert torch.equal(codec.decode(packet), codec.decode(reference))
+
+
+@pytest.mark.parametrize("spec, value", [("topk0.01", float("nan")), ("topk0.01", float("inf")),
+                                         ("topk0.01", 1e6), ("topk0.01+bf16", float("nan"))])
+def test_encode_refuses_values_its_wire_cannot_carry(spec, value):
+    """A kept NaN/Inf, or a value past fp16's range, raises the values codec's error on every path."""
+    from aqsgd.errors import NonFiniteError
+
+    x = torch.randn(2, 70000, generator=torch.Generator().manual_seed(11))
+    x[1, 123] = value
+    with pytest.raises(NonFiniteError):
+        make_codec(spec).encode(x)
 
 
 @settings(max_examples=60, deadline=None)

@@ -45,7 +45,7 @@ import torch
 log = logging.getLogger(__name__)
 
 __all__ = ["available", "enabled", "set_enabled", "compile_seconds", "encode", "decode_into", "plan", "fwht",
-           "RowStore", "delta_max_abs", "delta_into", "delta_encode_update", "delta_decode_update"]
+           "topk_rows", "topk_pack", "topk_encode", "RowStore", "delta_max_abs", "delta_into", "delta_encode_update", "delta_decode_update"]
 
 _lock = threading.Lock()
 _state: dict = {"enabled": os.environ.get("AQSGD_FUSED", "1") not in ("0", "false", "no", "off"),
@@ -167,6 +167,64 @@ def fwht(x2: np.ndarray, signs: np.ndarray, c: float, inverse: bool, out: np.nda
     """Walsh-Hadamard transform of each row of fp32 ``x2`` [R, G] into ``out``: ``H (s * x) * c`` or, with
     ``inverse``, ``(H x * c) * s`` (see :mod:`aqsgd.compress.hadamard`)."""
     _call("fwht_rows", x2, signs, np.float32(c), inverse, out)
+
+
+def topk_rows(keys: np.ndarray, mask: int, pos: np.ndarray, j_lo: int, j_hi: int, k: int,
+              out: np.ndarray) -> np.ndarray:
+    """TopK selection of :func:`aqsgd.compress.topk.topk_indices` in one compiled pass per row: the integer
+    ``keys`` [R, n] (a float's bits), their sign ``mask``, the sampled positions and the order statistics of the
+    two thresholds; writes ``out`` [R, k] (int64, increasing positions) and returns a bool per row, False
+    where the sample misled (that row is to be ranked in full)."""
+    ok = np.empty(keys.shape[0], dtype=np.bool_)
+    _call("topk_rows", keys, keys.dtype.type(mask), pos, int(j_lo), int(j_hi), int(k), out, ok,
+          *_topk_scratch(keys))
+    return ok
+
+
+_TOPK_LOCAL = threading.local()
+
+
+def _topk_scratch(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's candidate buffers for the TopK kernels, one row per kernel thread, kept between calls
+    (fresh ones would fault their pages in on every call)."""
+    rows, n = keys.shape
+    threads = max(1, min(torch.get_num_threads(), rows))
+    bufs = getattr(_TOPK_LOCAL, "bufs", None)
+    if bufs is None or bufs[0].shape[0] < threads or bufs[0].shape[1] < n or bufs[1].dtype != keys.dtype:
+        bufs = _TOPK_LOCAL.bufs = (np.empty((threads, n), np.int64), np.empty((threads, n), keys.dtype))
+    return bufs[0][:threads, :n], bufs[1][:threads, :n]
+
+
+def topk_pack(x: np.ndarray, idx: np.ndarray, wire: torch.dtype, width: int) -> np.ndarray | None:
+    """TopK's payload in one pass: the values of fp32 ``x`` [R, n] at the positions ``idx`` [R, k] cast to
+    ``wire`` (fp32, fp16 or bf16, rounded as ``Tensor.to`` rounds), then the positions' low ``width`` bytes,
+    little-endian: byte for byte what gather, cast, index packing and concatenation make. None where a kept
+    value or its cast is not finite (the caller's step-by-step path raises the codec's error)."""
+    rows, k = idx.shape
+    fmt = _STORE_FORMATS[wire]
+    vbytes = rows * k * wire.itemsize
+    payload = np.empty(vbytes + rows * k * width, dtype=np.uint8)
+    vals = payload[:vbytes].view(np.float32 if fmt == 0 else np.uint16).reshape(rows, k)
+    bad = np.empty(rows, dtype=np.bool_)
+    _call("topk_pack", x, idx, fmt, vals, int(width), payload[vbytes:], bad)
+    return None if bad.any() else payload
+
+
+def topk_encode(keys: np.ndarray, mask: int, pos: np.ndarray, j_lo: int, j_hi: int, k: int, wire: torch.dtype,
+                width: int) -> np.ndarray | None:
+    """:func:`topk_rows` and :func:`topk_pack` in one kernel, the kept values taken from the selection's
+    candidates (``x`` is read once): the payload, or None where a row's sample misled or a kept value (or its
+    cast) is not finite (the caller then takes the general path)."""
+    rows = keys.shape[0]
+    fmt = _STORE_FORMATS[wire]
+    vbytes = rows * k * wire.itemsize
+    payload = np.empty(vbytes + rows * k * width, dtype=np.uint8)
+    vals = payload[:vbytes].view(np.float32 if fmt == 0 else np.uint16).reshape(rows, k)
+    ok = np.empty(rows, dtype=np.bool_)
+    bad = np.empty(rows, dtype=np.bool_)
+    _call("topk_encode", keys, keys.dtype.type(mask), pos, int(j_lo), int(j_hi), int(k), fmt, vals, int(width),
+          payload[vbytes:], ok, bad, *_topk_scratch(keys))
+    return payload if ok.all() and not bad.any() else None
 
 
 # -------------------------------------------------------------------------------- AQ-SGD against a memory cache

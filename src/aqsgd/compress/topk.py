@@ -39,7 +39,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from aqsgd.compress import fused
 from aqsgd.compress.base import Codec, numel_of
+from aqsgd.compress.cast import CastCodec
 from aqsgd.compress.packet import Family, Packet, bytes_as
 from aqsgd.errors import PacketError, SpecError
 
@@ -101,10 +103,24 @@ class TopKCodec(Codec):
         x2 = x.reshape(rows, n)
         if rows * k == 0:
             return torch.empty(0, dtype=torch.uint8, device=x.device)
+        width = index_dtype(n).itemsize
+        packs = (isinstance(self.values, CastCodec) and x2.dtype == torch.float32 and x2.device.type == "cpu"
+                 and fused.enabled())
+        if packs:  # selection, gather, cast and index packing in one kernel (byte-identical to the steps below)
+            plan = _sampling(rows, n, k)
+            if plan is not None:
+                payload = fused.topk_encode(x2.view(torch.int32).numpy(), _MASK32, *plan, k,
+                                            self.values.wire_dtype, width)
+                if payload is not None:
+                    return torch.from_numpy(payload)
         idx = topk_indices(x2, k)
+        if packs:  # gather, cast and index packing in one pass
+            payload = fused.topk_pack(x2.numpy(), idx.numpy(), self.values.wire_dtype, width)
+            if payload is not None:
+                return torch.from_numpy(payload)
         kept = x2.gather(1, idx)
         vals = self.values.encode(kept, generator=generator).payload
-        return torch.cat([vals, _index_bytes(idx, index_dtype(n).itemsize)])
+        return torch.cat([vals, _index_bytes(idx, width)])
 
     def _decode(self, packet: Packet) -> torch.Tensor:
         rows, n, k = self.layout(packet.shape)
@@ -131,6 +147,7 @@ SAMPLE = 4096  # sampled positions per row
 MIN_ROW = 65536  # shorter rows are ranked in full (the sampling does not pay off)
 _Z = 4.5  # margin of the thresholds, in standard deviations of the sampled count above the k-th magnitude
 _CHUNK = 1 << 17  # keys scanned per task, so that the temporaries stay in cache
+_KERNEL_ROWS = 2  # at least this many rows (or one per thread) take the compiled per-row kernel
 
 
 @functools.lru_cache(maxsize=32)
@@ -195,6 +212,26 @@ def _positions(flags: np.ndarray) -> np.ndarray:
     return np.flatnonzero(whole[:m + pad])[:count]
 
 
+_MASK32 = 0x7FFFFFFF
+
+
+def _kernel_rows(rows: int) -> bool:
+    """Whether the compiled per-row kernel takes ``rows`` rows (else a few long rows: chunks in parallel)."""
+    return rows >= min(torch.get_num_threads(), _KERNEL_ROWS)
+
+
+def _sampling(rows: int, n: int, k: int) -> tuple[np.ndarray, int, int] | None:
+    """``(sampled positions, j_lo, j_hi)`` where :func:`topk_indices` would select ``rows`` rows of ``n`` through
+    the compiled kernel at its defaults, else None."""
+    s = min(SAMPLE, n)
+    mean = k * s / n
+    sd = math.sqrt(mean * (1.0 - k / n))
+    j_lo, j_hi = math.ceil(mean + _Z * sd + 1), math.floor(mean - _Z * sd - 1)
+    if not 0 < k < n or n < MIN_ROW or n <= 4 * s or j_lo >= s // 2 or not _kernel_rows(rows):
+        return None
+    return _sample_positions(n, s), j_lo, j_hi
+
+
 def topk_indices(x2: torch.Tensor, k: int, *, sample: int = SAMPLE, min_row: int = MIN_ROW) -> torch.Tensor:
     """Positions ``[rows, k]`` (int64, increasing in each row) of the ``k`` largest magnitudes of each row of
     the 2-D ``x2``; NaN counts as the largest magnitude, then Inf. The set equals that of ``torch.topk`` on
@@ -219,6 +256,13 @@ def topk_indices(x2: torch.Tensor, k: int, *, sample: int = SAMPLE, min_row: int
     if n < min_row or n <= 4 * s or j_lo >= s // 2:
         return torch.from_numpy(_exact(x2, k))
     pos = _sample_positions(n, s)
+    if fused.enabled() and _kernel_rows(rows):
+        # one compiled pass per row, the rows split over the threads (see aqsgd.compress.fused)
+        out = np.empty((rows, k), dtype=np.int64)
+        done = fused.topk_rows(xi, int(top), pos, j_lo, j_hi, k, out)
+        for r in np.flatnonzero(~done):  # the sample misled: rank these rows in full
+            out[r] = _exact(x2[r:r + 1], k)[0]
+        return torch.from_numpy(out)
     steps = -(-n // _CHUNK)
     size = -(-n // steps)
     chunks = [(c, min(c + size, n)) for c in range(0, n, size)]
