@@ -137,6 +137,14 @@ def _chunks(rows: int, threads: int) -> tuple[int, int]:
 
 
 @njit(inline="always")
+def _code_buffer(k):
+    """A chunk's buffer for one row of ``k`` codes (``k % 8 == 0``) and its word views:
+    ``(c, c16, c32, c64)`` as :func:`_pack` and :func:`_unpack` take them."""
+    c64 = np.empty(k // 8, np.uint64)
+    return c64.view(np.uint8), c64.view(np.uint16), c64.view(np.uint32), c64
+
+
+@njit(inline="always")
 def _pack(c, c16, c32, c64, o, r, bits):
     """Pack the codes ``c`` (uint8 [K]; c16/c32/c64 are word views of it) into row ``r`` of ``o``."""
     k = c.shape[0]
@@ -249,9 +257,7 @@ def _rowmax(x, nchunk, per):
 def _quant_pack(x, inv, by_col, offset, bits, qmax, out, nchunk, per):
     r_, k = x.shape
     for ch in prange(nchunk):
-        c64 = np.empty(k // 8, np.uint64)
-        c = c64.view(np.uint8)
-        c16, c32 = c64.view(np.uint16), c64.view(np.uint32)
+        c, c16, c32, c64 = _code_buffer(k)
         for r in range(ch * per, min(r_, (ch + 1) * per)):
             if by_col:
                 for j in range(k):
@@ -269,9 +275,7 @@ def _quant_pack(x, inv, by_col, offset, bits, qmax, out, nchunk, per):
 def _unpack_dequant(p, step, by_col, bits, mul, low, out, nchunk, per):
     r_, k = out.shape
     for ch in prange(nchunk):
-        c64 = np.empty(k // 8, np.uint64)
-        c = c64.view(np.uint8)
-        c16, c32 = c64.view(np.uint16), c64.view(np.uint32)
+        c, c16, c32, c64 = _code_buffer(k)
         for r in range(ch * per, min(r_, (ch + 1) * per)):
             _unpack(p, r, c, c16, c32, c64, bits)
             if by_col:
@@ -404,9 +408,7 @@ def _delta_into(x, st, ids, rpb, fmt, out, nchunk, per):
 def _delta_quant_update(x, st, ids, rpb, fmt, inv, by_col, offset, bits, qmax, step, mul, low, out, nchunk, per):
     r_, k = x.shape
     for ch in prange(nchunk):
-        c64 = np.empty(k // 8, np.uint64)
-        c = c64.view(np.uint8)
-        c16, c32 = c64.view(np.uint16), c64.view(np.uint32)
+        c, c16, c32, c64 = _code_buffer(k)
         mf = np.empty(k, np.float32)
         for r in range(ch * per, min(r_, (ch + 1) * per)):
             m, xr = _cache_row(st, ids, rpb, r, k), x[r]
@@ -436,9 +438,7 @@ def _delta_quant_update(x, st, ids, rpb, fmt, inv, by_col, offset, bits, qmax, s
 def _delta_dequant_update(p, st, ids, rpb, fmt, step, by_col, bits, mul, low, out, nchunk, per):
     r_, k = out.shape
     for ch in prange(nchunk):
-        c64 = np.empty(k // 8, np.uint64)
-        c = c64.view(np.uint8)
-        c16, c32 = c64.view(np.uint16), c64.view(np.uint32)
+        c, c16, c32, c64 = _code_buffer(k)
         for r in range(ch * per, min(r_, (ch + 1) * per)):
             m, orow = _cache_row(st, ids, rpb, r, k), out[r]
             _unpack(p, r, c, c16, c32, c64, bits)

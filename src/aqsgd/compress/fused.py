@@ -195,18 +195,26 @@ def _topk_scratch(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return bufs[0][:threads, :n], bufs[1][:threads, :n]
 
 
+def _topk_payload(rows: int, k: int, wire: torch.dtype,
+                  width: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """TopK's payload layout: ``(storage format, payload, values [rows, k] in the wire format's storage view,
+    index bytes)``, the values first, as the codec writes them."""
+    fmt = _STORE_FORMATS[wire]
+    vbytes = rows * k * wire.itemsize
+    payload = np.empty(vbytes + rows * k * width, dtype=np.uint8)
+    vals = payload[:vbytes].view(np.float32 if fmt == 0 else np.uint16).reshape(rows, k)
+    return fmt, payload, vals, payload[vbytes:]
+
+
 def topk_pack(x: np.ndarray, idx: np.ndarray, wire: torch.dtype, width: int) -> np.ndarray | None:
     """TopK's payload in one pass: the values of fp32 ``x`` [R, n] at the positions ``idx`` [R, k] cast to
     ``wire`` (fp32, fp16 or bf16, rounded as ``Tensor.to`` rounds), then the positions' low ``width`` bytes,
     little-endian: byte for byte what gather, cast, index packing and concatenation make. None where a kept
     value or its cast is not finite (the caller's step-by-step path raises the codec's error)."""
     rows, k = idx.shape
-    fmt = _STORE_FORMATS[wire]
-    vbytes = rows * k * wire.itemsize
-    payload = np.empty(vbytes + rows * k * width, dtype=np.uint8)
-    vals = payload[:vbytes].view(np.float32 if fmt == 0 else np.uint16).reshape(rows, k)
+    fmt, payload, vals, index_bytes = _topk_payload(rows, k, wire, width)
     bad = np.empty(rows, dtype=np.bool_)
-    _call("topk_pack", x, idx, fmt, vals, int(width), payload[vbytes:], bad)
+    _call("topk_pack", x, idx, fmt, vals, int(width), index_bytes, bad)
     return None if bad.any() else payload
 
 
@@ -216,14 +224,11 @@ def topk_encode(keys: np.ndarray, mask: int, pos: np.ndarray, j_lo: int, j_hi: i
     candidates (``x`` is read once): the payload, or None where a row's sample misled or a kept value (or its
     cast) is not finite (the caller then takes the general path)."""
     rows = keys.shape[0]
-    fmt = _STORE_FORMATS[wire]
-    vbytes = rows * k * wire.itemsize
-    payload = np.empty(vbytes + rows * k * width, dtype=np.uint8)
-    vals = payload[:vbytes].view(np.float32 if fmt == 0 else np.uint16).reshape(rows, k)
+    fmt, payload, vals, index_bytes = _topk_payload(rows, k, wire, width)
     ok = np.empty(rows, dtype=np.bool_)
     bad = np.empty(rows, dtype=np.bool_)
     _call("topk_encode", keys, keys.dtype.type(mask), pos, int(j_lo), int(j_hi), int(k), fmt, vals, int(width),
-          payload[vbytes:], ok, bad, *_topk_scratch(keys))
+          index_bytes, ok, bad, *_topk_scratch(keys))
     return payload if ok.all() and not bad.any() else None
 
 

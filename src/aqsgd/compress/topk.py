@@ -220,16 +220,22 @@ def _kernel_rows(rows: int) -> bool:
     return rows >= min(torch.get_num_threads(), _KERNEL_ROWS)
 
 
-def _sampling(rows: int, n: int, k: int) -> tuple[np.ndarray, int, int] | None:
-    """``(sampled positions, j_lo, j_hi)`` where :func:`topk_indices` would select ``rows`` rows of ``n`` through
-    the compiled kernel at its defaults, else None."""
-    s = min(SAMPLE, n)
+def _plan(n: int, k: int, sample: int = SAMPLE, min_row: int = MIN_ROW) -> tuple[np.ndarray, int, int] | None:
+    """``(sampled positions, j_lo, j_hi)`` of the sampled selection of ``k`` of ``n`` (the order statistics of the
+    sample that give the two thresholds), or None where rows of ``n`` are ranked in full."""
+    s = min(sample, n)
     mean = k * s / n
     sd = math.sqrt(mean * (1.0 - k / n))
     j_lo, j_hi = math.ceil(mean + _Z * sd + 1), math.floor(mean - _Z * sd - 1)
-    if not 0 < k < n or n < MIN_ROW or n <= 4 * s or j_lo >= s // 2 or not _kernel_rows(rows):
+    if n < min_row or n <= 4 * s or j_lo >= s // 2:
         return None
     return _sample_positions(n, s), j_lo, j_hi
+
+
+def _sampling(rows: int, n: int, k: int) -> tuple[np.ndarray, int, int] | None:
+    """:func:`_plan` where :func:`topk_indices` would select ``rows`` rows of ``n`` through the compiled kernel
+    at its defaults, else None."""
+    return _plan(n, k) if 0 < k < n and _kernel_rows(rows) else None
 
 
 def topk_indices(x2: torch.Tensor, k: int, *, sample: int = SAMPLE, min_row: int = MIN_ROW) -> torch.Tensor:
@@ -249,13 +255,10 @@ def topk_indices(x2: torch.Tensor, k: int, *, sample: int = SAMPLE, min_row: int
     tdt, ndt = _KEYS[x2.dtype]
     top = ndt(np.iinfo(ndt).max)
     xi = x2.contiguous().view(tdt).numpy()  # numpy from here: it releases the GIL, so threads can share it
-    s = min(sample, n)
-    mean = k * s / n
-    sd = math.sqrt(mean * (1.0 - k / n))
-    j_lo, j_hi = math.ceil(mean + _Z * sd + 1), math.floor(mean - _Z * sd - 1)
-    if n < min_row or n <= 4 * s or j_lo >= s // 2:
+    plan = _plan(n, k, sample, min_row)
+    if plan is None:
         return torch.from_numpy(_exact(x2, k))
-    pos = _sample_positions(n, s)
+    pos, j_lo, j_hi = plan
     if fused.enabled() and _kernel_rows(rows):
         # one compiled pass per row, the rows split over the threads (see aqsgd.compress.fused)
         out = np.empty((rows, k), dtype=np.int64)
