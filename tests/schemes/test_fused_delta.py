@@ -66,7 +66,8 @@ def fused_calls(monkeypatch):
 
 @pytest.mark.parametrize("storage", STORAGE, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("spec", ["q2", "q1", "q3", "q4", "q8", "q2:token", "q4:block8", "q2:tensor",
-                                  "q2:l2:midrise", "q5:token:l2", "q1:max", "q2:scale32", "q2:zstd"])
+                                  "q2:l2:midrise", "q5:token:l2", "q1:max", "q2:scale32", "q2:zstd",
+                                  "q4:token:step1", "q4:step1.1:rc"])
 def test_fused_step_is_bit_identical_to_the_step_by_step_path(spec, storage, fused_calls):
     a = _steps(spec, storage, fused_on=True)
     assert fused_calls["send"] >= 3 and fused_calls["recv"] >= 3  # steps 2..4 all have seen rows

@@ -9,7 +9,8 @@ spec                                   codec
                                        order: ``tensor`` | ``channel`` (default) | ``token`` |
                                        ``block<N>``; ``nearest`` (default) | ``stochastic``;
                                        ``max`` | ``l2`` | ``mean`` (1 bit only); default ``max``,
-                                       but ``mean`` for 1 bit with nearest rounding; ``midtread`` (default) |
+                                       but ``mean`` for 1 bit with nearest rounding; ``step<c>``: the
+                                       step is c x the group's rms (for ``:zstd``); ``midtread`` (default) |
                                        ``midrise`` (all 2^b codes, no zero level); ``scale16``
                                        (default) | ``scale32``
 ``topk<K>[:row|:tensor][+<codec>]``    keep fraction K in (0, 1] of largest magnitudes per row (default)
@@ -26,7 +27,8 @@ spec                                   codec
 Wrapper options, after any codec's own (see :mod:`aqsgd.compress.wrappers`): ``rot<G>[s<seed>]``
 (``q<b>`` only: randomized Hadamard rotation of tiles of G values, one scale per tile by default),
 ``outlier<F>`` (rows with norm above F x the median go apart in bf16), ``zstd[<level>]`` (lossless
-entropy stage). They compose as ``zstd(outlier(rot(codec)))`` whatever their order.
+entropy stage), ``rc`` (``q<b>`` only, optionally rotated: the codes through a range coder, lossless). They
+compose as ``zstd(outlier(rot(codec)))`` or ``rc(rot(codec))`` whatever their order.
 
 Examples: ``q4``, ``q2:token``, ``q3:block64:stochastic``, ``topk0.1``, ``topk0.1+q8``, ``q3:rot64:l2``,
 ``q2:l2:outlier8:zstd``.
@@ -43,7 +45,7 @@ from aqsgd.compress.base import Codec
 from aqsgd.compress.cast import CastCodec, RawCodec
 from aqsgd.compress.quant import QuantCodec
 from aqsgd.compress.topk import TopKCodec
-from aqsgd.compress.wrappers import EntropyCodec, OutlierCodec, RotatedCodec
+from aqsgd.compress.wrappers import EntropyCodec, OutlierCodec, RangeCodec, RotatedCodec
 from aqsgd.errors import SpecError
 
 __all__ = ["make_codec", "SPEC_HELP", "CODEC_NAMES"]
@@ -51,20 +53,22 @@ __all__ = ["make_codec", "SPEC_HELP", "CODEC_NAMES"]
 CODEC_NAMES = ("none", "fp32", "fp16", "bf16", "q<bits>", "topk<fraction>", "tah")
 SPEC_HELP = (
     "codec spec: none | fp32 | fp16 | bf16 | q<bits 1-8>[:tensor|channel|token|block<N>][:nearest|stochastic]"
-    "[:max|l2|mean][:midtread|midrise][:scale16|scale32] "
+    "[:max|l2|mean|step<c>][:midtread|midrise][:scale16|scale32] "
     "| topk<fraction>[:row|tensor][+fp32|fp16|bf16|q<bits>...] "
     "| tah | tah<bits> "
     "(e.g. q4, q2:token, q3:block64:stochastic, topk0.1, topk0.1+q8, q3:rot64:l2, q2:l2:outlier8:zstd); "
     "scale default: max, but mean (mean |x|) for 1 bit with nearest rounding; "
-    "wrappers on any codec: :rot<G> (q only), :outlier<F>, :zstd[<level>]"
+    "wrappers on any codec: :rot<G> (q only), :outlier<F>, :zstd[<level>], :rc (q only, optionally rot)"
 )
 _QUANT_RE = re.compile(r"q(\d+)")
+_STEP_RE = re.compile(r"step(\d*\.?\d+)")
 _TOPK_RE = re.compile(r"topk(\d*\.?\d+(?:e-?\d+)?)")
 _ROT_RE = re.compile(r"rot(\d+)(?:s(\d+))?")
 _OUTLIER_RE = re.compile(r"outlier(\d*\.?\d+)")
 _ZSTD_RE = re.compile(r"zstd(\d*)")
 _TAH_RE = re.compile(r"tah(\d*)")
-_WRAPPERS = (("rot", _ROT_RE), ("outlier", _OUTLIER_RE), ("zstd", _ZSTD_RE))
+_RC_RE = re.compile(r"rc")
+_WRAPPERS = (("rot", _ROT_RE), ("outlier", _OUTLIER_RE), ("zstd", _ZSTD_RE), ("rc", _RC_RE))
 
 
 def _error(spec: str, why: str) -> SpecError:
@@ -98,6 +102,9 @@ def _parse_quant(spec: str, text: str, default_granularity: str = "channel") -> 
             setopt("rounding", "rounding", opt, opt)
         elif opt in ("max", "l2", "mean"):
             setopt("scale", "scale", opt, opt)
+        elif m_step := _STEP_RE.fullmatch(opt):
+            setopt("scale", "scale", "step", opt)
+            kw["step_rms"] = float(m_step.group(1))
         elif opt in ("midtread", "midrise"):
             setopt("grid", "grid", opt, opt)
         elif opt in ("scale16", "scale32"):
@@ -159,8 +166,11 @@ def _make_codec(spec: str) -> Codec:
     rot = (int(wrappers["rot"].group(1)), int(wrappers["rot"].group(2) or 0)) if "rot" in wrappers else None
     outlier = float(wrappers["outlier"].group(1)) if "outlier" in wrappers else None
     zstd = int(wrappers["zstd"].group(1) or 1) if "zstd" in wrappers else None
-    if rot is None and outlier is None and zstd is None:
+    rc = "rc" in wrappers
+    if rot is None and outlier is None and zstd is None and not rc:
         return _make_core(spec, text)
+    if rc and (zstd is not None or outlier is not None):
+        raise _error(spec, "rc codes a quantizer's codes (optionally rotated): not with zstd or outlier<F>")
     text = ":".join(core)
     if rot is not None and not (text.startswith("q") and "+" not in text):
         raise _error(spec, "rot<G> applies to q<bits> quantizers only")
@@ -175,6 +185,8 @@ def _make_codec(spec: str) -> Codec:
             codec = OutlierCodec(codec, outlier)
         if zstd is not None:
             codec = EntropyCodec(codec, zstd)
+        if rc:
+            codec = RangeCodec(codec)
     except SpecError as e:
         if str(e).startswith("invalid codec spec"):
             raise

@@ -1,0 +1,185 @@
+"""Entropy-coded quantization: the ``step<c>`` scale (a uniform step of c x the group's rms) and the range-coder
+stage ``:rc`` over a quantizer's codes (aqsgd.compress.quant / wrappers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from aqsgd.compress import fused, make_codec
+from aqsgd.compress.packet import Packet
+from aqsgd.compress.wrappers import RangeCodec
+from aqsgd.errors import PacketError, SpecError
+
+
+def gaussian(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def rel_mse(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((y.double() - x.double()).square().sum() / x.double().square().sum())
+
+
+def entropy_bits(codes: np.ndarray) -> float:
+    p = np.bincount(codes) / codes.size
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
+
+
+# -- the step<c> scale ----------------------------------------------------------------------------
+@pytest.mark.parametrize("spec,canon", [("q4:step1", "q4:step1"), ("q4:step1.10", "q4:step1.1"),
+                                        ("q4:token:step0.5", "q4:token:step0.5"),
+                                        ("q4:step1.0:rot128", "q4:rot128:step1"),
+                                        ("q4:rc:step1:rot64", "q4:rot64:step1:rc")])
+def test_step_and_rc_specs_round_trip(spec, canon):
+    c = make_codec(spec)
+    assert c.spec == canon and make_codec(c.spec) == c
+
+
+@pytest.mark.parametrize("fused_on", [True, False])
+def test_step_is_c_times_the_group_rms_and_clips_beyond_the_field(fused_on):
+    x = gaussian(64, 256)
+    x[3, 7] = 40.0  # beyond 7 steps of its row: clipped to the outermost level
+    old = fused.set_enabled(fused_on)
+    try:
+        c = make_codec("q4:token:step1.1")
+        y = c.decode(c.encode(x))
+    finally:
+        fused.set_enabled(old)
+    rms = x.square().mean(dim=1, keepdim=True).sqrt()
+    step = c.step(c.quantize(x)[0]).view(-1, 1)
+    # the stored (fp16, rounded up) scale is 7 steps of 1.1 rms
+    assert torch.all(step >= 1.1 * rms) and torch.allclose(step, 1.1 * rms, rtol=1e-3)
+    levels = y / step
+    assert torch.allclose(levels, levels.round(), atol=1e-5) and levels.round().abs().max() == 7
+    inside = x.abs() < 7 * step
+    assert torch.all((y - x)[inside].abs() <= step.expand_as(x)[inside] / 2 * (1 + 1e-6))
+    assert torch.isclose(y[3, 7], 7 * step[3, 0])
+
+
+def test_step_is_at_most_the_max_abs_so_flat_groups_come_back_exactly():
+    """A rotated tile holding one loud channel is flat (every |value| equal): with c > 1 a step of c rms would
+    send it at +-c x its values; the step is capped at the max-abs instead."""
+    x = gaussian(4, 512)
+    x[0] = 0.0
+    x[0, 5] = 300.0  # one loud channel: its 128-value tile is +-300 / sqrt(128) after the rotation
+    c = make_codec("q4:rot128:step1.9")
+    y = c.roundtrip(x)
+    assert torch.allclose(y[0], x[0], atol=1e-3 * 300)
+    g = gaussian(64, 128, seed=3)  # Gaussian rows: max-abs is about 2.5 rms, so the cap does not bind
+    q = make_codec("q4:token:step1.9")
+    rms = g.square().mean(dim=1).sqrt()
+    assert torch.allclose(q.step(q.quantize(g)[0]), 1.9 * rms, rtol=1e-3)
+
+
+def test_step_fused_and_eager_packets_are_byte_identical():
+    x = gaussian(8, 64, 96)
+    x[:, 0] = 3.0  # flat rows: the max-abs cap binds for c > 1
+    for spec in ("q4:token:step1", "q4:step0.8", "q8:block64:step1.1", "q4:rot64:step1", "q4:token:step1.9",
+                 "q4:step2.5"):
+        c = make_codec(spec)
+        old = fused.set_enabled(True)
+        a = c.encode(x).payload
+        fused.set_enabled(False)
+        b = c.encode(x).payload
+        fused.set_enabled(old)
+        assert torch.equal(a, b), spec
+
+
+def test_step_error_follows_the_uniform_quantizer_not_the_field_width():
+    """On Gaussian tiles the error is about step^2 / 12 (in rms units), whatever the code field's width."""
+    x = gaussian(512, 128)
+    for c_step in (0.5, 1.0, 1.5):
+        e4 = rel_mse(x, make_codec(f"q4:rot128:step{c_step}").roundtrip(x))
+        e8 = rel_mse(x, make_codec(f"q8:rot128:step{c_step}").roundtrip(x))
+        assert abs(e4 - c_step**2 / 12) < 0.1 * c_step**2 / 12
+        assert abs(e8 - e4) < 0.01 * e4  # 7 steps = 7 rms or more: nothing Gaussian is clipped
+
+
+@pytest.mark.parametrize("bad,match", [("q4:step0", r"\(0, 64\]"), ("q4:step65", r"\(0, 64\]"),
+                                       ("q4:step1:l2", "conflict"), ("q4:stepx", "unknown quantizer option")])
+def test_bad_step_specs_are_one_line(bad, match):
+    with pytest.raises(SpecError, match=match) as e:
+        make_codec(bad)
+    assert "\n" not in str(e.value)
+
+
+# -- the range coder ------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["q4:rot128:step1", "q4:token:step1.1", "q2:rot64:l2:midrise", "q1:rot64",
+                                  "q8:rot64:step1", "q3:rot64:l2:midrise", "q4:block64:l2", "q6:tensor"])
+def test_rc_is_lossless_over_the_quantizer(spec):
+    x = gaussian(4, 96, 160)
+    plain, rc = make_codec(spec), make_codec(spec + ":rc")
+    assert isinstance(rc, RangeCodec) and not rc.fixed_size and not rc.lossless
+    p = rc.encode(x)
+    assert torch.equal(rc.decode(p), plain.roundtrip(x))
+    assert p.nbytes <= rc.wire_bytes(x.shape)
+
+
+@pytest.mark.parametrize("spec,width", [("q4:rot128:step1", 4), ("q2:rot64:l2:midrise", 2), ("q8:step1", 8),
+                                        ("q3:rot64:l2", 8)])
+def test_rc_spends_the_codes_empirical_entropy(spec, width):
+    """The payload is the mode byte, the scales, one uint32 count per symbol, then the coder's words: within
+    a few words of the symbols' empirical entropy."""
+    x = gaussian(8, 128, 128)
+    plain, rc = make_codec(spec), make_codec(spec + ":rc")
+    raw = plain.encode(x).payload.numpy()
+    head = rc._layout(x.shape)[0]
+    body = raw[head:]
+    sym = body if width == 8 else ((body[:, None] >> np.arange(0, 8, width)) & ((1 << width) - 1)).reshape(-1)
+    ideal = entropy_bits(sym) * sym.size / 8
+    p = rc.encode(x).payload
+    coded = p.numel() - 1 - head - 4 * (1 << width)
+    assert coded % 4 == 0
+    assert ideal - 8 <= coded <= ideal * 1.002 + 16
+    assert rc.encode(x).payload[0] == 2
+
+
+def test_rc_beats_zstd_on_entropy_coded_steps():
+    x = gaussian(8, 128, 576)
+    rc = make_codec("q4:rot128:step1:rc").encode(x).nbytes
+    zs = make_codec("q4:rot128:step1:zstd").encode(x).nbytes
+    assert rc < 0.98 * zs  # zstd's Huffman codes whole bits per code byte
+
+
+def test_rc_single_symbol_and_incompressible_payloads():
+    c = make_codec("q4:token:step1:rc")
+    x = torch.zeros(16, 64)  # every code the zero level: no coder words at all
+    p = c.encode(x)
+    assert p.payload[0] == 2 and p.payload.numel() == 1 + 16 * 2 + 4 * 16
+    assert torch.equal(c.decode(p), x)
+    u = torch.rand(64, 64, generator=torch.Generator().manual_seed(1)) * 2 - 1  # uniform 8-bit codes
+    c8 = make_codec("q8:tensor:rc")
+    p = c8.encode(u)
+    assert p.payload[0] == 0 and p.payload.numel() == 1 + make_codec("q8:tensor").payload_bytes(u.shape)
+    assert torch.equal(c8.decode(p), make_codec("q8:tensor").roundtrip(u))
+
+
+def _count_offset(c: RangeCodec, shape) -> int:
+    return 1 + c._layout(shape)[0]
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda p, o: p[:o + 10], "does not fit its layout"),
+    (lambda p, o: torch.cat([p[:o], (p[o:o + 4].clone().view(torch.int32) + 1).view(torch.uint8), p[o + 4:]]),
+     "add up to"),
+    (lambda p, o: torch.cat([p[:1].fill_(9), p[1:]]), "mode byte 9"),
+    (lambda p, o: p[:-2], "does not fit its layout"),
+])
+def test_rc_corrupt_packets(mutate, match):
+    x = gaussian(4, 32, 128)
+    c = make_codec("q4:rot128:step1:rc")
+    p = c.encode(x)
+    bad = Packet(p.family, p.dtype, p.shape, p.fingerprint, mutate(p.payload.clone(), _count_offset(c, x.shape)))
+    with pytest.raises(PacketError, match=match):
+        c.decode(bad)
+
+
+@pytest.mark.parametrize("bad,match", [("q4:step1:rc:zstd", "not with zstd"), ("q4:outlier8:rc", "outlier"),
+                                       ("topk0.1:rc", "q<bits> quantizer"), ("fp16:rc", "q<bits> quantizer"),
+                                       ("tah:rc", "q<bits> quantizer"), ("q4:rc:rc", "given twice")])
+def test_bad_rc_specs_are_one_line(bad, match):
+    with pytest.raises(SpecError, match=match) as e:
+        make_codec(bad)
+    assert "\n" not in str(e.value)
