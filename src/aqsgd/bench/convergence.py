@@ -57,11 +57,12 @@ DEFAULT_SETTINGS: dict[str, list[str]] = {
 }
 
 # the `fewer-bits` study: rotated tiles, outlier rows, the zstd stage, AQ-SGD at 1 bit and the 2025 peer
-# (TAH-Quant). The zstd stage is lossless, so a `zstd` run trains exactly as the same setting without it.
+# (TAH-Quant), entropy-coded AQ-SGD deltas (`ec`: a uniform step and the range coder). The zstd stage is
+# lossless, so a `zstd` run trains exactly as the same setting without it.
 _FEWER_BITS = ["fp32", "aqsgd fw2/bw4 l2 zstd", "aqsgd fw2/bw4 rot zstd", "direct fw3/bw6 rot zstd",
                "tah-quant zstd", "direct fw4/bw6 rot zstd", "aqsgd fw2/bw4 rot outlier", "aqsgd fw2/bw4 l2 outlier",
                "aqsgd fw1/bw4 rot zstd", "aqsgd fw1/bw4", "aqsgd fw2 rot only", "bw4 rot only",
-               "aqsgd fw3/bw4 rot zstd"]
+               "aqsgd fw3/bw4 rot zstd", "aqsgd fw2 ec/bw4 rot", "aqsgd fw1.5 ec/bw4 rot"]
 FEWER_BITS_SETTINGS: dict[str, list[str]] = {
     "minilm-bbc": _FEWER_BITS, "smollm2-wiki": _FEWER_BITS,
     "synthetic-lm": ["fp32", "aqsgd fw2/bw4 rot zstd", "tah-quant"],
