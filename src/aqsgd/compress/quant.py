@@ -31,7 +31,7 @@ Scale (one per group)
     ``step<c>``: the quantization step is ``c`` times the group's rms, or its max-abs where that is smaller
     (a flat group, such as a rotated tile holding one loud channel, then comes back exactly), and values
     beyond the outermost level are clipped (scale ``min(c * rms, max-abs) * qmax / 2``); for ``c <= 1`` the
-    max-abs never binds. Meant for entropy coding (``:zstd``): with a
+    max-abs never binds. Meant for entropy coding (``:rc``, or ``:zstd``): with a
     wide code field (``q4``) and a step near one rms the outer codes are rare, so the coded size follows the
     data's entropy rather than the field's width. An entropy-coded uniform quantizer at step ``c`` sigma on a
     Gaussian source: c = 1.0 -> 2.10 bits of entropy at relative error 0.083, c = 1.1 -> 1.98 bits at 0.101,
@@ -247,12 +247,16 @@ class QuantCodec(Codec):
         if self.scale_mode == "mean":
             return x2.abs().mean(dim=dim)
         s = x2.abs().amax(dim=dim)
-        if self.scale_mode == "step":
-            return torch.minimum(s, x2.square().mean(dim=dim).sqrt() * self.step_rms) * (self.qmax / 2.0)
-        if self.scale_mode == "l2":
-            rms = x2.square().mean(dim=dim).sqrt()
-            s = torch.minimum(s, rms * self._l2_clip)
+        if self.scale_mode in ("l2", "step"):
+            return self._rms_capped(s, x2.square().mean(dim=dim).sqrt())
         return s
+
+    def _rms_capped(self, max_abs: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
+        """The ``l2`` and ``step`` scales: ``min(max-abs, k * rms)``, times ``qmax / 2`` for ``step`` (whose
+        ``k`` sets the step, not the outermost level)."""
+        if self.scale_mode == "l2":
+            return torch.minimum(max_abs, rms * self._l2_clip)
+        return torch.minimum(max_abs, rms * self.step_rms) * (self.qmax / 2.0)
 
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         if x.numel() == 0:
@@ -292,13 +296,10 @@ class QuantCodec(Codec):
         if self.scale_mode == "max":
             s = torch.from_numpy(max_abs())
             return s.amax().reshape(1) if self.granularity == "tensor" else s
-        if self.scale_mode == "l2" and self.granularity != "tensor":
+        if self.scale_mode in ("l2", "step") and self.granularity != "tensor":
             # the same view and reduction as the eager path's
             rms = x2.square().mean(dim=0 if by_col else 1).sqrt()
-            return torch.minimum(torch.from_numpy(max_abs()), rms * self._l2_clip)
-        if self.scale_mode == "step" and self.granularity != "tensor":
-            rms = x2.square().mean(dim=0 if by_col else 1).sqrt()
-            return torch.minimum(torch.from_numpy(max_abs()), rms * self.step_rms) * (self.qmax / 2.0)
+            return self._rms_capped(torch.from_numpy(max_abs()), rms)
         return torch.cat([self._scales(v, d) for v, d in self._groups(shape).views(x2.view(-1))])
 
     def _fused_payload(self, stored: torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor, int]:

@@ -10,7 +10,7 @@ spec                                   codec
                                        ``block<N>``; ``nearest`` (default) | ``stochastic``;
                                        ``max`` | ``l2`` | ``mean`` (1 bit only); default ``max``,
                                        but ``mean`` for 1 bit with nearest rounding; ``step<c>``: the
-                                       step is c x the group's rms (for ``:zstd``); ``midtread`` (default) |
+                                       step is c x the group's rms (for ``:rc``); ``midtread`` (default) |
                                        ``midrise`` (all 2^b codes, no zero level); ``scale16``
                                        (default) | ``scale32``
 ``topk<K>[:row|:tensor][+<codec>]``    keep fraction K in (0, 1] of largest magnitudes per row (default)
