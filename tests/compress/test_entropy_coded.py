@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from aqsgd.compress import fused, make_codec
+from aqsgd.compress import fused, make_codec, rans
 from aqsgd.compress.packet import Packet
 from aqsgd.compress.wrappers import RangeCodec
 from aqsgd.errors import PacketError, SpecError
@@ -120,8 +120,9 @@ def test_rc_is_lossless_over_the_quantizer(spec):
 @pytest.mark.parametrize("spec,width", [("q4:rot128:step1", 4), ("q2:rot64:l2:midrise", 2), ("q8:step1", 8),
                                         ("q3:rot64:l2", 8)])
 def test_rc_spends_the_codes_empirical_entropy(spec, width):
-    """The payload is the mode byte, the scales, one uint32 count per symbol, then the coder's words: within
-    a few words of the symbols' empirical entropy."""
+    """The payload is the mode byte, the scales, the coder's tables (2**w uint16 frequencies, 16 lanes' uint32
+    states and word counts), then its 16-bit words: within a few words per lane of the symbols' empirical
+    entropy (each lane's last 16 to 32 bits sit in its final state, in the tables)."""
     x = gaussian(8, 128, 128)
     plain, rc = make_codec(spec), make_codec(spec + ":rc")
     raw = plain.encode(x).payload.numpy()
@@ -130,10 +131,10 @@ def test_rc_spends_the_codes_empirical_entropy(spec, width):
     sym = body if width == 8 else ((body[:, None] >> np.arange(0, 8, width)) & ((1 << width) - 1)).reshape(-1)
     ideal = entropy_bits(sym) * sym.size / 8
     p = rc.encode(x).payload
-    coded = p.numel() - 1 - head - 4 * (1 << width)
-    assert coded % 4 == 0
-    assert ideal - 8 <= coded <= ideal * 1.002 + 16
-    assert rc.encode(x).payload[0] == 2
+    coded = p.numel() - 1 - head - rans.overhead_bytes(width)
+    assert coded % 2 == 0
+    assert ideal - 4 * rans.LANES <= coded <= ideal * 1.002 + 2 * rans.LANES
+    assert p[0] == RangeCodec.MODE == 3
 
 
 def test_rc_beats_zstd_on_entropy_coded_steps():
@@ -147,7 +148,7 @@ def test_rc_single_symbol_and_incompressible_payloads():
     c = make_codec("q4:token:step1:rc")
     x = torch.zeros(16, 64)  # every code the zero level: no coder words at all
     p = c.encode(x)
-    assert p.payload[0] == 2 and p.payload.numel() == 1 + 16 * 2 + 4 * 16
+    assert p.payload[0] == 3 and p.payload.numel() == 1 + 16 * 2 + rans.overhead_bytes(4)
     assert torch.equal(c.decode(p), x)
     u = torch.rand(64, 64, generator=torch.Generator().manual_seed(1)) * 2 - 1  # uniform 8-bit codes
     c8 = make_codec("q8:tensor:rc")
@@ -156,24 +157,47 @@ def test_rc_single_symbol_and_incompressible_payloads():
     assert torch.equal(c8.decode(p), make_codec("q8:tensor").roundtrip(u))
 
 
-def _count_offset(c: RangeCodec, shape) -> int:
+def _tables_offset(c: RangeCodec, shape) -> int:
     return 1 + c._layout(shape)[0]
+
+
+def _poke(p: torch.Tensor, at: int, dtype: torch.dtype, value: int) -> torch.Tensor:
+    n = torch.empty(0, dtype=dtype).element_size()
+    return torch.cat([p[:at], torch.tensor([value], dtype=dtype).view(torch.uint8), p[at + n:]])
+
+
+def _peek(p: torch.Tensor, at: int, dtype: torch.dtype) -> int:
+    n = torch.empty(0, dtype=dtype).element_size()
+    return int(p[at:at + n].clone().view(dtype))
+
+
+_FREQ = 0  # offsets in the coder's tables of q4 codes: 16 uint16 frequencies, 16 uint32 states, 16 uint32 counts
+_STATE = 32
+_COUNT = 32 + 64
 
 
 @pytest.mark.parametrize("mutate,match", [
     (lambda p, o: p[:o + 10], "does not fit its layout"),
-    (lambda p, o: torch.cat([p[:o], (p[o:o + 4].clone().view(torch.int32) + 1).view(torch.uint8), p[o + 4:]]),
-     "add up to"),
+    (lambda p, o: torch.cat([p[:1], p[1:o - 1]]), "shorter than its"),
+    (lambda p, o: _poke(p, o + _FREQ, torch.int16, _peek(p, o + _FREQ, torch.int16) + 1), "add up to"),
     (lambda p, o: torch.cat([p[:1].fill_(9), p[1:]]), "mode byte 9"),
-    (lambda p, o: p[:-2], "does not fit its layout"),
+    (lambda p, o: torch.cat([p[:1].fill_(2), p[1:]]), "mode byte 2"),  # the range coder's mode before rANS
+    (lambda p, o: p[:-2], "announce"),
+    (lambda p, o: p[:-1], "does not fit its layout"),
+    (lambda p, o: _poke(p, o + _STATE, torch.int32, 5), "below"),
+    (lambda p, o: _poke(p, o + _COUNT, torch.int32, _peek(p, o + _COUNT, torch.int32) + 1),
+     "announce"),
+    (lambda p, o: torch.cat([p[:-1], p[-1:] ^ 0x40]), "corrupt rANS data"),
+    (lambda p, o: torch.cat([p[:o + 200], p[o + 200:o + 201] ^ 0x01, p[o + 201:]]), "corrupt rANS data"),
 ])
 def test_rc_corrupt_packets(mutate, match):
     x = gaussian(4, 32, 128)
     c = make_codec("q4:rot128:step1:rc")
     p = c.encode(x)
-    bad = Packet(p.family, p.dtype, p.shape, p.fingerprint, mutate(p.payload.clone(), _count_offset(c, x.shape)))
-    with pytest.raises(PacketError, match=match):
+    bad = Packet(p.family, p.dtype, p.shape, p.fingerprint, mutate(p.payload.clone(), _tables_offset(c, x.shape)))
+    with pytest.raises(PacketError, match=match) as e:
         c.decode(bad)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("bad,match", [("q4:step1:rc:zstd", "not with zstd"), ("q4:outlier8:rc", "outlier"),

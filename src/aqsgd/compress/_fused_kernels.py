@@ -655,3 +655,11 @@ def topk_encode(threads, keys, mask, pos, j_lo, j_hi, k, fmt, vals, width, ib, o
     numba.set_num_threads(threads)
     _topk_encode(keys, mask, pos, j_lo, j_hi, k, fmt, vals, width, ib, ok, bad, cpos, cbits,
                  *_topk_chunks(keys.shape[0], threads))
+
+
+# -------------------------------------------------------------------------------------------------- rANS
+# the :rc stage's coder (aqsgd.compress.rans), called through fused._call like the kernels above
+from aqsgd.compress._rans_kernels import count as rans_count  # noqa: E402
+from aqsgd.compress._rans_kernels import decode as rans_decode  # noqa: E402
+from aqsgd.compress._rans_kernels import encode as rans_encode  # noqa: E402
+from aqsgd.compress._rans_kernels import pack as rans_pack  # noqa: E402

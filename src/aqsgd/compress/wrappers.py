@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from aqsgd.compress import hadamard
+from aqsgd.compress import hadamard, rans
 from aqsgd.compress.base import Codec, numel_of, raise_non_finite
 from aqsgd.compress.packet import Family, Packet, bytes_as
 from aqsgd.compress.quant import QuantCodec
@@ -239,12 +239,14 @@ class EntropyCodec(Codec):
         return ctx[key]
 
     # the stage itself: bytes in, bytes out (the two methods a lossless stage overrides)
-    def _squeeze(self, raw, shape: Sequence[int]) -> bytes:
-        """The stage's output for the inner payload ``raw`` (a uint8 numpy array) of a tensor of ``shape``."""
+    def _squeeze(self, raw, shape: Sequence[int]) -> bytes | np.ndarray:
+        """The stage's output (bytes or a uint8 numpy array) for the inner payload ``raw`` (a uint8 numpy array)
+        of a tensor of ``shape``."""
         return self._ctx()[0].compress(memoryview(raw))
 
-    def _expand(self, data, bound: int, shape: Sequence[int]) -> bytes:
-        """Inverse of :meth:`_squeeze`: at most ``bound`` bytes of inner payload; PacketError where corrupt."""
+    def _expand(self, data, bound: int, shape: Sequence[int]) -> bytes | np.ndarray:
+        """Inverse of :meth:`_squeeze` (bytes or a uint8 numpy array): at most ``bound`` bytes of inner payload;
+        PacketError where corrupt."""
         try:
             return self._ctx()[1].decompress(memoryview(data), max_output_size=bound)
         except Exception as e:  # zstandard.ZstdError: a corrupt frame
@@ -259,7 +261,8 @@ class EntropyCodec(Codec):
         if len(comp) < host.numel():
             out = torch.empty(1 + len(comp), dtype=torch.uint8)
             out[0] = self.MODE
-            out[1:] = torch.frombuffer(bytearray(comp), dtype=torch.uint8)
+            out[1:] = torch.from_numpy(comp) if isinstance(comp, np.ndarray) else \
+                torch.frombuffer(bytearray(comp), dtype=torch.uint8)
         else:
             out = torch.cat([torch.zeros(1, dtype=torch.uint8), host])
         return out.to(raw.device) if raw.device.type != "cpu" else out
@@ -295,7 +298,10 @@ class EntropyCodec(Codec):
             inner = host[1:]
         elif mode == self.MODE:
             data = self._expand(host[1:].numpy(), bound, packet.shape)
-            inner = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else host.new_empty(0)
+            if isinstance(data, np.ndarray):
+                inner = torch.from_numpy(data)
+            else:
+                inner = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else host.new_empty(0)
         else:
             raise PacketError(f"{self.spec}: unknown entropy mode byte {mode} (0 = stored, {self.MODE} = "
                               f"{self.NAME})")
@@ -304,36 +310,26 @@ class EntropyCodec(Codec):
         return _inner_packet(self.inner, packet.dtype, packet.shape, inner.to(p.device))
 
 
-def _constriction():
-    try:
-        import constriction
-    except ImportError as e:  # a base dependency; only a broken install gets here
-        raise SpecError(f"the range-coder stage (:rc) needs the constriction package ({e}); "
-                        "pip install constriction") from None
-    return constriction
-
-
 class RangeCodec(EntropyCodec):
-    """``q<b>[...][:rot<G>]:rc``: the quantizer's codes through an order-0 range coder; its scales as they are.
+    """``q<b>[...][:rot<G>]:rc``: the quantizer's codes through an order-0 rANS coder; its scales as they are.
 
     The codes are cut into symbols of ``b`` bits where ``b`` divides 8 (q1, q2, q4, q8), else into bytes, and
-    range-coded (``constriction``'s ``RangeEncoder``) under the packet's own symbol histogram, which the
-    packet carries. That spends each symbol's empirical entropy, where zstd's Huffman stage spends whole bits
-    per byte (on 4-bit codes about 0.1 bit per value more). Payload after the mode byte (2): the scales as the
-    quantizer wrote them, ``2**w`` uint32 symbol counts, then the coder's uint32 words.
+    coded (:mod:`aqsgd.compress.rans`) under the packet's own symbol frequencies, which the packet carries. That
+    spends each symbol's empirical entropy, where zstd's Huffman stage spends whole bits per byte (on 4-bit codes
+    about 0.1 bit per value more). Payload after the mode byte (3): the scales as the quantizer wrote them, then
+    the coder's output (its frequency table, 16 lanes' states and word counts, their 16-bit words).
     """
 
-    MODE = 2
-    NAME = "range coder"
+    MODE = 3
+    NAME = "rANS coder"
 
     def __init__(self, inner: Codec) -> None:
         quant = inner.inner if isinstance(inner, RotatedCodec) else inner
         if not isinstance(quant, QuantCodec):
-            raise SpecError(f"the range coder (:rc) codes a q<bits> quantizer's codes, not {inner.spec!r}")
-        _constriction()
+            raise SpecError(f"the rANS coder (:rc) codes a q<bits> quantizer's codes, not {inner.spec!r}")
+        rans.available()
         self.inner, self._quant = inner, quant
         self.width = quant.bits if 8 % quant.bits == 0 else 8
-        self._shifts = np.arange(0, 8, self.width, dtype=np.uint8)
 
     @property
     def spec(self) -> str:
@@ -348,53 +344,19 @@ class RangeCodec(EntropyCodec):
         head = groups.nscales * self._quant.scale_dtype.itemsize
         return head, self._quant.payload_bytes(shape) - head
 
-    @staticmethod
-    def _model(counts: np.ndarray):
-        """The symbols' model: their frequencies in the packet (absent symbols get the coder's least probability)."""
-        return _constriction().stream.model.Categorical(counts.astype(np.float64), perfect=False)
-
-    def _split(self, body: np.ndarray) -> np.ndarray:
-        """Code bytes to symbols of ``width`` bits, low bits first (int32, as the coder takes them)."""
-        if self.width == 8:
-            return body.astype(np.int32)
-        fields = np.empty((body.size, 8 // self.width), dtype=np.int32)
-        mask = (1 << self.width) - 1
-        for i, shift in enumerate(self._shifts):
-            np.bitwise_and(body >> shift, mask, out=fields[:, i], casting="unsafe")
-        return fields.reshape(-1)
-
-    def _squeeze(self, raw, shape: Sequence[int]) -> bytes:
+    def _squeeze(self, raw, shape: Sequence[int]) -> np.ndarray:
         head, _ = self._layout(shape)
-        sym = self._split(raw[head:])
-        counts = np.bincount(sym, minlength=1 << self.width)
-        parts = [raw[:head].tobytes(), counts.astype("<u4").tobytes()]
-        if np.count_nonzero(counts) > 1:
-            enc = _constriction().stream.queue.RangeEncoder()
-            enc.encode(sym, self._model(counts))
-            parts.append(enc.get_compressed().astype("<u4", copy=False).tobytes())
-        return b"".join(parts)
+        return np.concatenate([raw[:head], rans.encode(raw[head:], self.width)])
 
-    def _expand(self, data, bound: int, shape: Sequence[int]) -> bytes:
+    def _expand(self, data, bound: int, shape: Sequence[int]) -> np.ndarray:
         head, nbody = self._layout(shape)
-        ncount = 1 << self.width
-        nsym = nbody * (8 // self.width)
-        if data.size < head + 4 * ncount or (data.size - head) % 4:
-            raise PacketError(f"{self.spec}: range-coded payload of {data.size} bytes does not fit its layout "
-                              f"({head} scale bytes, {ncount} counts, 4-byte words)")
-        counts = data[head : head + 4 * ncount].view("<u4").astype(np.int64)
-        if int(counts.sum()) != nsym:
-            raise PacketError(f"{self.spec}: symbol counts add up to {int(counts.sum())}, the shape needs {nsym}")
-        present = np.flatnonzero(counts)
-        if present.size > 1:
-            words = data[head + 4 * ncount :].view("<u4").astype(np.uint32)
-            try:
-                sym = _constriction().stream.queue.RangeDecoder(words).decode(self._model(counts), nsym)
-            except Exception as e:  # constriction raises on an exhausted or invalid stream
-                raise PacketError(f"{self.spec}: corrupt range-coded data ({e})") from None
-        else:
-            sym = np.full(nsym, present[0] if present.size else 0, dtype=np.int32)
-        fields = sym.astype(np.uint8).reshape(nbody, 8 // self.width)
-        body = fields[:, 0].copy()
-        for i in range(1, fields.shape[1]):
-            body |= fields[:, i] << self._shifts[i]
-        return data[:head].tobytes() + body.tobytes()
+        if data.size < head:
+            raise PacketError(f"{self.spec}: rANS-coded payload of {data.size} bytes is shorter than its {head} "
+                              f"scale bytes")
+        out = np.empty(head + nbody, dtype=np.uint8)
+        out[:head] = data[:head]
+        try:
+            rans.decode(data[head:], self.width, nbody, out=out[head:])
+        except PacketError as e:
+            raise PacketError(f"{self.spec}: {e}") from None
+        return out
