@@ -45,6 +45,8 @@ def test_one_row_per_codec_and_cache(rows):
         assert r.sender_gbps == pytest.approx(nbytes / r.sender_ms / 1e6)
         assert r.sender_vs_clone == pytest.approx(r.sender_gbps / r.clone_gbps)
         assert r.receiver_vs_clone == pytest.approx(r.receiver_gbps / r.clone_gbps)
+        assert r.copy_gbps > 0 and r.sender_vs_copy == pytest.approx(r.sender_gbps / r.copy_gbps)
+        assert r.receiver_vs_copy == pytest.approx(r.receiver_gbps / r.copy_gbps)
         assert r.caches_identical  # both sides' caches bit-identical after every timed call
         # the in-memory cache runs the fused AQ-SGD step; the same paths also timed with the kernels off
         assert r.fused == (r.cache == "memory" and fused.enabled())

@@ -10,11 +10,13 @@ same spec):
   (:meth:`DeltaScheme.recv`).
 
 Rates are bytes of the fp32 activation per second. ``clone`` is ``a.clone()`` of the same activations, in the
-same run, interleaved with the two sides (medians over repeats after warm-up, as in ``bench codecs``). The
-step cycles over ``microbatches`` micro-batches of distinct sample ids, each with two versions of its activation
-that alternate between visits, so the cache rows, activations and deltas come from memory as they do in
-training rather than staying in the CPU's caches; the clone cycles over the same activations. The components
-(get, subtract, encode, decode, add, put) are timed alone as well, on a third cache of the same spec.
+same run, interleaved with the two sides (medians over repeats after warm-up, as in ``bench codecs``), and
+``copy`` is ``dst.copy_(a)`` into a buffer allocated once: the copy alone, without the clone's fresh
+allocation. The step cycles over ``microbatches`` micro-batches of distinct sample ids, each with two versions
+of its activation that alternate between visits, so the cache rows, activations and deltas come from memory as
+they do in training rather than staying in the CPU's caches; the clone and the copy cycle over the same
+activations. The components (get, subtract, encode, decode, add, put) are timed alone as well, on a third cache
+of the same spec.
 
 Where the cache keeps its rows in CPU memory (``memory``) and the codec is a plain quantizer, the two sides
 run as one fused pass over the rows (:meth:`Codec.encode_delta` / :meth:`Codec.decode_delta`): the
@@ -89,6 +91,11 @@ class CachePathRow:
     eager_sender_ms: float | None = None
     eager_receiver_ms: float | None = None
     fused: bool = False  # whether the sender's step ran the fused AQ-SGD kernels (memory cache, q<b> codec)
+    # ``dst.copy_(a)`` into a buffer allocated once: the memory's copy rate without the clone's allocation (a
+    # fresh 12 MB tensor comes from the OS and faults its pages in, which can take several times the copy)
+    copy_gbps: float | None = None
+    sender_vs_copy: float | None = None
+    receiver_vs_copy: float | None = None
 
 
 @dataclass
@@ -266,6 +273,12 @@ def _measure(pair: CachePair, probe: CachePair, eager: CachePair | None, nbytes:
     def clone() -> None:
         pair.activation(clone_k.next()).clone()
 
+    copy_k = _Cycle(k_count)
+    copy_dst = torch.empty_like(pair.activation(0))
+
+    def copy() -> None:
+        copy_dst.copy_(pair.activation(copy_k.next()))
+
     # components alone, on the probe's sender cache, with inputs prepared from it
     cache, codec = probe.sender.cache, probe.sender.codec
     g = torch.Generator(device=device).manual_seed(seed)
@@ -276,6 +289,7 @@ def _measure(pair: CachePair, probe: CachePair, eager: CachePair | None, nbytes:
     cyc = {name: _Cycle(k_count) for name in ("get", "sub", "encode", "decode", "add", "put")}
     fns: dict[str, Callable[[], object]] = {
         "clone": clone,
+        "copy": copy,
         "send": send,
         "recv": recv,
         "get": lambda: cache.get(probe.ids[cyc["get"].next()]),
@@ -317,6 +331,7 @@ def _measure(pair: CachePair, probe: CachePair, eager: CachePair | None, nbytes:
         eager_sender_ms=t["eager_send"] * 1e3 if eager is not None else None,
         eager_receiver_ms=t["eager_recv"] * 1e3 if eager is not None else None,
         fused=any(fused_steps),
+        copy_gbps=nbytes / t["copy"] / 1e9, sender_vs_copy=t["copy"] / t["send"], receiver_vs_copy=t["copy"] / t["recv"],
     )
 
 
@@ -510,12 +525,17 @@ def write_cache_path_json(rows: list[CachePathRow], prefetch: list[PrefetchRow],
     Path(path).write_text(json.dumps(out, indent=1))
 
 
+def _opt(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
 def markdown_table(d: dict[str, Any]) -> list[str]:
     """The two tables of a :func:`write_cache_path_json` file as markdown (for docs/bench-codecs.md)."""
     out = ["| cache | codec | fused | sender GB/s | receiver GB/s | clone GB/s | sender / clone | receiver / clone "
+           "| copy GB/s | sender / copy | receiver / copy "
            "| send / recv ms | unfused send / recv ms | get | a − m | encode | decode | m + d | put (ms) "
            "| cache bytes / sample |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         parts = " | ".join(f"{r[k]:.2f}" for k in ("get_ms", "sub_ms", "encode_ms", "decode_ms", "add_ms", "put_ms"))
         unfused = ("-" if r.get("eager_sender_ms") is None
@@ -523,6 +543,8 @@ def markdown_table(d: dict[str, Any]) -> list[str]:
         out.append(f"| `{r['cache']}` | `{r['codec']}` | {'yes' if r.get('fused') else 'no'} | "
                    f"{r['sender_gbps']:.2f} | {r['receiver_gbps']:.2f} | "
                    f"{r['clone_gbps']:.1f} | {r['sender_vs_clone']:.3f} | {r['receiver_vs_clone']:.3f} | "
+                   f"{_opt(r.get('copy_gbps'), '.1f')} | {_opt(r.get('sender_vs_copy'), '.3f')} | "
+                   f"{_opt(r.get('receiver_vs_copy'), '.3f')} | "
                    f"{r['sender_ms']:.2f} / {r['receiver_ms']:.2f} | {unfused} | {parts} | "
                    f"{r['cache_bytes_per_sample']:,} |")
     if d.get("prefetch"):

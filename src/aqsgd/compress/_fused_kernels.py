@@ -209,26 +209,29 @@ def _unpack(p, r, c, c16, c32, c64, bits):
 
 @njit(inline="always")
 def _merge_parts(part):
-    """Column max over the chunks' partial maxima ``part`` [nchunk, K]; a NaN in any chunk sticks."""
-    res = part[0].copy()
-    for ch in range(1, part.shape[0]):
-        for j in range(part.shape[1]):
-            a = part[ch, j]
-            if a > res[j] or a != a:
-                res[j] = a
+    """Column max over the chunks' partial maxima ``part`` [nchunk, K] of magnitude bits (see
+    :func:`_absmax_bits`), as fp32: a NaN in any chunk sticks (its bits are above every number's)."""
+    res = np.empty(part.shape[1], np.float32)
+    for j in range(part.shape[1]):
+        mx = part[0, j]
+        for ch in range(1, part.shape[0]):
+            mx = max(mx, part[ch, j])
+        res[j] = _u2f(mx)
     return res
 
 
 @njit(parallel=True, cache=True)
 def _colmax(x, nchunk, per):
+    """Max |x| of each column: an integer max over the magnitudes' bits (see :func:`_absmax_bits`; 0.20 against
+    0.23 ms for a float compare that keeps NaN, 4096 x 768 at 2 threads, one timing on the AMD VM)."""
     r_, k = x.shape
-    part = np.zeros((nchunk, k), np.float32)
+    part = np.zeros((nchunk, k), np.uint32)
     for ch in prange(nchunk):
+        pc = part[ch]
         for r in range(ch * per, min(r_, (ch + 1) * per)):
+            xr = x[r]
             for j in range(k):
-                a = abs(x[r, j])
-                if a > part[ch, j] or a != a:
-                    part[ch, j] = a
+                pc[j] = max(pc[j], _f2u(xr[j]) & np.uint32(0x7FFFFFFF))
     return _merge_parts(part)
 
 
@@ -368,15 +371,13 @@ def _cache_row(st, ids, rpb, r, k):
 @njit(parallel=True, cache=True)
 def _delta_colmax(x, st, ids, rpb, fmt, nchunk, per):
     r_, k = x.shape
-    part = np.zeros((nchunk, k), np.float32)
+    part = np.zeros((nchunk, k), np.uint32)
     for ch in prange(nchunk):
         pc = part[ch]
         for r in range(ch * per, min(r_, (ch + 1) * per)):
             m, xr = _cache_row(st, ids, rpb, r, k), x[r]
             for j in range(k):
-                a = abs(xr[j] - _load(m, j, fmt))
-                if a > pc[j] or a != a:
-                    pc[j] = a
+                pc[j] = max(pc[j], _f2u(xr[j] - _load(m, j, fmt)) & np.uint32(0x7FFFFFFF))
     return _merge_parts(part)
 
 

@@ -50,7 +50,7 @@ def available() -> None:
 
 
 def overhead_bytes(width: int) -> int:
-    """Bytes of :func:`encode`'s output besides the words: the frequency table and the lanes' states and counts."""
+    """Bytes of :func:`encode`'s output besides the words: the frequencies and the lanes' states and counts."""
     return 2 * (1 << width) + 8 * LANES
 
 
@@ -90,7 +90,7 @@ def _block(nsym: int) -> int:
 
 
 def encode(body: np.ndarray, width: int) -> np.ndarray:
-    """The packed codes ``body`` (uint8) rANS-coded as ``width``-bit symbols; a uint8 array in the format above."""
+    """The packed codes ``body`` (uint8) coded as ``width``-bit symbols; a uint8 array in the format above."""
     shift = _PER_SHIFT[width]
     nsym = body.size << shift
     freq = normalize(fused._call("rans_count", body, width, shift, nsym, 1 << width))
@@ -99,7 +99,8 @@ def encode(body: np.ndarray, width: int) -> np.ndarray:
     words = _scratch("words", LANES * (block + 1), np.uint16)  # a spare word per lane (see the kernel)
     states = np.empty(LANES, dtype=np.uint32)
     starts = np.empty(LANES, dtype=np.int64)
-    fused._call("rans_encode", body, width, shift, nsym, block, freq.astype(np.uint64), cum, words, states, starts)
+    fused._call("rans_encode", body, width, shift, nsym, block, freq.astype(np.uint64), cum, words, states,
+                starts)
     ends = np.arange(1, LANES + 1, dtype=np.int64) * (block + 1)
     nwords = ends - starts
     head = overhead_bytes(width)
@@ -131,12 +132,13 @@ def decode(data: np.ndarray, width: int, nbody: int, out: np.ndarray | None = No
     if int(freq.sum()) != _SCALE:
         raise PacketError(f"rANS frequencies add up to {int(freq.sum())}, not {_SCALE}")
     if int(nwords.sum()) * 2 != data.size - head:
-        raise PacketError(f"rANS lanes announce {int(nwords.sum())} words, the data holds {(data.size - head) // 2}")
+        raise PacketError(f"rANS lanes announce {int(nwords.sum())} words, the data holds "
+                          f"{(data.size - head) // 2}")
     if bool((states < _STATE_LOW).any()):
         raise PacketError("rANS lane state below 2**16: corrupt data")
     total = int(nwords.sum())
     words = _scratch("dwords", total + 1, np.uint16)  # one more word, read by a lane that ran past its own
-    words[:total] = data[head:].view("<u2")  # numpy copies from an unaligned view; the kernel gets aligned words
+    words[:total] = data[head:].view("<u2")  # numpy copies from an unaligned view; the kernel gets aligned ones
     words[total] = 0
     ends = np.cumsum(nwords)
     starts = ends - nwords
@@ -148,7 +150,8 @@ def decode(data: np.ndarray, width: int, nbody: int, out: np.ndarray | None = No
     bad = np.zeros(LANES, dtype=np.bool_)
     fused._call("rans_decode", words, states, starts, ends, slots, freq, cum, nsym, _block(nsym), sym, bad)
     if bad.any():
-        raise PacketError(f"corrupt rANS data (lanes {np.flatnonzero(bad).tolist()} do not decode to their end)")
+        lanes = np.flatnonzero(bad).tolist()
+        raise PacketError(f"corrupt rANS data (lanes {lanes} do not decode to their end)")
     if width != 8:
         fused._call("rans_pack", sym, width, shift, out)
     return out
