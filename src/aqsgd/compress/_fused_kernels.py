@@ -660,7 +660,7 @@ def topk_encode(threads, keys, mask, pos, j_lo, j_hi, k, fmt, vals, width, ib, o
 
 # -------------------------------------------------------------------------------------------------- rANS
 # the :rc stage's coder (aqsgd.compress.rans), called through fused._call like the kernels above
-from aqsgd.compress._rans_kernels import count as rans_count  # noqa: E402
-from aqsgd.compress._rans_kernels import decode as rans_decode  # noqa: E402
-from aqsgd.compress._rans_kernels import encode as rans_encode  # noqa: E402
-from aqsgd.compress._rans_kernels import pack as rans_pack  # noqa: E402
+from aqsgd.compress._rans_kernels import count as rans_count  # noqa: E402, F401
+from aqsgd.compress._rans_kernels import decode as rans_decode  # noqa: E402, F401
+from aqsgd.compress._rans_kernels import encode as rans_encode  # noqa: E402, F401
+from aqsgd.compress._rans_kernels import pack as rans_pack  # noqa: E402, F401
