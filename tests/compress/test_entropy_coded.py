@@ -9,7 +9,7 @@ import torch
 
 from aqsgd.compress import fused, make_codec, rans
 from aqsgd.compress.packet import Packet
-from aqsgd.compress.wrappers import RangeCodec
+from aqsgd.compress.wrappers import RansCodec
 from aqsgd.errors import PacketError, SpecError
 
 
@@ -111,7 +111,7 @@ def test_bad_step_specs_are_one_line(bad, match):
 def test_rc_is_lossless_over_the_quantizer(spec):
     x = gaussian(4, 96, 160)
     plain, rc = make_codec(spec), make_codec(spec + ":rc")
-    assert isinstance(rc, RangeCodec) and not rc.fixed_size and not rc.lossless
+    assert isinstance(rc, RansCodec) and not rc.fixed_size and not rc.lossless
     p = rc.encode(x)
     assert torch.equal(rc.decode(p), plain.roundtrip(x))
     assert p.nbytes <= rc.wire_bytes(x.shape)
@@ -134,7 +134,7 @@ def test_rc_spends_the_codes_empirical_entropy(spec, width):
     coded = p.numel() - 1 - head - rans.overhead_bytes(width)
     assert coded % 2 == 0
     assert ideal - 4 * rans.LANES <= coded <= ideal * 1.002 + 2 * rans.LANES
-    assert p[0] == RangeCodec.MODE == 3
+    assert p[0] == RansCodec.MODE == 3
 
 
 def test_rc_beats_zstd_on_entropy_coded_steps():
@@ -157,7 +157,7 @@ def test_rc_single_symbol_and_incompressible_payloads():
     assert torch.equal(c8.decode(p), make_codec("q8:tensor").roundtrip(u))
 
 
-def _tables_offset(c: RangeCodec, shape) -> int:
+def _tables_offset(c: RansCodec, shape) -> int:
     return 1 + c._layout(shape)[0]
 
 

@@ -14,9 +14,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-LANES = 16
-PROB_BITS = 15  # the frequencies add up to 2**15
-STATE_LOW = 1 << 16  # a state lives in [2**16, 2**32) between symbols; it moves 16 bits at a time
+from aqsgd.compress.rans import LANES, PROB_BITS, STATE_LOW
 
 _U = np.uint64
 _PB = _U(PROB_BITS)
@@ -53,7 +51,7 @@ def _byte_counts(body, out, nchunk, per):
             out[ch, v] = h[0, v] + h[1, v] + h[2, v] + h[3, v]
 
 
-def count(threads, body, width, per_shift, nsym, nsyms):
+def count(threads, body, width, per_shift, nsyms):
     """Counts of the ``nsyms`` symbols: a histogram of the code bytes, then of each byte value's fields."""
     numba.set_num_threads(threads)
     nchunk = max(1, min(threads, body.size // 65536 + 1))

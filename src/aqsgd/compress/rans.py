@@ -33,12 +33,12 @@ import numpy as np
 from aqsgd.compress import fused
 from aqsgd.errors import PacketError, SpecError
 
-__all__ = ["LANES", "PROB_BITS", "available", "decode", "encode", "normalize", "overhead_bytes"]
+__all__ = ["LANES", "PROB_BITS", "STATE_LOW", "available", "decode", "encode", "normalize", "overhead_bytes"]
 
-LANES = 16
-PROB_BITS = 15
+LANES = 16  # contiguous lanes of symbols, each its own rANS stream
+PROB_BITS = 15  # the frequencies add up to 2**15
+STATE_LOW = 1 << 16  # a state lives in [2**16, 2**32) between symbols; it moves 16 bits at a time
 _SCALE = 1 << PROB_BITS
-_STATE_LOW = 1 << 16
 _PER_SHIFT = {1: 3, 2: 2, 4: 1, 8: 0}
 _local = threading.local()
 
@@ -83,6 +83,11 @@ def _scratch(name: str, size: int, dtype) -> np.ndarray:
     return buf[:size]
 
 
+def _starts(freq: np.ndarray) -> np.ndarray:
+    """Each symbol's first slot in the table (the cumulative frequencies before it), uint64 as the kernels take."""
+    return np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.uint64)
+
+
 def _block(nsym: int) -> int:
     """Symbols per lane: ``ceil(nsym / LANES)`` rounded up to a multiple of 8."""
     per_lane = -(-nsym // LANES)
@@ -93,8 +98,8 @@ def encode(body: np.ndarray, width: int) -> np.ndarray:
     """The packed codes ``body`` (uint8) coded as ``width``-bit symbols; a uint8 array in the format above."""
     shift = _PER_SHIFT[width]
     nsym = body.size << shift
-    freq = normalize(fused._call("rans_count", body, width, shift, nsym, 1 << width))
-    cum = np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.uint64)
+    freq = normalize(fused._call("rans_count", body, width, shift, 1 << width))
+    cum = _starts(freq)
     block = _block(nsym)
     words = _scratch("words", LANES * (block + 1), np.uint16)  # a spare word per lane (see the kernel)
     states = np.empty(LANES, dtype=np.uint32)
@@ -134,7 +139,7 @@ def decode(data: np.ndarray, width: int, nbody: int, out: np.ndarray | None = No
     if int(nwords.sum()) * 2 != data.size - head:
         raise PacketError(f"rANS lanes announce {int(nwords.sum())} words, the data holds "
                           f"{(data.size - head) // 2}")
-    if bool((states < _STATE_LOW).any()):
+    if bool((states < STATE_LOW).any()):
         raise PacketError("rANS lane state below 2**16: corrupt data")
     total = int(nwords.sum())
     words = _scratch("dwords", total + 1, np.uint16)  # one more word, read by a lane that ran past its own
@@ -142,7 +147,7 @@ def decode(data: np.ndarray, width: int, nbody: int, out: np.ndarray | None = No
     words[total] = 0
     ends = np.cumsum(nwords)
     starts = ends - nwords
-    cum = np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.uint64)
+    cum = _starts(freq)
     slots = np.repeat(np.arange(1 << width, dtype=np.uint8), freq.astype(np.int64))
     if out is None:
         out = np.empty(nbody, dtype=np.uint8)

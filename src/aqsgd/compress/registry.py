@@ -45,7 +45,7 @@ from aqsgd.compress.base import Codec
 from aqsgd.compress.cast import CastCodec, RawCodec
 from aqsgd.compress.quant import QuantCodec
 from aqsgd.compress.topk import TopKCodec
-from aqsgd.compress.wrappers import EntropyCodec, OutlierCodec, RangeCodec, RotatedCodec
+from aqsgd.compress.wrappers import EntropyCodec, OutlierCodec, RansCodec, RotatedCodec
 from aqsgd.errors import SpecError
 
 __all__ = ["make_codec", "SPEC_HELP", "CODEC_NAMES"]
@@ -186,7 +186,7 @@ def _make_codec(spec: str) -> Codec:
         if zstd is not None:
             codec = EntropyCodec(codec, zstd)
         if rc:
-            codec = RangeCodec(codec)
+            codec = RansCodec(codec)
     except SpecError as e:
         if str(e).startswith("invalid codec spec"):
             raise

@@ -39,7 +39,7 @@ from aqsgd.compress.packet import Family, Packet, bytes_as
 from aqsgd.compress.quant import QuantCodec
 from aqsgd.errors import NonFiniteError, PacketError, SpecError
 
-__all__ = ["RotatedCodec", "OutlierCodec", "EntropyCodec", "RangeCodec"]
+__all__ = ["RotatedCodec", "OutlierCodec", "EntropyCodec", "RansCodec"]
 
 
 def _inner_packet(inner: Codec, dtype: torch.dtype, shape: tuple[int, ...], payload: torch.Tensor) -> Packet:
@@ -310,7 +310,7 @@ class EntropyCodec(Codec):
         return _inner_packet(self.inner, packet.dtype, packet.shape, inner.to(p.device))
 
 
-class RangeCodec(EntropyCodec):
+class RansCodec(EntropyCodec):
     """``q<b>[...][:rot<G>]:rc``: the quantizer's codes through an order-0 rANS coder; its scales as they are.
 
     The codes are cut into symbols of ``b`` bits where ``b`` divides 8 (q1, q2, q4, q8), else into bytes, and
