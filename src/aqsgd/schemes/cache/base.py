@@ -248,27 +248,20 @@ class ActivationCache(abc.ABC):
         ids = ids.to(torch.int64)
         if ids.numel() == 0:
             return ids
-        if ids.device.type == "cpu":
-            # the same checks in numpy: a micro-batch has a few ids, where each torch call costs microseconds
-            # (this runs several times per micro-batch on both sides of every AQ-SGD boundary)
-            a = ids.numpy()
-            if int(a.min()) >= 0 and int(a.max()) < self.capacity:
-                ordered_a = np.sort(a)
-                if not bool((ordered_a[1:] == ordered_a[:-1]).any()):
-                    return ids
-        out_of_range = (ids < 0) | (ids >= self.capacity)
-        ordered = torch.sort(ids).values
-        repeated = ordered[1:] == ordered[:-1]
-        bad_range, bad_dup = torch.stack([out_of_range.any(), repeated.any()]).tolist()
-        if bad_range:
-            first = int(ids[out_of_range][0])
+        # in numpy: a micro-batch has a few ids, where each torch call costs microseconds (this runs several times
+        # per micro-batch on both sides of every AQ-SGD boundary); CUDA ids are copied once, as any check syncs
+        a = ids.cpu().numpy()
+        out_of_range = (a < 0) | (a >= self.capacity)
+        if out_of_range.any():
             raise CacheError(
-                f"sample id {first} is out of range for a cache of capacity {self.capacity} "
+                f"sample id {int(a[out_of_range][0])} is out of range for a cache of capacity {self.capacity} "
                 f"(valid ids are 0..{self.capacity - 1})"
             )
-        if bad_dup:
-            first = int(ordered[1:][repeated][0])
-            raise CacheError(f"sample id {first} appears more than once in one call; ids must be unique")
+        ordered = np.sort(a)
+        repeated = ordered[1:] == ordered[:-1]
+        if repeated.any():
+            raise CacheError(f"sample id {int(ordered[1:][repeated][0])} appears more than once in one call; "
+                             "ids must be unique")
         return ids
 
     def _check_rows(self, ids: Tensor, rows: Tensor) -> Tensor:
