@@ -14,7 +14,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from aqsgd.compress.rans import LANES, PROB_BITS, STATE_LOW
+from aqsgd.compress._rans_layout import LANES, PROB_BITS, STATE_LOW
 
 _U = np.uint64
 _PB = _U(PROB_BITS)

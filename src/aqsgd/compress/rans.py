@@ -31,13 +31,11 @@ import threading
 import numpy as np
 
 from aqsgd.compress import fused
+from aqsgd.compress._rans_layout import LANES, PROB_BITS, STATE_LOW
 from aqsgd.errors import PacketError, SpecError
 
 __all__ = ["LANES", "PROB_BITS", "STATE_LOW", "available", "decode", "encode", "normalize", "overhead_bytes"]
 
-LANES = 16  # contiguous lanes of symbols, each its own rANS stream
-PROB_BITS = 15  # the frequencies add up to 2**15
-STATE_LOW = 1 << 16  # a state lives in [2**16, 2**32) between symbols; it moves 16 bits at a time
 _SCALE = 1 << PROB_BITS
 _PER_SHIFT = {1: 3, 2: 2, 4: 1, 8: 0}
 _local = threading.local()
