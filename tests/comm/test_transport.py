@@ -254,6 +254,51 @@ def _corrupted(rank: int, checksum: bool) -> dict:
         return {"delivered": int((got[0].payload != expected).sum())}
 
 
+def _layout_messages() -> list[list]:
+    """Messages whose layouts repeat, change and come back, with a new tag and new values each time."""
+    g = torch.Generator().manual_seed(11)
+    q2, raw = make_codec("q2"), make_codec("none")
+    a = lambda tag: [q2.encode(torch.randn(4, 16, generator=g)).with_tag(tag, kind=2)]  # noqa: E731
+    b = lambda tag: [raw.encode(torch.randn(3, generator=g)).with_tag(tag), q2.encode(torch.randn(8, 8, generator=g))]  # noqa: E731
+    return [a(1), a(2), b(3), b(4), a(5), [], a(6)]
+
+
+def _layouts(rank: int, corrupt: str) -> dict:
+    """Rank 0 sends ``_layout_messages`` through a transport, then hand-builds one more message that repeats
+    the last layout with a corrupted header CRC or payload (the preamble's own CRC valid); rank 1 receives."""
+    import torch.distributed as dist
+
+    messages = _layout_messages()
+    if rank == 0:
+        with Transport(timeout_s=20) as t:
+            for m in messages:
+                t.isend(m, 1, FORWARD).wait()
+            packet = messages[-1][0].with_tag(7, kind=2)
+            header = bytearray(packet.header_bytes())
+            payload = bytearray(packet.payload.numpy().tobytes())
+            if corrupt == "header":
+                header[62] ^= 0x01
+            else:
+                payload[3] ^= 0x10
+            preamble = _build_preamble(1, FORWARD, len(messages), len(payload), 0.0, bytes(header),
+                                       _FLAG_INLINE | _FLAG_CHECKSUM)
+            dist.send(torch.frombuffer(bytearray(preamble + payload), dtype=torch.uint8), 1, tag=_TAG_BASE + FORWARD)
+            dist.barrier()
+        return {}
+    out: dict = {}
+    with Transport(timeout_s=20, peer_labels={0: "stage 0"}) as t:
+        got = [t.recv(0, FORWARD) for _ in messages]
+        out["equal"] = [[p.to_bytes() for p in g] == [p.to_bytes() for p in m] for g, m in zip(got, messages)]
+        out["tags"] = [[p.tag for p in g] for g in got]
+        try:
+            t.recv(0, FORWARD)
+            out["last"] = "delivered"
+        except PeerFailure as e:
+            out["last"] = str(e)
+        dist.barrier()
+    return out
+
+
 def _options_rank(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
@@ -265,6 +310,9 @@ def _options_rank(rank: int, world_size: int) -> dict:
     dist.barrier()
     for checksum in (True, False):
         out[f"corrupted_{checksum}"] = _corrupted(rank, checksum)
+        dist.barrier()
+    for corrupt in ("header", "payload"):
+        out[f"layout_{corrupt}"] = _layouts(rank, corrupt)
         dist.barrier()
     return out
 
@@ -438,6 +486,18 @@ def test_without_checksums_a_corrupted_payload_goes_unnoticed(options):
     assert options[1]["corrupted_False"] == {"delivered": 1}
 
 
+@pytest.mark.parametrize("corrupt", ["header", "payload"])
+def test_repeated_layouts_arrive_exactly_and_corruption_is_still_caught(options, corrupt):
+    """The receiver parses a header layout once and reuses it while messages repeat it (tags, CRCs and values
+    change); layouts that change and come back arrive exactly, and a message that repeats a known layout is
+    still checked: a corrupted header CRC or payload fails the link naming the peer."""
+    got = options[1][f"layout_{corrupt}"]
+    assert got["equal"] == [True] * 7
+    assert got["tags"] == [[1], [2], [3, 0], [4, 0], [5], [], [6]]
+    assert got["last"] == ("stage 0 (rank 0) sent a malformed message on forward activations: corrupted packet "
+                           f"{corrupt} (CRC mismatch)")
+
+
 def test_preamble_flags():
     for flags in (0, _FLAG_INLINE, _FLAG_CHECKSUM, _FLAG_INLINE | _FLAG_CHECKSUM):
         buf = _build_preamble(0, 0, 0, 0, 0.0, b"", flags)
@@ -462,7 +522,8 @@ class _FakeTransport:
     def channel_name(self, channel: int) -> str:
         return f"channel {channel}"
 
-    def _add_wait(self, peer: int, channel: int, direction: str, seconds: float) -> None:
+    def _add_wait(self, key: StatsKey, seconds: float) -> None:
+        assert key.peer == 1 and key.channel == FORWARD
         self.waited += seconds
 
 
@@ -475,7 +536,7 @@ def test_handle_completes_once_and_stays_complete():
     from aqsgd.errors import PeerTimeout
 
     fake = _FakeTransport()
-    h = RecvHandle(fake, 1, FORWARD)
+    h = RecvHandle(fake, 1, FORWARD, StatsKey(1, FORWARD, "recv"))
     assert not h.done()
     with pytest.raises(PeerTimeout, match="rank 1 did not send channel 0 within 0.01 s"):
         h.wait(timeout=0.01)
@@ -490,7 +551,7 @@ def test_handle_completes_once_and_stays_complete():
     for w in waiters:
         w.join(5)
     assert got == [["first"]] * 3 and h.done() and h.wait() == ["first"]
-    s = SendHandle(fake, 1, FORWARD)
+    s = SendHandle(fake, 1, FORWARD, StatsKey(1, FORWARD, "send"))
     s._finish(error=TransportError("closed"))
     for _ in range(2):
         with pytest.raises(TransportError, match="closed"):

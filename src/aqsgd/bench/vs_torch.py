@@ -18,7 +18,9 @@ so its loss must be the same for all of them (:data:`LOSS_RTOL`); the rows carry
 :func:`bench_latency` measures one message between two processes, aqsgd transport against plain
 ``dist.send``/``dist.recv`` on the same gloo group: *hand-over* (one way: the receive is posted, then the sender
 sends; from the send call to the receiver's ``wait`` returning, wall clocks of one machine) and *ping-pong*
-(a round trip, the reply sent as soon as the message is in).
+(a round trip, the reply sent as soon as the message is in). aqsgd is measured twice, with payload CRCs (the
+default) and without them (``Transport(checksum=False)``, trusted links); the three take turns per size and
+round, and each message is sent after 1 ms idle, as a pipeline stage sends after computing.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = ["LOSS_RTOL", "LatencyConfig", "VsTorchConfig", "bench_latency", "benc
 
 LOSS_RTOL = 1e-5
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+SYSTEMS = ("aqsgd", "aqsgd-nocrc", "torch")  # the latency test's: aqsgd with and without payload CRCs
 
 
 @dataclasses.dataclass
@@ -226,18 +229,20 @@ def _latency_entry(cfg_json: str) -> dict[str, Any]:
     peer = 1 - rank
     codec = make_codec("none")
     out: dict[str, list[float]] = {}
-    transport = Transport(timeout_s=60.0)
+    # aqsgd with payload CRCs (the default) and without (trusted links), used in turn on the same group
+    transports = {"aqsgd": Transport(timeout_s=60.0), "aqsgd-nocrc": Transport(timeout_s=60.0, checksum=False)}
     try:
         for rnd in range(cfg.rounds + 1):  # round 0: warm-up
             for size in cfg.sizes:
                 x = torch.randn(max(1, size // 4))
                 packets = [codec.encode(x)]
                 buf = torch.empty_like(x)
-                for system in ("aqsgd", "torch"):
+                for system in SYSTEMS:
+                    transport = transports.get(system)
                     hand, ping = [], []
                     for _ in range(cfg.repeats):
                         # hand-over: receive posted first, then one message 0 -> 1
-                        if system == "aqsgd":
+                        if transport is not None:
                             h = transport.irecv(peer, FORWARD) if rank == 1 else None
                             dist.barrier()
                             if rank == 0:
@@ -261,7 +266,7 @@ def _latency_entry(cfg_json: str) -> dict[str, Any]:
                                 hand.append(time.time())
                         # ping-pong: 0 -> 1 -> 0
                         dist.barrier()
-                        if system == "aqsgd":
+                        if transport is not None:
                             if rank == 0:
                                 r = transport.irecv(1, BACKWARD)
                                 t0 = time.perf_counter()
@@ -285,7 +290,8 @@ def _latency_entry(cfg_json: str) -> dict[str, Any]:
                         out.setdefault(f"{system} {size} ping", []).extend(ping)
         dist.barrier()
     finally:
-        transport.close()
+        for transport in transports.values():
+            transport.close()
     return out
 
 
@@ -298,13 +304,15 @@ def bench_latency(cfg: LatencyConfig) -> list[dict[str, Any]]:
     rows = []
     for size in cfg.sizes:
         row: dict[str, Any] = {"payload_bytes": size}
-        for system in ("aqsgd", "torch"):
+        for system in SYSTEMS:
             key = f"{system} {size}"
             hand = [b - a for a, b in zip(sender[f"{key} hand"], receiver[f"{key} hand"])]
-            row[f"{system}_handover_ms"] = 1e3 * statistics.median(hand)
-            row[f"{system}_pingpong_ms"] = 1e3 * statistics.median(sender[f"{key} ping"])
-        row["handover_ratio"] = row["aqsgd_handover_ms"] / row["torch_handover_ms"]
-        row["pingpong_ratio"] = row["aqsgd_pingpong_ms"] / row["torch_pingpong_ms"]
+            name = system.replace("-", "_")
+            row[f"{name}_handover_ms"] = 1e3 * statistics.median(hand)
+            row[f"{name}_pingpong_ms"] = 1e3 * statistics.median(sender[f"{key} ping"])
+        for name, ratio in (("aqsgd", ""), ("aqsgd_nocrc", "_nocrc")):
+            row[f"handover_ratio{ratio}"] = row[f"{name}_handover_ms"] / row["torch_handover_ms"]
+            row[f"pingpong_ratio{ratio}"] = row[f"{name}_pingpong_ms"] / row["torch_pingpong_ms"]
         rows.append(row)
     return rows
 

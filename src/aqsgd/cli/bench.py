@@ -277,13 +277,15 @@ def run_vs_torch(args: argparse.Namespace) -> int:
         lcfg = LatencyConfig(repeats=args.latency_repeats)
         latency = bench_latency(lcfg)
         lt = Table(title="one message between two processes (median ms)")
-        for col in ("payload bytes", "aqsgd hand-over", "torch hand-over", "ratio", "aqsgd ping-pong",
+        for col in ("payload bytes", "checksum", "aqsgd hand-over", "torch hand-over", "ratio", "aqsgd ping-pong",
                     "torch ping-pong", "ratio "):
             lt.add_column(col, justify="right")
         for r in latency:
-            lt.add_row(f"{r['payload_bytes']:,}", f"{r['aqsgd_handover_ms']:.3f}", f"{r['torch_handover_ms']:.3f}",
-                       f"{r['handover_ratio']:.2f}x", f"{r['aqsgd_pingpong_ms']:.3f}", f"{r['torch_pingpong_ms']:.3f}",
-                       f"{r['pingpong_ratio']:.2f}x")
+            for name, suffix, crc in (("aqsgd", "", "CRC-32"), ("aqsgd_nocrc", "_nocrc", "off")):
+                lt.add_row(f"{r['payload_bytes']:,}", crc, f"{r[name + '_handover_ms']:.3f}",
+                           f"{r['torch_handover_ms']:.3f}", f"{r['handover_ratio' + suffix]:.2f}x",
+                           f"{r[name + '_pingpong_ms']:.3f}", f"{r['torch_pingpong_ms']:.3f}",
+                           f"{r['pingpong_ratio' + suffix]:.2f}x")
         console.print(lt)
     if args.json:
         write_json({"benchmark": "vs-torch", "command": args.command_line, "machine": machine,

@@ -81,10 +81,14 @@ transport has made once, at construction and per link): those checks cost tens o
 per call, about a tenth of a small message's hand-over.
 
 What remains of a message's latency is mostly Python on both sides and one thread hop on the receiver (the
-receiver thread, then the caller). The hot paths therefore avoid torch calls where a numpy view does (each
-costs microseconds, several times more when the caches are cold after idling): the sender takes one numpy
-view per payload for its size, its CRC and its copy into the message; the receiver checks the CRC on the
-receive buffer's host view. Payload CRCs are ISA-L's (``isal``), zlib's values at about 13x the speed, and
+receiver thread, then the caller). The hot paths therefore avoid torch and numpy calls (each costs a
+microsecond warm and tens of microseconds when the caches are cold after idling, as a stage's are after
+computing): the sender takes one numpy view per payload for its size, its CRC and its copy into the message
+(a ``bytearray``), and packs each header's fixed fields once per layout (:func:`~aqsgd.compress.packet.layout_key`;
+a pipeline sends the same codecs, shapes and lengths every micro-batch), filling in the tag and CRCs per
+message. The receiver keeps the last message's parsed layout: when the next message repeats it outside the
+per-message fields, its headers need no parsing (the header CRCs and payload CRCs are still checked), and
+the payload views were cut from the receive buffer before the bytes arrived. Payload CRCs are ISA-L's (``isal``), zlib's values at about 13x the speed, and
 handles complete through a bare lock rather than a ``threading.Event``. The hop itself stays: a caller
 blocking in gloo's own wait could not time out without gloo closing the connection, and torch exposes no way
 to abort a gloo receive.
@@ -136,7 +140,17 @@ import torch.distributed as dist
 
 from aqsgd.comm.device import HostStager
 from aqsgd.comm.link import LinkSpec, Pacer
-from aqsgd.compress.packet import HEADER_BYTES, Packet, crc32_of_buffer, parse_header
+from aqsgd.compress.packet import (
+    HEADER_BYTES,
+    Family,
+    Header,
+    Packet,
+    crc32_of_buffer,
+    fill_header,
+    layout_key,
+    message_fields,
+    parse_header,
+)
 from aqsgd.errors import ConfigMismatchError, PacketError, PeerFailure, PeerTimeout, TransportError
 
 __all__ = [
@@ -227,10 +241,6 @@ def _parse_preamble(buf: bytes) -> tuple[int, int, int, int, float]:
     return n, channel, seq, total, arrival
 
 
-def _preamble_flags(buf: bytes) -> int:
-    return buf[32]
-
-
 def _next_capacity(capacity: int, need: int, nccl: bool) -> int:
     """The message size a receive can take in one piece after a message of ``need`` bytes went in two."""
     return capacity if nccl else max(capacity, min(need, PREAMBLE_BYTES + _INLINE_MAX))
@@ -245,7 +255,7 @@ class _Handle:
 
     _direction = ""
 
-    def __init__(self, transport: Transport, peer: int, channel: int) -> None:
+    def __init__(self, transport: Transport, peer: int, channel: int, stats_key: StatsKey) -> None:
         self._transport = transport
         self.peer = peer
         self.channel = channel
@@ -255,6 +265,7 @@ class _Handle:
         self._packets: list[Packet] | None = None
         self._error: BaseException | None = None
         self._deliver_at = 0.0
+        self._stats_key = stats_key
 
     def done(self) -> bool:
         """True once the operation completed or failed (``wait`` then returns or raises at once)."""
@@ -284,7 +295,7 @@ class _Handle:
                 if remaining > 0:
                     time.sleep(remaining)
         finally:
-            self._transport._add_wait(self.peer, self.channel, self._direction, time.monotonic() - t0)
+            self._transport._add_wait(self._stats_key, time.monotonic() - t0)
         if not finished:
             peer = self._transport.describe_peer(self.peer)
             raise PeerTimeout(
@@ -348,6 +359,7 @@ class _Worker(threading.Thread):
         self.channel = channel
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.failure: tuple[str, BaseException] | None = None
+        self.stats_key = StatsKey(peer, channel, role)
         self.seq = 0
         # The size of the next receive on this link, the same on both sides: a message that fits travels as one
         # gloo message (preamble + payload), a larger one as two, and raises it (see the module docstring).
@@ -423,6 +435,7 @@ class _Sender(_Worker):
         # isend, so the bytes leave without waiting for this thread; the thread only waits for completion.
         self.direct = pacer is None and not transport._nccl and transport._stager is None
         self._post_lock = threading.Lock()
+        self._layouts: dict[tuple, tuple[Family, bytes]] = {}
 
     def post(self, item: _SendItem) -> None:
         """Start ``item`` on the calling thread (a direct link), then queue it for completion."""
@@ -452,7 +465,7 @@ class _Sender(_Worker):
                     for w in item.works:
                         w.wait()
                     item.wire = []
-                    self.transport._account(self.peer, self.channel, "send", item.packets)
+                    self.transport._account(self.stats_key, item.packets)
             except BaseException as e:  # noqa: BLE001 - surfaces in the caller's wait()
                 t = self.transport
                 if t._closing.is_set():
@@ -471,9 +484,21 @@ class _Sender(_Worker):
         messages, departure = self._messages(item)
         for m in messages:
             self._isend(m).wait()
-        self.transport._account(self.peer, self.channel, "send", item.packets)
+        self.transport._account(self.stats_key, item.packets)
         if departure is not None:
             self._sleep_until_wall(departure)
+
+    def _layout_key(self, p: Packet, size: int) -> bytes:
+        """The :func:`~aqsgd.compress.packet.layout_key` of ``p``'s header, packed once per layout on this
+        link (a pipeline sends the same layout every micro-batch)."""
+        key = (p.fingerprint, p.shape, p.dtype, p.kind, size)
+        known = self._layouts.get(key)
+        if known is None or known[0] is not p.family:
+            if len(self._layouts) >= 64:  # ever-changing shapes: keep the dict small
+                self._layouts.clear()
+            known = self._layouts[key] = (p.family, layout_key(p.header_bytes(checksum=self.transport.checksum,
+                                                                            payload_crc=0)))
+        return known[1]
 
     def _messages(self, item: _SendItem) -> tuple[list[torch.Tensor], float | None]:
         """The gloo/NCCL messages of ``item`` in order (one or two, see the module docstring) and, on an
@@ -487,8 +512,9 @@ class _Sender(_Worker):
         # (each torch call costs microseconds, many of them when the caches are cold after idling)
         hosts = [p.payload.numpy() for p in packets] if wire.type == "cpu" and item.ready is None else None
         if hosts is not None:
-            headers = b"".join(p.header_bytes(checksum=t.checksum, payload_crc=crc32_of_buffer(a) if t.checksum
-                                              else None) for p, a in zip(packets, hosts))
+            checksum = t.checksum
+            headers = b"".join(fill_header(self._layout_key(p, a.size), p.tag, crc32_of_buffer(a) if checksum else 0)
+                               for p, a in zip(packets, hosts))
             total = sum(a.size for a in hosts)
         else:
             checksum = None if t.checksum else False  # None: a payload CRC for host bytes
@@ -508,14 +534,11 @@ class _Sender(_Worker):
         flags = (_FLAG_INLINE if inline else 0) | (_FLAG_CHECKSUM if t.checksum else 0)
         preamble = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers, flags)
         if inline and hosts is not None:
-            buf = np.empty(need, dtype=np.uint8)
-            buf[:PREAMBLE_BYTES] = np.frombuffer(preamble, dtype=np.uint8)
-            offset = PREAMBLE_BYTES
+            buf = bytearray(preamble)
             for a in hosts:
-                buf[offset:offset + a.size] = a
-                offset += a.size
+                buf += a.data
             self.seq += 1
-            return [torch.from_numpy(buf)], departure
+            return [torch.frombuffer(buf, dtype=torch.uint8)], departure
         pre = torch.frombuffer(bytearray(preamble), dtype=torch.uint8)
         if inline:
             if total:
@@ -539,9 +562,50 @@ class _Sender(_Worker):
         return messages, departure
 
 
+class _Layout:
+    """The header layout of the last message on a receive link, kept for the next one.
+
+    A pipeline sends the same layout every micro-batch (the same codecs, shapes and payload lengths); what
+    changes is each packet's tag (the micro-batch's sample ids), payload CRC and header CRC. When the next
+    message's headers equal this layout outside those fields, they need no parsing (their fields were
+    checked when the layout was parsed, their CRCs are checked again), and the payload views of an inline
+    message were cut from its receive buffer before the bytes arrived: the latency of a small message is
+    mostly Python on both sides, several times slower when the caches are cold after idling."""
+
+    __slots__ = ("key", "headers", "total", "spans")
+
+    def __init__(self, key: bytes, headers: list[Header]) -> None:
+        self.key = key
+        self.headers = headers
+        self.total = sum(h.payload_len for h in headers)
+        spans, offset = [], PREAMBLE_BYTES
+        for h in headers:
+            spans.append((offset, offset + h.payload_len))
+            offset += h.payload_len
+        self.spans = spans
+
+    @staticmethod
+    def key_of(region: bytes, n: int) -> bytes:
+        """The ``n`` headers of ``region`` without the per-message fields (tag, payload CRC, header CRC)."""
+        return b"".join(layout_key(region, o) for o in range(0, n * HEADER_BYTES, HEADER_BYTES))
+
+    def cut(self, buffer: torch.Tensor, host: np.ndarray | None,
+            start: int = PREAMBLE_BYTES) -> list[tuple[torch.Tensor, np.ndarray | None]]:
+        """This layout's payload views of ``buffer`` (and of its numpy view ``host``), whose payloads begin at
+        ``start``: the receive buffer of an inline message, or the payload buffer of a split one (0)."""
+        shift = start - PREAMBLE_BYTES
+        return [(buffer[a + shift:b + shift], None if host is None else host[a + shift:b + shift])
+                for a, b in self.spans]
+
+
 class _Receiver(_Worker):
     def __init__(self, transport: Transport, src: int, channel: int) -> None:
         super().__init__(transport, src, channel, "recv")
+        wire = transport._wire_device
+        self._host_wire = wire.type == "cpu"
+        self._staged = self._host_wire and transport.device.type == "cuda"  # gloo to a GPU: pinned memory
+        self._moved = wire != transport.device
+        self._layout: _Layout | None = None
 
     def _serve(self) -> None:
         while True:
@@ -552,7 +616,6 @@ class _Receiver(_Worker):
                 self._reject(handle)
                 continue
             t = self.transport
-            peer, chan = t.describe_peer(self.peer), t.channel_name(self.channel)
             try:
                 packets, arrival = self._recv()
             except ConfigMismatchError as e:
@@ -560,7 +623,8 @@ class _Receiver(_Worker):
                 self._reject(handle)
                 continue
             except PacketError as e:
-                self._fail_link(f"{peer} sent a malformed message on {chan}: {e}", e)
+                self._fail_link(f"{t.describe_peer(self.peer)} sent a malformed message on "
+                                f"{t.channel_name(self.channel)}: {e}", e)
                 self._reject(handle)
                 continue
             except BaseException as e:  # noqa: BLE001 - surfaces in the caller's wait()
@@ -568,8 +632,8 @@ class _Receiver(_Worker):
                     handle._finish(error=TransportError("the transport was closed during a receive"))
                     continue
                 self._fail_link(
-                    f"lost {peer} while receiving {chan} (the peer crashed or closed its connection): "
-                    f"{_first_line(e)}",
+                    f"lost {t.describe_peer(self.peer)} while receiving {t.channel_name(self.channel)} (the "
+                    f"peer crashed or closed its connection): {_first_line(e)}",
                     e,
                 )
                 self._reject(handle)
@@ -579,13 +643,18 @@ class _Receiver(_Worker):
     def _recv(self) -> tuple[list[Packet], float]:
         t = self.transport
         wire = t._wire_device
-        staged = wire.type == "cpu" and t.device.type == "cuda"  # gloo to a GPU: through pinned memory
+        staged = self._staged
         first = torch.empty(self.capacity, dtype=torch.uint8, device=wire, pin_memory=staged)
-        host = first.numpy() if wire.type == "cpu" else None
+        host = first.numpy() if self._host_wire else None
+        head = memoryview(host)[:PREAMBLE_BYTES] if host is not None else None  # read without a numpy call
+        layout = self._layout
+        # the payload views of the last message's layout, cut before the bytes arrive (off the latency path)
+        cut = layout.cut(first, host) if layout is not None and PREAMBLE_BYTES + layout.total <= self.capacity \
+            else None
         self._recv_into(first)
-        buf = (host[:PREAMBLE_BYTES] if host is not None else first[:PREAMBLE_BYTES].cpu().numpy()).tobytes()
+        buf = head.tobytes() if head is not None else first[:PREAMBLE_BYTES].cpu().numpy().tobytes()
         n, channel, seq, total, arrival = _parse_preamble(buf)
-        flags = _preamble_flags(buf)
+        flags = buf[32]
         need = PREAMBLE_BYTES + total
         inline = need <= self.capacity
         if inline != bool(flags & _FLAG_INLINE):
@@ -595,20 +664,24 @@ class _Receiver(_Worker):
             raise PacketError(f"message for channel {channel} arrived on channel {self.channel}")
         if seq != self.seq:
             raise PacketError(f"message number {seq} arrived where number {self.seq} was due (out of step)")
-        headers = [parse_header(buf[_PREFIX_BYTES + i * HEADER_BYTES:_PREFIX_BYTES + (i + 1) * HEADER_BYTES])
-                   for i in range(n)]
-        if sum(h.payload_len for h in headers) != total:
-            raise PacketError(
-                f"preamble announces {total} payload bytes, its headers {sum(h.payload_len for h in headers)}"
-            )
+        region = buf[_PREFIX_BYTES:_PREFIX_BYTES + n * HEADER_BYTES]
+        key = _Layout.key_of(region, n)
+        if layout is None or key != layout.key:
+            # parse_header checks every field; the layout keeps them for the messages that repeat it
+            headers = [parse_header(region[o:o + HEADER_BYTES]) for o in range(0, n * HEADER_BYTES, HEADER_BYTES)]
+            layout = self._layout = _Layout(key, headers)
+            cut = None
+        if layout.total != total:
+            raise PacketError(f"preamble announces {total} payload bytes, its headers {layout.total}")
         if inline:
-            payload, offset = first, PREAMBLE_BYTES  # the packets' payloads are slices of the one buffer
+            if cut is None:
+                cut = layout.cut(first, host)  # the packets' payloads are slices of the one buffer
         else:
-            payload, offset = torch.empty(total, dtype=torch.uint8, device=wire, pin_memory=staged), 0
+            payload = torch.empty(total, dtype=torch.uint8, device=wire, pin_memory=staged)
             self._recv_into(payload)
-            host = payload.numpy() if host is not None else None
+            cut = layout.cut(payload, payload.numpy() if host is not None else None, start=0)
             self.capacity = _next_capacity(self.capacity, need, t._nccl)
-        if wire.type == "cuda":
+        if not self._host_wire:
             torch.cuda.current_stream(wire).synchronize()
         self.seq += 1
         if bool(flags & _FLAG_CHECKSUM) != t.checksum:  # checked once all of the message is in
@@ -618,25 +691,26 @@ class _Receiver(_Worker):
                 f"checksum={t.checksum}: both ends of a link need the same setting (aqsgd train: "
                 f"--checksum/--no-checksum on every stage)")
         packets = []
-        moved = wire != t.device
-        for h in headers:
-            end = offset + h.payload_len
-            body = payload[offset:end]
-            if host is not None and t.checksum and h.payload_crc is not None:  # on the host view: no torch call
-                if crc32_of_buffer(host[offset:end]) != h.payload_crc:
-                    raise PacketError("corrupted packet payload (CRC mismatch)")
-                packet = Packet.from_header(h, body, verify=False)
-            else:
-                packet = Packet.from_header(h, body, verify=t.checksum)  # checks the payload CRC of host bytes
-            offset = end
-            if moved:
+        verify = t.checksum
+        for i, h in enumerate(layout.headers):
+            o = i * HEADER_BYTES
+            tag, payload_crc, header_crc = message_fields(region, o)
+            if zlib.crc32(region[o:o + 60]) != header_crc:
+                raise PacketError("corrupted packet header (CRC mismatch)")
+            body, body_host = cut[i]
+            # CPU payloads: their CRC on the host view (no torch call); device payloads carry none
+            if verify and body_host is not None and h.payload_crc is not None \
+                    and crc32_of_buffer(body_host) != payload_crc:
+                raise PacketError("corrupted packet payload (CRC mismatch)")
+            packet = Packet._from_parsed(h, body, tag)
+            if self._moved:
                 # one copy per packet keeps every payload aligned; non-blocking from pinned memory, on this
                 # thread's stream, waited for below
                 packet = dataclasses.replace(packet, payload=packet.payload.to(t.device, non_blocking=staged))
             packets.append(packet)
         if staged and total:
             torch.cuda.current_stream(t.device).synchronize()
-        t._account(self.peer, self.channel, "recv", packets, total)
+        t._count(self.stats_key, n, total)
         return packets, arrival
 
 
@@ -740,7 +814,7 @@ class Transport:
         # a link's worker exists only once its peer and channel were checked (close() forgets them all)
         worker = self._senders.get((dst, channel)) or self._sender(dst, channel)
         packets, staged_from, ready = self._stage(packets)
-        handle = SendHandle(self, dst, channel)
+        handle = SendHandle(self, dst, channel, worker.stats_key)
         item = _SendItem(packets, handle, ready, time.monotonic(), staged_from)
         if worker.direct:
             worker.post(item)
@@ -768,7 +842,7 @@ class Transport:
     def irecv(self, src: int, channel: int) -> RecvHandle:
         """Post a receive of the next message from ``src`` on ``channel`` and return at once."""
         worker = self._receivers.get((src, channel)) or self._receiver(src, channel)
-        handle = RecvHandle(self, src, channel)
+        handle = RecvHandle(self, src, channel, worker.stats_key)
         worker.requests.put(handle)
         return handle
 
@@ -895,20 +969,25 @@ class Transport:
         sender, receiver = (self.rank, peer) if direction == "send" else (peer, self.rank)
         return self._subgroups[(channel, sender < receiver)], 0
 
-    def _account(self, peer: int, channel: int, direction: str, packets: Sequence[Packet],
-                 payload_bytes: int | None = None) -> None:
-        if payload_bytes is None:
-            payload_bytes = sum(p.payload.numel() for p in packets)
-        with self._stats_lock:
-            s = self._stats.setdefault(StatsKey(peer, channel, direction), LinkStats())
-            s.messages += 1
-            s.packets += len(packets)
-            s.packet_bytes += payload_bytes + HEADER_BYTES * len(packets)
-            s.overhead_bytes += PREAMBLE_BYTES - HEADER_BYTES * len(packets)
+    def _account(self, key: StatsKey, packets: Sequence[Packet]) -> None:
+        self._count(key, len(packets), sum(p.payload.numel() for p in packets))
 
-    def _add_wait(self, peer: int, channel: int, direction: str, seconds: float) -> None:
+    def _count(self, key: StatsKey, packets: int, payload_bytes: int) -> None:
         with self._stats_lock:
-            self._stats.setdefault(StatsKey(peer, channel, direction), LinkStats()).wait_s += seconds
+            s = self._stats.get(key)
+            if s is None:
+                s = self._stats[key] = LinkStats()
+            s.messages += 1
+            s.packets += packets
+            s.packet_bytes += payload_bytes + HEADER_BYTES * packets
+            s.overhead_bytes += PREAMBLE_BYTES - HEADER_BYTES * packets
+
+    def _add_wait(self, key: StatsKey, seconds: float) -> None:
+        with self._stats_lock:
+            s = self._stats.get(key)
+            if s is None:
+                s = self._stats[key] = LinkStats()
+            s.wait_s += seconds
 
 
 _COMM_ERROR_HINTS = ("connection closed", "connection reset", "broken pipe", "gloo", "timed out", "peer")

@@ -58,6 +58,9 @@ __all__ = [
     "crc32_of_buffer",
     "check_shape",
     "bytes_as",
+    "fill_header",
+    "layout_key",
+    "message_fields",
 ]
 
 MAGIC = b"AQPK"
@@ -148,6 +151,29 @@ def bytes_as(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if data.storage_offset() % size or data.data_ptr() % size:
         data = data.clone()
     return data.view(dtype)
+
+
+_MESSAGE_FIELDS = struct.Struct("<12xI4xI36xI")  # tag (offset 12), payload CRC (20), header CRC (60)
+_U32 = struct.Struct("<I")
+
+
+def layout_key(header: bytes, offset: int = 0) -> bytes:
+    """The 52 bytes of the header at ``offset`` without the fields that change from one message to the next
+    (tag, payload CRC, header CRC): equal keys mean equal codec, dtype, shape, kind, flags and length."""
+    o = offset
+    return header[o:o + 12] + header[o + 16:o + 20] + header[o + 24:o + 60]
+
+
+def message_fields(header: bytes, offset: int = 0) -> tuple[int, int, int]:
+    """``(tag, payload CRC, header CRC)`` of the header at ``offset``, unchecked."""
+    return _MESSAGE_FIELDS.unpack_from(header, offset)
+
+
+def fill_header(key: bytes, tag: int, payload_crc: int) -> bytes:
+    """The 64 header bytes of a :func:`layout_key` with this message's tag and payload CRC (0 when the key's
+    flags say there is none): ``packet.header_bytes(...)`` without packing every field again."""
+    head = key[:12] + _U32.pack(tag & 0xFFFFFFFF) + key[12:16] + _U32.pack(payload_crc) + key[16:]
+    return head + _U32.pack(zlib.crc32(head))
 
 
 def parse_header(buf: bytes | bytearray | memoryview | torch.Tensor) -> Header:
@@ -267,6 +293,17 @@ class Packet:
                 raise PacketError("corrupted packet payload (CRC mismatch)")
         return cls(header.family, header.dtype, header.shape, header.fingerprint, payload, header.tag,
                    header.kind)
+
+    @classmethod
+    def _from_parsed(cls, header: Header, payload: torch.Tensor, tag: int) -> Packet:
+        """A packet from a header that :func:`parse_header` accepted (with this message's ``tag``) and a 1-D
+        uint8 ``payload`` of its announced length, without checking them again: the transport's receive
+        path, where every torch call is a visible part of a small message's latency. Callers guarantee what
+        ``__post_init__`` would check."""
+        packet = object.__new__(cls)
+        packet.__dict__.update(family=header.family, dtype=header.dtype, shape=header.shape,
+                               fingerprint=header.fingerprint, payload=payload, tag=tag, kind=header.kind)
+        return packet
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, *, device: str | torch.device = "cpu") -> Packet:
