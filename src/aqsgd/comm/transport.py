@@ -84,11 +84,12 @@ What remains of a message's latency is mostly Python on both sides and one threa
 receiver thread, then the caller). The hot paths therefore avoid torch and numpy calls (each costs a
 microsecond warm and tens of microseconds when the caches are cold after idling, as a stage's are after
 computing): the sender takes one numpy view per payload for its size, its CRC and its copy into the message
-(a ``bytearray``), and packs each header's fixed fields once per layout (:func:`~aqsgd.compress.packet.layout_key`;
-a pipeline sends the same codecs, shapes and lengths every micro-batch), filling in the tag and CRCs per
-message. The receiver keeps the last message's parsed layout: when the next message repeats it outside the
-per-message fields, its headers need no parsing (the header CRCs and payload CRCs are still checked), and
-the payload views were cut from the receive buffer before the bytes arrived. Payload CRCs are ISA-L's (``isal``), zlib's values at about 13x the speed, and
+(a buffer of the link's own, reused once its send completed), and packs each header's fixed fields once per
+layout (:func:`~aqsgd.compress.packet.layout_key`; a pipeline sends the same codecs, shapes and lengths every
+micro-batch), filling in the tag and CRCs per message. The receiver keeps the last message's parsed layout:
+when the next message repeats it outside the per-message fields, its headers need no parsing (the header
+CRCs and payload CRCs are still checked), and the payload views were cut from the receive buffer before the
+bytes arrived. Payload CRCs are ISA-L's (``isal``), zlib's values at about 13x the speed, and
 handles complete through a bare lock rather than a ``threading.Event``. The hop itself stays: a caller
 blocking in gloo's own wait could not time out without gloo closing the connection, and torch exposes no way
 to abort a gloo receive.
@@ -123,6 +124,7 @@ faithfully while the real path is faster than the emulated one.
 from __future__ import annotations
 
 import _thread
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -183,6 +185,9 @@ _FLAGS = _FLAG_INLINE | _FLAG_CHECKSUM
 _INLINE_START = 64 * 1024  # payload bytes a receive can take in one message before any larger one came
 _INLINE_MAX = 64 * 1024 * 1024  # beyond this, messages always travel as preamble + payload
 _TAG_BASE = 0x7100
+_POOL_MAX_BYTES = 16 * 1024 * 1024  # message buffers a sender link reuses: at most this large,
+_POOL_DEPTH = 4  # this many per size,
+_POOL_SIZES = 8  # of this many sizes
 _DEFAULT_CHANNEL_NAMES = {FORWARD: "forward activations", BACKWARD: "backward gradients"}
 _JOIN_TIMEOUT_S = 2.0
 _FINISH_LOCK = threading.Lock()
@@ -347,6 +352,7 @@ class _SendItem:
     works: list[Any] | None = None  # started on the caller's thread (a direct link): the gloo sends in flight
     wire: list[torch.Tensor] = dataclasses.field(default_factory=list)  # their buffers, alive until sent
     error: BaseException | None = None  # starting them failed
+    buffer: tuple[torch.Tensor, memoryview] | None = None  # the link's pooled message buffer it was built in
 
 
 class _Worker(threading.Thread):
@@ -436,6 +442,7 @@ class _Sender(_Worker):
         self.direct = pacer is None and not transport._nccl and transport._stager is None
         self._post_lock = threading.Lock()
         self._layouts: dict[tuple, tuple[Family, bytes]] = {}
+        self._free: dict[int, collections.deque] = {}  # message size -> free buffers (see _buffer)
 
     def post(self, item: _SendItem) -> None:
         """Start ``item`` on the calling thread (a direct link), then queue it for completion."""
@@ -465,6 +472,7 @@ class _Sender(_Worker):
                     for w in item.works:
                         w.wait()
                     item.wire = []
+                    self._give_back(item)
                     self.transport._account(self.stats_key, item.packets)
             except BaseException as e:  # noqa: BLE001 - surfaces in the caller's wait()
                 t = self.transport
@@ -484,9 +492,36 @@ class _Sender(_Worker):
         messages, departure = self._messages(item)
         for m in messages:
             self._isend(m).wait()
+        self._give_back(item)
         self.transport._account(self.stats_key, item.packets)
         if departure is not None:
             self._sleep_until_wall(departure)
+
+    def _buffer(self, size: int) -> tuple[torch.Tensor, memoryview]:
+        """A host message buffer of ``size`` bytes and its memoryview: a free one of this link's pool, else new.
+
+        Pipelines send messages of the same few sizes over and over; a buffer whose send completed is
+        reused (:meth:`_give_back`) instead of allocating (and, for large messages, page-faulting) a new one.
+        """
+        free = self._free.get(size)
+        if free:
+            with contextlib.suppress(IndexError):  # the sender thread may have taken the last one meanwhile
+                return free.pop()
+        t = torch.empty(size, dtype=torch.uint8)
+        return t, memoryview(t.numpy())
+
+    def _give_back(self, item: _SendItem) -> None:
+        """Return ``item``'s pooled buffer once its send completed (gloo no longer reads it)."""
+        buffer, item.buffer = item.buffer, None
+        if buffer is None or len(buffer[1]) > _POOL_MAX_BYTES:
+            return
+        free = self._free.get(len(buffer[1]))
+        if free is None:
+            if len(self._free) >= _POOL_SIZES:  # ever-changing sizes: start over
+                self._free.clear()
+            free = self._free[len(buffer[1])] = collections.deque()
+        if len(free) < _POOL_DEPTH:
+            free.append(buffer)
 
     def _layout_key(self, p: Packet, size: int) -> bytes:
         """The :func:`~aqsgd.compress.packet.layout_key` of ``p``'s header, packed once per layout on this
@@ -534,11 +569,14 @@ class _Sender(_Worker):
         flags = (_FLAG_INLINE if inline else 0) | (_FLAG_CHECKSUM if t.checksum else 0)
         preamble = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers, flags)
         if inline and hosts is not None:
-            buf = bytearray(preamble)
+            item.buffer = msg, view = self._buffer(need)
+            view[:PREAMBLE_BYTES] = preamble
+            offset = PREAMBLE_BYTES
             for a in hosts:
-                buf += a.data
+                view[offset:offset + a.size] = a.data
+                offset += a.size
             self.seq += 1
-            return [torch.frombuffer(buf, dtype=torch.uint8)], departure
+            return [msg], departure
         pre = torch.frombuffer(bytearray(preamble), dtype=torch.uint8)
         if inline:
             if total:
