@@ -299,6 +299,25 @@ def _layouts(rank: int, corrupt: str) -> dict:
     return out
 
 
+def _pooled(rank: int) -> dict:
+    """Rank 0 sends 3 bursts of 10 equal-sized messages with different values (no wait inside a burst, so
+    several are in flight at once, then their buffers come back to the link's pool); rank 1 receives them."""
+    g = torch.Generator().manual_seed(5)
+    raw = make_codec("none")
+    bursts = [[[raw.encode(torch.randn(1000, generator=g))] for _ in range(10)] for _ in range(3)]
+    with Transport(timeout_s=20) as t:
+        if rank == 0:
+            for burst in bursts:
+                for h in [t.isend(m, 1, FORWARD) for m in burst]:
+                    h.wait()
+            sizes = {size: len(free) for size, free in t._senders[(1, FORWARD)]._free.items()}
+            t.recv(1, BACKWARD)
+            return {"pool": sizes}
+        got = [[t.recv(0, FORWARD) for _ in burst] for burst in bursts]
+        t.send([], 0, BACKWARD)
+        return {"equal": all(r[0].to_bytes() == m[0].to_bytes() for gb, b in zip(got, bursts) for r, m in zip(gb, b))}
+
+
 def _options_rank(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
@@ -314,6 +333,7 @@ def _options_rank(rank: int, world_size: int) -> dict:
     for corrupt in ("header", "payload"):
         out[f"layout_{corrupt}"] = _layouts(rank, corrupt)
         dist.barrier()
+    out["pooled"] = _pooled(rank)
     return out
 
 
@@ -496,6 +516,13 @@ def test_repeated_layouts_arrive_exactly_and_corruption_is_still_caught(options,
     assert got["tags"] == [[1], [2], [3, 0], [4, 0], [5], [], [6]]
     assert got["last"] == ("stage 0 (rank 0) sent a malformed message on forward activations: corrupted packet "
                            f"{corrupt} (CRC mismatch)")
+
+
+def test_message_buffers_are_reused_only_after_their_send_completed(options):
+    """A sender link builds messages in buffers it reuses once their sends completed: bursts of equal-sized
+    messages in flight together all arrive exactly, and the pool keeps at most 4 buffers of the size."""
+    assert options[1]["pooled"] == {"equal": True}
+    assert options[0]["pooled"]["pool"] == {576 + 4000: 4}
 
 
 def test_preamble_flags():
