@@ -188,6 +188,7 @@ _TAG_BASE = 0x7100
 _POOL_MAX_BYTES = 16 * 1024 * 1024  # message buffers a sender link reuses: at most this large,
 _POOL_DEPTH = 4  # this many per size,
 _POOL_SIZES = 8  # of this many sizes
+_LAYOUTS_KEPT = 64  # header layouts a sender link keeps packed
 _DEFAULT_CHANNEL_NAMES = {FORWARD: "forward activations", BACKWARD: "backward gradients"}
 _JOIN_TIMEOUT_S = 2.0
 _FINISH_LOCK = threading.Lock()
@@ -529,7 +530,7 @@ class _Sender(_Worker):
         key = (p.fingerprint, p.shape, p.dtype, p.kind, size)
         known = self._layouts.get(key)
         if known is None or known[0] is not p.family:
-            if len(self._layouts) >= 64:  # ever-changing shapes: keep the dict small
+            if len(self._layouts) >= _LAYOUTS_KEPT:  # ever-changing shapes: start over
                 self._layouts.clear()
             known = self._layouts[key] = (p.family, layout_key(p.header_bytes(checksum=self.transport.checksum,
                                                                             payload_crc=0)))
