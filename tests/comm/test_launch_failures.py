@@ -148,6 +148,19 @@ def test_error_of_a_stage_is_named_with_its_traceback_in_the_log(tmp_path, caplo
     assert any("boom at step 5" in r.getMessage() and r.levelname == "DEBUG" for r in caplog.records)
 
 
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    # every spawned process re-imports the main module: a launch at import time would start again in each
+    script = tmp_path / "unguarded.py"
+    script.write_text("from aqsgd.comm.launch import launch_local\n\n\ndef work():\n    return 1\n\n\n"
+                      "launch_local(work, 2)\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("aqsgd.errors.StageFailedError: rank 0 failed: RuntimeError: launch_local was called "
+                           "again while a spawned process imported the main module"), last
+    assert 'if __name__ == "__main__":' in last
+
+
 def test_default_names_come_from_the_peers_reports(tmp_path):
     # without rank_names, a stage named by a peer's PeerFailure/PeerTimeout keeps that name; the details go to
     # a temp file. The culprit freezes rather than exits: after an exit the elastic launcher tears the run

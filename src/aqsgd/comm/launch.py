@@ -84,6 +84,7 @@ import datetime
 import json
 import logging
 import math
+import multiprocessing
 import os
 import re
 import shutil
@@ -111,6 +112,9 @@ _STOPPED = ("T", "t")  # /proc/PID/stat states of a stopped process (SIGSTOP, or
 # a torch.distributed RuntimeError (gloo) that says a connection was lost, without naming the peer
 _COMM_HINTS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "gloo")
 _KEEP_ALIVE: list[Any] = []  # the workers' store server that rank 0 opened: it lives as long as the process
+_CTL_ENV = "AQSGD_LAUNCH_CTL"  # the launch's control directory, inherited by the processes it spawns
+_UNGUARDED = ("launch_local was called again while a spawned process imported the main module: put the "
+              "script's launch under `if __name__ == \"__main__\":` (every spawned process re-imports the script)")
 
 
 # ---------------------------------------------------------------------------------------------- launching
@@ -120,7 +124,8 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
     """Run ``fn(*args)`` in ``nprocs`` spawned processes on this machine; their return values in rank order.
 
     ``fn`` must be a picklable module-level function that initializes ``torch.distributed`` from the
-    environment. ``rank_names`` names a global rank in messages (e.g. ``stage 1``; default ``rank 1``, or the
+    environment. The processes are spawned and re-import the main module, so a script calls this under
+    ``if __name__ == "__main__":`` (a call while a spawned process imports the script is refused, naming the fix). ``rank_names`` names a global rank in messages (e.g. ``stage 1``; default ``rank 1``, or the
     label a peer's ``PeerFailure`` gave it). ``grace_s``: after the first failure, how long the launcher
     waits without news from any process before it kills those that neither returned nor reported (a stopped
     process is not waited for; see the module docstring). ``failure_log``: where the details of a failure are
@@ -128,6 +133,7 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
 
     Raises :class:`~aqsgd.errors.StageFailedError` if any process fails, naming the process at fault.
     """
+    _refuse_nested_launch()
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -150,7 +156,7 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
         watchdog = _Watchdog(ctl, nprocs, grace_s)
         out: dict[int, Any] = {}
         failure: ChildFailedError | None = None
-        with _environ(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), _torch_logs_to(torch_log):
+        with _environ(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{_CTL_ENV: ctl}), _torch_logs_to(torch_log):
             watchdog.start()
             try:
                 out = elastic_launch(config, _stage_entry)(ctl, fn, tuple(args))
@@ -164,6 +170,20 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
         raise _stage_failed(ctl, nprocs, out, failure, watchdog, rank_names, torch_log, run_id, failure_log)
     finally:
         shutil.rmtree(ctl, ignore_errors=True)
+
+
+def _refuse_nested_launch() -> None:
+    """Raise if this is a process spawned by :func:`launch_local` importing the main module: a script that
+    launches at import time without a ``__main__`` guard would otherwise start a launch in every process,
+    which dies without a report. The process leaves a note the launcher reads (its rank is not known yet,
+    so the note is named by its pid)."""
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    ctl = os.environ.get(_CTL_ENV)
+    if ctl and os.path.isdir(ctl):
+        with contextlib.suppress(OSError):
+            _write(ctl, f"unguarded-{os.getpid()}", _UNGUARDED)
+    raise RuntimeError(_UNGUARDED)
 
 
 def _stage_entry(ctl: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bool, Any]:
@@ -505,6 +525,8 @@ def _outcomes(ctl: str, nprocs: int, out: Mapping[int, Any], failure: Any, watch
             outcomes[r] = RankOutcome(r, "hung", detail=f"{how} {k['after_s']:.1f} s after the first failure")
         elif (r in out and out[r][0]) or os.path.exists(os.path.join(ctl, f"end-{r}")):
             outcomes[r] = RankOutcome(r, "ok")
+        elif r in agent_failures and os.path.exists(os.path.join(ctl, f"unguarded-{agent_failures[r].pid}")):
+            outcomes[r] = RankOutcome(r, "error", "RuntimeError", _UNGUARDED, time=agent_failures[r].timestamp or None)
         elif r in agent_failures:
             pf = agent_failures[r]
             how = (f"was killed by signal {pf.signal_name()}" if pf.exitcode is not None and pf.exitcode < 0
