@@ -63,7 +63,7 @@ _FEWER_BITS = ["fp32", "aqsgd fw2/bw4 l2 zstd", "aqsgd fw2/bw4 rot zstd", "direc
                "tah-quant zstd", "direct fw4/bw6 rot zstd", "aqsgd fw2/bw4 rot outlier", "aqsgd fw2/bw4 l2 outlier",
                "aqsgd fw1/bw4 rot zstd", "aqsgd fw1/bw4", "aqsgd fw2 rot only", "bw4 rot only",
                "aqsgd fw3/bw4 rot zstd", "aqsgd fw2 ec/bw4 rot", "aqsgd fw1.5 ec/bw4 rot",
-               "direct fw4 ec/bw6 rot", "direct fw3.5 ec/bw6 rot"]
+               "direct fw4 ec/bw6 rot", "direct fw3.5 ec/bw6 rot", "direct fw4/bw6 rot outlier zstd"]
 FEWER_BITS_SETTINGS: dict[str, list[str]] = {
     "minilm-bbc": _FEWER_BITS, "smollm2-wiki": _FEWER_BITS,
     "synthetic-lm": ["fp32", "aqsgd fw2/bw4 rot zstd", "tah-quant"],
