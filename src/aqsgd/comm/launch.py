@@ -125,8 +125,9 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
 
     ``fn`` must be a picklable module-level function that initializes ``torch.distributed`` from the
     environment. The processes are spawned and re-import the main module, so a script calls this under
-    ``if __name__ == "__main__":`` (a call while a spawned process imports the script is refused, naming the fix). ``rank_names`` names a global rank in messages (e.g. ``stage 1``; default ``rank 1``, or the
-    label a peer's ``PeerFailure`` gave it). ``grace_s``: after the first failure, how long the launcher
+    ``if __name__ == "__main__":`` (a call while a spawned process imports the script is refused, naming the
+    fix). ``rank_names`` names a global rank in messages (e.g. ``stage 1``; default ``rank 1``, or the label a
+    peer's ``PeerFailure`` gave it). ``grace_s``: after the first failure, how long the launcher
     waits without news from any process before it kills those that neither returned nor reported (a stopped
     process is not waited for; see the module docstring). ``failure_log``: where the details of a failure are
     written (default: a new file in the temp directory).
@@ -176,7 +177,8 @@ def _refuse_nested_launch() -> None:
     """Raise if this is a process spawned by :func:`launch_local` importing the main module: a script that
     launches at import time without a ``__main__`` guard would otherwise start a launch in every process,
     which dies without a report. The process leaves a note the launcher reads (its rank is not known yet,
-    so the note is named by its pid)."""
+    so the note is named by its pid). ``_inheriting`` is the flag multiprocessing itself sets while a spawned
+    process imports the parent's main module, and checks before starting a process."""
     if not getattr(multiprocessing.current_process(), "_inheriting", False):
         return
     ctl = os.environ.get(_CTL_ENV)
