@@ -70,7 +70,7 @@ class Codec(abc.ABC):
 
     def ratio(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> float:
         """Compression ratio against sending the raw tensor of ``dtype`` (header excluded from neither)."""
-        raw = numel_of(shape) * torch.empty(0, dtype=dtype).element_size()
+        raw = numel_of(shape) * dtype.itemsize
         return raw / self.wire_bytes(shape, dtype)
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Packet:

@@ -32,7 +32,7 @@ class RawCodec(Codec):
         return True
 
     def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
-        return numel_of(shape) * torch.empty(0, dtype=dtype).element_size()
+        return numel_of(shape) * dtype.itemsize
 
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         return _as_bytes(x)

@@ -253,7 +253,13 @@ class Packet:
 
     def with_tag(self, tag: int, kind: int = 0) -> Packet:
         """The same packet with the scheme-level tag and kind set."""
-        return dataclasses.replace(self, tag=tag & 0xFFFFFFFF, kind=kind)
+        if not 0 <= kind <= 255:  # the only field that changes and is checked; the rest were checked already
+            raise PacketError(f"packet kind must be in 0..255, got {kind}")
+        # not dataclasses.replace: it runs every check of __post_init__ again, twice per message on the send
+        # path, where each torch call costs microseconds (many more with cold caches)
+        packet = object.__new__(type(self))
+        packet.__dict__.update(self.__dict__, tag=tag & 0xFFFFFFFF, kind=kind)
+        return packet
 
     def header_bytes(self, *, checksum: bool | None = None, payload_crc: int | None = None) -> bytes:
         """The 64 header bytes. ``checksum`` defaults to True for CPU payloads, False for CUDA.
