@@ -94,12 +94,60 @@ def codec_quality_specs(d: dict) -> list[str]:
     return out
 
 
+def codecs_quality(d: dict) -> list[str]:
+    """``aqsgd bench codecs --quality``: one table per source and tensor, error at b = 1..8 (bold: worse than
+    sending zeros), as in docs/bench-codecs.md."""
+    bits = d["bits"]
+    out: list[str] = []
+    for panel in dict.fromkeys((r["source"], r["tensor"]) for r in d["rows"]):
+        if out:
+            out.append("")
+        out += [f"{panel[0]} {panel[1]}:", "", "| `q<b>` options | scale bits/value | "
+                + " | ".join(f"b = {b}" for b in bits) + " |", "|---|---|" + "---|" * len(bits)]
+        for r in (r for r in d["rows"] if (r["source"], r["tensor"]) == panel):
+            label = r["label"] if r["kind"] == "reference" or r["label"] == "default" else f"`{r['label']}`"
+            errors = ["-" if e is None else f"**{e:.3g}**" if r["kind"] == "codec" and e > 1 else f"{e:.3g}"
+                      for e in r["rel_mse"]]
+            out.append(f"| {label} | {_fmt(r['scale_bits'], '.3g')} | " + " | ".join(errors) + " |")
+    return out
+
+
+def vs_torch(d: dict) -> list[str]:
+    """``aqsgd bench vs-torch``: samples/s against torch.distributed.pipelining, then one message's latency."""
+    out = ["| stages | schedule | aqsgd samples/s | torch samples/s | aqsgd / torch | first-step loss |",
+           "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        loss = f"{r['aqsgd_first_loss']:.6f}"
+        if r["torch_first_loss"] != r["aqsgd_first_loss"]:
+            loss += f" vs {r['torch_first_loss']:.6f}"
+        out.append(f"| {r['stages']} | {r['torch_schedule']} | {r['aqsgd_samples_per_s']:.1f} | "
+                   f"{r['torch_samples_per_s']:.1f} | {r['ratio']:.2f}x | {loss} |")
+    if d.get("latency"):
+        out += ["", "| payload bytes | hand-over ms, aqsgd / torch | CRC off | ping-pong ms, aqsgd / torch | CRC off |",
+                "|---|---|---|---|---|"]
+        for r in d["latency"]:
+            out.append(f"| {r['payload_bytes']:,} | {r['aqsgd_handover_ms']:.3f} / {r['torch_handover_ms']:.3f} "
+                       f"({r['handover_ratio']:.2f}x) | {r['aqsgd_nocrc_handover_ms']:.3f} "
+                       f"({r['handover_ratio_nocrc']:.2f}x) | {r['aqsgd_pingpong_ms']:.3f} / "
+                       f"{r['torch_pingpong_ms']:.3f} ({r['pingpong_ratio']:.2f}x) | "
+                       f"{r['aqsgd_nocrc_pingpong_ms']:.3f} ({r['pingpong_ratio_nocrc']:.2f}x) |")
+    return out
+
+
+RENDERERS = {"codecs": codecs, "codecs-cache-path": codecs_cache_path, "codecs-quality": codecs_quality,
+             "codecs-quality-specs": codec_quality_specs, "pipeline": pipeline, "convergence": convergence,
+             "netem": netem, "boundary_errors": boundary_errors, "vs-torch": vs_torch}
+
+
 def main(paths: list[str]) -> int:
     for p in paths:
         d = json.loads(Path(p).read_text())
         kind = d.get("benchmark") or ("convergence" if "table" in d else None)
-        lines = {"codecs": codecs, "codecs-cache-path": codecs_cache_path, "pipeline": pipeline, "convergence": convergence, "netem": netem,
-                 "boundary_errors": boundary_errors, "codecs-quality-specs": codec_quality_specs}[kind](d)
+        if kind not in RENDERERS:
+            print(f"render: {p} holds a {kind!r} result, which has no table here (known: "
+                  f"{', '.join(sorted(RENDERERS))})", file=sys.stderr)
+            return 2
+        lines = RENDERERS[kind](d)
         commands = d.get("commands") or [d.get("command", "")]
         print(f"<!-- {p}: {' ; '.join(commands)} on {d.get('machine', '')} -->")
         print("\n".join(lines))

@@ -83,3 +83,44 @@ def test_codec_quality_of_named_specs_renders_one_table_per_source(capsys):
     assert sum(ln.startswith("| `") for ln in out.splitlines()) == len(specs) * len(sources)
     r = d["rows"][0]
     assert f"| {r['bits_per_value']:.2f} | {r['rel_mse']:.3g} |" in out
+
+
+def test_every_result_file_renders(capsys):
+    """The docs say ``python -m benchmarks.render FILE.json`` prints the tables of any file in results/."""
+    paths = sorted(RESULTS.glob("*.json"))
+    assert paths
+    for path in paths:
+        assert main([str(path)]) == 0, path
+        out = capsys.readouterr().out
+        assert out.startswith(f"<!-- {path}: ") and "\n|" in out, path
+
+
+def test_a_result_of_an_unknown_kind_is_refused_in_one_line(tmp_path, capsys):
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps({"benchmark": "odd", "rows": []}))
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{path} holds a 'odd' result" in err and "vs-torch" in err
+
+
+def test_vs_torch_result_renders_both_tables(capsys):
+    path = RESULTS / "vs-torch.json"
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    d = json.loads(path.read_text())
+    for r in d["rows"]:
+        assert f"| {r['stages']} | {r['torch_schedule']} | {r['aqsgd_samples_per_s']:.1f} | " in out
+        assert f"| {r['ratio']:.2f}x |" in out
+    for r in d["latency"]:
+        assert f"| {r['payload_bytes']:,} | {r['aqsgd_handover_ms']:.3f} / {r['torch_handover_ms']:.3f} " in out
+
+
+def test_codec_quality_rows_are_the_docs_rows(capsys):
+    """The Gaussian table of docs/bench-codecs.md is this file's first table, row for row."""
+    assert main([str(RESULTS / "codecs-quality.json")]) == 0
+    table = capsys.readouterr().out.split("\n\n")[1].splitlines()
+    rows = [ln for ln in table if ln.startswith(("| `", "| default |"))]  # header, the 14 codec rows
+    doc = (RESULTS.parents[1] / "docs" / "bench-codecs.md").read_text()
+    assert len(rows) == 15
+    for row in rows:
+        assert row in doc, row
