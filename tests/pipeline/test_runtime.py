@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -107,6 +109,24 @@ def test_schedule_actions_are_labelled_for_the_profiler():
         assert {f"stage1 RECV_F mb{m}", f"stage1 wait F mb{m}", f"stage1 decode F mb{m}", f"stage1 FORWARD mb{m}",
                 f"stage1 BACKWARD mb{m}", f"stage1 SEND_B mb{m}", f"stage1 encode B mb{m}"} <= names
     assert {"stage0 wait sends", "stage1 wait sends"} <= names
+
+
+def test_outside_a_profiler_no_label_is_made(monkeypatch):
+    """Labels cost dispatcher calls per action; without a profiler recording the runner makes none, and the
+    step's numbers are those of a labelled step."""
+    import aqsgd.pipeline.runner as runner_module
+
+    made = []
+    real = runner_module.record_function
+    monkeypatch.setattr(runner_module, "record_function", lambda name: made.append(name) or real(name))
+    case = CASES["mlp"]()
+    stages = partition_model(case.model, 2)
+    plain = LocalPipeline(copy.deepcopy(stages), CompressionConfig.simple("q8", "q8")).step(split_batch(case.batch, 2))
+    assert made == []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        labelled = LocalPipeline(stages, CompressionConfig.simple("q8", "q8")).step(split_batch(case.batch, 2))
+    assert "stage0 FORWARD mb0" in made
+    assert torch.equal(plain, labelled)
 
 
 def test_runner_state_round_trip_builds_the_schemes(tmp_path):

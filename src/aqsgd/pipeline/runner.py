@@ -60,11 +60,9 @@ from aqsgd.pipeline.stage import Batch
 from aqsgd.schemes import BoundaryScheme, DeltaScheme, Phase
 
 _UNLABELLED = contextlib.nullcontext()
-
-
-def _profiling() -> bool:
-    """Whether a profiler records now (then every action gets its label)."""
-    return torch._C._autograd._profiler_enabled()
+# Whether a profiler records now (then every action gets its label). torch keeps this check private: where a
+# build lacks it, every action is labelled, as if a profiler were always on.
+_profiling = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", lambda: True)
 
 
 __all__ = ["StageRunner", "LocalPipeline", "LocalTransport", "StepStats", "Transport", "forward_plan",
