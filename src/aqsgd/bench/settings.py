@@ -97,8 +97,9 @@ SETTINGS: dict[str, Setting] = {
     "direct fw4 ec/bw6 rot": Setting("direct:q8:rot128:step0.3:rc", "direct:q6:rot32:zstd"),
     "direct fw3.5 ec/bw6 rot": Setting("direct:q8:rot128:step0.45:rc", "direct:q6:rot32:zstd"),
     # cache-free at TAH-Quant's bits: the fixed-rate 4-bit row on the `midrise` grid, with the rows whose norm is
-    # 32x the median (SmolLM2's attention sinks, 70-137x at the study's boundaries) sent apart in bf16, which take most of that row's error
-    # on SmolLM2's activations (0.0035 -> 0.0013, TAH 0.0012); with zstd about 4.1 bits per value, TAH's 4.15
+    # 32x the median (SmolLM2's attention sinks, 70-137x at the study's boundaries) sent apart in bf16, which
+    # take most of that row's error on SmolLM2's activations (0.0035 -> 0.0013, TAH 0.0012); with zstd about
+    # 4.1 bits per value, TAH's 4.15
     "direct fw4/bw6 rot outlier zstd": Setting("direct:q4:rot128:l2:midrise:outlier32:zstd", "direct:q6:rot32:zstd"),
 }
 

@@ -296,7 +296,11 @@ class StageRunner:
         return self.microbatches[mb].get("sample_ids")
 
     def _label(self, what: str, mb: int) -> record_function | contextlib.nullcontext:
-        return record_function(f"stage{self.stage} {what} mb{mb}") if _profiling() else _UNLABELLED
+        return self._mark(f"{what} mb{mb}")
+
+    def _mark(self, what: str) -> record_function | contextlib.nullcontext:
+        """The profiler label ``stage{i} {what}``, made only while a profiler records."""
+        return record_function(f"stage{self.stage} {what}") if _profiling() else _UNLABELLED
 
     def run(self, action: Action) -> None:
         with self._label(action.kind.name, action.microbatch):
@@ -384,7 +388,7 @@ class StageRunner:
     def end_step(self) -> torch.Tensor | None:
         """Finish a step: wait for outstanding sends; the last stage returns the mean micro-batch loss."""
         t0 = time.perf_counter()
-        with record_function(f"stage{self.stage} wait sends") if _profiling() else _UNLABELLED:
+        with self._mark("wait sends"):
             for h in self.pending_sends:
                 h.wait()
         self.pending_sends = []
