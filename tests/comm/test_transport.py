@@ -6,6 +6,7 @@ rank functions live at module level so that spawned children can import them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -51,8 +52,23 @@ def _messages(src: int, channel: int) -> list[list]:
             shape = (int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g)))
             x = torch.randn(shape, generator=g)
             packets.append(codec.encode(x, generator=g).with_tag(int(torch.randint(0, 2**31, (1,), generator=g))))
+        if i in (5, 6):  # the same bytes as a strided view and as a view at an odd offset into a larger tensor
+            packets = [dataclasses.replace(p, payload=_strided(p.payload) if i == 5 else _offset(p.payload, 3))
+                       for p in packets]
         out.append(packets)
     return out
+
+
+def _strided(payload: torch.Tensor) -> torch.Tensor:
+    wide = torch.zeros(2 * payload.numel(), dtype=torch.uint8)
+    wide[::2] = payload
+    return wide[::2]
+
+
+def _offset(payload: torch.Tensor, offset: int) -> torch.Tensor:
+    longer = torch.full((offset + payload.numel(),), 0xAB, dtype=torch.uint8)
+    longer[offset:] = payload
+    return longer[offset:]
 
 
 def _roundtrip_rank(rank: int, world_size: int) -> dict:

@@ -275,7 +275,7 @@ def test_header_takes_a_precomputed_payload_crc():
 def test_layout_key_and_fill_header_rebuild_header_bytes(checksum):
     """The transport packs a header's layout once per link and fills in each message's tag and payload CRC:
     the result must be exactly ``header_bytes``, and the key must not depend on the per-message fields."""
-    from aqsgd.compress.packet import fill_header, layout_key, message_fields
+    from aqsgd.compress.packet import HEADER_BYTES, fill_header, layout_key, layout_keys, message_fields
 
     g = torch.Generator().manual_seed(3)
     for spec, shape in (("q2", (4, 16)), ("none", (3,)), ("topk0.1", (8, 32)), ("fp16", ()), ("q4:rot64", (2, 128))):
@@ -289,4 +289,6 @@ def test_layout_key_and_fill_header_rebuild_header_bytes(checksum):
             assert message_fields(want)[0] == p.tag & 0xFFFFFFFF and message_fields(want)[2] == int.from_bytes(want[60:], "little")
             keys.add(layout_key(p.with_tag(tag, kind=0).header_bytes(checksum=checksum)))
         assert len(keys) == 1  # the tag is not part of the key
-        assert len(layout_key(want)) == 52
+        assert sum(map(len, layout_key(want))) == 52
+        two = want + base.header_bytes(checksum=checksum)
+        assert layout_keys(two, 2) == layout_key(two) + layout_key(two, HEADER_BYTES)  # several headers in one call

@@ -287,9 +287,9 @@ def _device_rank(rank: int, world_size: int, device_type: str) -> dict:
     packets = [make_codec(spec).encode(x).with_tag(i) for i, spec in enumerate(["q2", "topk0.1+q8", "fp16"])]
     with Transport(timeout_s=30, device=device, backend="gloo") as t:
         if device.type == "cpu":
-            staged, keep, ready = t._stage(tuple(packets))
+            staged, keep, ready, host = t._stage(tuple(packets))
             out["cpu_staging_is_identity"] = (all(a is b for a, b in zip(staged, packets)) and keep == ()
-                                              and ready is None)
+                                              and ready is None and host)
         if rank == 0:
             t.send(packets, 1, FORWARD)
             out["sent"] = [p.to_bytes(checksum=False) for p in packets]

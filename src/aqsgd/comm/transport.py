@@ -83,13 +83,15 @@ per call, about a tenth of a small message's hand-over.
 What remains of a message's latency is mostly Python on both sides and one thread hop on the receiver (the
 receiver thread, then the caller). The hot paths therefore avoid torch and numpy calls (each costs a
 microsecond warm and tens of microseconds when the caches are cold after idling, as a stage's are after
-computing): the sender takes one numpy view per payload for its size, its CRC and its copy into the message
-(a buffer of the link's own, reused once its send completed), and packs each header's fixed fields once per
-layout (:func:`~aqsgd.compress.packet.layout_key`; a pipeline sends the same codecs, shapes and lengths every
+computing): the sender copies each contiguous host payload into the message (a buffer of the link's own,
+reused once its send completed) with one ``memmove`` from the tensor's address and takes its CRC from there
+(a numpy view of the payload costs 20-30 µs cold), and it packs each header's fixed fields once per layout
+(:func:`~aqsgd.compress.packet.layout_key`; a pipeline sends the same codecs, shapes and lengths every
 micro-batch), filling in the tag and CRCs per message. The receiver keeps the last message's parsed layout:
-when the next message repeats it outside the per-message fields, its headers need no parsing (the header
-CRCs and payload CRCs are still checked), and the payload views were cut from the receive buffer before the
-bytes arrived. Payload CRCs are ISA-L's (``isal``), zlib's values at about 13x the speed, and
+when the next message repeats it outside the per-message fields (one ``struct`` call compares them), its
+headers need no parsing (the header CRCs and payload CRCs are still checked), the payload views were cut
+from the receive buffer before the bytes arrived, and the message's buffer and views are let go only when
+the next receive starts. Payload CRCs are ISA-L's (``isal``), zlib's values at about 13x the speed, and
 handles complete through a bare lock rather than a ``threading.Event``. The hop itself stays: a caller
 blocking in gloo's own wait could not time out without gloo closing the connection, and torch exposes no way
 to abort a gloo receive.
@@ -126,6 +128,7 @@ from __future__ import annotations
 import _thread
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import queue
@@ -150,6 +153,7 @@ from aqsgd.compress.packet import (
     crc32_of_buffer,
     fill_header,
     layout_key,
+    layout_keys,
     message_fields,
     parse_header,
 )
@@ -176,6 +180,7 @@ MAX_PACKETS = 8
 MAX_CHANNEL = 255
 _PREFIX = struct.Struct("<4sBBHQQdB27sI")
 _PREFIX_BYTES = _PREFIX.size
+_U32 = struct.Struct("<I")
 PREAMBLE_BYTES = _PREFIX_BYTES + MAX_PACKETS * HEADER_BYTES
 _MAGIC = b"AQTP"
 _VERSION = 2
@@ -192,6 +197,7 @@ _LAYOUTS_KEPT = 64  # header layouts a sender link keeps packed
 _DEFAULT_CHANNEL_NAMES = {FORWARD: "forward activations", BACKWARD: "backward gradients"}
 _JOIN_TIMEOUT_S = 2.0
 _FINISH_LOCK = threading.Lock()
+_memmove = ctypes.memmove  # (dst address, src address, bytes); releases the GIL
 assert _PREFIX_BYTES == 64
 
 
@@ -227,8 +233,7 @@ def _build_preamble(n: int, channel: int, seq: int, total: int, arrival: float, 
                     flags: int = 0) -> bytes:
     region = headers.ljust(MAX_PACKETS * HEADER_BYTES, b"\0")
     head = _PREFIX.pack(_MAGIC, _VERSION, n, channel, seq, total, arrival, flags, b"", 0)[:60]
-    crc = zlib.crc32(region, zlib.crc32(head))
-    return head + struct.pack("<I", crc) + region
+    return head + _U32.pack(zlib.crc32(region, zlib.crc32(head))) + region
 
 
 def _parse_preamble(buf: bytes) -> tuple[int, int, int, int, float]:
@@ -348,12 +353,13 @@ class _SendItem:
     packets: tuple[Packet, ...]
     handle: SendHandle
     ready: object | None  # a CUDA event after the payloads (or their host copies) are complete, or None
+    host: bool  # every payload of ``packets`` is a CPU tensor (pinned host copies included)
     enqueued: float  # time.monotonic() when isend was called: when the message was handed to the link
     staged_from: tuple[Packet, ...] = ()  # GPU packets whose host copies are in flight: kept alive until sent
     works: list[Any] | None = None  # started on the caller's thread (a direct link): the gloo sends in flight
     wire: list[torch.Tensor] = dataclasses.field(default_factory=list)  # their buffers, alive until sent
     error: BaseException | None = None  # starting them failed
-    buffer: tuple[torch.Tensor, memoryview] | None = None  # the link's pooled message buffer it was built in
+    buffer: tuple[torch.Tensor, memoryview, int] | None = None  # the link's pooled message buffer it was built in
 
 
 class _Worker(threading.Thread):
@@ -442,7 +448,7 @@ class _Sender(_Worker):
         # isend, so the bytes leave without waiting for this thread; the thread only waits for completion.
         self.direct = pacer is None and not transport._nccl and transport._stager is None
         self._post_lock = threading.Lock()
-        self._layouts: dict[tuple, tuple[Family, bytes]] = {}
+        self._layouts: dict[tuple, tuple[Family, tuple[bytes, bytes, bytes]]] = {}
         self._free: dict[int, collections.deque] = {}  # message size -> free buffers (see _buffer)
 
     def post(self, item: _SendItem) -> None:
@@ -498,18 +504,21 @@ class _Sender(_Worker):
         if departure is not None:
             self._sleep_until_wall(departure)
 
-    def _buffer(self, size: int) -> tuple[torch.Tensor, memoryview]:
-        """A host message buffer of ``size`` bytes and its memoryview: a free one of this link's pool, else new.
+    def _buffer(self, size: int) -> tuple[torch.Tensor, memoryview, int]:
+        """A host message buffer of ``size`` bytes, its memoryview and its address: a free one of this link's
+        pool, else new.
 
         Pipelines send messages of the same few sizes over and over; a buffer whose send completed is
         reused (:meth:`_give_back`) instead of allocating (and, for large messages, page-faulting) a new one.
         """
         free = self._free.get(size)
         if free:
-            with contextlib.suppress(IndexError):  # the sender thread may have taken the last one meanwhile
+            try:
                 return free.pop()
+            except IndexError:  # the sender thread took the last one meanwhile
+                pass
         t = torch.empty(size, dtype=torch.uint8)
-        return t, memoryview(t.numpy())
+        return t, memoryview(t.numpy()), t.data_ptr()
 
     def _give_back(self, item: _SendItem) -> None:
         """Return ``item``'s pooled buffer once its send completed (gloo no longer reads it)."""
@@ -524,7 +533,7 @@ class _Sender(_Worker):
         if len(free) < _POOL_DEPTH:
             free.append(buffer)
 
-    def _layout_key(self, p: Packet, size: int) -> bytes:
+    def _layout_key(self, p: Packet, size: int) -> tuple[bytes, bytes, bytes]:
         """The :func:`~aqsgd.compress.packet.layout_key` of ``p``'s header, packed once per layout on this
         link (a pipeline sends the same layout every micro-batch)."""
         key = (p.fingerprint, p.shape, p.dtype, p.kind, size)
@@ -544,18 +553,12 @@ class _Sender(_Worker):
         if item.ready is not None:
             item.ready.synchronize()  # type: ignore[attr-defined]
         packets = item.packets
-        # host payloads into a host message: one numpy view per payload gives its size, its CRC and the copy
-        # (each torch call costs microseconds, many of them when the caches are cold after idling)
-        hosts = [p.payload.numpy() for p in packets] if wire.type == "cpu" and item.ready is None else None
-        if hosts is not None:
-            checksum = t.checksum
-            headers = b"".join(fill_header(self._layout_key(p, a.size), p.tag, crc32_of_buffer(a) if checksum else 0)
-                               for p, a in zip(packets, hosts))
-            total = sum(a.size for a in hosts)
-        else:
-            checksum = None if t.checksum else False  # None: a payload CRC for host bytes
-            headers = b"".join(p.header_bytes(checksum=checksum) for p in packets)
-            total = sum(p.payload.numel() for p in packets)
+        host = item.host and item.ready is None and wire.type == "cpu"  # host payloads, complete, to a host message
+        sizes, total = [], 0
+        for p in packets:  # a loop, not a comprehension and sum(): fewer frames on the latency path
+            size = p.payload.nbytes  # 1-D uint8: bytes = elements
+            sizes.append(size)
+            total += size
         arrival = 0.0
         departure = None
         if self.pacer is not None:
@@ -568,16 +571,38 @@ class _Sender(_Worker):
         need = PREAMBLE_BYTES + total
         inline = need <= self.capacity
         flags = (_FLAG_INLINE if inline else 0) | (_FLAG_CHECKSUM if t.checksum else 0)
-        preamble = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers, flags)
-        if inline and hosts is not None:
-            item.buffer = msg, view = self._buffer(need)
-            view[:PREAMBLE_BYTES] = preamble
+        if inline and host:
+            # host payloads into the link's host message buffer, then their CRCs from there: per payload a few
+            # attribute reads and one memmove instead of a numpy view (each torch or numpy call costs
+            # microseconds warm, tens of them with the caches cold after idling, as a stage's are)
+            item.buffer = msg, view, address = self._buffer(need)
+            checksum = t.checksum
             offset = PREAMBLE_BYTES
-            for a in hosts:
-                view[offset:offset + a.size] = a.data
-                offset += a.size
+            crcs = []
+            for p, size in zip(packets, sizes):
+                if size:
+                    payload = p.payload
+                    if payload.is_contiguous():  # in host memory (item.host), so its address is a host address
+                        _memmove(address + offset, payload.data_ptr(), size)
+                    else:
+                        view[offset:offset + size] = payload.numpy().data
+                crcs.append(crc32_of_buffer(view[offset:offset + size]) if checksum else 0)
+                offset += size
+            headers = b"".join(fill_header(self._layout_key(p, size), p.tag, crc)
+                               for p, size, crc in zip(packets, sizes, crcs))
+            view[:PREAMBLE_BYTES] = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers,
+                                                    flags)
             self.seq += 1
             return [msg], departure
+        if host:
+            checksum = t.checksum
+            hosts = [p.payload.numpy() for p in packets]
+            headers = b"".join(fill_header(self._layout_key(p, a.size), p.tag, crc32_of_buffer(a) if checksum else 0)
+                               for p, a in zip(packets, hosts))
+        else:
+            checksum = None if t.checksum else False  # None: a payload CRC for host bytes
+            headers = b"".join(p.header_bytes(checksum=checksum) for p in packets)
+        preamble = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers, flags)
         pre = torch.frombuffer(bytearray(preamble), dtype=torch.uint8)
         if inline:
             if total:
@@ -613,7 +638,7 @@ class _Layout:
 
     __slots__ = ("key", "headers", "total", "spans")
 
-    def __init__(self, key: bytes, headers: list[Header]) -> None:
+    def __init__(self, key: tuple[bytes, ...], headers: list[Header]) -> None:
         self.key = key
         self.headers = headers
         self.total = sum(h.payload_len for h in headers)
@@ -622,11 +647,6 @@ class _Layout:
             spans.append((offset, offset + h.payload_len))
             offset += h.payload_len
         self.spans = spans
-
-    @staticmethod
-    def key_of(region: bytes, n: int) -> bytes:
-        """The ``n`` headers of ``region`` without the per-message fields (tag, payload CRC, header CRC)."""
-        return b"".join(layout_key(region, o) for o in range(0, n * HEADER_BYTES, HEADER_BYTES))
 
     def cut(self, buffer: torch.Tensor, host: np.ndarray | None,
             start: int = PREAMBLE_BYTES) -> list[tuple[torch.Tensor, np.ndarray | None]]:
@@ -645,6 +665,7 @@ class _Receiver(_Worker):
         self._staged = self._host_wire and transport.device.type == "cuda"  # gloo to a GPU: pinned memory
         self._moved = wire != transport.device
         self._layout: _Layout | None = None
+        self._spent: tuple | None = None  # the last message's receive buffer and views (see _recv)
 
     def _serve(self) -> None:
         while True:
@@ -681,6 +702,7 @@ class _Receiver(_Worker):
 
     def _recv(self) -> tuple[list[Packet], float]:
         t = self.transport
+        self._spent = None  # freed now, not between the last message's arrival and its hand-off
         wire = t._wire_device
         staged = self._staged
         first = torch.empty(self.capacity, dtype=torch.uint8, device=wire, pin_memory=staged)
@@ -704,7 +726,7 @@ class _Receiver(_Worker):
         if seq != self.seq:
             raise PacketError(f"message number {seq} arrived where number {self.seq} was due (out of step)")
         region = buf[_PREFIX_BYTES:_PREFIX_BYTES + n * HEADER_BYTES]
-        key = _Layout.key_of(region, n)
+        key = layout_keys(region, n)  # the headers without their per-message fields (tag and CRCs)
         if layout is None or key != layout.key:
             # parse_header checks every field; the layout keeps them for the messages that repeat it
             headers = [parse_header(region[o:o + HEADER_BYTES]) for o in range(0, n * HEADER_BYTES, HEADER_BYTES)]
@@ -750,6 +772,7 @@ class _Receiver(_Worker):
         if staged and total:
             torch.cuda.current_stream(t.device).synchronize()
         t._count(self.stats_key, n, total)
+        self._spent = first, host, head, cut  # not freed on return: the caller is waiting for these packets
         return packets, arrival
 
 
@@ -848,35 +871,42 @@ class Transport:
         packets = tuple(packets)
         if len(packets) > MAX_PACKETS:
             raise TransportError(f"a message carries at most {MAX_PACKETS} packets, got {len(packets)}")
-        if not all(isinstance(p, Packet) for p in packets):
-            raise TransportError("isend takes a sequence of Packet")
+        for p in packets:  # a loop, not all(...): no generator per message on the latency path
+            if not isinstance(p, Packet):
+                raise TransportError("isend takes a sequence of Packet")
         # a link's worker exists only once its peer and channel were checked (close() forgets them all)
         worker = self._senders.get((dst, channel)) or self._sender(dst, channel)
-        packets, staged_from, ready = self._stage(packets)
+        packets, staged_from, ready, host = self._stage(packets)
         handle = SendHandle(self, dst, channel, worker.stats_key)
-        item = _SendItem(packets, handle, ready, time.monotonic(), staged_from)
+        item = _SendItem(packets, handle, ready, host, time.monotonic(), staged_from)
         if worker.direct:
             worker.post(item)
         else:
             worker.requests.put(item)
         return handle
 
-    def _stage(self, packets: tuple[Packet, ...]) -> tuple[tuple[Packet, ...], tuple[Packet, ...], Any]:
-        """``(packets to send, GPU packets to keep alive until then, event to wait on before sending)``.
+    def _stage(self, packets: tuple[Packet, ...]) -> tuple[tuple[Packet, ...], tuple[Packet, ...], Any, bool]:
+        """``(packets to send, GPU packets to keep alive until then, event to wait on before sending, whether
+        every payload to send is in host memory)``.
 
         CPU payloads: the packets themselves, nothing to keep, no event. GPU payloads over gloo: pinned host
         copies, queued non-blocking on the side stream, and the event after them. GPU payloads over NCCL (or a
         CPU transport given GPU payloads): the packets and an event on the caller's stream, after which their
         bytes are complete."""
-        if not any(p.payload.is_cuda for p in packets):
-            return packets, (), None
+        host, cuda = True, False
+        for p in packets:
+            if not p.payload.is_cpu:
+                host = False
+                cuda = cuda or p.payload.is_cuda
+        if not cuda:
+            return packets, (), None, host
         if self._stager is not None:
             hosts, ready = self._stager.to_host([p.payload for p in packets])
-            return tuple(dataclasses.replace(p, payload=h) for p, h in zip(packets, hosts)), packets, ready
+            return tuple(dataclasses.replace(p, payload=h) for p, h in zip(packets, hosts)), packets, ready, True
         device = next(p.payload.device for p in packets if p.payload.is_cuda)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
-        return packets, (), ready
+        return packets, (), ready, False
 
     def irecv(self, src: int, channel: int) -> RecvHandle:
         """Post a receive of the next message from ``src`` on ``channel`` and return at once."""

@@ -60,6 +60,7 @@ __all__ = [
     "bytes_as",
     "fill_header",
     "layout_key",
+    "layout_keys",
     "message_fields",
 ]
 
@@ -154,25 +155,35 @@ def bytes_as(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 _MESSAGE_FIELDS = struct.Struct("<12xI4xI36xI")  # tag (offset 12), payload CRC (20), header CRC (60)
+_LAYOUT_FIELDS = "12s4x4s4x36s4x"  # the rest: bytes 0..12, 16..20 and 24..60
+_LAYOUT = struct.Struct("<" + _LAYOUT_FIELDS)
+_LAYOUTS = [struct.Struct("<" + _LAYOUT_FIELDS * n) for n in range(9)]  # of 0..8 headers (a transport message)
+_FILL = struct.Struct("<12sI4sI36s")  # a layout with a tag and a payload CRC: the first 60 bytes of a header
 _U32 = struct.Struct("<I")
 
 
-def layout_key(header: bytes, offset: int = 0) -> bytes:
+def layout_key(header: bytes | memoryview, offset: int = 0) -> tuple[bytes, bytes, bytes]:
     """The 52 bytes of the header at ``offset`` without the fields that change from one message to the next
-    (tag, payload CRC, header CRC): equal keys mean equal codec, dtype, shape, kind, flags and length."""
-    o = offset
-    return header[o:o + 12] + header[o + 16:o + 20] + header[o + 24:o + 60]
+    (tag, payload CRC, header CRC), as the three runs of bytes around them: equal keys mean equal codec,
+    dtype, shape, kind, flags and length."""
+    return _LAYOUT.unpack_from(header, offset)
 
 
-def message_fields(header: bytes, offset: int = 0) -> tuple[int, int, int]:
+def layout_keys(headers: bytes | memoryview, n: int) -> tuple[bytes, ...]:
+    """The :func:`layout_key` s of ``n`` consecutive headers, concatenated, in one call."""
+    layouts = _LAYOUTS[n] if n < len(_LAYOUTS) else struct.Struct("<" + _LAYOUT_FIELDS * n)
+    return layouts.unpack_from(headers)
+
+
+def message_fields(header: bytes | memoryview, offset: int = 0) -> tuple[int, int, int]:
     """``(tag, payload CRC, header CRC)`` of the header at ``offset``, unchecked."""
     return _MESSAGE_FIELDS.unpack_from(header, offset)
 
 
-def fill_header(key: bytes, tag: int, payload_crc: int) -> bytes:
+def fill_header(key: tuple[bytes, bytes, bytes], tag: int, payload_crc: int) -> bytes:
     """The 64 header bytes of a :func:`layout_key` with this message's tag and payload CRC (0 when the key's
     flags say there is none): ``packet.header_bytes(...)`` without packing every field again."""
-    head = key[:12] + _U32.pack(tag & 0xFFFFFFFF) + key[12:16] + _U32.pack(payload_crc) + key[16:]
+    head = _FILL.pack(key[0], tag & 0xFFFFFFFF, key[1], payload_crc, key[2])
     return head + _U32.pack(zlib.crc32(head))
 
 
