@@ -156,7 +156,6 @@ def bytes_as(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 _MESSAGE_FIELDS = struct.Struct("<12xI4xI36xI")  # tag (offset 12), payload CRC (20), header CRC (60)
 _LAYOUT_FIELDS = "12s4x4s4x36s4x"  # the rest: bytes 0..12, 16..20 and 24..60
-_LAYOUT = struct.Struct("<" + _LAYOUT_FIELDS)
 _LAYOUTS = [struct.Struct("<" + _LAYOUT_FIELDS * n) for n in range(9)]  # of 0..8 headers (a transport message)
 _FILL = struct.Struct("<12sI4sI36s")  # a layout with a tag and a payload CRC: the first 60 bytes of a header
 _U32 = struct.Struct("<I")
@@ -166,7 +165,7 @@ def layout_key(header: bytes | memoryview, offset: int = 0) -> tuple[bytes, byte
     """The 52 bytes of the header at ``offset`` without the fields that change from one message to the next
     (tag, payload CRC, header CRC), as the three runs of bytes around them: equal keys mean equal codec,
     dtype, shape, kind, flags and length."""
-    return _LAYOUT.unpack_from(header, offset)
+    return _LAYOUTS[1].unpack_from(header, offset)
 
 
 def layout_keys(headers: bytes | memoryview, n: int) -> tuple[bytes, ...]:

@@ -295,12 +295,12 @@ class StageRunner:
     def _ids(self, mb: int) -> torch.Tensor | None:
         return self.microbatches[mb].get("sample_ids")
 
-    def _label(self, what: str, mb: int) -> record_function | contextlib.nullcontext:
-        return self._mark(f"{what} mb{mb}")
-
-    def _mark(self, what: str) -> record_function | contextlib.nullcontext:
-        """The profiler label ``stage{i} {what}``, made only while a profiler records."""
-        return record_function(f"stage{self.stage} {what}") if _profiling() else _UNLABELLED
+    def _label(self, what: str, mb: int | None = None) -> record_function | contextlib.nullcontext:
+        """The profiler label ``stage{i} {what} mb{mb}`` (``stage{i} {what}`` without a micro-batch), made (and
+        its name formatted) only while a profiler records."""
+        if not _profiling():
+            return _UNLABELLED
+        return record_function(f"stage{self.stage} {what}" if mb is None else f"stage{self.stage} {what} mb{mb}")
 
     def run(self, action: Action) -> None:
         with self._label(action.kind.name, action.microbatch):
@@ -388,7 +388,7 @@ class StageRunner:
     def end_step(self) -> torch.Tensor | None:
         """Finish a step: wait for outstanding sends; the last stage returns the mean micro-batch loss."""
         t0 = time.perf_counter()
-        with self._mark("wait sends"):
+        with self._label("wait sends"):
             for h in self.pending_sends:
                 h.wait()
         self.pending_sends = []
