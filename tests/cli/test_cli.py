@@ -55,3 +55,14 @@ def test_bench_codecs_without_fused_kernels_has_no_eager_columns(tmp_path):
 def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("aqsgd ")
+
+
+def test_hub_warnings_print_once():
+    # huggingface_hub's logger has a stderr handler of its own; propagating to the root handler the CLI
+    # configures would print each of its warnings twice
+    probe = ("from aqsgd.cli import main\nmain(['models'])\n"
+             "from huggingface_hub.utils import logging as hub_logging\n"
+             "hub_logging.get_logger('huggingface_hub.probe').warning('hub-probe')\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("hub-probe") == 1, out.stderr

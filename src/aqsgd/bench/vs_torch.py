@@ -136,7 +136,8 @@ class _Torch(_System):
         self.sched.step(*args, input_ids=ids, labels=ids, target=ids if last else None, losses=losses,
                         return_outputs=False)
         self.update()
-        return float(torch.stack(losses).mean()) if losses else None
+        # the schedule's loss tensors still require grad (at one stage): detach before reading the value
+        return float(torch.stack(losses).detach().mean()) if losses else None
 
 
 def _pipeline_entry(cfg_json: str) -> dict[str, Any]:

@@ -47,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.command_line = "aqsgd " + shlex.join(argv)  # what result files record as the command that made them
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # huggingface_hub gives its logger a stderr handler of its own and still propagates to the root one:
+    # every hub warning (a failed download's retries, say) would print twice
+    logging.getLogger("huggingface_hub").propagate = False
     try:
         return int(args.func(args) or 0)
     except AqsgdError as e:  # bad input: one clear line, no traceback
