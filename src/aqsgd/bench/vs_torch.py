@@ -136,7 +136,7 @@ class _Torch(_System):
         self.sched.step(*args, input_ids=ids, labels=ids, target=ids if last else None, losses=losses,
                         return_outputs=False)
         self.update()
-        # the schedule's loss tensors still require grad (at one stage): detach before reading the value
+        # the schedule's loss tensors can still require grad (they do at one stage): detach to read them
         return float(torch.stack(losses).detach().mean()) if losses else None
 
 

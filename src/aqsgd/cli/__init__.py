@@ -10,6 +10,7 @@ from typing import Sequence
 
 from aqsgd import __version__
 from aqsgd.errors import AqsgdError
+from aqsgd.logs import configure
 
 __all__ = ["main", "build_parser"]
 
@@ -45,11 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.command_line = "aqsgd " + shlex.join(argv)  # what result files record as the command that made them
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # huggingface_hub gives its logger a stderr handler of its own and still propagates to the root one:
-    # every hub warning (a failed download's retries, say) would print twice
-    logging.getLogger("huggingface_hub").propagate = False
+    configure(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return int(args.func(args) or 0)
     except AqsgdError as e:  # bad input: one clear line, no traceback

@@ -23,6 +23,7 @@ from aqsgd.comm.device import check_backends, resolve_device, world_backend
 from aqsgd.comm.launch import launch_local, leave_process_group
 from aqsgd.data.datasets import TaskSpec, register_task, registered_tasks
 from aqsgd.errors import SpecError
+from aqsgd.logs import configure
 from aqsgd.parallel.grid import GridLayout
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.rundir import check_run_dir, resolve_run_dir
@@ -44,7 +45,7 @@ def worker(cfg_json: str, data: tuple[Dataset, Dataset] | None = None,
 
     ``data`` are datasets given from Python and ``tasks`` the tasks registered in the launching process (a
     spawned process starts with neither)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [pid %(process)d] %(message)s")
+    configure(logging.INFO, "%(asctime)s %(levelname)s [pid %(process)d] %(message)s")
     for spec in tasks:
         register_task(spec, replace=True)
     cfg = TrainConfig.from_dict(json.loads(cfg_json))
