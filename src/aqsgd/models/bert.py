@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from aqsgd.models.family import ModelFamily, ModelLayout
-from aqsgd.models.hf import build_transformers_model, set_dropout
+from aqsgd.models.hf import build_transformers_model, no_cache, set_dropout
 from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
 
 KIND = "bert-cls"
@@ -96,7 +96,7 @@ class EncoderClassifierStage(PipelineStage):
         attention_mask = batch.get("attention_mask")
         if self.config.is_decoder:
             mask = create_causal_mask(
-                config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None
+                config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, **no_cache(create_causal_mask)
             )
         else:
             mask = create_bidirectional_mask(

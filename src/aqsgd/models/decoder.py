@@ -10,8 +10,8 @@ turns position ids into the cos/sin every layer needs.  They differ in a few det
   ``config.layer_types`` (Qwen2/3, Gemma-2/3: ``"full_attention"`` or ``"sliding_attention"``);
 * the rotary embedding: one for all layers, or one per layer type (Gemma-3, whose local and global layers
   use different bases);
-* the keyword arguments of a decoder layer call (GPT-NeoX says ``layer_past``, Gemma passes no
-  ``use_cache``);
+* the keyword arguments of a decoder layer call (Gemma's layers take no ``use_cache``; no call passes a KV
+  cache, whose parameter every layer defaults to none, whatever the transformers version names it);
 * final logit soft-capping (Gemma-2/3: ``cap * tanh(logits / cap)``) and an embedding dropout (GPT-NeoX);
 * embedding scaling (Gemma multiplies by ``sqrt(hidden)``) lives in the embedding module itself, whose
   non-persistent ``embed_scale`` buffer the family recomputes after loading weights.
@@ -37,7 +37,13 @@ from torch import nn
 
 from aqsgd.errors import WeightsError
 from aqsgd.models.family import BufferInitializer, ModelFamily, ModelLayout
-from aqsgd.models.hf import build_transformers_model, is_transformers_instance, position_ids, set_dropout
+from aqsgd.models.hf import (
+    build_transformers_model,
+    is_transformers_instance,
+    no_cache,
+    position_ids,
+    set_dropout,
+)
 from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
 
 MASK_MODES = ("causal", "sliding-window", "layer-types")
@@ -66,8 +72,8 @@ class DecoderSpec:
         bidirectional_option: ``config.use_bidirectional_attention`` turns the masks bidirectional
             (Gemma-3 used as an encoder).
         softcap_logits: ``config.final_logit_softcapping``, when set, caps the logits.
-        layer_kwargs: the fixed ``(name, value)`` keyword arguments of every decoder layer call (no KV
-            cache).
+        layer_kwargs: the fixed ``(name, value)`` keyword arguments of every decoder layer call (never a KV
+            cache: the layers default to none).
     """
 
     kind: str
@@ -83,7 +89,7 @@ class DecoderSpec:
     rotary_per_layer_type: bool = False
     bidirectional_option: bool = False
     softcap_logits: bool = False
-    layer_kwargs: tuple[tuple[str, Any], ...] = (("past_key_values", None), ("use_cache", False))
+    layer_kwargs: tuple[tuple[str, Any], ...] = (("use_cache", False),)
 
     def __post_init__(self) -> None:
         if self.masks not in MASK_MODES:
@@ -145,7 +151,7 @@ class DecoderStage(PipelineStage):
             "config": config,
             "inputs_embeds": hidden,
             "attention_mask": attention_mask,
-            "past_key_values": None,
+            **no_cache(create_causal_mask),
             "position_ids": positions,
         }
         if self.spec.masks == "causal":

@@ -35,7 +35,7 @@ class Gemma2Stage(DecoderStage):
         rotary_class="Gemma2RotaryEmbedding",
         masks="layer-types",
         softcap_logits=True,
-        layer_kwargs=(("past_key_values", None),),
+        layer_kwargs=(),
     )
 
 

@@ -36,7 +36,7 @@ class Gemma3Stage(DecoderStage):
         rotary_per_layer_type=True,
         bidirectional_option=True,
         softcap_logits=True,
-        layer_kwargs=(("past_key_values", None),),
+        layer_kwargs=(),
     )
 
 

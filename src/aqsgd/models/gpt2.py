@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from aqsgd.models.family import ModelFamily, ModelLayout
-from aqsgd.models.hf import build_transformers_model, is_transformers_instance, position_ids, set_dropout
+from aqsgd.models.hf import build_transformers_model, is_transformers_instance, no_cache, position_ids, set_dropout
 from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
 
 KIND = "gpt2"
@@ -60,7 +60,7 @@ class GPT2Stage(PipelineStage):
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=attention_mask,
-            past_key_values=None,
+            **no_cache(create_causal_mask),
             position_ids=positions,
         )
         for block in self.blocks:

@@ -33,7 +33,6 @@ class GPTNeoXStage(DecoderStage):
         embed="embed_in",
         norm="final_layer_norm",
         embed_dropout="emb_dropout",
-        layer_kwargs=(("layer_past", None), ("use_cache", False)),
     )
 
 

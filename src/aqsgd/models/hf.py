@@ -5,8 +5,10 @@ transformers is imported inside the functions only, so that importing a family m
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +20,19 @@ if TYPE_CHECKING:
     from aqsgd.pipeline.stage import Batch
 
 _DROPOUT_KEY = re.compile(r"dropout|pdrop")
+
+
+def no_cache(mask_builder: Callable[..., Any]) -> dict[str, None]:
+    """The keyword argument that passes "no KV cache" to one of transformers' mask builders
+    (``transformers.masking_utils.create_causal_mask`` and its siblings), under the name the installed version
+    gives it: ``cache`` from transformers 5.24 on, ``past_key_values`` before (5.24 still takes the old name,
+    with a FutureWarning at every call site). A pipeline stage keeps no cache."""
+    return {_cache_parameter(mask_builder): None}
+
+
+@functools.cache
+def _cache_parameter(mask_builder: Callable[..., Any]) -> str:
+    return "cache" if "cache" in inspect.signature(mask_builder).parameters else "past_key_values"
 
 
 def is_transformers_instance(model: nn.Module, class_name: str) -> bool:
