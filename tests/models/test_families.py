@@ -175,3 +175,18 @@ def test_registry_import_is_light() -> None:
         "import aqsgd.models.gpt2; assert 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": src})
+
+
+def test_no_cache_uses_the_installed_mask_builders_name():
+    from transformers.masking_utils import create_causal_mask
+
+    from aqsgd.models.hf import no_cache
+
+    def new_style(config, inputs_embeds, attention_mask, cache, position_ids=None): ...
+
+    def old_style(config, inputs_embeds, attention_mask, past_key_values, position_ids=None): ...
+
+    assert no_cache(new_style) == {"cache": None}
+    assert no_cache(old_style) == {"past_key_values": None}
+    (name,) = no_cache(create_causal_mask)
+    assert name in ("cache", "past_key_values")
