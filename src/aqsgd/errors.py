@@ -8,7 +8,10 @@ from __future__ import annotations
 
 
 class AqsgdError(Exception):
-    """Base class of every error raised by aqsgd."""
+    """Base class of every error raised by aqsgd. ``exit_code`` is the status ``aqsgd`` exits with when the
+    error ends a command (2: bad input or a failed run)."""
+
+    exit_code = 2
 
 
 class SpecError(AqsgdError, ValueError):
@@ -21,6 +24,44 @@ class CodecError(AqsgdError, ValueError):
 
 class NonFiniteError(CodecError):
     """The tensor to encode holds NaN or +-Inf (or overflows the wire dtype)."""
+
+
+class DivergedError(AqsgdError, RuntimeError):
+    """Training produced a NaN or infinite loss, gradient norm or activation: the run stopped at that step
+    without applying it. The message names the step, the value and what to change (learning rate, clipping,
+    ``--skip-nonfinite``) and the last complete checkpoint. ``aqsgd`` exits with status 3."""
+
+    exit_code = 3
+
+
+class Interrupted(KeyboardInterrupt):
+    """The process was asked to stop by SIGINT (Ctrl-C) or SIGTERM.
+
+    A :class:`KeyboardInterrupt`, as Python's own Ctrl-C is: handlers of ordinary errors (``except Exception``)
+    let it pass. ``signum`` is the signal; ``exit_code`` the conventional status, 128 + signum (130 for SIGINT,
+    143 for SIGTERM). The message says where the run stopped and which checkpoint continues it, where known.
+    """
+
+    def __init__(self, signum: int, message: str | None = None) -> None:
+        super().__init__(message or f"interrupted ({signal_name(signum)})")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def __reduce__(self):
+        return (type(self), (self.signum, str(self)))
+
+
+def signal_name(signum: int) -> str:
+    """``SIGINT`` for 2, ``SIGTERM`` for 15 (``signal N`` for a number the platform does not name)."""
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 class PacketError(AqsgdError, ValueError):
@@ -104,22 +145,26 @@ class StageFailedError(AqsgdError, RuntimeError):
 
     The message is one line: the process at fault (``stage 1``, or ``rank 1`` where no name is known) and
     why, then where the details are (every process's error and traceback). ``rank`` is the global rank at
-    fault, ``label`` its name, ``reason`` the why, ``log_path`` the details file (or None).
+    fault, ``label`` its name, ``reason`` the why, ``log_path`` the details file (or None), ``exit_code`` the
+    status of that process's error (3 for a diverged run; 2 where its error has none of its own).
     """
 
     def __init__(self, message: str, *, rank: int | None = None, label: str | None = None,
-                 reason: str | None = None, log_path: str | None = None) -> None:
+                 reason: str | None = None, log_path: str | None = None, exit_code: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.label = label
         self.reason = reason
         self.log_path = log_path
+        if exit_code is not None:
+            self.exit_code = int(exit_code)
 
     def __reduce__(self):
         return (_rebuild_stage_failed,
-                (type(self), str(self), self.rank, self.label, self.reason, self.log_path))
+                (type(self), str(self), self.rank, self.label, self.reason, self.log_path, self.exit_code))
 
 
 def _rebuild_stage_failed(cls: type[StageFailedError], message: str, rank: int | None, label: str | None,
-                          reason: str | None, log_path: str | None) -> StageFailedError:
-    return cls(message, rank=rank, label=label, reason=reason, log_path=log_path)
+                          reason: str | None, log_path: str | None, exit_code: int | None = None
+                          ) -> StageFailedError:
+    return cls(message, rank=rank, label=label, reason=reason, log_path=log_path, exit_code=exit_code)

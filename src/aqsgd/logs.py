@@ -1,8 +1,12 @@
-"""Logging set-up shared by the command line and the stage processes it starts."""
+"""Logging set-up shared by the command line and the stage processes it starts, and progress lines for long
+work."""
 
 from __future__ import annotations
 
 import logging
+import time
+
+__all__ = ["configure", "ProgressLog"]
 
 
 def configure(level: int = logging.INFO, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> None:
@@ -14,3 +18,26 @@ def configure(level: int = logging.INFO, fmt: str = "%(asctime)s %(levelname)s %
     twice: its records stay with its own handler."""
     logging.basicConfig(level=level, format=fmt)
     logging.getLogger("huggingface_hub").propagate = False
+
+
+class ProgressLog:
+    """Progress of long work as log lines, at most one every ``every_s`` seconds: ``reading --train-file
+    big.txt: 512 of 2,048 MB (25%)``. Work that ends within ``every_s`` logs nothing. ``total`` (None: unknown)
+    and the values given to :meth:`update` count in ``unit``."""
+
+    def __init__(self, logger: logging.Logger, what: str, *, total: float | None = None, unit: str = "",
+                 every_s: float = 5.0) -> None:
+        self.logger, self.what, self.total, self.unit, self.every_s = logger, what, total, unit, every_s
+        self._next = time.monotonic() + every_s
+
+    def update(self, done: float) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.every_s
+        unit = f" {self.unit}" if self.unit else ""
+        if self.total:
+            self.logger.info("%s: %s of %s%s (%.0f%%)", self.what, f"{done:,.0f}", f"{self.total:,.0f}", unit,
+                             100.0 * done / self.total)
+        else:
+            self.logger.info("%s: %s%s", self.what, f"{done:,.0f}", unit)

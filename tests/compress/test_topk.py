@@ -96,3 +96,17 @@ def test_every_values_codec_roundtrips_odd_shapes(values, shape):
             rows, n, k = codec.layout(shape)
             assert int((y.reshape(rows, n) != 0).sum(1).max()) <= k
             assert bool(torch.isfinite(y).all())
+
+
+@pytest.mark.parametrize("spec,where", [("topk0.1", "topk0.1 (its fp16 part)"), ("topk0.1+q8", "topk0.1+q8:token (its q8:token part)"),
+                                        ("q4:zstd", "q4:zstd")])
+def test_a_non_finite_input_is_named_by_the_outer_spec(spec, where):
+    from aqsgd.compress import make_codec
+    from aqsgd.errors import NonFiniteError
+
+    x = torch.randn(4, 64)
+    x[1, 3] = float("nan")
+    with pytest.raises(NonFiniteError) as e:
+        make_codec(spec).encode(x)
+    assert str(e.value).startswith(f"{where}: "), str(e.value)
+    assert "holds NaN or Inf" in str(e.value)

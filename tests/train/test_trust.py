@@ -47,6 +47,9 @@ def _rows(run_dir, kind=None):
     ("run_name", "../../escape", "--run-name: '../../escape' must be a plain folder name"),
     ("run_name", "..", "--run-name"),
     ("run_name", "a/b", "--run-name"),
+    ("seed", -1, "--seed: must be in 0..4294967295 \\(2\\*\\*32 - 1\\), got -1"),
+    ("seed", 2**63, "--seed: must be in 0..4294967295 \\(2\\*\\*32 - 1\\), got 9223372036854775808"),
+    ("skip_nonfinite", -1, "--skip-nonfinite: must be >= 0"),
 ])
 def test_bad_values_are_one_line_errors(tmp_path, field, value, needle):
     with pytest.raises(SpecError, match=needle) as e:
@@ -253,3 +256,36 @@ def test_nested_configs_name_the_bad_key(data, needle):
 def test_unknown_option_names_are_errors():
     with pytest.raises(SpecError, match="unknown options \\['stage'\\]"):
         TrainConfig.of(stage=2)
+
+
+# -- the probes of the "no silent wrong results" review ----------------------------------------------------------
+@pytest.mark.parametrize("seed", ["-1", str(2**63)])
+def test_a_bad_seed_writes_nothing_before_it_is_refused(tmp_path, capsys, seed):
+    from aqsgd.cli import main
+
+    argv = ["train", "--task", "synthetic-lm", "--seed", seed, "--cache-dir", str(tmp_path / "cache"),
+            "--output-dir", str(tmp_path / "runs"), "--no-progress"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("aqsgd: error: --seed: must be in 0..4294967295")
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_missing_model_folder_with_a_builtin_task_is_one_line(tmp_path):
+    with pytest.raises(SpecError, match=f"^--model {tmp_path / 'nope'}: no such folder$"):
+        Trainer(_cfg(tmp_path, model=str(tmp_path / "nope")))
+
+
+def test_a_partly_deleted_last_checkpoint_points_to_the_previous_one(tmp_path):
+    Trainer(_cfg(tmp_path, run_name="p", checkpoint_every=2, keep_checkpoints=3)).run(stop_at=6)
+    checkpoints = tmp_path / "p" / "checkpoints"
+    (checkpoints / "step-00000006" / "stage1" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError) as e:
+        Trainer(_cfg(tmp_path, checkpoint_every=2, resume=str(tmp_path / "p"))).run()
+    assert str(e.value) == (f"{checkpoints / 'step-00000006' / 'stage1' / 'model.safetensors'}: missing (listed in "
+                            f"rank0.manifest.json); the previous complete checkpoint is {checkpoints / 'step-00000004'}"
+                            f": continue from it with --resume {checkpoints / 'step-00000004'}")
+    (checkpoints / "step-00000006" / "MANIFEST.json").unlink()
+    with pytest.raises(CheckpointError, match="the previous complete checkpoint is .*step-00000004: continue from it"):
+        Trainer(_cfg(tmp_path, checkpoint_every=2, resume=str(tmp_path / "p"))).run()
+    summary = Trainer(_cfg(tmp_path, checkpoint_every=2, resume=str(checkpoints / "step-00000004"))).run()
+    assert summary["steps"] == 8

@@ -9,7 +9,8 @@ import sys
 from typing import Sequence
 
 from aqsgd import __version__
-from aqsgd.errors import AqsgdError
+from aqsgd.errors import AqsgdError, Interrupted
+from aqsgd.interrupts import stop_on_signals
 from aqsgd.logs import configure
 
 __all__ = ["main", "build_parser"]
@@ -47,11 +48,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.command_line = "aqsgd " + shlex.join(argv)  # what result files record as the command that made them
     configure(logging.DEBUG if args.verbose else logging.INFO)
-    try:
-        return int(args.func(args) or 0)
-    except AqsgdError as e:  # bad input: one clear line, no traceback
-        print(f"aqsgd: error: {e}", file=sys.stderr)
-        return 2
+    with stop_on_signals(again="exit"):  # SIGINT/SIGTERM: one line, exit 130/143 (a second one: at once)
+        try:
+            return int(args.func(args) or 0)
+        except AqsgdError as e:  # bad input, a failed or diverged run: one clear line, no traceback
+            print(f"aqsgd: error: {e}", file=sys.stderr)
+            return e.exit_code
+        except Interrupted as e:
+            print(f"aqsgd: {e}", file=sys.stderr)
+            return e.exit_code
 
 
 if __name__ == "__main__":  # pragma: no cover

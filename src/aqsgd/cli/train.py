@@ -96,14 +96,17 @@ def _torchrun_stage(cfg: TrainConfig) -> dict[str, Any] | None:
     """This process's stage of a torchrun job. A failed stage may leave a transport thread blocked inside gloo,
     and the interpreter's teardown would then abort the process (SIGABRT, a fatal-error dump): after the
     one-line error it ends at once, with the exit status ``aqsgd`` gives that error."""
-    from aqsgd.errors import AqsgdError
+    from aqsgd.errors import AqsgdError, Interrupted
     from aqsgd.train.driver import run_training
 
     try:
         return run_training(cfg)
     except AqsgdError as e:
         print(f"aqsgd: error: {e}", file=sys.stderr)
-        code = 2
+        code = e.exit_code
+    except Interrupted as e:  # torchrun forwards its own SIGINT/SIGTERM to every stage process
+        print(f"aqsgd: {e}", file=sys.stderr)
+        code = e.exit_code
     except Exception:  # noqa: BLE001 - reported with its traceback, then the same hard exit
         traceback.print_exc()
         code = 1

@@ -98,7 +98,7 @@ import traceback
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
-from aqsgd.errors import PeerFailure, StageFailedError
+from aqsgd.errors import Interrupted, PeerFailure, StageFailedError, signal_name
 
 __all__ = ["LOOPBACK", "RankOutcome", "RootCause", "find_root_cause", "free_port", "launch_local",
            "leave_process_group"]
@@ -132,10 +132,13 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
     process is not waited for; see the module docstring). ``failure_log``: where the details of a failure are
     written (default: a new file in the temp directory).
 
-    Raises :class:`~aqsgd.errors.StageFailedError` if any process fails, naming the process at fault.
+    Raises :class:`~aqsgd.errors.StageFailedError` if any process fails, naming the process at fault, with
+    that process's exit status (the ``exit_code`` of its exception, where it has one). Raises
+    :class:`~aqsgd.errors.Interrupted` if this process got SIGINT or SIGTERM (PyTorch's launcher forwards it to
+    every process and waits a few seconds for them to end), or if the process at fault was interrupted itself.
     """
     _refuse_nested_launch()
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -163,6 +166,8 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
                 out = elastic_launch(config, _stage_entry)(ctl, fn, tuple(args))
             except ChildFailedError as e:
                 failure = e
+            except SignalException as e:  # the launcher's handler: the processes got the signal and ended
+                raise Interrupted(int(e.sigval)) from None
             finally:
                 watchdog.stop()
         del rdzv_store
@@ -196,7 +201,7 @@ def _stage_entry(ctl: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> tup
     _write(ctl, f"pid-{rank}", str(os.getpid()))
     try:
         value = fn(*args)
-    except Exception as e:  # noqa: BLE001 - reported to the launcher, which names the process at fault
+    except (Exception, Interrupted) as e:  # noqa: BLE001 - reported to the launcher, which names the process at fault
         _write(ctl, f"failed-{rank}.json", json.dumps(_report(rank, e)))
         try:
             leave_process_group(clean=False)
@@ -221,13 +226,15 @@ def _exit_without_finalizing() -> None:
     os._exit(0)
 
 
-def _report(rank: int, e: Exception) -> dict[str, Any]:
+def _report(rank: int, e: BaseException) -> dict[str, Any]:
     peer = e if isinstance(e, PeerFailure) else None
     comm = peer is None and isinstance(e, RuntimeError) and any(h in str(e).lower() for h in _COMM_HINTS)
     return {"rank": rank, "pid": os.getpid(), "time": time.time(), "type": type(e).__name__,
             "message": str(e), "traceback": traceback.format_exc(), "peer_failure": peer is not None,
             "comm_error": comm, "peer_rank": peer.rank if peer is not None else None,
-            "peer_label": peer.label if peer is not None else None}
+            "peer_label": peer.label if peer is not None else None,
+            "exit_code": getattr(e, "exit_code", None),
+            "signum": e.signum if isinstance(e, Interrupted) else None}
 
 
 def _write(ctl: str, name: str, text: str) -> None:
@@ -434,6 +441,8 @@ class RankOutcome:
     time: float | None = None
     detail: str | None = None
     traceback: str | None = None
+    exit_code: int | None = None  # of an ``error``: the exception's exit_code, where it has one
+    signum: int | None = None  # of an ``error`` that was an interruption (aqsgd.errors.Interrupted): its signal
 
 
 @dataclasses.dataclass
@@ -519,7 +528,8 @@ def _outcomes(ctl: str, nprocs: int, out: Mapping[int, Any], failure: Any, watch
             rep = reports[r]
             outcomes[r] = RankOutcome(r, "error", rep.get("type"), rep.get("message"),
                                       _blames(rep, nprocs, name, silent), rep.get("time"),
-                                      traceback=rep.get("traceback"))
+                                      traceback=rep.get("traceback"), exit_code=rep.get("exit_code"),
+                                      signum=rep.get("signum"))
         elif r in watchdog.killed:
             k = watchdog.killed[r]
             how = ("its process was stopped (SIGSTOP) and was killed" if k["stopped"]
@@ -589,7 +599,7 @@ def _details(cause: RootCause, outcomes: Mapping[int, RankOutcome], name: Callab
 
 def _stage_failed(ctl: str, nprocs: int, out: Mapping[int, Any], failure: Any, watchdog: _Watchdog,
                   rank_names: Callable[[int], str] | None, torch_log: list[str], run_id: str,
-                  failure_log: str | os.PathLike[str] | None) -> StageFailedError:
+                  failure_log: str | os.PathLike[str] | None) -> StageFailedError | Interrupted:
     learned: dict[int, str] = {}
     for r in range(nprocs):
         try:
@@ -609,6 +619,9 @@ def _stage_failed(ctl: str, nprocs: int, out: Mapping[int, Any], failure: Any, w
     outcomes = _outcomes(ctl, nprocs, out, failure, watchdog, name)
     first_exit = failure.get_first_failure()[0] if failure is not None and failure.failures else None
     cause = find_root_cause(outcomes, first_exit)
+    signum = outcomes[cause.rank].signum
+    if signum is not None:  # a process was stopped by a signal of its own (a SIGTERM to one stage)
+        return Interrupted(int(signum), f"{name(cause.rank)} was interrupted ({signal_name(int(signum))})")
     reason = _reason(cause, outcomes, name)
     label = name(cause.rank)
     head = f"{label} failed: {reason}"
@@ -629,7 +642,8 @@ def _stage_failed(ctl: str, nprocs: int, out: Mapping[int, Any], failure: Any, w
         path = None
     log.debug("%s", details)
     message = f"{head} (details: {path})" if path else f"{head} (details: run with -v)"
-    return StageFailedError(message, rank=cause.rank, label=label, reason=reason, log_path=path)
+    return StageFailedError(message, rank=cause.rank, label=label, reason=reason, log_path=path,
+                            exit_code=outcomes[cause.rank].exit_code)
 
 
 # ---------------------------------------------------------------------------------------------- leaving

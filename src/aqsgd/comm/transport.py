@@ -957,8 +957,10 @@ class Transport:
                     names.append(name)
         return names
 
-    def close(self) -> None:
-        """Fail queued requests, stop the threads (bounded wait) and forget them. Idempotent."""
+    def close(self, *, failed: bool = False) -> None:
+        """Fail queued requests, stop the threads (bounded wait) and forget them. Idempotent. ``failed``: the
+        job is ending on an error or an interruption, when a thread still blocked in a peer exchange is expected
+        (it is then noted at DEBUG level instead of a warning)."""
         self._closing.set()
         with self._lock:
             workers: list[_Worker] = [*self._senders.values(), *self._receivers.values()]
@@ -979,7 +981,8 @@ class Transport:
         for w in workers:
             w.join(max(0.0, deadline - time.monotonic()))
             if w.is_alive():
-                log.warning("%s is still blocked in torch.distributed after close(); leaving it (daemon)", w.name)
+                log.log(logging.DEBUG if failed else logging.WARNING,
+                        "%s is still blocked in torch.distributed after close(); leaving it (daemon)", w.name)
 
     def __enter__(self) -> Transport:
         return self

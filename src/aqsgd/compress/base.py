@@ -83,7 +83,14 @@ class Codec(abc.ABC):
         if x.dim() > MAX_NDIM:
             raise CodecError(f"{self.spec}: tensors of at most {MAX_NDIM} dims, got shape {tuple(x.shape)}")
         # encoding is not differentiable: without detach, in-place and out= ops fail on tensors requiring grad
-        payload = self._encode(x.detach().contiguous(), generator)
+        try:
+            payload = self._encode(x.detach().contiguous(), generator)
+        except NonFiniteError as e:  # an inner codec's (TopK's values, a wrapper's): named by this spec
+            inner, _, rest = str(e).partition(": ")
+            if inner == self.spec or not rest:
+                raise
+            where = self.spec if self.spec.startswith(inner) else f"{self.spec} (its {inner} part)"
+            raise NonFiniteError(f"{where}: {rest}") from None
         expected = self.payload_bytes(x.shape, x.dtype)
         if self.fixed_size:
             assert payload.numel() == expected, (self.spec, payload.numel(), expected)

@@ -42,6 +42,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from aqsgd.compress import Packet
+from aqsgd.errors import NonFiniteError
 from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig
 from aqsgd.pipeline.schedule import (
     BACKWARD,
@@ -377,8 +378,15 @@ class StageRunner:
 
     def _send(self, x: torch.Tensor, channel: int, dst: int, mb: int, name: str, t0: float) -> None:
         with self._label(f"encode {name[0].upper()}", mb):
-            packets = self.scheme(channel, "sender", x.shape, x.dtype).send(x, self._ids(mb), phase=self.phase,
-                                                                           slot=mb)
+            try:
+                packets = self.scheme(channel, "sender", x.shape, x.dtype).send(x, self._ids(mb), phase=self.phase,
+                                                                               slot=mb)
+            except NonFiniteError as e:  # say where: the boundary, the direction, the micro-batch
+                b = self.stage if channel == FORWARD_CHANNEL else self.stage - 1
+                what = "activations" if channel == FORWARD_CHANNEL else "activation gradients"
+                spec = str(e).split(": ", 1)[0]
+                raise NonFiniteError(f"the {what} that stage {self.stage} sends across boundary {b} ({name}) "
+                                     f"hold NaN or Inf (micro-batch {mb}, codec {spec})") from None
         self.stats.encode_s += time.perf_counter() - t0
         self.pending_sends.append(self.transport.isend(packets, dst, channel))
         self.stats.bytes_sent[name] += sum(p.nbytes for p in packets)

@@ -41,6 +41,11 @@ __all__ = ["TrainConfig", "TaskSection", "ModelSection", "PipelineSection", "Com
            "RunSection", "Option", "options", "load_toml", "flatten_config", "check_run_name"]
 
 
+MAX_SEED = 2**32 - 1
+"""The largest --seed: every seeded generator (numpy's SeedSequence, torch's manual_seed, the synthetic data's
+per-sample seeds) takes it without overflow."""
+
+
 def _flag(default: Any = dataclasses.MISSING, *, flat: str, **kw: Any) -> Any:
     """A field whose flat (command-line) name is not its own name."""
     if isinstance(default, list):
@@ -178,12 +183,16 @@ class OptimSection:
     """linear LR warm-up, as a fraction of the total steps"""
     max_grad_norm: float = 1.0
     """clip the global gradient norm (0: off)"""
+    skip_nonfinite: int = 0
+    """a step whose loss or gradient norm is NaN or infinite never updates the model; 0 stops the run there (one
+    line naming the step, the value and what to change), N > 0 skips up to N such steps in a row and stops at the
+    next"""
     grad_accum: int = 1
     """pipeline passes accumulated per optimizer step"""
     dtype: str = "auto"
     """compute dtype: auto (bf16 autocast on a GPU that supports it, else fp32), fp32, or bf16 (autocast)"""
     seed: int = 0
-    """seed of initialization, data order and stochastic rounding"""
+    """seed of initialization, data order and stochastic rounding (0 to 2**32 - 1)"""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -422,6 +431,11 @@ class TrainConfig:
                      "keep_checkpoints", "data_parallel", "hidden_size", "vocab_size"):
             if v[name] < 1:
                 raise bad(name, f"must be >= 1, got {v[name]}")
+        if not 0 <= v["seed"] <= MAX_SEED:
+            raise bad("seed", f"must be in 0..{MAX_SEED} (2**32 - 1), got {v['seed']}")
+        if v["skip_nonfinite"] < 0:
+            raise bad("skip_nonfinite", f"must be >= 0 (0: stop at the first non-finite step), got "
+                      f"{v['skip_nonfinite']}")
         for name in ("max_steps", "model_layers"):
             if v[name] is not None and v[name] < 1:
                 raise bad(name, f"must be >= 1, got {v[name]}")

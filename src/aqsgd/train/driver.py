@@ -22,13 +22,14 @@ from torch.utils.data import Dataset
 from aqsgd.comm.device import check_backends, resolve_device, world_backend
 from aqsgd.comm.launch import launch_local, leave_process_group
 from aqsgd.data.datasets import TaskSpec, register_task, registered_tasks
-from aqsgd.errors import SpecError
+from aqsgd.errors import Interrupted, SpecError
+from aqsgd.interrupts import stop_on_signals
 from aqsgd.logs import configure
 from aqsgd.parallel.grid import GridLayout
 from aqsgd.train.config import TrainConfig
-from aqsgd.train.rundir import check_run_dir, resolve_run_dir
+from aqsgd.train.rundir import check_run_dir, last_logged_step, resolve_run_dir
 from aqsgd.train.tasks import setup_task
-from aqsgd.train.trainer import Trainer, check_partition
+from aqsgd.train.trainer import Trainer, check_partition, where_to_continue
 
 __all__ = ["run_training", "worker", "under_torchrun"]
 
@@ -45,6 +46,11 @@ def worker(cfg_json: str, data: tuple[Dataset, Dataset] | None = None,
 
     ``data`` are datasets given from Python and ``tasks`` the tasks registered in the launching process (a
     spawned process starts with neither)."""
+    with stop_on_signals(again="ignore"):  # the launcher (ours or torchrun) forwards a signal it gets itself
+        return _stage(cfg_json, data, tasks)
+
+
+def _stage(cfg_json: str, data: tuple[Dataset, Dataset] | None, tasks: Sequence[TaskSpec]) -> dict[str, Any] | None:
     configure(logging.INFO, "%(asctime)s %(levelname)s [pid %(process)d] %(message)s")
     for spec in tasks:
         register_task(spec, replace=True)
@@ -93,5 +99,11 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
     check_partition(cfg, setup.recipe)
     # a failing stage ends in StageFailedError: one line naming the stage at fault and the details file
     names = GridLayout(cfg.pipeline.stages, cfg.pipeline.data_parallel).label
-    results = launch_local(worker, cfg.world_size, cfg.to_json(), data, tasks, rank_names=names)
+    run_dir = resolve_run_dir(cfg, None if data is None else setup.name)
+    try:
+        results = launch_local(worker, cfg.world_size, cfg.to_json(), data, tasks, rank_names=names)
+    except Interrupted as e:  # said where the run stands, as a local run says it
+        step = last_logged_step(run_dir)
+        at = "before step 1" if step is None else f"after step {step}"
+        raise Interrupted(e.signum, f"{e} {at}; {where_to_continue(run_dir)}") from None
     return next((r for r in results if r), None)

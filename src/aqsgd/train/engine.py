@@ -22,6 +22,7 @@ name the file at fault). Where and how the state is stored is the checkpoint's b
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,7 @@ class PipelineEngine:
                     self._not_counted.setdefault(s, set()).add(name)
         self._tie_groups = self._build_ties(ties)
         self.last_grad_norm = 0.0
+        self.skipped = False  # whether the last train_step was not applied (a non-finite loss or gradient norm)
 
     # -- ties ----------------------------------------------------------------------------------------
     def _build_ties(self, ties: Sequence[dict[int, str]]) -> list[tuple[object, torch.nn.Parameter]]:
@@ -164,23 +166,43 @@ class PipelineEngine:
     def train_step(self, passes: Sequence[Sequence[Batch]] | Sequence[Batch], phase: Phase | str = Phase.TRAIN,
                    ) -> float | None:
         """One optimizer update from one pipelined pass (a list of micro-batches) or several accumulated
-        passes (a list of lists); returns the mean loss over passes where the last stage runs."""
+        passes (a list of lists); returns the mean loss over passes where the last stage runs.
+
+        A step whose loss or global gradient norm is NaN or infinite (on any stage or replica: every process
+        learns it from the norm's all-reduce) is not applied: the optimizers do not step, the LR schedule does.
+        :attr:`skipped` says so afterwards, on every process alike, and :attr:`last_grad_norm` holds the norm
+        (``inf`` where a replica's gradients were already non-finite before the data-parallel sync)."""
         if passes and isinstance(passes[0], dict):
             passes = [passes]  # type: ignore[list-item]
         for o in self.optimizers.values():
             o.zero_grad(set_to_none=True)
         losses = [self.forward_backward(p, phase, loss_scale=1.0 / len(passes)) for p in passes]  # type: ignore[arg-type]
+        loss = None if losses[0] is None else sum(losses) / len(losses)  # type: ignore[arg-type]
+        self.skipped = False
         with record_function("sync tied gradients"):
             self._sync_tied_grads()
-        with record_function("sync replicas"):
-            self._sync_replicas(phase)
-        with record_function("clip gradients"):
-            self.clip()
+        if self.grad_sync is not None and not self._replicas_finite(loss):
+            self.skipped, self.last_grad_norm = True, math.inf  # a compressed sync could not encode them
+        else:
+            with record_function("sync replicas"):
+                self._sync_replicas(phase)
+            with record_function("clip gradients"):
+                self.skipped = not self.clip(loss)
         with record_function("optimizer step"):
             for i in sorted(self.optimizers):
-                self.optimizers[i].step()
+                if not self.skipped:
+                    self.optimizers[i].step()
                 self.schedulers[i].step()
-        return None if losses[0] is None else sum(losses) / len(losses)  # type: ignore[arg-type]
+        return loss
+
+    def _replicas_finite(self, loss: float | None) -> bool:
+        """Whether every replica's gradients (and loss, where it is held) are finite, before they are synced:
+        one all-reduce over every process of the run."""
+        sq = sum(float(squared_grad_norm(m.parameters())) for m in self.stages.values())
+        bad = torch.tensor([0.0 if math.isfinite(sq) and (loss is None or math.isfinite(loss)) else 1.0],
+                           dtype=torch.float64)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bad.item()
 
     def _sync_replicas(self, phase: Phase | str) -> None:
         """Average gradients over this stage's data-parallel replicas; uncompressed in the warm-up phase."""
@@ -207,13 +229,15 @@ class PipelineEngine:
             logits = [last.kept_logits[mb] for mb in sorted(last.kept_logits)]
         return loss, logits
 
-    def stage_sq_norms(self) -> list[float]:
-        """Every stage's squared gradient norm, in stage order (gathered across processes when distributed).
-        A parameter tied across stages counts once, on the lowest stage that holds it."""
-        values = [0.0] * self.num_stages
+    def stage_sq_norms(self, loss: float | None = None) -> list[float]:
+        """Every stage's squared gradient norm, in stage order (gathered across processes when distributed),
+        then one entry that is 1.0 if ``loss`` (where this process holds it) is NaN or infinite, else 0.0. A
+        parameter tied across stages counts once, on the lowest stage that holds it."""
+        values = [0.0] * (self.num_stages + 1)
         for i, m in self.stages.items():
             params = [p for n, p in m.named_parameters() if n not in self._not_counted.get(i, ())]
             values[i] = float(squared_grad_norm(params))
+        values[-1] = 0.0 if loss is None or math.isfinite(loss) else 1.0
         if self.distributed:
             t = torch.tensor(values, dtype=torch.float64)
             # each entry has exactly one non-zero contributor in the pipeline: the sum is exact
@@ -221,12 +245,16 @@ class PipelineEngine:
             values = t.tolist()
         return values
 
-    def clip(self) -> None:
+    def clip(self, loss: float | None = None) -> bool:
+        """Clip the gradients to the global norm ``max_grad_norm`` (unless it is 0); whether the step may be
+        applied: the norm is finite and so is ``loss`` (on every stage of the pipeline). Records the norm in
+        :attr:`last_grad_norm`."""
         cfg = self.optim_config
-        if cfg.max_grad_norm <= 0:
-            return
-        norm, factor = clip_coefficient(self.stage_sq_norms(), cfg.max_grad_norm)
+        *norms, loss_bad = self.stage_sq_norms(loss)
+        norm, factor = clip_coefficient(norms, cfg.max_grad_norm)
         self.last_grad_norm = norm
+        if loss_bad or not math.isfinite(norm):
+            return False
         if factor < 1.0:
             seen: set[int] = set()
             for m in self.stages.values():
@@ -234,6 +262,7 @@ class PipelineEngine:
                     if p.grad is not None and id(p) not in seen:
                         seen.add(id(p))
                         p.grad.mul_(factor)
+        return True
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[int, dict[str, Any]]:

@@ -65,12 +65,14 @@ def warmup_linear_decay(warmup_steps: int, total_steps: int) -> Callable[[int], 
 
 
 def squared_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Sum of squared gradient entries, in float64, in parameter order (deterministic)."""
-    total = torch.zeros((), dtype=torch.float64)
+    """Sum of squared gradient entries, in float64, in parameter order (deterministic), on the host. The sum
+    runs on the gradients' device and is read once (no host synchronisation per parameter)."""
+    total: torch.Tensor | None = None
     for p in params:
         if p.grad is not None:
-            total = total + p.grad.detach().double().square().sum().cpu()
-    return total
+            sq = p.grad.detach().double().square().sum()
+            total = sq if total is None else total + sq
+    return torch.zeros((), dtype=torch.float64) if total is None else total.cpu()
 
 
 def clip_coefficient(stage_sq_norms: Sequence[float], max_norm: float) -> tuple[float, float]:

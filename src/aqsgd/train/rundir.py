@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from aqsgd.train.config import TrainConfig
 
 __all__ = ["RunDirError", "RunDirLock", "default_run_name", "resolve_run_dir", "check_run_dir", "prepare_run_dir",
-           "truncate_metrics", "run_dir_of_checkpoint"]
+           "truncate_metrics", "run_dir_of_checkpoint", "last_logged_step"]
 
 _LOCK = ".lock"
 # what a run writes: a directory holding any of these is a run directory that --overwrite may delete
@@ -165,3 +165,22 @@ def truncate_metrics(run_dir: Path, step: int) -> int:
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
         os.replace(tmp, path)
     return dropped
+
+
+def last_logged_step(run_dir: Path) -> int | None:
+    """The last optimizer step ``metrics.jsonl`` records (None without one): where an interrupted run stood,
+    for the process that did not train it (the launcher of a distributed run)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    step = None
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            row: Any = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("kind") == "train" and isinstance(row.get("step"), int):
+            step = row["step"]
+    return step

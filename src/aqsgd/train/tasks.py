@@ -32,10 +32,11 @@ from torch.utils.data import Dataset
 from aqsgd.data import default_cache_dir, load_task, require
 from aqsgd.data.datasets import TASKS
 from aqsgd.data.synthetic import SyntheticLM
-from aqsgd.errors import DataSourceError, SpecError
+from aqsgd.errors import DataSourceError, SpecError, WeightsError
 from aqsgd.models import family_for, get_family, tiny_recipe, truncate_config, with_dropout
 from aqsgd.pipeline.materialize import ModelRecipe, init_weights_file, save_weights
 from aqsgd.train.config import TrainConfig
+from aqsgd.train.modelfiles import check_model_files, model_digest
 
 __all__ = ["TaskSetup", "setup_task", "task_kind", "effective_settings", "dataset_kind", "BUILTIN_SAMPLE_CAPS"]
 
@@ -183,6 +184,7 @@ def _model_folder(cfg: TrainConfig, kind: str) -> Path | None:
                             f"save_pretrained)")
         model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type")
         _option(f"--model {model}", family_for, model_type, kind)  # an unsupported family: before anything loads
+        check_model_files(Path(model), f"--model {model}")
         return Path(model)
     if model.startswith(("/", ".", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model):
         raise SpecError(f"--model {model}: no such folder")  # a path, not a hub name (org/name)
@@ -236,11 +238,17 @@ def _hf_recipe(kind: str, model_dir: Path, cfg: TrainConfig, *, num_labels: int 
             kwargs[family.blocks_key or "num_hidden_layers"] = cfg.model.layers
         if num_labels is not None:  # a classifier saved with other labels gets a new (seeded) head, as run_glue does
             kwargs.update(num_labels=num_labels, ignore_mismatched_sizes=True, **extra)
-        model = auto.from_pretrained(str(model_dir), **kwargs)
+        try:
+            model = auto.from_pretrained(str(model_dir), **kwargs)
+        except Exception as e:  # noqa: BLE001 - damaged or unreadable weights: one line naming the folder
+            detail = " ".join(str(e).split())[:300] or type(e).__name__
+            raise WeightsError(f"--model {model_dir}: cannot load its weights ({type(e).__name__}: {detail})") from None
         save_weights(model, path)
 
     recipe = ModelRecipe(kind, config)
-    name = f"{model_dir.name}-{recipe.fingerprint()}-seed{cfg.optim.seed}.safetensors"
+    # named by the folder's contents: a folder saved again (or another of the same name) is never served stale
+    digest = model_digest(model_dir, weights_dir)[:16]
+    name = f"{model_dir.name}-{recipe.fingerprint()}-{digest}-seed{cfg.optim.seed}.safetensors"
     return recipe.with_weights(_atomic_weights(weights_dir / name, build))
 
 
@@ -355,7 +363,7 @@ def _named_task(cfg: TrainConfig, kind: str) -> tuple[Dataset, Dataset, Path | N
         vocab = cfg.model.vocab_size
         train = SyntheticLM(n_train or 256, cfg.task.max_length, vocab, seed=cfg.optim.seed)
         evals = SyntheticLM(n_eval or 64, cfg.task.max_length, vocab, seed=cfg.optim.seed + 10_000)
-        return train, evals, None
+        return train, evals, _model_folder(cfg, kind)
     folder = _model_folder(cfg, kind) if kind != "image-classification" else None
     # the task's own tokenizer goes with the task's default model; any other transformers model brings its own
     tokenizer = str(folder) if folder is not None and cfg.model.name not in (None, *_SOURCE_MODELS) else None

@@ -44,7 +44,7 @@ from aqsgd.comm.device import check_backends, group_backend, resolve_device, res
 from aqsgd.comm.transport import naming_peer_failures
 from aqsgd.data.datasets import epoch_batches
 from aqsgd.data.synthetic import microbatches
-from aqsgd.errors import ConfigMismatchError, SpecError
+from aqsgd.errors import ConfigMismatchError, DivergedError, Interrupted, NonFiniteError, SpecError
 from aqsgd.parallel import ProcessGrid, make_grad_sync
 from aqsgd.parallel.grid import check_same_settings
 from aqsgd.pipeline.compression import CompressionConfig
@@ -60,7 +60,7 @@ from aqsgd.train.rundir import (RunDirError, RunDirLock, check_run_dir, prepare_
                                 truncate_metrics)
 from aqsgd.train.tasks import TaskSetup, effective_settings, setup_task
 
-__all__ = ["Trainer", "StepHook", "check_partition", "compute_dtype", "RESUME_MUST_MATCH"]
+__all__ = ["Trainer", "StepHook", "check_partition", "compute_dtype", "where_to_continue", "RESUME_MUST_MATCH"]
 
 log = logging.getLogger(__name__)
 _STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute_s", "encode_s", "decode_s", "wait_s", "sync_bytes",
@@ -104,6 +104,17 @@ def _mcc(tp: float, tn: float, fp: float, fn: float) -> float:
     """Matthews correlation coefficient from binary confusion counts (0 where undefined)."""
     den = math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
     return (tp * tn - fp * fn) / den if den else 0.0
+
+
+def where_to_continue(run_dir: str | Path) -> str:
+    """Where a stopped run can continue from: its newest complete checkpoint and the command, for messages."""
+    try:
+        path = latest_checkpoint(run_dir)
+    except CheckpointError as e:
+        return f"its newest checkpoint is damaged ({e})"
+    if path is None:
+        return f"no checkpoint of {run_dir} was written yet"
+    return f"the last complete checkpoint is {path} (continue with `aqsgd train --resume {run_dir}`)"
 
 
 StepHook = Callable[["Trainer", int], None]
@@ -158,6 +169,7 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None
         self._done = {"eval": -1, "checkpoint": -1}  # the steps of the last evaluation and checkpoint
+        self._skipped_in_a_row = 0  # steps in a row not applied for a non-finite loss or gradient norm
 
     def _build_engine(self) -> PipelineEngine:
         """The stages this process owns (all of them locally, its own one distributed), their boundary schemes,
@@ -371,6 +383,9 @@ class Trainer:
         self._stop_at = stop_at
         try:
             return self._run()
+        except Interrupted as e:  # SIGINT/SIGTERM (aqsgd.interrupts): say where the run stands
+            raise Interrupted(e.signum, f"{e} after step {self.position['step']} of {self.total_steps}; "
+                                        f"{where_to_continue(self.run_dir)}") from None
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -397,9 +412,12 @@ class Trainer:
             with progress:
                 bar = progress.add_task("training", total=self.total_steps, completed=self.position["step"])
                 self._loop(writer, progress, bar)
-        finally:
+        except BaseException:
             if self.transport is not None:
-                self.transport.close()
+                self.transport.close(failed=True)
+            raise
+        if self.transport is not None:
+            self.transport.close()
         summary = self._summary(time.perf_counter() - start)
         writer.summary(summary)
         writer.close()
@@ -426,6 +444,7 @@ class Trainer:
                     t0 = time.perf_counter()
                     loss = self._train_step(group, phase)
                     dt = time.perf_counter() - t0
+                self._check_finite(loss)
                 self.position.update(epoch=epoch, batch=b + cfg.optim.grad_accum, step=self.position["step"] + 1)
                 with naming_peer_failures(self.transport, "the metrics all-reduce", self._suspects):
                     self._log_step(writer, epoch, phase, loss, dt, sum(g["sample_ids"].numel() for g in group))
@@ -454,11 +473,44 @@ class Trainer:
         """One optimizer step over ``group`` (``grad_accum`` global batches); the loss where it is held (the
         mean over the replicas with data parallelism)."""
         d = self.cfg.pipeline.data_parallel
-        with naming_peer_failures(self.transport, f"training step {self.position['step'] + 1}", self._suspects):
-            loss = self.engine.train_step(self._passes([self._shard(g) for g in group]), phase)
+        step = self.position["step"] + 1
+        with naming_peer_failures(self.transport, f"training step {step}", self._suspects):
+            try:
+                loss = self.engine.train_step(self._passes([self._shard(g) for g in group]), phase)
+            except NonFiniteError as e:  # a codec refused a NaN/Inf activation or gradient at a boundary
+                raise self._diverged(step, str(e)) from None
             if loss is not None and d > 1:
                 loss = float(self._replica_sum(torch.tensor([loss], dtype=torch.float64))) / d
         return loss
+
+    def _check_finite(self, loss: float | None) -> None:
+        """After a step the engine did not apply (a NaN or infinite loss or gradient norm): stop with one line,
+        or, with ``--skip-nonfinite N``, go on unless this is the (N+1)-th such step in a row."""
+        if not self.engine.skipped:
+            self._skipped_in_a_row = 0
+            return
+        step = self.position["step"] + 1
+        what = ", ".join(([f"loss {loss}"] if loss is not None else []) + [f"gradient norm {self.engine.last_grad_norm}"])
+        self._skipped_in_a_row += 1
+        allowed = self.cfg.optim.skip_nonfinite
+        if self._skipped_in_a_row > allowed:
+            if allowed:
+                what += f" ({self._skipped_in_a_row} such steps in a row; --skip-nonfinite {allowed} allows {allowed})"
+            raise self._diverged(step, what)
+        log.warning("step %d skipped: %s (%d of at most %d in a row, --skip-nonfinite)", step, what,
+                    self._skipped_in_a_row, allowed)
+
+    def _diverged(self, step: int, what: str) -> DivergedError:
+        """The one-line error of a run that diverged at ``step``: what was not finite, what to change, and the
+        checkpoint that continues the run."""
+        o = self.cfg.optim
+        fixes = [f"lower the learning rate (--lr {o.lr:g})"]
+        fixes.append("clip gradients (--max-grad-norm 1; now 0, off)" if o.max_grad_norm <= 0
+                     else f"clip harder (--max-grad-norm below {o.max_grad_norm:g})")
+        if not o.skip_nonfinite:
+            fixes.append("or skip such steps (--skip-nonfinite N)")
+        return DivergedError(f"training diverged at step {step}: {what}; the step was not applied. To go on: "
+                             f"{', '.join(fixes)}; {where_to_continue(self.run_dir)}")
 
     @contextlib.contextmanager
     def _profiled(self, on: bool) -> Iterator[None]:
@@ -508,17 +560,21 @@ class Trainer:
             per_boundary[f"b{b}.forward"] = int(stats[b]["fw_bytes"])
             per_boundary[f"b{b}.backward"] = int(stats[b + 1]["bw_bytes"])
         tokens = self.task.tokens_per_sample
+        skipped = self.engine.skipped
         row = {
-            "kind": "train", "step": self.position["step"], "epoch": epoch, "phase": phase.value, "loss": loss,
+            "kind": "train", "step": self.position["step"], "epoch": epoch, "phase": phase.value,
+            "loss": None if skipped else loss,
             "lr": self.engine.lr, "samples_per_s": samples / dt, "tokens_per_s": samples * tokens / dt if tokens else None,
             "bytes_sent": sent, "raw_bytes": raw, "ratio": raw / sent if sent else None, "bytes": per_boundary,
             "grad_sync_bytes": sync,
-            "grad_norm": self.engine.last_grad_norm,
+            "grad_norm": None if skipped else self.engine.last_grad_norm,
             "time": {"step": dt, "compute": sum(s["compute_s"] for s in stats),
                      "codec": sum(s["encode_s"] + s["decode_s"] for s in stats), "wait": sum(s["wait_s"] for s in stats)},
             # per stage, the mean over its replicas: what one process of that stage sent and spent this step
             "stages": [{k: v / self.cfg.pipeline.data_parallel for k, v in s.items()} for s in stats],
         }
+        if skipped:  # not applied (--skip-nonfinite): no NaN in metrics.jsonl, but what it was
+            row["skipped"] = f"loss {loss}, gradient norm {self.engine.last_grad_norm}"
         self.history.append(row)
         writer.write(row)
 

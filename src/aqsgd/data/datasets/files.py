@@ -26,15 +26,10 @@ or hub split), e.g. ``--train-file data/train.csv: no column 'text'; the columns
 
 from __future__ import annotations
 
-import codecs
 import copy
-import csv
-import hashlib
-import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,8 +38,20 @@ import torch
 from aqsgd.data.datasets.base import DictDataset, PathLike
 from aqsgd.data.datasets.batching import _rng, stratified_split
 from aqsgd.data.datasets.hub import _hub_probe
+from aqsgd.data.datasets.records import (
+    MAX_LINE_BYTES,
+    SUPPORTED_EXTENSIONS,
+    Records,
+    _combine,
+    _describe,
+    _error,
+    _first_line,
+    _sha256,
+    data_fingerprint,
+    read_records,
+)
 from aqsgd.data.datasets.text import _document_separator, lm_chunks, load_tokenizer, text_classification
-from aqsgd.errors import DataFileError, SpecError
+from aqsgd.errors import SpecError
 
 __all__ = [
     "SUPPORTED_EXTENSIONS",
@@ -55,306 +62,10 @@ __all__ = [
     "read_records",
 ]
 
-SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet")
-"""The data file types :func:`read_records` reads, by extension (case-insensitive)."""
-
 _INT = re.compile(r"-?(0|[1-9][0-9]*)")  # an integer written the one canonical way ("01" and "+1" are text)
 _SHOWN_LABELS = 20  # how many training labels an "unknown label" message lists
 
 log = logging.getLogger(__name__)
-_Fail = Callable[[str], DataFileError]
-
-
-# --------------------------------------------------------------------------------------------------
-# records: the rows of one file, column by column
-# --------------------------------------------------------------------------------------------------
-
-
-class Records:
-    """The rows of one data source, held column by column, with where each row is in the source.
-
-    Attributes:
-        source: the file as given (or the hub data set and split), as messages name it.
-        option: the option that named the source (``--train-file``, ``--eval-file``, ``--dataset``).
-        columns: column name -> one value per row, in the source's order. Values are what the format gives:
-            strings for ``.csv``/``.tsv``/``.txt``, JSON values for ``.json``/``.jsonl`` (``None`` where a row
-            lacks the column), Python values for ``.parquet``.
-        column_names: every column of the source (a hub split is read only for the columns needed, so this
-            may name more than ``columns`` holds).
-        lines: for each row, its 1-based line number in the file (``.jsonl``, ``.csv``, ``.tsv``, ``.txt``),
-            or its 1-based position (``.json`` record or row, ``.parquet`` row, hub row); ``unit`` says which.
-        unit: ``"line"``, ``"record"`` or ``"row"``: what the numbers in ``lines`` count.
-    """
-
-    def __init__(self, source: str, option: str, columns: Mapping[str, list[Any]], lines: Sequence[int], *,
-                 unit: str = "line", column_names: Sequence[str] | None = None) -> None:
-        self.source = source
-        self.option = option
-        self.columns: dict[str, list[Any]] = dict(columns)
-        self.lines: list[int] = list(lines)
-        self.unit = unit
-        self.column_names: list[str] = list(self.columns if column_names is None else column_names)
-
-    def __len__(self) -> int:
-        return len(self.lines)
-
-    def __repr__(self) -> str:
-        return f"Records({self.option} {self.source}: {len(self)} rows, columns {self.column_names})"
-
-    def where(self, row: int) -> str:
-        """Where row ``row`` (0-based) is in the source: ``line 12``, ``record 3`` or ``row 7``."""
-        return f"{self.unit} {self.lines[row]}"
-
-    def error(self, problem: str) -> DataFileError:
-        """A one-line error about this source: ``{option} {source}: {problem}``."""
-        return _error(self.option, self.source, problem)
-
-    def column(self, name: str) -> list[Any]:
-        """The values of column ``name``; a DataFileError listing the columns there are if it is missing."""
-        if name not in self.columns:
-            there = ", ".join(self.column_names) or "(none)"
-            raise self.error(f"no column {name!r}; the columns are: {there}")
-        return self.columns[name]
-
-
-def read_records(path: PathLike, *, option: str = "--train-file") -> Records:
-    """The rows of a data file, by its extension (one of :data:`SUPPORTED_EXTENSIONS`).
-
-    * ``.jsonl``: one JSON object per line; blank lines are skipped. Rows may differ in their keys (a missing
-      key reads as ``None``).
-    * ``.json``: a JSON list of objects; an object whose ``"data"`` is a list of objects; or an object of
-      equal-length column lists (``{"text": [...], "label": [...]}``). A ``.json`` file that holds JSON Lines
-      is read as ``.jsonl``.
-    * ``.csv`` / ``.tsv``: a header row, then one row per line (comma / tab separated, ``"`` quoting,
-      quoted fields may span lines); blank lines are skipped; every value is a string.
-    * ``.txt``: one document per line in the column ``text``; blank lines are skipped.
-    * ``.parquet``: read with ``pyarrow`` (``pip install pyarrow``).
-
-    Text files must be UTF-8 (a leading byte-order mark is ignored). ``option`` is the option that named the
-    file, for messages. Raises a one-line :class:`~aqsgd.errors.DataFileError` for a missing file, a
-    directory, an unknown extension, a file that is not UTF-8, a malformed line and a file without rows.
-    """
-    p = Path(path)
-    source = str(path)
-
-    def fail(problem: str) -> DataFileError:
-        return _error(option, source, problem)
-
-    if not p.exists():
-        raise fail("no such file")
-    if p.is_dir():
-        raise fail("is a directory, not a data file")
-    ext = p.suffix.lower()
-    if ext not in SUPPORTED_EXTENSIONS:
-        kind = f"unknown file type {ext!r}" if ext else "no file extension"
-        raise fail(f"{kind}; the supported ones are: {', '.join(SUPPORTED_EXTENSIONS)}")
-    try:
-        columns, lines, unit = _READERS[ext](p, fail)
-    except OSError as e:
-        raise fail(f"cannot read it: {e.strerror or e}") from None
-    records = Records(source, option, columns, lines, unit=unit)
-    if not len(records):
-        raise fail("no rows (the file holds no data)")
-    return records
-
-
-_Read = tuple[dict[str, list[Any]], list[int], str]
-
-
-def _read_jsonl(path: Path, fail: _Fail) -> _Read:
-    return _parse_json_lines(enumerate(_decoded_lines(path, fail), 1), fail)
-
-
-def _parse_json_lines(numbered: Iterable[tuple[int, str]], fail: _Fail) -> _Read:
-    rows: list[dict[str, Any]] = []
-    lines: list[int] = []
-    for n, line in numbered:
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise fail(f"line {n} is not valid JSON: {e.msg} (column {e.colno})") from None
-        if not isinstance(obj, dict):
-            raise fail(f"line {n} is {_describe(obj)}, not a JSON object")
-        rows.append(obj)
-        lines.append(n)
-    return _rows_to_columns(rows), lines, "line"
-
-
-def _read_json(path: Path, fail: _Fail) -> _Read:
-    text = _decode_all(path.read_bytes(), fail)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        if e.msg == "Extra data" and _starts_with_object_line(text):
-            return _parse_json_lines(enumerate(text.split("\n"), 1), fail)  # JSON Lines in a .json file
-        if not text.strip():
-            return {}, [], "record"
-        raise fail(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    if isinstance(data, dict) and isinstance(data.get("data"), list) \
-            and all(isinstance(r, dict) for r in data["data"]):
-        data = data["data"]
-    if isinstance(data, list):
-        for i, r in enumerate(data):
-            if not isinstance(r, dict):
-                raise fail(f"record {i + 1} of the list is {_describe(r)}, not a JSON object")
-        return _rows_to_columns(data), list(range(1, len(data) + 1)), "record"
-    if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
-        lengths = {k: len(v) for k, v in data.items()}
-        if len(set(lengths.values())) > 1:
-            sizes = ", ".join(f"{k!r} {n}" for k, n in lengths.items())
-            raise fail(f"the column lists differ in length: {sizes}")
-        n = next(iter(lengths.values()), 0)
-        return dict(data), list(range(1, n + 1)), "row"
-    raise fail(f"holds {_describe(data)}; expected a list of objects, an object with a \"data\" list of "
-               "objects, or an object of equal-length column lists")
-
-
-def _starts_with_object_line(text: str) -> bool:
-    first = next((line for line in text.split("\n") if line.strip()), "")
-    try:
-        return isinstance(json.loads(first), dict)
-    except json.JSONDecodeError:
-        return False
-
-
-def _read_delimited(path: Path, fail: _Fail, delimiter: str) -> _Read:
-    kind = "TSV" if delimiter == "\t" else "CSV"
-    limit = csv.field_size_limit()
-    csv.field_size_limit(max(limit, 2**31 - 1))  # whole documents can exceed the default 128 KiB per field
-    try:
-        reader = csv.reader(_decoded_lines(path, fail), delimiter=delimiter)
-        header: list[str] | None = None
-        rows: list[list[str]] = []
-        lines: list[int] = []
-        end = 0
-        try:
-            for row in reader:
-                start, end = end + 1, reader.line_num  # quoted fields may span lines: the row starts at start
-                if not row:
-                    continue  # a blank line
-                if header is None:
-                    header = row
-                    seen: set[str] = set()
-                    for name in header:
-                        if name in seen:
-                            raise fail(f"the header (line {start}) names the column {name!r} twice")
-                        seen.add(name)
-                    continue
-                if len(row) != len(header):
-                    fields = f"{len(row)} field" + ("" if len(row) == 1 else "s")
-                    raise fail(f"line {start} has {fields}, the header has {len(header)}")
-                rows.append(row)
-                lines.append(start)
-        except csv.Error as e:
-            raise fail(f"line {reader.line_num} is malformed {kind}: {e}") from None
-    finally:
-        csv.field_size_limit(limit)
-    if header is None:
-        raise fail("no rows (the file is empty)")
-    if not rows:
-        raise fail("no rows below the header")
-    return {name: [r[j] for r in rows] for j, name in enumerate(header)}, lines, "line"
-
-
-def _read_txt(path: Path, fail: _Fail) -> _Read:
-    texts: list[str] = []
-    lines: list[int] = []
-    for n, line in enumerate(_decoded_lines(path, fail), 1):
-        line = line.removesuffix("\n").removesuffix("\r")
-        if line.strip():
-            texts.append(line)
-            lines.append(n)
-    return {"text": texts}, lines, "line"
-
-
-def _read_parquet(path: Path, fail: _Fail) -> _Read:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise fail("reading .parquet files needs pyarrow: run `pip install pyarrow`") from None
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, ValueError) as e:  # ArrowInvalid for a file that is not Parquet
-        raise fail(f"not a readable Parquet file ({_first_line(e)})") from None
-    return table.to_pydict(), list(range(1, table.num_rows + 1)), "row"
-
-
-_READERS: dict[str, Callable[[Path, _Fail], _Read]] = {
-    ".jsonl": _read_jsonl,
-    ".json": _read_json,
-    ".csv": lambda p, fail: _read_delimited(p, fail, ","),
-    ".tsv": lambda p, fail: _read_delimited(p, fail, "\t"),
-    ".txt": _read_txt,
-    ".parquet": _read_parquet,
-}
-
-
-def _decoded_lines(path: Path, fail: _Fail) -> Iterator[str]:
-    """The file's lines (split at ``\\n`` only, endings kept) decoded as UTF-8, streamed."""
-    offset = 0
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            skip = len(codecs.BOM_UTF8) if n == 1 and raw.startswith(codecs.BOM_UTF8) else 0
-            try:
-                text = raw[skip:].decode("utf-8")
-            except UnicodeDecodeError as e:
-                at = skip + e.start
-                raise fail(f"not UTF-8 text: byte 0x{raw[at]:02x} at line {n} (byte offset {offset + at}); "
-                           "save the file as UTF-8") from None
-            offset += len(raw)
-            yield text
-
-
-def _decode_all(raw: bytes, fail: _Fail) -> str:
-    skip = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
-    try:
-        return raw[skip:].decode("utf-8")
-    except UnicodeDecodeError as e:
-        at = skip + e.start
-        line = raw.count(b"\n", 0, at) + 1
-        raise fail(f"not UTF-8 text: byte 0x{raw[at]:02x} at line {line} (byte offset {at}); "
-                   "save the file as UTF-8") from None
-
-
-def _rows_to_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
-    names: dict[str, None] = {}
-    for r in rows:
-        for k in r:
-            names.setdefault(k)
-    return {k: [r.get(k) for r in rows] for k in names}
-
-
-# --------------------------------------------------------------------------------------------------
-# fingerprints
-# --------------------------------------------------------------------------------------------------
-
-
-def data_fingerprint(*paths: PathLike) -> str:
-    """A hex SHA-256 fingerprint of data files' bytes (read in blocks), to refuse resuming on changed data.
-
-    One file: the SHA-256 of its bytes (what ``sha256sum`` prints). Several: the SHA-256 of their digests,
-    one per line, in the order given (so swapping the training and evaluation files changes it). Raises
-    ``OSError`` for a file that cannot be read.
-    """
-    if not paths:
-        raise SpecError("data_fingerprint needs at least one file")
-    digests = [_sha256(p) for p in paths]
-    return digests[0] if len(digests) == 1 else _combine(digests)
-
-
-def _sha256(path: PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _combine(parts: Sequence[str]) -> str:
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -596,7 +307,7 @@ def _chunks(records: Records, what: str, docs: list[str], tok: Any, max_length: 
             max_chunks: int | None, info: dict[str, Any]) -> DictDataset:
     try:
         return lm_chunks(docs, tok, max_length, eos_token_id=separator, add_eos=separator is not None,
-                         max_chunks=max_chunks, info=info)
+                         max_chunks=max_chunks, info=info, label=f"{what} of {records.option} {records.source}")
     except SpecError as e:
         found = re.search(r"give (\d+) tokens", str(e))
         tokens = f"{found.group(1)} tokens, " if found else ""
@@ -659,7 +370,8 @@ def _build_classification(train: Records, evals: Records | None, tok: Any, max_l
         labels = torch.from_numpy(np.ascontiguousarray(y[idx]))
         out.append(text_classification([t[i] for i in idx], labels, tok, max_length,
                                        text_pairs=None if p is None else [p[i] for i in idx],
-                                       label_names=names, info={**meta, "split": split, "rows": rows}))
+                                       label_names=names, info={**meta, "split": split, "rows": rows},
+                                       label=f"the {split} texts of {train.option} {train.source}"))
     return out[0], out[1]
 
 
@@ -679,6 +391,10 @@ def _texts(records: Records, column: str) -> list[str]:
             raise records.error(f"{records.where(i)} has no {column!r} value (null or missing)")
         if not isinstance(v, str):
             raise records.error(f"{records.where(i)}: the {column!r} value is {_describe(v)}, not a string")
+        if len(v) > MAX_LINE_BYTES:
+            raise records.error(f"{records.where(i)}: the {column!r} value is {len(v):,} characters long, over "
+                                f"the limit of {MAX_LINE_BYTES:,} for one text; split long documents into "
+                                "paragraphs")
     return values
 
 
@@ -725,31 +441,3 @@ def _with_pad_token(tok: Any) -> Any:
     return tok
 
 
-# --------------------------------------------------------------------------------------------------
-# messages
-# --------------------------------------------------------------------------------------------------
-
-
-def _error(option: str, source: str, problem: str) -> DataFileError:
-    return DataFileError(" ".join(f"{option} {source}: {problem}".splitlines()))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, bool):
-        return f"a boolean ({'true' if value else 'false'})"
-    if isinstance(value, (int, float, np.integer, np.floating)):
-        return f"a number ({value!r})"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    if value is None:
-        return "null"
-    return f"a {type(value).__name__}"

@@ -5,9 +5,10 @@ the text tasks (``bbc`` and ``wiki`` offline; ``wikitext-2``, ``glue-cola``, ``g
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Sized
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,11 @@ from aqsgd.data.datasets.batching import stratified_split
 from aqsgd.data.datasets.hub import _hub_datasets, _hub_split
 from aqsgd.data.sources import SOURCES, require
 from aqsgd.errors import DataSourceError, SpecError
+from aqsgd.logs import ProgressLog
 
 __all__ = ["lm_chunks", "load_tokenizer", "read_bbc", "read_wiki", "text_classification"]
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -39,6 +43,7 @@ def lm_chunks(
     max_chunks: int | None = None,
     batch_texts: int = 256,
     info: Mapping[str, Any] | None = None,
+    label: str = "texts",
 ) -> DictDataset:
     """Causal-LM samples: the tokenized texts concatenated and cut into non-overlapping chunks.
 
@@ -49,7 +54,8 @@ def lm_chunks(
     ``max_chunks`` chunks of the full dataset.
 
     Items: ``input_ids``, ``attention_mask`` (ones), ``labels`` (= ``input_ids``), each ``[seq_len]``
-    int64, and ``sample_id``.
+    int64, and ``sample_id``. Tokenizing that takes longer than a few seconds logs its progress (``label``
+    names the texts there).
     """
     if seq_len < 1:
         raise SpecError(f"seq_len must be >= 1, got {seq_len}")
@@ -62,16 +68,20 @@ def lm_chunks(
             raise SpecError("the tokenizer has no EOS token: pass eos_token_id=... or add_eos=False")
     need = None if max_chunks is None else max_chunks * seq_len
     pieces: list[np.ndarray] = []
-    total = 0
+    total = done = 0
+    progress = ProgressLog(log, f"tokenizing {label}", total=len(texts) if isinstance(texts, Sized) else None,
+                           unit="documents")
 
     def flush(batch: list[str]) -> None:
-        nonlocal total
+        nonlocal total, done
         encoded = tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]
         for ids in encoded:
             if add_eos:
                 ids = [*ids, eos_token_id]
             pieces.append(np.asarray(ids, dtype=np.int64))
             total += len(ids)
+        done += len(batch)
+        progress.update(done)
 
     batch: list[str] = []
     for text in texts:
@@ -108,11 +118,15 @@ def text_classification(
     text_pairs: Sequence[str] | None = None,
     label_names: Sequence[str] | None = None,
     info: Mapping[str, Any] | None = None,
+    batch_texts: int = 1024,
+    label: str = "texts",
 ) -> DictDataset:
     """Text (or text-pair) classification samples, padded/truncated to exactly ``max_length`` tokens.
 
     Items: ``input_ids``, ``attention_mask`` and ``token_type_ids`` (if the tokenizer makes them), each
-    ``[max_length]`` int64, ``labels`` (scalar int64) and ``sample_id``.
+    ``[max_length]`` int64, ``labels`` (scalar int64) and ``sample_id``. The texts are tokenized
+    ``batch_texts`` at a time (the tokenizer's intermediate results of one batch at most in memory); work that
+    takes longer than a few seconds logs its progress (``label`` names the texts there).
     """
     if max_length < 1:
         raise SpecError(f"max_length must be >= 1, got {max_length}")
@@ -122,10 +136,24 @@ def text_classification(
                         + ("" if text_pairs is None else f", {len(text_pairs)} pairs"))
     if getattr(tokenizer, "pad_token_id", None) is None:
         raise SpecError("the tokenizer has no pad token; set tokenizer.pad_token first")
-    args: tuple[Any, ...] = (list(texts),) if text_pairs is None else (list(texts), list(text_pairs))
-    enc = tokenizer(*args, padding="max_length", truncation=True, max_length=max_length,
-                    return_tensors="pt", verbose=False)
-    cols = {k: enc[k].to(torch.int64) for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc}
+    progress = ProgressLog(log, f"tokenizing {label}", total=len(texts), unit="texts")
+    parts: dict[str, list[Tensor]] = {}
+    for start in range(0, len(texts), batch_texts):
+        stop = start + batch_texts
+        args: tuple[Any, ...] = (list(texts[start:stop]),)
+        if text_pairs is not None:
+            args += (list(text_pairs[start:stop]),)
+        enc = tokenizer(*args, padding="max_length", truncation=True, max_length=max_length,
+                        return_tensors="pt", verbose=False)
+        for k in ("input_ids", "attention_mask", "token_type_ids"):
+            if k in enc:
+                parts.setdefault(k, []).append(enc[k].to(torch.int64))
+        progress.update(min(stop, len(texts)))
+    if not parts:  # no texts: the columns' names and widths, from an empty call
+        enc = tokenizer([""], padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
+        parts = {k: [enc[k][:0].to(torch.int64)] for k in ("input_ids", "attention_mask", "token_type_ids")
+                 if k in enc}
+    cols = {k: torch.cat(v) for k, v in parts.items()}
     cols["labels"] = labels_t
     if label_names is not None:
         num_labels = len(label_names)

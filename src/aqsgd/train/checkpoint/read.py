@@ -51,8 +51,28 @@ def latest_checkpoint(path: str | Path) -> Path | None:
         done = sorted(d for d in root.iterdir() if STEP_DIR.fullmatch(d.name) and (d / COMPLETE).is_file())
         found = done[-1] if done else None
     if found is not None:
-        head(found)
+        try:
+            head(found)
+        except CheckpointError as e:
+            raise CheckpointError(_pointing_back(found, str(e))) from None
     return found
+
+
+def _pointing_back(path: Path, message: str) -> str:
+    """``message`` about a damaged checkpoint, followed by the newest older one of the same run whose
+    manifests verify (the files it lists are verified when it is loaded), to continue from instead."""
+    root = path.parent
+    if not root.is_dir():
+        return message
+    older = sorted((d for d in root.iterdir() if STEP_DIR.fullmatch(d.name) and d.name < path.name
+                    and (d / COMPLETE).is_file()), reverse=True)
+    for d in older:
+        try:
+            head(d)
+        except CheckpointError:
+            continue
+        return f"{message}; the previous complete checkpoint is {d}: continue from it with --resume {d}"
+    return f"{message}; the run has no older complete checkpoint"
 
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
@@ -127,7 +147,7 @@ def load_checkpoint(path: Path, engine: Any) -> dict[str, Any]:
         for t in trees:
             manifest.verify_tree(t)
     except CheckpointError as exc:
-        error = str(exc)
+        error = _pointing_back(path, str(exc))
     if (error := agree(error, distributed)) is not None:
         raise CheckpointError(error)
     _restore(path, engine, held, rank, trees, manifest.optimizers)

@@ -1,0 +1,62 @@
+"""Stopping on SIGINT (Ctrl-C) and SIGTERM: one line and the conventional exit status, never a traceback.
+
+:func:`stop_on_signals` makes either signal raise :class:`~aqsgd.errors.Interrupted` in the main thread, a
+:class:`KeyboardInterrupt` (as Python's own Ctrl-C is) that carries the signal: ordinary error handlers let it
+pass, ``finally`` blocks run (run-directory locks are released, a half-written checkpoint stays a ``.tmp``
+folder that is never loaded), and whoever knows where the run stands adds it to the message (the trainer: the
+step and the checkpoint that continues it). ``aqsgd`` prints that one line and exits with 128 + the signal's
+number (130 for SIGINT, 143 for SIGTERM).
+
+A second signal while the first is being handled either ends the process at once (``again="exit"``: an
+impatient Ctrl-C on the command line) or is ignored (``again="ignore"``: a stage process, whose launcher
+forwards the signal it got itself, and escalates to SIGKILL if the stage does not end in time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+
+from aqsgd.errors import Interrupted
+
+__all__ = ["stop_on_signals", "STOP_SIGNALS"]
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_on_signals(*, again: str = "exit") -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM raise :class:`~aqsgd.errors.Interrupted` in the main thread;
+    ``again``: what a later signal does (``exit`` at once with 128 + its number, or ``ignore`` it). The previous
+    handlers come back when the block ends. Outside the main thread (where Python cannot install handlers) the
+    block runs unchanged."""
+    if again not in ("exit", "ignore"):
+        raise ValueError(f"again must be 'exit' or 'ignore', got {again!r}")
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    fired = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        if fired.is_set():
+            if again == "exit":
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+                os._exit(128 + signum)
+            return
+        fired.set()
+        raise Interrupted(signum)
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
