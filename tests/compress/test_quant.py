@@ -222,3 +222,22 @@ def test_float64_beyond_fp32_scales_is_rejected_at_encode():
         make_codec("q8:scale32").encode(x)
     y = make_codec("q8").roundtrip(x)  # fp16 scales clip at 65504, as documented
     assert float(y.abs().max()) <= 65504 * 1.01
+
+
+# -- decoding agrees on every device -------------------------------------------------------------------------
+@pytest.mark.parametrize("divisor", [3, 7, 15, 31, 63, 127, 255])
+def test_the_step_division_is_the_same_on_a_gpu(divisor):
+    """CUDA divides a tensor by a Python number as ``x * (1 / d)``. The decode's step (stored scale / d) goes
+    through float64, where that path and the CPU's true division round to the same fp32, for every fp16 scale;
+    in fp32 itself the reciprocal path differs (the bug a GPU run found: a packet decoded on the GPU differed in
+    its last bit from the same packet decoded on the CPU)."""
+    from aqsgd.compress.quant import divided
+
+    every_fp16 = torch.arange(1, 0x7C00, dtype=torch.int16).view(torch.float16)  # every positive finite value
+    true = every_fp16.float() / divisor
+    assert torch.equal(divided(every_fp16, divisor, torch.float32), true)
+    assert torch.equal((every_fp16.double() * (1.0 / divisor)).float(), true)  # CUDA's path, in float64
+    in_fp32 = every_fp16.float() * torch.tensor(1.0 / divisor, dtype=torch.float32)  # CUDA's path, in fp32
+    assert not torch.equal(in_fp32, true)
+    fp32_scales = torch.rand(200_000, generator=torch.Generator().manual_seed(divisor)) * 1e3  # scale32
+    assert torch.equal((fp32_scales.double() * (1.0 / divisor)).float(), fp32_scales / divisor)

@@ -112,6 +112,26 @@ def _worker(rank: int, world: int) -> dict:
         except KeyError as e:
             out[f"{spec}_bad_key"] = str(e)
 
+    # PowerSGD on host buckets on a machine with a GPU (gloo sync): torch's hook then synchronizes the bucket's
+    # device, which raises for a host device; emulated here (a GPU machine's torch.cuda, as it behaves)
+    def cuda_synchronize(device=None):
+        if device is not None and torch.device(device).type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {torch.device(device)}")
+
+    results = []
+    for gpu_machine in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            if gpu_machine:
+                mp.setattr(torch.cuda, "is_available", lambda: True)
+                mp.setattr(torch.cuda, "synchronize", cuda_synchronize)
+            sync = make_grad_sync("powersgd:rank2", bucket_mb=0.004)
+            _set_grads(ps, grads)
+            sync.sync(ps)
+            results.append([p.grad.clone() for p in ps])
+            out["powersgd_restores_synchronize"] = torch.cuda.synchronize is cuda_synchronize if gpu_machine \
+                else True
+    out["powersgd_on_a_gpu_machine"] = all(torch.equal(a, b) for a, b in zip(*results))
+
     # PowerSGD bytes: P and Q plus the fp32 remainder, each a ring all-reduce
     p = make_grad_sync("powersgd:rank2", bucket_mb=100)
     _set_grads(ps, grads)
@@ -216,3 +236,9 @@ def test_grid_layout():
 def test_quantized_sync_needs_a_group():
     with pytest.raises((RuntimeError, ValueError)):
         QuantizedSync(None)  # no process group initialized in the test process
+
+
+def test_powersgd_on_host_buckets_of_a_gpu_machine(ranks):
+    """torch's hook calls torch.cuda.synchronize(bucket.device) whenever CUDA is available; host buckets (gloo
+    sync of GPU parameters) must not fail there, and train exactly as on a machine without a GPU."""
+    assert all(r["powersgd_on_a_gpu_machine"] and r["powersgd_restores_synchronize"] for r in ranks)

@@ -101,6 +101,24 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def divided(scales: torch.Tensor, divisor: int, cdt: torch.dtype) -> torch.Tensor:
+    """``scales / divisor`` in ``cdt``, correctly rounded on every device, so that a packet decodes to the same
+    bits on the CPU and on a GPU (the two sides of an AQ-SGD boundary must agree bit for bit).
+
+    CUDA divides a tensor by a Python number as ``x * (1 / divisor)``, one rounding more than the CPU's true
+    division, and the last bit then differs for some scales. In fp32 the quotient is taken in float64 and
+    rounded to fp32: a stored scale has at most 24 significant bits and every divisor here is an odd integer
+    below 256, so the exact quotient is either an fp32 number or at least 2**-32 (relative) away from every
+    fp32 rounding midpoint, far more than float64's error on either path (about 2**-52): both round to the
+    correctly rounded fp32 quotient. In float64 the divisor is a tensor on the scales' device, which CUDA
+    divides by exactly."""
+    if divisor == 1:
+        return scales.to(cdt)
+    if cdt == torch.float32:
+        return scales.to(torch.float64).div_(divisor).to(torch.float32)
+    return scales.to(cdt) / scales.new_full((), divisor, dtype=cdt)
+
+
 def store_scales(s: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     """Round scales to their storage dtype without ever rounding down (fp16: also clamp to 65504)."""
     if scale_dtype == torch.float32:
@@ -452,11 +470,11 @@ class QuantCodec(Codec):
         """``(mul, low, step)``: code ``c`` decodes to ``(c * mul - low) * step`` of its group."""
         if self.grid == "midrise" and self.bits > 1:
             # code c is level (c - qmax/2) * step = (2c - qmax) * scale / qmax: an odd integer times scale / qmax
-            return 2, self.qmax, scales.to(cdt) / self.qmax
+            return 2, self.qmax, divided(scales, self.qmax, cdt)
         if self.bits == 1:  # +-1 times the scale
             return 2, 1, scales.to(cdt)
         # signed level c - L (an exact small integer) times scale / L
-        return 1, self.qmax // 2, scales.to(cdt) / (self.qmax // 2)
+        return 1, self.qmax // 2, divided(scales, self.qmax // 2, cdt)
 
     def dequantize(self, scales: torch.Tensor, codes: torch.Tensor, shape: Sequence[int],
                    out_dtype: torch.dtype) -> torch.Tensor:
@@ -466,11 +484,11 @@ class QuantCodec(Codec):
         if self.grid == "midrise" and self.bits > 1:
             # code c is level (c - qmax/2) * step = (2c - qmax) * scale / qmax: an odd integer times scale / qmax
             out = codes.to(cdt).mul_(2.0).sub_(self.qmax)
-            step = scales.to(cdt) / self.qmax
+            step = divided(scales, self.qmax, cdt)
         else:
             out = _signed_levels(codes, self.bits).to(cdt)
             # signed level k (an exact small integer) times scale / L; bits == 1: +-1 times the scale
-            step = scales.to(cdt) / (1 if self.bits == 1 else self.qmax // 2)
+            step = divided(scales, 1 if self.bits == 1 else self.qmax // 2, cdt)
         start = 0
         for v, d in groups.views(out):
             n = v.shape[1 - d] if d == 0 else v.shape[0]

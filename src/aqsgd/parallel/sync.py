@@ -76,11 +76,12 @@ Checkpoints
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -446,6 +447,31 @@ class HookBucket:
         return self._is_last
 
 
+@contextlib.contextmanager
+def _host_buckets_need_no_gpu_sync(device: torch.device) -> Iterator[None]:
+    """While PyTorch's ``powerSGD_hook`` runs on a bucket in host memory on a machine with a GPU (gloo sync).
+
+    The hook ends with ``torch.cuda.synchronize(bucket.device)`` whenever CUDA is available, to wait for the
+    GPU work it queued; a host bucket queued none, and ``synchronize`` of a host device raises ("Expected a
+    cuda device"). Within this block ``torch.cuda.synchronize`` skips host devices and does what it always
+    does for GPU ones."""
+    if device.type == "cuda" or not torch.cuda.is_available():
+        yield
+        return
+    real = torch.cuda.synchronize
+
+    def synchronize(device: Any = None) -> None:
+        if device is not None and torch.device(device).type != "cuda":
+            return
+        real(device)
+
+    torch.cuda.synchronize = synchronize
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = real
+
+
 class PowerSGDSync(GradSync):
     """``powersgd[:rank<R>]``: ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` per bucket.
 
@@ -493,7 +519,8 @@ class PowerSGDSync(GradSync):
         for b in buckets:
             flat = b.flatten(self.device)
             hb = HookBucket(b.index, flat, b.views(flat), list(b.params), b.index == len(buckets) - 1)
-            b.unflatten(powerSGD_hook(self.state, hb).wait())  # type: ignore[arg-type]
+            with _host_buckets_need_no_gpu_sync(flat.device):
+                b.unflatten(powerSGD_hook(self.state, hb).wait())  # type: ignore[arg-type]
         return sum(self._bucket_bytes(b) for b in buckets)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

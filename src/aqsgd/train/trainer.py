@@ -144,7 +144,13 @@ class Trainer:
                 f"replicas: start exactly stages x data_parallel = {cfg.world_size} processes (one per stage and "
                 f"replica)")
         if self.distributed:
-            check_same_settings(cfg.flat())
+            settings = cfg.flat()
+            if cfg.compression.cache.startswith("lowbit"):
+                # each side re-encodes its cache rows: bit-identical sides need the same kind of device (an eager
+                # CUDA encode may round a code differently from the CPU's; decoding agrees everywhere)
+                settings["device kind (the low-bit cache encodes on both sides of a boundary)"] = resolve_device(
+                    p.device, distributed=True).type
+            check_same_settings(settings)
         self.grid = ProcessGrid.build(p.stages, p.data_parallel, timeout_s=p.timeout) if self.distributed else None
         self.replica = self.grid.replica if self.grid is not None else 0
         self.transport: Transport | None = None  # distributed: created with the engine
