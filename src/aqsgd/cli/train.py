@@ -18,9 +18,6 @@ process then runs its own stage of its own replica (rank = replica x stages + st
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import traceback
 from typing import Any
 
 from aqsgd.train.config import SECTION_TITLES, TrainConfig, load_toml, options
@@ -80,39 +77,12 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aqsgd.train.driver import run_training, under_torchrun
+    from aqsgd.train.driver import run_training
 
-    cfg = build_config(args)
-    if cfg.pipeline.runtime == "distributed" and under_torchrun():
-        summary = _torchrun_stage(cfg)
-    else:
-        summary = run_training(cfg)
+    summary = run_training(build_config(args))
     if summary:
         print_summary(summary)
     return 0
-
-
-def _torchrun_stage(cfg: TrainConfig) -> dict[str, Any] | None:
-    """This process's stage of a torchrun job. A failed stage may leave a transport thread blocked inside gloo,
-    and the interpreter's teardown would then abort the process (SIGABRT, a fatal-error dump): after the
-    one-line error it ends at once, with the exit status ``aqsgd`` gives that error."""
-    from aqsgd.errors import AqsgdError, Interrupted
-    from aqsgd.train.driver import run_training
-
-    try:
-        return run_training(cfg)
-    except AqsgdError as e:
-        print(f"aqsgd: error: {e}", file=sys.stderr)
-        code = e.exit_code
-    except Interrupted as e:  # torchrun forwards its own SIGINT/SIGTERM to every stage process
-        print(f"aqsgd: {e}", file=sys.stderr)
-        code = e.exit_code
-    except Exception:  # noqa: BLE001 - reported with its traceback, then the same hard exit
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def print_summary(s: dict[str, Any]) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import pickle
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from aqsgd.comm.device import check_backends, resolve_device, world_backend
-from aqsgd.comm.launch import launch_local, leave_process_group
+from aqsgd.comm.launch import launch, leave_process_group
 from aqsgd.data.datasets import TaskSpec, register_task, registered_tasks
 from aqsgd.errors import Interrupted, SpecError
 from aqsgd.interrupts import stop_on_signals
@@ -31,12 +31,7 @@ from aqsgd.train.rundir import check_run_dir, last_logged_step, resolve_run_dir
 from aqsgd.train.tasks import setup_task
 from aqsgd.train.trainer import Trainer, check_partition, where_to_continue
 
-__all__ = ["run_training", "worker", "under_torchrun"]
-
-
-def under_torchrun() -> bool:
-    """Whether this process was started by torchrun (or another launcher that sets RANK and WORLD_SIZE)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+__all__ = ["run_training", "worker"]
 
 
 def worker(cfg_json: str, data: tuple[Dataset, Dataset] | None = None,
@@ -80,30 +75,38 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
     :func:`~aqsgd.data.lm_chunks` or :func:`~aqsgd.data.text_classification`). The stage processes this starts
     receive a copy of them and of the tasks registered with :func:`~aqsgd.data.register_task`; under torchrun
     every process runs the calling script, so each builds its own (identical) datasets.
+
+    How the processes of a distributed run start is :func:`aqsgd.comm.launch.launch`'s decision: this process
+    is one of them under torchrun, else they are spawned here.
     """
     cfg = cfg.validate()
     if cfg.pipeline.runtime == "local":
         return Trainer(cfg, data=data).run()
-    if under_torchrun():
-        return worker(cfg.to_json(), data)
     tasks = registered_tasks()
-    for what, obj in (("the datasets given as data", data), *((f"registered task {t.name!r}", t) for t in tasks)):
-        try:
-            pickle.dumps(obj)
-        except Exception as e:  # noqa: BLE001 - whatever pickling raises, the stage processes cannot get it
-            raise SpecError(f"{what} must be picklable to reach the stage processes ({type(e).__name__}: {e}); "
-                            f"use module-level functions and plain tensors") from None
-    # prepare data sources and the weights file once, and check what would fail in every stage process alike
-    setup = setup_task(cfg, data=data)
-    check_run_dir(cfg, resolve_run_dir(cfg, None if data is None else setup.name))
-    check_partition(cfg, setup.recipe)
+    run_dirs: list[Path] = []
+
+    def prepare() -> None:
+        """Before the stage processes are spawned here: what would fail in every one of them alike, and the data
+        sources and weights file, prepared once."""
+        for what, obj in (("the datasets given as data", data), *((f"registered task {t.name!r}", t) for t in tasks)):
+            try:
+                pickle.dumps(obj)
+            except Exception as e:  # noqa: BLE001 - whatever pickling raises, the stage processes cannot get it
+                raise SpecError(f"{what} must be picklable to reach the stage processes ({type(e).__name__}: {e}); "
+                                f"use module-level functions and plain tensors") from None
+        setup = setup_task(cfg, data=data)
+        run_dirs.append(resolve_run_dir(cfg, None if data is None else setup.name))
+        check_run_dir(cfg, run_dirs[0])
+        check_partition(cfg, setup.recipe)
+
     # a failing stage ends in StageFailedError: one line naming the stage at fault and the details file
     names = GridLayout(cfg.pipeline.stages, cfg.pipeline.data_parallel).label
-    run_dir = resolve_run_dir(cfg, None if data is None else setup.name)
     try:
-        results = launch_local(worker, cfg.world_size, cfg.to_json(), data, tasks, rank_names=names)
-    except Interrupted as e:  # said where the run stands, as a local run says it
-        step = last_logged_step(run_dir)
+        results = launch(worker, cfg.world_size, cfg.to_json(), data, tasks, before_spawn=prepare, rank_names=names)
+    except Interrupted as e:
+        if not run_dirs:  # a rank of a torchrun job: its trainer said where it stood
+            raise
+        step = last_logged_step(run_dirs[0])  # spawned here: say where the run stands, as a local run says it
         at = "before step 1" if step is None else f"after step {step}"
-        raise Interrupted(e.signum, f"{e} {at}; {where_to_continue(run_dir)}") from None
+        raise Interrupted(e.signum, f"{e} {at}; {where_to_continue(run_dirs[0])}") from None
     return next((r for r in results if r), None)

@@ -1,0 +1,43 @@
+"""Launching a distributed job: the one place that decides how its processes start.
+
+:func:`launch` runs a function as every rank of a job of N processes:
+
+* **started as one rank already** (by ``torchrun`` across machines, or by a launcher that sets ``RANK`` and
+  ``WORLD_SIZE`` as torchrun does, such as the network-namespace benchmark's): this process runs its own rank
+  (:mod:`aqsgd.comm.launch.rank`);
+* **otherwise** N processes are spawned on this machine through PyTorch's elastic launcher, bound to the
+  loopback interface (:mod:`aqsgd.comm.launch.local`).
+
+A failed run ends in one line naming the process at fault (:mod:`aqsgd.comm.launch.forensics`, with the
+watchdog of :mod:`aqsgd.comm.launch.watchdog`); SIGINT or SIGTERM in :class:`~aqsgd.errors.Interrupted`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aqsgd.comm.launch.forensics import RankOutcome, RootCause, find_root_cause
+from aqsgd.comm.launch.local import LOOPBACK, free_port, launch_local
+from aqsgd.comm.launch.rank import leave_process_group, run_as_rank, started_as_rank
+
+__all__ = ["LOOPBACK", "RankOutcome", "RootCause", "find_root_cause", "free_port", "launch", "launch_local",
+           "leave_process_group", "run_as_rank", "started_as_rank"]
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, before_spawn: Callable[[], None] | None = None,
+           rank_names: Callable[[int], str] | None = None) -> list[Any]:
+    """``fn(*args)`` as every rank of a job of ``world_size`` processes; the values of the ranks that ran here,
+    in rank order: all of them when they were spawned here, this process's alone when it was started as one
+    rank (see the module docstring).
+
+    ``before_spawn`` runs once in this process before it spawns the ranks (preparing what every rank would
+    otherwise prepare at the same time: downloads, weights files); it does not run where each process is
+    already a rank. ``rank_names`` names a rank in messages (``stage 1``). Raises
+    :class:`~aqsgd.errors.StageFailedError` naming the process at fault, or :class:`~aqsgd.errors.Interrupted`.
+    """
+    if started_as_rank():
+        return [run_as_rank(fn, world_size, *args)]
+    if before_spawn is not None:
+        before_spawn()
+    return launch_local(fn, world_size, *args, rank_names=rank_names)

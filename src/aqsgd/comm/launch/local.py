@@ -1,0 +1,281 @@
+"""Start N local processes through PyTorch's elastic launcher (the machinery behind ``torchrun``).
+
+Ranks, world size and the rendezvous come from the launcher's environment, never hand-set; the rendezvous is a
+c10d store on a loopback port. :func:`launch_local` returns the processes' values in rank order, or raises
+:class:`~aqsgd.errors.StageFailedError`, whose message is one line naming the process at fault and why
+(:mod:`aqsgd.comm.launch.forensics`).
+
+Loopback only
+-------------
+Nothing a local run opens listens beyond 127.0.0.1 (a ``TCPStore`` server otherwise listens on every
+interface, and gloo on the address the host name resolves to):
+
+* the rendezvous store: :func:`launch_local` binds a socket to 127.0.0.1 and hands it to a multi-tenant
+  ``TCPStore`` (``master_listen_fd``) before the launcher starts; the c10d rendezvous then opens its store
+  on the same port, and a multi-tenant store reuses the server already running in the process;
+* the workers' store (``MASTER_ADDR:MASTER_PORT``): the launcher's shared store would be a second server on
+  every interface, so sharing it is turned off for the launch (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``);
+  then rank 0 hosts the workers' store, multi-tenant (PyTorch's documented ``env://`` behaviour), and the
+  stage entry opens it on a 127.0.0.1 socket first, which ``init_process_group`` reuses. ``MASTER_ADDR``
+  is 127.0.0.1 (the launcher's ``local_addr``);
+* gloo: ``GLOO_SOCKET_IFNAME`` is the loopback interface in every process started here.
+
+Each process runs ``fn`` inside a stage entry. An exception from ``fn`` is not re-raised there: the entry
+writes a report (:func:`~aqsgd.comm.launch.forensics.failure_report`), leaves the process group (so that peers
+blocked on it see the connection close) and returns a failure marker; at the end of the run such a process
+exits without the interpreter's teardown (gloo aborts when its objects are destroyed under a blocked thread).
+The process stays until the run ends, so the launcher does not stop the other processes at the first failure:
+they get to report too, which finding the process at fault needs. A watchdog thread
+(:mod:`aqsgd.comm.launch.watchdog`) ends the processes that can no longer report.
+
+SIGINT or SIGTERM to the launching process: PyTorch's launcher forwards the signal to every process, waits up
+to 3 s for them to end (then SIGKILL), and :func:`launch_local` raises :class:`~aqsgd.errors.Interrupted`.
+
+Where the details go: every process's outcome, the launcher's ``ChildFailedError`` and PyTorch's launcher log
+are written to a file (``failure_log``, default a new ``RUN_ID-*-failure.log`` in the temp directory) whose path
+ends the one-line message, and logged at DEBUG level on ``aqsgd.comm.launch`` (``aqsgd -v`` shows them). During
+the launch the loggers of PyTorch's launcher (``torch.distributed.elastic``, ``torch.multiprocessing``) go to
+that log instead of the terminal (at DEBUG level): on a failure they print the failed process's traceback and
+one line per process they stop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aqsgd.comm.launch.forensics import UNGUARDED, failure_report, stage_failed
+from aqsgd.comm.launch.rank import exit_without_finalizing, leave_process_group
+from aqsgd.comm.launch.watchdog import Watchdog
+from aqsgd.errors import Interrupted
+
+__all__ = ["LOOPBACK", "free_port", "launch_local"]
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+_SHUTDOWN_S = 3  # SIGTERM-to-SIGKILL grace when the launcher is interrupted (LaunchConfig.shutdown_timeout)
+_TORCH_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+_KEEP_ALIVE: list[Any] = []  # the workers' store server that rank 0 opened: it lives as long as the process
+_CTL_ENV = "AQSGD_LAUNCH_CTL"  # the launch's control directory, inherited by the processes it spawns
+
+
+def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | None = None,
+                 rank_names: Callable[[int], str] | None = None, grace_s: float = 5.0,
+                 failure_log: str | os.PathLike[str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` in ``nprocs`` spawned processes on this machine; their return values in rank order.
+
+    ``fn`` must be a picklable module-level function that initializes ``torch.distributed`` from the
+    environment. The processes are spawned and re-import the main module, so a script calls this under
+    ``if __name__ == "__main__":`` (a call while a spawned process imports the script is refused, naming the
+    fix). ``rank_names`` names a global rank in messages (e.g. ``stage 1``; default ``rank 1``, or the label a
+    peer's ``PeerFailure`` gave it). ``grace_s``: after the first failure, how long the launcher
+    waits without news from any process before it kills those that neither returned nor reported (a stopped
+    process is not waited for; see the module docstring). ``failure_log``: where the details of a failure are
+    written (default: a new file in the temp directory).
+
+    Raises :class:`~aqsgd.errors.StageFailedError` if any process fails, naming the process at fault, with
+    that process's exit status (the ``exit_code`` of its exception, where it has one). Raises
+    :class:`~aqsgd.errors.Interrupted` if this process got SIGINT or SIGTERM (PyTorch's launcher forwards it to
+    every process and waits a few seconds for them to end), or if the process at fault was interrupted itself.
+    """
+    _refuse_nested_launch()
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    run_id = run_id or f"aqsgd-{os.getpid()}"
+    ctl = tempfile.mkdtemp(prefix=f"{run_id}-launch-")
+    torch_log: list[str] = []
+    try:
+        try:
+            rdzv_store, port = _loopback_store(0)
+        except Exception as e:  # noqa: BLE001 - an old torch without master_listen_fd: torch opens its own store
+            log.debug("could not open the rendezvous store on a loopback socket (%s); it listens on all "
+                      "interfaces", e)
+            rdzv_store, port = None, free_port()
+        # shutdown_timeout is newer than the torch versions supported (2.12): older ones wait their own 30 s
+        grace = {"shutdown_timeout": _SHUTDOWN_S} if "shutdown_timeout" in _fields(LaunchConfig) else {}
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=run_id,
+                              rdzv_backend="c10d", rdzv_endpoint=f"{LOOPBACK}:{port}", local_addr=LOOPBACK,
+                              max_restarts=0, monitor_interval=0.2, start_method="spawn",
+                              logs_specs=DefaultLogsSpecs(log_dir=os.path.join(ctl, "torchelastic")), **grace)
+        watchdog = Watchdog(ctl, nprocs, grace_s)
+        out: dict[int, Any] = {}
+        failure: ChildFailedError | None = None
+        with _environ(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{_CTL_ENV: ctl}), _torch_logs_to(torch_log):
+            watchdog.start()
+            try:
+                out = elastic_launch(config, _stage_entry)(ctl, fn, tuple(args))
+            except ChildFailedError as e:
+                failure = e
+            except SignalException as e:  # the launcher's handler: the processes got the signal and ended
+                raise Interrupted(int(e.sigval)) from None
+            finally:
+                watchdog.stop()
+        del rdzv_store
+        if failure is None and len(out) == nprocs and all(ok for ok, _ in out.values()):
+            return [out[r][1] for r in sorted(out)]
+        raise stage_failed(ctl, nprocs, out, failure, watchdog, rank_names, torch_log, run_id, failure_log)
+    finally:
+        shutil.rmtree(ctl, ignore_errors=True)
+
+
+def _fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+
+
+def _refuse_nested_launch() -> None:
+    """Raise if this is a process spawned by :func:`launch_local` importing the main module: a script that
+    launches at import time without a ``__main__`` guard would otherwise start a launch in every process,
+    which dies without a report. The process leaves a note the launcher reads (its rank is not known yet,
+    so the note is named by its pid). ``_inheriting`` is the flag multiprocessing itself sets while a spawned
+    process imports the parent's main module, and checks before starting a process."""
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    ctl = os.environ.get(_CTL_ENV)
+    if ctl and os.path.isdir(ctl):
+        with contextlib.suppress(OSError):
+            _write(ctl, f"unguarded-{os.getpid()}", UNGUARDED)
+    raise RuntimeError(UNGUARDED)
+
+
+def _stage_entry(ctl: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bool, Any]:
+    """One process: bind to loopback, run ``fn``; on an exception write a report, leave the process group and
+    return a failure marker (the process stays until the launcher ends the run: see the module docstring)."""
+    rank = int(os.environ["RANK"])
+    _bind_to_loopback(rank)
+    _write(ctl, f"pid-{rank}", str(os.getpid()))
+    try:
+        value = fn(*args)
+    except (Exception, Interrupted) as e:  # noqa: BLE001 - reported to the launcher, which names the process at fault
+        _write(ctl, f"failed-{rank}.json", json.dumps(failure_report(rank, e)))
+        try:
+            leave_process_group(clean=False)
+        except Exception:  # the report is written; peers will time out instead
+            log.debug("rank %d: leaving the process group failed", rank, exc_info=True)
+        _write(ctl, f"end-{rank}", "")
+        atexit.register(exit_without_finalizing)
+        return False, None
+    _write(ctl, f"end-{rank}", "")
+    return True, value
+
+
+def _write(ctl: str, name: str, text: str) -> None:
+    """Write ``ctl/name`` atomically (the launcher may read it at any moment, or the process be killed)."""
+    tmp = os.path.join(ctl, f".{name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(ctl, name))
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _loopback_store(port: int) -> tuple[Any, int]:
+    """A multi-tenant ``TCPStore`` server listening on 127.0.0.1:``port`` only (0: a free port), and its port.
+    A store opened later in this process on the same port with ``multi_tenant=True`` reuses this server."""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((LOOPBACK, port))
+        sock.listen(socket.SOMAXCONN)
+        port = int(sock.getsockname()[1])
+    except BaseException:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns the descriptor from here on (it closes it)
+    try:
+        store = dist.TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, master_listen_fd=fd,
+                              wait_for_workers=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    return store, port
+
+
+def _loopback_interface() -> str | None:
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _bind_to_loopback(rank: int) -> None:
+    """In a process started by :func:`launch_local`: gloo on the loopback interface, and on rank 0 the
+    workers' store opened on a loopback socket before ``init_process_group`` opens it (module docstring)."""
+    ifname = _loopback_interface()
+    if ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return
+    if os.environ.get("MASTER_ADDR") != LOOPBACK or not os.environ.get("MASTER_PORT"):
+        return
+    try:
+        _KEEP_ALIVE.append(_loopback_store(int(os.environ["MASTER_PORT"]))[0])
+    except Exception as e:  # noqa: BLE001 - init_process_group opens the store itself then (on all interfaces)
+        log.debug("could not open the workers' store on %s:%s (%s)", LOOPBACK, os.environ["MASTER_PORT"], e)
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _Capture(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.lines = lines
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record)
+        except Exception:  # noqa: BLE001 - a log record must never break the launch
+            return
+        self.lines.append(text)
+        log.debug("[torch] %s", text)
+
+
+@contextlib.contextmanager
+def _torch_logs_to(lines: list[str]) -> Iterator[None]:
+    """Route PyTorch's launcher loggers to ``lines`` (and DEBUG on this module's logger) during the launch."""
+    handler = _Capture(lines)
+    saved = []
+    for name in _TORCH_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.propagate))
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in saved:
+            logger.removeHandler(handler)
+            logger.propagate = propagate
