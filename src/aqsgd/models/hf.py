@@ -5,7 +5,9 @@ transformers is imported inside the functions only, so that importing a family m
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import inspect
 import re
 from collections.abc import Callable, Mapping
@@ -71,6 +73,23 @@ def build_transformers_model(
     model_config = CONFIG_MAPPING[name].from_dict(config_dict)
     auto = getattr(transformers, auto_class)
     return auto.from_config(model_config, attn_implementation=attn_implementation)
+
+
+def import_modeling(model_type: str) -> None:
+    """Import the transformers modeling module of ``model_type`` now.
+
+    transformers imports it lazily, at the first model built; a recipe builds inside a ``torch.device``
+    context (``build("meta")``), and under such a context the import itself fails with torch 2.6 (the
+    generation utilities it pulls in import ``torch._dynamo``, whose module-level code then runs through the
+    context's function mode: a circular import, or "item() cannot be called on meta tensors"). Call this
+    outside the context first. An unknown ``model_type`` is left to the build to report."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        return
+    module = CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_")
+    with contextlib.suppress(ImportError):
+        importlib.import_module(module)
 
 
 def set_dropout(config: Mapping[str, Any], p: float) -> dict[str, Any]:

@@ -170,8 +170,13 @@ class ModelRecipe:
         skeleton that :func:`materialize_stage` partitions.  On a real device the model gets the
         library's random initialisation (seed it with :func:`torch.manual_seed`).
         """
+        family = get_family(self.kind)
+        if family.model_types:  # a transformers model: its module imported outside the device context
+            from aqsgd.models.hf import import_modeling
+
+            import_modeling(self.config.get("model_type") or family.model_types[0])
         with torch.device(device):
-            return get_family(self.kind).build(self.config, self.attn_implementation)
+            return family.build(self.config, self.attn_implementation)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from torch.utils.data import Dataset
 
-from aqsgd.comm.device import check_backends, resolve_device, world_backend
+from aqsgd.comm.device import (check_backends, check_p2p_sharing, gpu_sharing, resolve_device, resolve_dp_backend,
+                               world_backend)
 from aqsgd.comm.launch import launch, leave_process_group
 from aqsgd.data.datasets import TaskSpec, register_task, registered_tasks
 from aqsgd.errors import Interrupted, SpecError
@@ -54,6 +55,7 @@ def _stage(cfg_json: str, data: tuple[Dataset, Dataset] | None, tasks: Sequence[
         # the process's GPU is current before the group exists (NCCL binds to it); see aqsgd.comm.device
         device = resolve_device(cfg.pipeline.device, distributed=True)
         check_backends(device, cfg.pipeline.p2p_backend, cfg.pipeline.dp_backend)
+        check_p2p_sharing(cfg.pipeline.p2p_backend, device, _layout(cfg).label, world_size=cfg.world_size)
         dist.init_process_group(world_backend(device, cfg.pipeline.p2p_backend),
                                 timeout=datetime.timedelta(seconds=max(cfg.pipeline.timeout, 10)))
     clean = False
@@ -94,13 +96,14 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
             except Exception as e:  # noqa: BLE001 - whatever pickling raises, the stage processes cannot get it
                 raise SpecError(f"{what} must be picklable to reach the stage processes ({type(e).__name__}: {e}); "
                                 f"use module-level functions and plain tensors") from None
+        _check_gpu_sharing(cfg)
         setup = setup_task(cfg, data=data)
         run_dirs.append(resolve_run_dir(cfg, None if data is None else setup.name))
         check_run_dir(cfg, run_dirs[0])
         check_partition(cfg, setup.recipe)
 
     # a failing stage ends in StageFailedError: one line naming the stage at fault and the details file
-    names = GridLayout(cfg.pipeline.stages, cfg.pipeline.data_parallel).label
+    names = _layout(cfg).label
     try:
         results = launch(worker, cfg.world_size, cfg.to_json(), data, tasks, before_spawn=prepare, rank_names=names)
     except Interrupted as e:
@@ -110,3 +113,22 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
         at = "before step 1" if step is None else f"after step {step}"
         raise Interrupted(e.signum, f"{e} {at}; {where_to_continue(run_dirs[0])}") from None
     return next((r for r in results if r), None)
+
+
+def _layout(cfg: TrainConfig) -> GridLayout:
+    return GridLayout(cfg.pipeline.stages, cfg.pipeline.data_parallel)
+
+
+def _check_gpu_sharing(cfg: TrainConfig, device_count: int | None = None) -> None:
+    """Before the stage processes are spawned on this machine: an explicit NCCL backend that would put two
+    ranks of one group on one GPU is refused in one line (``auto`` takes gloo there, see the trainer)."""
+    p = cfg.pipeline
+    device = resolve_device(p.device)
+    if device.type != "cuda":
+        return
+    layout = _layout(cfg)
+    check_p2p_sharing(p.p2p_backend, device, layout.label, world_size=cfg.world_size, device_count=device_count)
+    if p.data_parallel > 1 and p.dp_backend == "nccl":
+        shared = gpu_sharing([layout.dp_ranks(s) for s in range(p.stages)], layout.label, world_size=cfg.world_size,
+                             device_count=device_count)
+        resolve_dp_backend(p.dp_backend, device, shared_gpu=shared)

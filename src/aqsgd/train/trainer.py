@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from aqsgd.comm import LinkSpec, Transport
-from aqsgd.comm.device import check_backends, group_backend, resolve_device, resolve_dp_backend
+from aqsgd.comm.device import check_backends, gpu_sharing, group_backend, resolve_device, resolve_dp_backend
 from aqsgd.comm.transport import naming_peer_failures
 from aqsgd.data.datasets import epoch_batches
 from aqsgd.data.synthetic import microbatches
@@ -213,7 +213,7 @@ class Trainer:
             # NCCL replica groups of their own (collective, the same on every rank); gloo: the grid's groups,
             # with the buckets in host memory
             group, sync_device = self.grid.dp_group, torch.device("cpu")
-            if resolve_dp_backend(p.dp_backend, device) == "nccl":
+            if resolve_dp_backend(p.dp_backend, device, shared_gpu=self._replicas_sharing_a_gpu(device)) == "nccl":
                 group = self.grid.new_dp_group(group_backend("nccl"), timeout_s=p.timeout)
                 sync_device = device
             grad_sync = make_grad_sync(p.grad_sync, group, bucket_mb=p.grad_bucket_mb, link=links,
@@ -223,6 +223,25 @@ class Trainer:
         return PipelineEngine({self.grid.stage: module}, p.stages, comp, optim, schedule=p.schedule,
                               device=device, transport=self.transport, ties=ties, autocast=autocast,
                               grid=self.grid, grad_sync=grad_sync)
+
+    def _replicas_sharing_a_gpu(self, device: torch.device) -> str | None:
+        """Where replicas of a stage would share a GPU (on any machine of the run: every process learns it, so
+        that all choose the same backend), in words; None where none would. With ``--dp-backend auto`` the sync
+        then goes over gloo, which is said once."""
+        if device.type != "cuda" or self.grid is None or self.cfg.pipeline.data_parallel < 2:
+            return None
+        layout = self.grid.layout
+        here = gpu_sharing([layout.dp_ranks(s) for s in range(layout.num_stages)], layout.label,
+                           world_size=self.cfg.world_size)
+        anywhere = torch.tensor([0.0 if here is None else 1.0], dtype=torch.float64)
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+        if not anywhere.item():
+            return None
+        shared = here or "replicas of a stage would share a GPU on another machine of the run"
+        if self.rank == 0 and self.cfg.pipeline.dp_backend == "auto":
+            log.warning("%s: the data-parallel gradient sync goes over gloo (NCCL cannot put two ranks of one group "
+                        "on one GPU; --dp-backend auto)", shared)
+        return shared
 
     def _prepare_run_dir(self) -> RunDirLock | None:
         """Check, create and lock the run directory: here without a process group, by rank 0 otherwise (the
