@@ -110,6 +110,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     vt.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
     vt.set_defaults(func=run_vs_torch)
 
+    from aqsgd.bench.overhead import OverheadConfig
+
+    do = OverheadConfig()
+    ov = bsub.add_parser("overhead", help="the local pipeline's step time next to a plain transformers loop",
+                         description="Step time of a plain transformers training loop and of aqsgd's local "
+                                     "pipeline (uncompressed) at each stage count, on the same Qwen2-style model "
+                                     "(random, from one seed), the same micro-batches, AdamW and clipping, the same "
+                                     "autocast; interleaved rounds, medians, warm-up excluded. The ratio is the plain "
+                                     "loop's step time over the pipeline's (1.0: no overhead). Runs on the CPU or "
+                                     "a GPU.")
+    ov.add_argument("--stages", type=_ints, default=list(do.stages), help="stage counts (default: 1,4)")
+    for name, default, what in (("hidden", do.hidden, "model width"), ("layers", do.layers, "transformer blocks"),
+                                ("heads", do.heads, "attention heads"), ("kv-heads", do.kv_heads, "key/value heads"),
+                                ("intermediate", do.intermediate, "MLP width"), ("vocab", do.vocab, "vocabulary"),
+                                ("seq-len", do.seq_len, "tokens per sample"),
+                                ("micro-batch-size", do.microbatch_size, "samples per micro-batch"),
+                                ("micro-batches", do.num_microbatches, "micro-batches per step"),
+                                ("steps", do.steps, "timed steps per system and round"),
+                                ("rounds", do.rounds, "timed rounds")):
+        ov.add_argument(f"--{name}", type=positive_int, default=default, help=f"{what} (default: {default})")
+    ov.add_argument("--device", default=do.device, choices=("auto", "cpu", "cuda"),
+                    help="auto (CUDA when available), cpu or cuda (default: auto)")
+    ov.add_argument("--dtype", default=do.dtype, choices=("auto", "fp32", "bf16"),
+                    help="auto: bf16 autocast on a GPU that has it, else fp32 (default: auto)")
+    ov.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    ov.add_argument("--json", metavar="PATH", default=None, help="also write the result as JSON to PATH")
+    ov.set_defaults(func=run_overhead)
+
     from aqsgd.bench.convergence import DEFAULT_TASKS as CONV_DEFAULT_TASKS
     from aqsgd.bench.convergence import SETTINGS as CONV_SETTINGS
     from aqsgd.bench.convergence import STUDIES as CONV_STUDIES
@@ -290,6 +318,39 @@ def run_vs_torch(args: argparse.Namespace) -> int:
     if args.json:
         write_json({"benchmark": "vs-torch", "command": args.command_line, "machine": machine,
                     "config": dataclasses.asdict(cfg), "rows": rows, "latency": latency}, args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    from aqsgd.bench.codecs import machine_description
+    from aqsgd.bench.overhead import OverheadConfig, bench_overhead, write_json
+    from aqsgd.comm.device import resolve_device
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = OverheadConfig(stages=args.stages, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                         kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab,
+                         seq_len=args.seq_len, microbatch_size=args.micro_batch_size,
+                         num_microbatches=args.micro_batches, steps=args.steps, rounds=args.rounds,
+                         device=args.device, dtype=args.dtype)
+    if min(cfg.stages) < 1 or max(cfg.stages) > cfg.layers:
+        raise SpecError(f"--stages {','.join(map(str, cfg.stages))}: each must be in 1..--layers ({cfg.layers})")
+    machine = machine_description(resolve_device(cfg.device))
+    console = Console()
+    console.print(f"[bold]local pipeline vs a plain transformers loop[/] on {machine}: Qwen2-style, {cfg.layers} "
+                  f"blocks x {cfg.hidden}, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size} x "
+                  f"{cfg.seq_len} tokens; median of {cfg.rounds} interleaved rounds of {cfg.steps} steps")
+    result = bench_overhead(cfg, progress=lambda m: console.print(m))
+    table = Table(title=f"{result['parameters'] / 1e6:.1f} M parameters, {result['dtype']}, {result['device']}")
+    for col in ("system", "stages", "step ms", "samples/s", "ratio (plain / this)", "first-step loss"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for r in result["rows"]:
+        table.add_row(r["system"], "" if r["stages"] is None else str(r["stages"]), f"{1e3 * r['step_s']:.1f}",
+                      f"{r['samples_per_s']:.1f}", f"{r['ratio']:.3f}", f"{r['first_loss']:.6f}")
+    console.print(table)
+    if args.json:
+        write_json(result, args.json, cfg=cfg, command=args.command_line, machine=machine)
         console.print(f"wrote {args.json}")
     return 0
 

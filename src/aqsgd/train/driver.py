@@ -30,7 +30,7 @@ from aqsgd.parallel.grid import GridLayout
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.rundir import check_run_dir, last_logged_step, resolve_run_dir
 from aqsgd.train.tasks import setup_task
-from aqsgd.train.trainer import Trainer, check_partition, where_to_continue
+from aqsgd.train.trainer import Trainer, check_partition, collective_timeout, where_to_continue
 
 __all__ = ["run_training", "worker"]
 
@@ -57,7 +57,7 @@ def _stage(cfg_json: str, data: tuple[Dataset, Dataset] | None, tasks: Sequence[
         check_backends(device, cfg.pipeline.p2p_backend, cfg.pipeline.dp_backend)
         check_p2p_sharing(cfg.pipeline.p2p_backend, device, _layout(cfg).label, world_size=cfg.world_size)
         dist.init_process_group(world_backend(device, cfg.pipeline.p2p_backend),
-                                timeout=datetime.timedelta(seconds=max(cfg.pipeline.timeout, 10)))
+                                timeout=datetime.timedelta(seconds=collective_timeout(cfg.pipeline.timeout)))
     clean = False
     try:
         trainer = Trainer(cfg, data=data)

@@ -60,7 +60,8 @@ from aqsgd.train.rundir import (RunDirError, RunDirLock, check_run_dir, prepare_
                                 truncate_metrics)
 from aqsgd.train.tasks import TaskSetup, effective_settings, setup_task
 
-__all__ = ["Trainer", "StepHook", "check_partition", "compute_dtype", "where_to_continue", "RESUME_MUST_MATCH"]
+__all__ = ["Trainer", "StepHook", "check_partition", "collective_timeout", "compute_dtype", "where_to_continue",
+           "RESUME_MUST_MATCH"]
 
 log = logging.getLogger(__name__)
 _STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute_s", "encode_s", "decode_s", "wait_s", "sync_bytes",
@@ -91,6 +92,13 @@ def check_partition(cfg: TrainConfig, recipe: Any) -> None:
     except ValueError as e:
         option = (f"--layers {','.join(map(str, cfg.pipeline.layers))}" if cfg.pipeline.layers is not None else f"--stages {cfg.pipeline.stages}")
         raise SpecError(f"{option}: {e}") from None
+
+
+def collective_timeout(timeout: float) -> float:
+    """Seconds a collective of the run's groups (the gradient norm, the replicas' sync, metrics) waits for every
+    member: ``--timeout``, but at least 10 s. A collective waits for the slowest stage to end its step (the
+    pipeline's drain, a kernel compiled at its first call), where a link's ``--timeout`` bounds one message."""
+    return max(float(timeout), 10.0)
 
 
 def compute_dtype(spec: str, device: torch.device) -> str:
@@ -151,7 +159,8 @@ class Trainer:
                 settings["device kind (the low-bit cache encodes on both sides of a boundary)"] = resolve_device(
                     p.device, distributed=True).type
             check_same_settings(settings)
-        self.grid = ProcessGrid.build(p.stages, p.data_parallel, timeout_s=p.timeout) if self.distributed else None
+        self.grid = (ProcessGrid.build(p.stages, p.data_parallel, timeout_s=collective_timeout(p.timeout))
+                     if self.distributed else None)
         self.replica = self.grid.replica if self.grid is not None else 0
         self.transport: Transport | None = None  # distributed: created with the engine
         # the other stages of this pipeline: who a failed collective may have lost (see naming_peer_failures)
@@ -214,7 +223,7 @@ class Trainer:
             # with the buckets in host memory
             group, sync_device = self.grid.dp_group, torch.device("cpu")
             if resolve_dp_backend(p.dp_backend, device, shared_gpu=self._replicas_sharing_a_gpu(device)) == "nccl":
-                group = self.grid.new_dp_group(group_backend("nccl"), timeout_s=p.timeout)
+                group = self.grid.new_dp_group(group_backend("nccl"), timeout_s=collective_timeout(p.timeout))
                 sync_device = device
             grad_sync = make_grad_sync(p.grad_sync, group, bucket_mb=p.grad_bucket_mb, link=links,
                                        seed=o.seed, device=sync_device)

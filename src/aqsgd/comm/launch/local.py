@@ -158,7 +158,11 @@ def _stage_entry(ctl: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> tup
     _write(ctl, f"pid-{rank}", str(os.getpid()))
     try:
         value = fn(*args)
-    except (Exception, Interrupted) as e:  # noqa: BLE001 - reported to the launcher, which names the process at fault
+    except Interrupted as e:  # SIGINT/SIGTERM: reported, then gone (the launcher forwards its own, then waits)
+        _write(ctl, f"failed-{rank}.json", json.dumps(failure_report(rank, e)))
+        _write(ctl, f"end-{rank}", "")
+        exit_without_finalizing(e.exit_code)
+    except Exception as e:  # noqa: BLE001 - reported to the launcher, which names the process at fault
         _write(ctl, f"failed-{rank}.json", json.dumps(failure_report(rank, e)))
         try:
             leave_process_group(clean=False)
@@ -188,26 +192,35 @@ def free_port(host: str = LOOPBACK) -> int:
 
 def _loopback_store(port: int) -> tuple[Any, int]:
     """A multi-tenant ``TCPStore`` server listening on 127.0.0.1:``port`` only (0: a free port), and its port.
-    A store opened later in this process on the same port with ``multi_tenant=True`` reuses this server."""
+    A store opened later in this process on the same port with ``multi_tenant=True`` reuses this server.
+
+    The server takes a socket bound here (``master_listen_fd``). The libuv server (torch's default) takes one
+    from torch 2.8 on; before, the legacy server does (it serves the libuv clients that reuse it alike)."""
     import torch.distributed as dist
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((LOOPBACK, port))
-        sock.listen(socket.SOMAXCONN)
-        port = int(sock.getsockname()[1])
-    except BaseException:
-        sock.close()
-        raise
-    fd = sock.detach()  # the store owns the descriptor from here on (it closes it)
-    try:
-        store = dist.TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, master_listen_fd=fd,
-                              wait_for_workers=False)
-    except BaseException:
-        os.close(fd)
-        raise
-    return store, port
+    failure: Exception | None = None
+    for libuv in (True, False):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((LOOPBACK, port))
+            sock.listen(socket.SOMAXCONN)
+            bound = int(sock.getsockname()[1])
+        except BaseException:
+            sock.close()
+            raise
+        fd = sock.detach()  # the store owns the descriptor from here on (it closes it)
+        try:
+            store = dist.TCPStore(LOOPBACK, bound, is_master=True, multi_tenant=True, master_listen_fd=fd,
+                                  wait_for_workers=False, **({} if libuv else {"use_libuv": False}))
+        except (RuntimeError, TypeError, ValueError) as e:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            failure = e
+            continue
+        return store, bound
+    assert failure is not None
+    raise failure
 
 
 def _loopback_interface() -> str | None:
