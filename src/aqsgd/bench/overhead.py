@@ -10,7 +10,8 @@ seed and copied, so every system starts from the same weights) on the same micro
   :func:`~aqsgd.pipeline.partition.partition_model`, run by the local runtime's
   :class:`~aqsgd.train.engine.PipelineEngine` exactly as ``aqsgd train --runtime local --forward none
   --backward none`` runs it (1F1B schedule, global-norm clipping across stages, AdamW per stage, the loss read
-  once per step).
+  once per step, an attention mask of ones left out on the host as the trainer does); the plain loop gets
+  the micro-batches as a data collator makes them, the mask included.
 
 Timing: one untimed warm-up round, then ``rounds`` rounds in which every system runs ``steps`` steps in turn (the
 order rotated every round, so that drifting load hits all alike), each timed between device synchronisations;
@@ -74,6 +75,10 @@ class _Plain:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.01)
 
+    def batches(self, host: Sequence[dict[str, torch.Tensor]], device: torch.device) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches as a plain loop passes them: every column, moved to the device."""
+        return [{k: v.to(device) for k, v in mb.items()} for mb in host]
+
     def step(self, microbatches: Sequence[dict[str, torch.Tensor]]) -> float:
         self.opt.zero_grad(set_to_none=True)
         losses = []
@@ -106,19 +111,26 @@ class _Pipeline:
         assert loss is not None
         return loss
 
+    def batches(self, host: Sequence[dict[str, torch.Tensor]], device: torch.device) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches as the trainer hands them to the engine (a mask of ones left out on the host)."""
+        from aqsgd.train.trainer import without_full_mask
 
-def _timed_rounds(systems: Sequence[Any], microbatches: Sequence[dict[str, torch.Tensor]], cfg: OverheadConfig,
+        return [{k: v.to(device) for k, v in without_full_mask(mb).items()} for mb in host]
+
+
+def _timed_rounds(systems: Sequence[Any], host: Sequence[dict[str, torch.Tensor]], cfg: OverheadConfig,
                   device: torch.device, progress: Callable[[str], None] | None
                   ) -> tuple[dict[str, float], dict[str, float]]:
     first: dict[str, float] = {}
     times: dict[str, list[float]] = {s.name: [] for s in systems}
+    batches = {s.name: s.batches(host, device) for s in systems}
     for rnd in range(cfg.rounds + 1):
         shift = rnd % len(systems)
         for s in [*systems[shift:], *systems[:shift]]:
             sync(device)
             t0 = time.perf_counter()
             for _ in range(cfg.steps):
-                loss = s.step(microbatches)
+                loss = s.step(batches[s.name])
                 first.setdefault(s.name, loss)
             sync(device)
             if rnd > 0:  # round 0 warms up (allocator, kernels, autotuning)
@@ -142,12 +154,11 @@ def bench_overhead(cfg: OverheadConfig, progress: Callable[[str], None] | None =
     params = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     ids = torch.randint(3, cfg.vocab, (cfg.num_microbatches, cfg.microbatch_size, cfg.seq_len), generator=gen)
-    microbatches = [{"input_ids": x.to(device), "labels": x.to(device), "attention_mask": torch.ones_like(x).to(device)}
-                    for x in ids]
+    host = [{"input_ids": x, "labels": x, "attention_mask": torch.ones_like(x)} for x in ids]  # LM chunks
     systems: list[Any] = [_Plain(copy.deepcopy(model), device, autocast)]
     systems += [_Pipeline(copy.deepcopy(model), s, device, autocast) for s in cfg.stages]
     del model
-    medians, first = _timed_rounds(systems, microbatches, cfg, device, progress)
+    medians, first = _timed_rounds(systems, host, cfg, device, progress)
     samples = cfg.num_microbatches * cfg.microbatch_size
     rows = [{"system": "plain", "stages": None, "step_s": medians["plain"], "samples_per_s": samples / medians["plain"],
              "first_loss": first["plain"], "ratio": 1.0}]

@@ -234,9 +234,11 @@ class PipelineEngine:
         then one entry that is 1.0 if ``loss`` (where this process holds it) is NaN or infinite, else 0.0. A
         parameter tied across stages counts once, on the lowest stage that holds it."""
         values = [0.0] * (self.num_stages + 1)
-        for i, m in self.stages.items():
-            params = [p for n, p in m.named_parameters() if n not in self._not_counted.get(i, ())]
-            values[i] = float(squared_grad_norm(params))
+        owned = sorted(self.stages)
+        norms = [squared_grad_norm(p for n, p in self.stages[i].named_parameters()
+                                   if n not in self._not_counted.get(i, ())) for i in owned]
+        for i, v in zip(owned, torch.stack([n.to(norms[0].device) for n in norms]).tolist()):  # one host read
+            values[i] = v
         values[-1] = 0.0 if loss is None or math.isfinite(loss) else 1.0
         if self.distributed:
             t = torch.tensor(values, dtype=torch.float64)
@@ -256,12 +258,12 @@ class PipelineEngine:
         if loss_bad or not math.isfinite(norm):
             return False
         if factor < 1.0:
-            seen: set[int] = set()
+            grads: dict[int, torch.Tensor] = {}  # a parameter shared by local stages once
             for m in self.stages.values():
                 for p in m.parameters():
-                    if p.grad is not None and id(p) not in seen:
-                        seen.add(id(p))
-                        p.grad.mul_(factor)
+                    if p.grad is not None:
+                        grads.setdefault(id(p), p.grad)
+            torch._foreach_mul_(list(grads.values()), factor)
         return True
 
     # -- state ---------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from aqsgd.train.rundir import (RunDirError, RunDirLock, check_run_dir, prepare_
 from aqsgd.train.tasks import TaskSetup, effective_settings, setup_task
 
 __all__ = ["Trainer", "StepHook", "check_partition", "collective_timeout", "compute_dtype", "where_to_continue",
-           "RESUME_MUST_MATCH"]
+           "without_full_mask", "RESUME_MUST_MATCH"]
 
 log = logging.getLogger(__name__)
 _STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute_s", "encode_s", "decode_s", "wait_s", "sync_bytes",
@@ -112,6 +112,16 @@ def _mcc(tp: float, tn: float, fp: float, fn: float) -> float:
     """Matthews correlation coefficient from binary confusion counts (0 where undefined)."""
     den = math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
     return (tp * tn - fp * fn) / den if den else 0.0
+
+
+def without_full_mask(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` without its ``attention_mask`` where that is all ones (no padding: every LM chunk), which is
+    what a missing mask means to every model. Otherwise each stage's mask builder checks the mask for padding on
+    the stages' device, a host wait per stage and micro-batch on a GPU; one look on the host decides here."""
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.device.type == "cpu" and bool(mask.all()):
+        return {k: v for k, v in batch.items() if k != "attention_mask"}
+    return batch
 
 
 def where_to_continue(run_dir: str | Path) -> str:
@@ -316,7 +326,9 @@ class Trainer:
 
     def _on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch's tensors on the stages' device (non-blocking from pinned memory). Sample ids stay on the
-        host: the boundary schemes and their caches index with them there."""
+        host: the boundary schemes and their caches index with them there. An attention mask of ones is left
+        out (:func:`without_full_mask`)."""
+        batch = without_full_mask(batch)
         if self.device.type == "cpu":
             return batch
         return {k: v if k == "sample_ids" or not isinstance(v, torch.Tensor)
