@@ -120,10 +120,12 @@ def _layout(cfg: TrainConfig) -> GridLayout:
 
 
 def _check_gpu_sharing(cfg: TrainConfig, device_count: int | None = None) -> None:
-    """Before the stage processes are spawned on this machine: an explicit NCCL backend that would put two
-    ranks of one group on one GPU is refused in one line (``auto`` takes gloo there, see the trainer)."""
+    """Before the stage processes are spawned on this machine: an explicit NCCL backend where there is no GPU, or
+    where it would put two ranks of one group on one GPU, is refused in one line (``auto`` takes gloo there, see
+    the trainer)."""
     p = cfg.pipeline
     device = resolve_device(p.device)
+    check_backends(device, p.p2p_backend, p.dp_backend)  # NCCL on a machine without a GPU
     if device.type != "cuda":
         return
     layout = _layout(cfg)

@@ -1,0 +1,45 @@
+"""``python -m benchmarks.gpu_check``: the GPU check runs its steps within a budget and reports them; checked here
+on the CPU with tiny settings (``--smoke``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks import gpu_check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_smoke_run_reports_every_step_it_ran(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "run", "--budget", "200", "--out", str(out),
+                           "--smoke", "--only", "codecs,dp-nccl,suite"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "gpu-check.json").read_text())
+    steps = {s["name"]: s for s in data["steps"]}
+    assert list(steps) == ["codecs", "dp-nccl", "suite"]
+    assert steps["codecs"]["rc"] == 0 and {r["codec"] for r in steps["codecs"]["figures"]["rows"]} == {"q2", "fp16"}
+    assert steps["suite"]["rc"] == 0 and steps["suite"]["figures"]["passed"] > 0
+    # NCCL on a machine without a GPU: refused before any stage process starts, in one line
+    assert steps["dp-nccl"]["rc"] == 2 and steps["dp-nccl"]["figures"]["refused_in_one_line"]
+    assert steps["dp-nccl"]["figures"]["line"].startswith("aqsgd: error: --dp-backend nccl: NCCL runs on GPUs only")
+    assert data["env"]["torch"] and "| codecs | 0 |" in (out / "gpu-check.md").read_text()
+    assert "=== suite: rc=0" in (out / "log.txt").read_text()
+
+
+def test_a_step_without_time_left_is_skipped_and_said(tmp_path):
+    check = gpu_check.Check(8.0, tmp_path, tmp_path)
+    record = check.step("late", 100, [sys.executable, "-c", "print(1)"])
+    assert record["rc"] is None and record["skipped"] == "no time left"
+    data = check.report({"gpu": None})
+    assert "| late | None | 0.0 | no time left |" in (tmp_path / "gpu-check.md").read_text()
+    assert data["steps"][0]["name"] == "late"
+
+
+def test_pytest_counts_read_the_summary_line():
+    assert gpu_check._pytest_counts("...\n3 failed, 120 passed, 4 skipped, 1 error in 9.1s") == {
+        "failed": 3, "passed": 120, "skipped": 4, "error": 1}
