@@ -227,7 +227,10 @@ def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool =
     envinfo = json.loads(probe.stdout) if probe.returncode == 0 else {"probe": probe.stderr[-500:]}
     device = "cuda" if envinfo.get("cuda") else "cpu"
     aq = [sys.executable, "-m", "aqsgd"]
-    wanted = (lambda name: only is None or name in only)
+
+    def wanted(name: str) -> bool:
+        return only is None or name in only
+
     runs = work / "runs"
 
     if wanted("default-job"):

@@ -55,6 +55,25 @@ def test_ci_runs_the_readme_test_command_in_a_fresh_environment():
     command = block.group(1).strip()
     assert command in ci.splitlines()
     assert "python3 -m venv" in ci and "pip install --quiet torch==2.13.0" in ci
+    assert "-c .ci/floor.txt" in ci and "ruff check src tests benchmarks" in ci
+
+
+def test_the_floor_ci_installs_is_every_declared_lower_bound():
+    """A range we declare is a range we test: .ci/floor.txt pins each dependency (base and test extras) at the
+    lower bound pyproject.toml declares, and the floor job of .ci/run installs it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {}
+    for req in [*project["dependencies"], *project["optional-dependencies"]["test"]]:
+        name, bound = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", req.split(";")[0].strip()).groups()
+        declared[name.lower()] = bound
+    pinned = dict(line.split("==") for line in (ROOT / ".ci" / "floor.txt").read_text().splitlines()
+                  if line.strip() and not line.startswith("#"))
+    assert set(pinned) == set(declared)
+    for name, bound in declared.items():
+        got = pinned[name].split(".")
+        want = bound.split(".")
+        assert got[: len(want)] == want and all(p == "0" for p in got[len(want):]) or pinned[name] == bound, (
+            f"{name}: declared >={bound}, the floor job installs {pinned[name]}")
 
 
 @pytest.mark.parametrize("module", ["aqsgd", "aqsgd.cli"])
