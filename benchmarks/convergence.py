@@ -1,4 +1,5 @@
-"""``python -m benchmarks.convergence [TASK...]``: the convergence study (same as ``aqsgd bench convergence``)."""
+"""``python -m benchmarks.convergence [TASK...]``: the convergence study (same as
+``aqsgd bench convergence``)."""
 
 import sys
 

@@ -17,7 +17,7 @@ and each ratio to torch's of the same run. ``receiver`` minus ``torch`` is what 
 (its thread, the checks, the hand-off to the waiting caller); ``aqsgd`` minus ``receiver`` is what its
 sending side adds. The receiving side is fed through the transport's internals: this measures, it is not
 an API.
-"""
+"""  # noqa: E501, RUF100 (line 1 is the --help description: __doc__.splitlines()[0])
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def _entry(size: int, repeats: int, rounds: int) -> dict[str, list[float]]:
     buf = torch.empty_like(x)
     group = dist.group.WORLD
     prebuilt: list[list[torch.Tensor]] = []
-    if rank == 0:  # every message of the receiver system, sequence numbers 0, 1, ..., as the transport sends them
+    # every message of the receiver system, sequence numbers 0, 1, ..., as the transport sends them
+    if rank == 0:
         sender = bare._sender(1, T.FORWARD)
         for _ in range((rounds + 1) * repeats):
             item = T._SendItem(tuple(packets), T.SendHandle(bare, 1, T.FORWARD, sender.stats_key), None, True,
@@ -97,7 +98,8 @@ def measure(size: int, repeats: int = 150, rounds: int = 3) -> dict[str, float]:
     from aqsgd.comm.launch import launch_local
 
     sender, receiver = launch_local(_entry, 2, size, repeats, rounds, run_id="aqsgd-handover-split")
-    return {name: 1e3 * statistics.median(b - a for a, b in zip(sender[name], receiver[name])) for name in SYSTEMS}
+    return {name: 1e3 * statistics.median(b - a for a, b in zip(sender[name], receiver[name]))
+            for name in SYSTEMS}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         ms = measure(size, args.repeats, args.rounds)
         rows.append({"payload_bytes": size, **{f"{k}_ms": v for k, v in ms.items()}})
-        print(f"{size:>9,} B  " + "  ".join(f"{k} {v:.3f} ms ({v / ms['torch']:.2f}x)" for k, v in ms.items()),
+        print(f"{size:>9,} B  " + "  ".join(f"{k} {v:.3f} ms ({v / ms['torch']:.2f}x)"
+                                            for k, v in ms.items()),
               flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,5 +1,6 @@
 """``python -m benchmarks.render RESULT.json``: print a result file of ``benchmarks/results/`` as a markdown
-table (the tables of docs/convergence.md and docs/bench-*.md are pasted from this output, with the command and machine the file records)."""
+table (the tables of docs/convergence.md and docs/bench-*.md are pasted from this output, with the command and
+machine the file records)."""
 
 from __future__ import annotations
 
@@ -16,20 +17,23 @@ def codecs(d: dict) -> list[str]:
     eager = any(r.get("eager_encode_gbps") is not None for r in d["rows"])
     extra = " eager encode GB/s | eager decode GB/s | fused gain enc / dec |" if eager else ""
     out = ["| codec | encode GB/s | decode GB/s | clone GB/s | encode / clone | decode / clone |" + extra
-           + " wire bytes | ratio |", "|---|---|---|---|---|---|" + ("---|---|---|" if eager else "") + "---|---|"]
+           + " wire bytes | ratio |", "|---|---|---|---|---|---|" + ("---|---|---|" if eager else "")
+           + "---|---|"]
     for r in d["rows"]:
         cells = ""
         if eager:
             cells = (f" {r['eager_encode_gbps']:.2f} | {r['eager_decode_gbps']:.2f} | "
-                     f"{r['encode_gbps'] / r['eager_encode_gbps']:.1f}x / {r['decode_gbps'] / r['eager_decode_gbps']:.1f}x |")
-        out.append(f"| `{r['codec']}` | {r['encode_gbps']:.2f} | {r['decode_gbps']:.2f} | {r['clone_gbps']:.1f} | "
-                   f"{r['encode_vs_clone']:.2f} | {r['decode_vs_clone']:.2f} |{cells} {r['wire_bytes']:,} | "
-                   f"{r['ratio']:.1f}x |")
+                     f"{r['encode_gbps'] / r['eager_encode_gbps']:.1f}x / "
+                     f"{r['decode_gbps'] / r['eager_decode_gbps']:.1f}x |")
+        out.append(f"| `{r['codec']}` | {r['encode_gbps']:.2f} | {r['decode_gbps']:.2f} | "
+                   f"{r['clone_gbps']:.1f} | {r['encode_vs_clone']:.2f} | "
+                   f"{r['decode_vs_clone']:.2f} |{cells} {r['wire_bytes']:,} | {r['ratio']:.1f}x |")
     return out
 
 
 def codecs_cache_path(d: dict) -> list[str]:
-    """``aqsgd bench codecs --cache-path``: the AQ-SGD cache path and, with a disk cache, its prefetch table."""
+    """``aqsgd bench codecs --cache-path``: the AQ-SGD cache path and, with a disk cache, its prefetch
+    table."""
     from aqsgd.bench.cachepath import markdown_table
 
     return markdown_table(d)
@@ -41,23 +45,24 @@ def pipeline(d: dict) -> list[str]:
     for r in d["rows"]:
         dp = r.get("data_parallel", 1)
         vs = r.get("speedup_vs_pipeline_only")
-        out.append(f"| {r['stages']} | {dp} | {r.get('grad_sync', '-') if dp > 1 else '-'} | {r['bandwidth_mbps']:g} | "
-                   f"{r['setting']} | {r['samples_per_s']:.1f} | {r['speedup_vs_fp32']:.2f}x | "
-                   f"{r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} | {'-' if vs is None else f'{vs:.2f}x'} | "
-                   f"{r['comm_compute_ratio']:.2f} |")
+        out.append(f"| {r['stages']} | {dp} | {r.get('grad_sync', '-') if dp > 1 else '-'} | "
+                   f"{r['bandwidth_mbps']:g} | {r['setting']} | {r['samples_per_s']:.1f} | "
+                   f"{r['speedup_vs_fp32']:.2f}x | {r['ideal_speedup']:.2f}x | {r['efficiency']:.2f} | "
+                   f"{'-' if vs is None else f'{vs:.2f}x'} | {r['comm_compute_ratio']:.2f} |")
     return out
 
 
 def convergence(d: dict) -> list[str]:
-    out = ["| setting | forward | backward | final train loss | metric | eval, compression on | eval, compression off "
-           "| on vs fp32 | off vs fp32 | best eval, off | best vs fp32's best | traffic ratio |",
+    out = ["| setting | forward | backward | final train loss | metric | eval, compression on | "
+           "eval, compression off | on vs fp32 | off vs fp32 | best eval, off | best vs fp32's best | "
+           "traffic ratio |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     from aqsgd.bench.convergence import format_relative as pct, study_table
 
     for r in study_table(d):  # recomputed from the runs, so files written before a column existed have it too
-        out.append(f"| {r['setting']} | `{r['forward']}` | `{r['backward']}` | {_fmt(r['final_train_loss'], '.4f')} | "
-                   f"{r['metric']} | {_fmt(r['eval_on'], '.4f')} | {_fmt(r['eval_off'], '.4f')} | "
-                   f"{pct(r['rel_vs_fp32'], r['rel_vs_fp32_std'])} | "
+        out.append(f"| {r['setting']} | `{r['forward']}` | `{r['backward']}` | "
+                   f"{_fmt(r['final_train_loss'], '.4f')} | {r['metric']} | {_fmt(r['eval_on'], '.4f')} | "
+                   f"{_fmt(r['eval_off'], '.4f')} | {pct(r['rel_vs_fp32'], r['rel_vs_fp32_std'])} | "
                    f"{pct(r['rel_off_vs_fp32'], r['rel_off_vs_fp32_std'])} | {_fmt(r['best_off'], '.4f')} | "
                    f"{pct(r['rel_best_off_vs_fp32'], r['rel_best_off_vs_fp32_std'])} | "
                    f"{_fmt(r['compression_ratio'])}x |")
@@ -77,8 +82,8 @@ def boundary_errors(d: dict) -> list[str]:
 
 
 def codec_quality_specs(d: dict) -> list[str]:
-    """``aqsgd bench codecs --quality --codecs SPEC...``: per data source, each codec's measured bits per value
-    and relative error on each kind of boundary tensor (means over the source's boundaries)."""
+    """``aqsgd bench codecs --quality --codecs SPEC...``: per data source, each codec's measured bits per
+    value and relative error on each kind of boundary tensor (means over the source's boundaries)."""
     kinds = list(dict.fromkeys(r["tensor"] for r in d["rows"]))
     out: list[str] = []
     for source in dict.fromkeys(r["source"] for r in d["rows"]):
@@ -88,7 +93,8 @@ def codec_quality_specs(d: dict) -> list[str]:
         out += [f"{source}:", "", "| codec | " + " | ".join(f"{k}: bits/value | error" for k in kinds) + " |",
                 "|---|" + "---|---|" * len(kinds)]
         for spec in dict.fromkeys(sp for sp, _ in cells):
-            row = [f"{cells[spec, k]['bits_per_value']:.2f} | {cells[spec, k]['rel_mse']:.3g}" if (spec, k) in cells
+            row = [f"{cells[spec, k]['bits_per_value']:.2f} | {cells[spec, k]['rel_mse']:.3g}"
+                   if (spec, k) in cells
                    else "- | -" for k in kinds]
             out.append(f"| `{spec}` | " + " | ".join(row) + " |")
     return out
@@ -113,7 +119,8 @@ def codecs_quality(d: dict) -> list[str]:
 
 
 def vs_torch(d: dict) -> list[str]:
-    """``aqsgd bench vs-torch``: samples/s against torch.distributed.pipelining, then one message's latency."""
+    """``aqsgd bench vs-torch``: samples/s against torch.distributed.pipelining, then one message's
+    latency."""
     out = ["| stages | schedule | aqsgd samples/s | torch samples/s | aqsgd / torch | first-step loss |",
            "|---|---|---|---|---|---|"]
     for r in d["rows"]:
@@ -123,14 +130,16 @@ def vs_torch(d: dict) -> list[str]:
         out.append(f"| {r['stages']} | {r['torch_schedule']} | {r['aqsgd_samples_per_s']:.1f} | "
                    f"{r['torch_samples_per_s']:.1f} | {r['ratio']:.2f}x | {loss} |")
     if d.get("latency"):
-        out += ["", "| payload bytes | hand-over ms, aqsgd / torch | CRC off | ping-pong ms, aqsgd / torch | CRC off |",
+        out += ["", ("| payload bytes | hand-over ms, aqsgd / torch | CRC off | ping-pong ms, aqsgd / torch "
+                     "| CRC off |"),
                 "|---|---|---|---|---|"]
         for r in d["latency"]:
-            out.append(f"| {r['payload_bytes']:,} | {r['aqsgd_handover_ms']:.3f} / {r['torch_handover_ms']:.3f} "
-                       f"({r['handover_ratio']:.2f}x) | {r['aqsgd_nocrc_handover_ms']:.3f} "
-                       f"({r['handover_ratio_nocrc']:.2f}x) | {r['aqsgd_pingpong_ms']:.3f} / "
-                       f"{r['torch_pingpong_ms']:.3f} ({r['pingpong_ratio']:.2f}x) | "
-                       f"{r['aqsgd_nocrc_pingpong_ms']:.3f} ({r['pingpong_ratio_nocrc']:.2f}x) |")
+            out.append(f"| {r['payload_bytes']:,} | {r['aqsgd_handover_ms']:.3f} / "
+                       f"{r['torch_handover_ms']:.3f} ({r['handover_ratio']:.2f}x) | "
+                       f"{r['aqsgd_nocrc_handover_ms']:.3f} ({r['handover_ratio_nocrc']:.2f}x) | "
+                       f"{r['aqsgd_pingpong_ms']:.3f} / {r['torch_pingpong_ms']:.3f} "
+                       f"({r['pingpong_ratio']:.2f}x) | {r['aqsgd_nocrc_pingpong_ms']:.3f} "
+                       f"({r['pingpong_ratio_nocrc']:.2f}x) |")
     return out
 
 

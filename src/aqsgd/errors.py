@@ -37,9 +37,10 @@ class DivergedError(AqsgdError, RuntimeError):
 class Interrupted(KeyboardInterrupt):
     """The process was asked to stop by SIGINT (Ctrl-C) or SIGTERM.
 
-    A :class:`KeyboardInterrupt`, as Python's own Ctrl-C is: handlers of ordinary errors (``except Exception``)
-    let it pass. ``signum`` is the signal; ``exit_code`` the conventional status, 128 + signum (130 for SIGINT,
-    143 for SIGTERM). The message says where the run stopped and which checkpoint continues it, where known.
+    A :class:`KeyboardInterrupt`, as Python's own Ctrl-C is: handlers of ordinary errors
+    (``except Exception``) let it pass. ``signum`` is the signal; ``exit_code`` the conventional status,
+    128 + signum (130 for SIGINT, 143 for SIGTERM). The message says where the run stopped and which
+    checkpoint continues it, where known.
     """
 
     def __init__(self, signum: int, message: str | None = None) -> None:
@@ -105,7 +106,8 @@ class PeerTimeout(PeerFailure):
     """A peer that did not send (or did not accept) a message within the transport's timeout."""
 
 
-def _rebuild_peer_error(cls: type[PeerFailure], message: str, rank: int | None, label: str | None) -> PeerFailure:
+def _rebuild_peer_error(cls: type[PeerFailure], message: str, rank: int | None,
+                        label: str | None) -> PeerFailure:
     return cls(message, rank=rank, label=label)
 
 
@@ -150,7 +152,8 @@ class StageFailedError(AqsgdError, RuntimeError):
     """
 
     def __init__(self, message: str, *, rank: int | None = None, label: str | None = None,
-                 reason: str | None = None, log_path: str | None = None, exit_code: int | None = None) -> None:
+                 reason: str | None = None, log_path: str | None = None,
+                 exit_code: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.label = label

@@ -115,7 +115,8 @@ def test_prefetch_modes(tmp_path):
     assert [(r.pages, r.prefetch) for r in rows] == [("cold", False), ("cold", True), ("warm", False),
                                                      ("warm", True)]
     for r in rows:
-        assert (r.hits, r.misses) == ((4, 0) if r.prefetch else (0, 4))  # every get used its prefetch, or none
+        # every get used its prefetch, or none
+        assert (r.hits, r.misses) == ((4, 0) if r.prefetch else (0, 4))
         assert r.step_read_wait_ms >= r.max_get_wait_ms > 0 and r.step_ms > r.step_read_wait_ms
         assert r.forward_ms > 0
         assert (r.hidden is None) != r.prefetch
@@ -133,9 +134,9 @@ def test_prefetch_needs_a_disk_cache(tmp_path):
 
 def test_cli_tables_and_json(tmp_path, capsys):
     out = tmp_path / "cp.json"
-    assert main(["bench", "codecs", "--cache-path", "memory", "disk:fp32", "--codecs", "q4", "--shape", "2,8,32",
-                 "--repeats", "2", "--warmup", "1", "--device", "cpu", "--cache-dir", str(tmp_path / "c"),
-                 "--json", str(out)]) == 0
+    assert main(["bench", "codecs", "--cache-path", "memory", "disk:fp32", "--codecs", "q4", "--shape",
+                 "2,8,32", "--repeats", "2", "--warmup", "1", "--device", "cpu", "--cache-dir",
+                 str(tmp_path / "c"), "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "AQ-SGD cache path" in text and "disk cache reads" in text and "cold" in text and "warm" in text
     data = json.loads(out.read_text())

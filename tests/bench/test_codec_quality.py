@@ -134,8 +134,8 @@ def test_cli_quality_codecs_png_conflict_and_png_needs_quality(tmp_path):
 
 def test_cli_quality_of_named_codecs_measures_packet_bits(tmp_path, capsys):
     out = tmp_path / "s.json"
-    assert main(["bench", "codecs", "--quality", "--codecs", "q2:l2", "q2:rot64:l2:midrise", "q2:l2:zstd", "tah",
-                 "--shape", "16,512", "--device", "cpu", "--json", str(out)]) == 0
+    assert main(["bench", "codecs", "--quality", "--codecs", "q2:l2", "q2:rot64:l2:midrise", "q2:l2:zstd",
+                 "tah", "--shape", "16,512", "--device", "cpu", "--json", str(out)]) == 0
     assert "q2:rot64:l2:midrise" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["benchmark"] == "codecs-quality-specs"
@@ -160,15 +160,16 @@ def test_quality_option_misuse_is_one_line(capsys):
     assert "power of two" in err and err.count("\n") == 1
 
 
-# --- real boundary tensors (--data minilm smollm2), on tiny random stand-ins of the two models ---------------
+# --- real boundary tensors (--data minilm smollm2), on tiny random stand-ins of the two models --------------
 
 
 def tiny_llama(vocab=96):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=128))
 
 
 def tiny_bert(vocab=96, labels=5):
@@ -196,7 +197,8 @@ def test_boundary_tensors_of_an_even_split():
     assert set(bt.tensors) == {"activation", "delta", "gradient"}
     for xs in bt.tensors.values():
         assert [tuple(x.shape) for x in xs] == [(3, 16, 32)] * 3
-    assert all(d.norm() > 0 for d in bt.tensors["delta"]) and all(g.norm() > 0 for g in bt.tensors["gradient"])
+    assert (all(d.norm() > 0 for d in bt.tensors["delta"])
+            and all(g.norm() > 0 for g in bt.tensors["gradient"]))
     # no steps: the same weights give the same activations, a zero delta
     still = collect_boundary_tensors(tiny_llama(), probe, [], stages=4, progress=False)
     assert all(d.abs().max() == 0 for d in still.tensors["delta"])
@@ -230,12 +232,14 @@ def test_boundary_tensors_of_an_encoder_classifier():
     probe = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1, 2, 3])}
     bt = collect_boundary_tensors(tiny_bert(), probe, [probe], stages=4, progress=False)
     assert bt.boundaries == [1, 3, 4]  # 6 blocks: 2, 2, 1, 1
-    assert all(g.norm() > 0 for g in bt.tensors["gradient"]) and all(d.norm() > 0 for d in bt.tensors["delta"])
+    assert (all(g.norm() > 0 for g in bt.tensors["gradient"])
+            and all(d.norm() > 0 for d in bt.tensors["delta"]))
 
 
 @pytest.fixture(scope="module")
 def sink_tensors():
-    """Boundary tensors built like a Llama's: position 0 ~100x the rest in the activations (an attention sink)."""
+    """Boundary tensors built like a Llama's: position 0 ~100x the rest in the activations (an attention
+    sink)."""
     from aqsgd.bench.boundary import BoundaryTensors
 
     g = torch.Generator().manual_seed(0)
@@ -244,7 +248,8 @@ def sink_tensors():
         a[:, 0] *= 100.0
     return BoundaryTensors([3, 7], {"activation": acts,
                                     "delta": [torch.randn(4, 32, 64, generator=g) for _ in range(2)],
-                                    "gradient": [torch.randn(4, 32, 64, generator=g) * 1e-4 for _ in range(2)]})
+                                    "gradient": [torch.randn(4, 32, 64, generator=g) * 1e-4
+                                                 for _ in range(2)]})
 
 
 def test_boundary_table_per_kind(sink_tensors):
@@ -305,7 +310,8 @@ def test_cli_quality_on_model_tensors(tiny_sources, tmp_path, capsys):
         assert title in text
     data = json.loads(out.read_text())
     assert list(data["data"]) == ["gaussian", "minilm", "smollm2"]
-    assert data["data"]["smollm2"]["boundaries"] == [1, 2, 3] and data["data"]["minilm"]["boundaries"] == [1, 3, 4]
+    assert (data["data"]["smollm2"]["boundaries"] == [1, 2, 3]
+            and data["data"]["minilm"]["boundaries"] == [1, 3, 4])
     assert data["data"]["smollm2"]["steps"] == 2 and len(data["data"]["minilm"]["kurtosis"]["delta"]) == 3
     groups = {}
     for r in data["rows"]:
@@ -322,4 +328,5 @@ def test_cli_quality_data_not_cached_is_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "'smollm2' is not prepared" in err and "aqsgd data prepare smollm2" in err
     assert main(["bench", "codecs", "--data", "minilm", "--device", "cpu"]) == 2
-    assert capsys.readouterr().err.strip() == "aqsgd: error: --data: chooses the --quality data; add --quality"
+    assert capsys.readouterr().err.strip() == ("aqsgd: error: --data: chooses the --quality data; add "
+                                               "--quality")

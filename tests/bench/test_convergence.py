@@ -22,7 +22,8 @@ def study(tmp_path_factory):
 def test_every_setting_runs_once_per_seed(study):
     runs, results = study
     assert set(results["runs"]) == {"fp32", "aqsgd fw2/bw4", "fp32 @seed1", "aqsgd fw2/bw4 @seed1"}
-    assert results["runs"]["fp32 @seed1"]["seed"] == 1 and (runs / "synthetic-lm" / "fp32-seed1" / "summary.json").exists()
+    assert (results["runs"]["fp32 @seed1"]["seed"] == 1
+            and (runs / "synthetic-lm" / "fp32-seed1" / "summary.json").exists())
     # a finished run keeps its metrics, not its checkpoints
     assert not (runs / "synthetic-lm" / "fp32-seed1" / "checkpoints").exists()
     # another seed is another data order: other losses
@@ -64,7 +65,8 @@ def test_study_continues_and_refuses_other_settings(study):
 
 def test_result_files(study, tmp_path):
     runs, results = study
-    path, png = write_results("synthetic-lm", results, runs, tmp_path, command="test", machine="here", tag="seeds")
+    path, png = write_results("synthetic-lm", results, runs, tmp_path, command="test", machine="here",
+                              tag="seeds")
     assert path.name == "convergence-synthetic-lm-seeds.json" and png.read_bytes()[:4] == b"\x89PNG"
     saved = json.loads(path.read_text())
     assert saved["complete"] is False  # direct fw2/bw4 of the default settings did not run
@@ -82,14 +84,17 @@ def test_a_study_continued_from_its_json_writes_the_table_without_the_plot(study
 
 
 def test_cli(tmp_path, capsys):
-    code = main(["bench", "convergence", "synthetic-lm", "--settings", "fp32", "--epochs", "2", "--seeds", "0,1",
-                 "--runs-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "out"), "--tag", "t"])
+    code = main(["bench", "convergence", "synthetic-lm", "--settings", "fp32", "--epochs", "2", "--seeds",
+                 "0,1", "--runs-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "out"),
+                 "--tag", "t"])
     assert code == 0
     out = capsys.readouterr().out
-    assert "means over seeds [0, 1]" in out and (tmp_path / "out" / "convergence-synthetic-lm-t.json").exists()
+    assert ("means over seeds [0, 1]" in out
+            and (tmp_path / "out" / "convergence-synthetic-lm-t.json").exists())
     # a second command grows the study: the result file names both commands, each run the one that made it
-    assert main(["bench", "convergence", "synthetic-lm", "--settings", "fp32", "aqsgd fw2/bw4", "--epochs", "2",
-                 "--runs-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "out"), "--tag", "t"]) == 0
+    assert main(["bench", "convergence", "synthetic-lm", "--settings", "fp32", "aqsgd fw2/bw4", "--epochs",
+                 "2", "--runs-dir", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "out"),
+                 "--tag", "t"]) == 0
     saved = json.loads((tmp_path / "out" / "convergence-synthetic-lm-t.json").read_text())
     assert len(saved["commands"]) == 2 and "--seeds 0,1" in saved["commands"][0]
     assert "--seeds" not in saved["runs"]["aqsgd fw2/bw4"]["command"]
@@ -98,7 +103,8 @@ def test_cli(tmp_path, capsys):
 
 def test_fewer_bits_study_reports_loss_gap_wire_bits_and_step_time(tmp_path):
     """The `fewer-bits` study: its own result file with its settings only, and per row the training-loss gap
-    to fp32, the bits per value that crossed the wire and the step time; zstd trains bit for bit as without."""
+    to fp32, the bits per value that crossed the wire and the step time; zstd trains bit for bit as
+    without."""
     runs = tmp_path / "runs"
     names = ["fp32", "aqsgd fw2/bw4 rot", "aqsgd fw2/bw4 rot zstd"]
     results = run_study("synthetic-lm", runs, settings=names, overrides={"epochs": 2}, study="fewer-bits")

@@ -112,7 +112,8 @@ def test_vs_torch_result_renders_both_tables(capsys):
         assert f"| {r['stages']} | {r['torch_schedule']} | {r['aqsgd_samples_per_s']:.1f} | " in out
         assert f"| {r['ratio']:.2f}x |" in out
     for r in d["latency"]:
-        assert f"| {r['payload_bytes']:,} | {r['aqsgd_handover_ms']:.3f} / {r['torch_handover_ms']:.3f} " in out
+        assert (f"| {r['payload_bytes']:,} | {r['aqsgd_handover_ms']:.3f} / {r['torch_handover_ms']:.3f} "
+                in out)
 
 
 def test_codec_quality_rows_are_the_docs_rows(capsys):

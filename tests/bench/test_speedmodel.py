@@ -1,5 +1,5 @@
-"""The speed model of the pipeline benchmarks (:mod:`aqsgd.bench.speedmodel`): its limits, its closed forms, and
-that ``bench pipeline`` and ``bench netem`` both read their rows against it."""
+"""The speed model of the pipeline benchmarks (:mod:`aqsgd.bench.speedmodel`): its limits, its closed forms,
+and that ``bench pipeline`` and ``bench netem`` both read their rows against it."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def test_without_compute_the_step_is_the_comm_bound_limit():
     for stages in (2, 3, 4):
         for micro in (1, 4, 16):
             # GPipe: the forward sweep, then the backward sweep; the two directions never overlap
-            assert step_time("gpipe", stages, micro, 0.0, lf, lb) == pytest.approx((micro + stages - 2) * (lf + lb))
+            assert (step_time("gpipe", stages, micro, 0.0, lf, lb)
+                    == pytest.approx((micro + stages - 2) * (lf + lb)))
     # 1F1B on two stages keeps both directions busy: one round trip, then one slower message per micro-batch
     for micro in (1, 4, 16):
         assert step_time("1f1b", 2, micro, 0.0, lf, lb) == pytest.approx(lf + lb + (micro - 1) * lb)
@@ -56,7 +57,8 @@ def test_gpipe_closed_form_and_the_lower_bound_hold_for_random_pipelines():
     rng = random.Random(0)
     for _ in range(300):
         s, m = rng.choice((1, 2, 3, 4, 6)), rng.choice((1, 2, 3, 8, 16))
-        c, lf, lb, lat = rng.uniform(0, 1), rng.uniform(0, 2), rng.uniform(0, 2), rng.choice((0.0, rng.uniform(0, 1)))
+        c, lf, lb, lat = (rng.uniform(0, 1), rng.uniform(0, 2), rng.uniform(0, 2),
+                          rng.choice((0.0, rng.uniform(0, 1))))
         if s == 1:
             lf = lb = 0.0
         f, b = (1 - BACKWARD_SHARE) * c, BACKWARD_SHARE * c
@@ -69,8 +71,8 @@ def test_gpipe_closed_form_and_the_lower_bound_hold_for_random_pipelines():
 
 
 def test_heterogeneous_stages_and_links():
-    # the busiest stage works 6 x 0.3 s between the forward of stage 0 and the backward of stage 0 (0.1 s in all),
-    # the uniform pipeline of three busiest stages takes (6 + 2) x 0.3 s
+    # the busiest stage works 6 x 0.3 s between the forward of stage 0 and the backward of stage 0 (0.1 s in
+    # all), the uniform pipeline of three busiest stages takes (6 + 2) x 0.3 s
     t = step_time("1f1b", 3, 6, [0.1, 0.3, 0.2], 0.0, 0.0)
     assert 0.1 + 6 * 0.3 <= t < (6 + 2) * 0.3
     assert step_time("gpipe", 3, 6, [0.1, 0.3, 0.2], 0.0, 0.0) >= 0.1 + 6 * 0.3

@@ -29,7 +29,8 @@ def test_bench_codecs_json(tmp_path):
     rows = data["rows"]
     assert [r["codec"] for r in rows] == ["q2", "fp16", "topk0.1"]
     for r in rows:
-        for key in ("codec", "device", "shape", "encode_gbps", "decode_gbps", "clone_gbps", "wire_bytes", "ratio"):
+        for key in ("codec", "device", "shape", "encode_gbps", "decode_gbps", "clone_gbps", "wire_bytes",
+                    "ratio"):
             assert key in r
         assert r["encode_gbps"] > 0 and r["decode_gbps"] > 0 and r["clone_gbps"] > 0
     assert rows[0]["wire_bytes"] == 64 + 32 * 2 + 4 * 16 * 32 // 4
@@ -44,8 +45,8 @@ def test_bench_codecs_without_fused_kernels_has_no_eager_columns(tmp_path):
     path = tmp_path / "codecs.json"
     old = fused.set_enabled(False)
     try:
-        assert main(["bench", "codecs", "--codecs", "q4", "--shape", "2,8,16", "--repeats", "1", "--warmup", "1",
-                     "--json", str(path)]) == 0
+        assert main(["bench", "codecs", "--codecs", "q4", "--shape", "2,8,16", "--repeats", "1", "--warmup",
+                     "1", "--json", str(path)]) == 0
     finally:
         fused.set_enabled(old)
     (row,) = json.loads(path.read_text())["rows"]

@@ -1,5 +1,6 @@
-"""The README is the contract of a fresh machine: the base install runs every command it shows, the test extras add
-only test tools, CI runs exactly the README's test command, and the documented entry points exist."""
+"""The README is the contract of a fresh machine: the base install runs every command it shows, the test
+extras add only test tools, CI runs exactly the README's test command, and the documented entry points
+exist."""
 
 from __future__ import annotations
 

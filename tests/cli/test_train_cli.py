@@ -12,13 +12,14 @@ import pytest
 from aqsgd.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-QUICK = ["--task", "synthetic-lm", "--max-train-samples", "32", "--max-eval-samples", "16", "--max-length", "12",
-         "--micro-batches", "2", "--micro-batch-size", "4", "--epochs", "2", "--lr", "3e-3", "--no-progress",
-         "--no-tensorboard"]
+QUICK = ["--task", "synthetic-lm", "--max-train-samples", "32", "--max-eval-samples", "16", "--max-length",
+         "12", "--micro-batches", "2", "--micro-batch-size", "4", "--epochs", "2", "--lr", "3e-3",
+         "--no-progress", "--no-tensorboard"]
 
 
 def test_every_option_is_documented():
-    out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", "--help"], capture_output=True,
+                         text=True)
     assert out.returncode == 0
     from aqsgd.train.config import options
 
@@ -28,7 +29,8 @@ def test_every_option_is_documented():
 
 
 @pytest.mark.parametrize("argv,needle", [(["--lr", "fast"], "--lr"), (["--stages", "0"], "--stages"),
-                                         (["--backward", "q0"], "--backward"), (["--cache", "tape"], "--cache"),
+                                         (["--backward", "q0"], "--backward"),
+                                         (["--cache", "tape"], "--cache"),
                                          (["--config", "/nonexistent.toml"], "--config"),
                                          (["--data-parallel", "2"], "--data-parallel")])
 def test_invalid_value_is_one_line_naming_the_option(argv, needle):
@@ -45,7 +47,8 @@ def test_preset_with_override_runs_locally(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "traffic saved vs fp32" in out
     cfg = json.loads((tmp_path / "cli" / "config.json").read_text())
-    assert cfg["pipeline"]["stages"] == 3 and cfg["compression"]["forward"] == "delta:q2:l2"  # override and preset
+    # override and preset
+    assert cfg["pipeline"]["stages"] == 3 and cfg["compression"]["forward"] == "delta:q2:l2"
     assert json.loads((tmp_path / "cli" / "summary.json").read_text())["steps"] == 8
 
 
@@ -56,8 +59,10 @@ def test_distributed_runtime_starts_one_process_per_stage(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "dist" / "summary.json").read_text())
     assert summary["runtime"] == "distributed" and summary["steps"] == 8
-    local = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", *QUICK, "--stages", "2", "--output-dir",
-                            str(tmp_path), "--run-name", "local", "--cache-dir", str(tmp_path / "cache")],
+    local = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", *QUICK, "--stages", "2",
+                            "--output-dir", str(tmp_path), "--run-name", "local", "--cache-dir",
+                            str(tmp_path / "cache")],
                            capture_output=True, text=True, timeout=300)
     assert local.returncode == 0
-    assert json.loads((tmp_path / "local" / "summary.json").read_text())["final_train_loss"] == summary["final_train_loss"]
+    assert (json.loads((tmp_path / "local" / "summary.json").read_text())["final_train_loss"]
+            == summary["final_train_loss"])

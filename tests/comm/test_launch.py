@@ -1,4 +1,5 @@
-"""Leaving the process group at the end of a job: a closing barrier after a clean finish, none after a failure.
+"""Leaving the process group at the end of a job: a closing barrier after a clean finish, none after a
+failure.
 
 Rank functions live at module level so that spawned children can import them.
 """

@@ -154,12 +154,13 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text("from aqsgd.comm.launch import launch_local\n\n\ndef work():\n    return 1\n\n\n"
                       "launch_local(work, 2)\n")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     # both ranks fail the same way; the earlier report names the rank, which either can be
-    assert re.match(r"aqsgd\.errors\.StageFailedError: rank [01] failed: RuntimeError: launch_local was called "
-                    r"again while a spawned process imported the main module", last), last
+    assert re.match(r"aqsgd\.errors\.StageFailedError: rank [01] failed: RuntimeError: launch_local was "
+                    r"called again while a spawned process imported the main module", last), last
     assert 'if __name__ == "__main__":' in last
 
 

@@ -31,7 +31,8 @@ def test_parse_bandwidth(text, bps):
     assert parse_bandwidth(text) == bps
 
 
-@pytest.mark.parametrize("text", ["", "100", "100mb", "fast", "-1mbit", "0mbit", "1e400gbit", "mbit", 0, -5.0])
+@pytest.mark.parametrize("text", ["", "100", "100mb", "fast", "-1mbit", "0mbit", "1e400gbit", "mbit", 0,
+                                  -5.0])
 def test_parse_bandwidth_errors_name_valid_forms(text):
     with pytest.raises(ValueError, match="kbit.*mbit.*gbit"):
         parse_bandwidth(text)
@@ -39,7 +40,8 @@ def test_parse_bandwidth_errors_name_valid_forms(text):
 
 @pytest.mark.parametrize(
     "text, seconds",
-    [("10ms", 0.01), ("0.5s", 0.5), ("250us", 250e-6), ("0", 0.0), ("0ms", 0.0), (" 20 MS", 0.02), (0.1, 0.1)],
+    [("10ms", 0.01), ("0.5s", 0.5), ("250us", 250e-6), ("0", 0.0), ("0ms", 0.0), (" 20 MS", 0.02),
+     (0.1, 0.1)],
 )
 def test_parse_latency(text, seconds):
     assert parse_latency(text) == pytest.approx(seconds)

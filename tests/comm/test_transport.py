@@ -49,11 +49,15 @@ def _messages(src: int, channel: int) -> list[list]:
         packets = []
         for _ in range(n):
             codec = make_codec(CODECS[int(torch.randint(0, len(CODECS), (1,), generator=g))])
-            shape = (int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g)))
+            shape = (int(torch.randint(1, 6, (1,), generator=g)),
+                     int(torch.randint(1, 40, (1,), generator=g)))
             x = torch.randn(shape, generator=g)
-            packets.append(codec.encode(x, generator=g).with_tag(int(torch.randint(0, 2**31, (1,), generator=g))))
-        if i in (5, 6):  # the same bytes as a strided view and as a view at an odd offset into a larger tensor
-            packets = [dataclasses.replace(p, payload=_strided(p.payload) if i == 5 else _offset(p.payload, 3))
+            packets.append(codec.encode(x, generator=g).with_tag(
+                int(torch.randint(0, 2**31, (1,), generator=g))))
+        # the same bytes as a strided view and as a view at an odd offset into a larger tensor
+        if i in (5, 6):
+            packets = [dataclasses.replace(p,
+                                           payload=_strided(p.payload) if i == 5 else _offset(p.payload, 3))
                        for p in packets]
         out.append(packets)
     return out
@@ -177,9 +181,9 @@ def _failure_rank(rank: int, world_size: int) -> dict:
 
 
 # Payload bytes of the messages of the two-part fallback scenario: the first exceeds the initial receive size
-# (two gloo messages, the receive size becomes its length), the next ones fit (one gloo message each) up to one
-# that exceeds the new size again, with two packets (their payloads concatenated), after which a two-packet
-# message of 200 kB fits. Two-part: messages 0 and 4.
+# (two gloo messages, the receive size becomes its length), the next ones fit (one gloo message each) up to
+# one that exceeds the new size again, with two packets (their payloads concatenated), after which a
+# two-packet message of 200 kB fits. Two-part: messages 0 and 4.
 _FALLBACK_SIZES = [[100_000], [1_024], [100_000], [], [150_000, 150_000], [64, 200_000], [40]]
 _TWO_PART = {0, 4}
 
@@ -217,7 +221,8 @@ def _fallback(rank: int, checksum: bool) -> dict:
             received = [[p.to_bytes() for p in h.wait()] for h in recvs]
             for h in sends:
                 h.wait()
-            stats = {tuple(k): (v.messages, v.packets, v.packet_bytes, v.overhead_bytes) for k, v in t.stats.items()}
+            stats = {tuple(k): (v.messages, v.packets, v.packet_bytes, v.overhead_bytes)
+                     for k, v in t.stats.items()}
             sizes = (t._senders[(peer, FORWARD)].capacity, t._receivers[(peer, FORWARD)].capacity)
     finally:
         _Worker._recv_into, _Worker._isend = originals
@@ -259,7 +264,8 @@ def _corrupted(rank: int, checksum: bool) -> dict:
         payload[100] ^= 0x10
         flags = _FLAG_INLINE | (_FLAG_CHECKSUM if checksum else 0)
         preamble = _build_preamble(1, FORWARD, 0, len(payload), 0.0, header, flags)
-        dist.send(torch.frombuffer(bytearray(preamble + payload), dtype=torch.uint8), 1, tag=_TAG_BASE + FORWARD)
+        dist.send(torch.frombuffer(bytearray(preamble + payload), dtype=torch.uint8), 1,
+                  tag=_TAG_BASE + FORWARD)
         return {}
     with Transport(timeout_s=20, checksum=checksum, peer_labels={0: "stage 0"}) as t:
         try:
@@ -275,7 +281,8 @@ def _layout_messages() -> list[list]:
     g = torch.Generator().manual_seed(11)
     q2, raw = make_codec("q2"), make_codec("none")
     a = lambda tag: [q2.encode(torch.randn(4, 16, generator=g)).with_tag(tag, kind=2)]  # noqa: E731
-    b = lambda tag: [raw.encode(torch.randn(3, generator=g)).with_tag(tag), q2.encode(torch.randn(8, 8, generator=g))]  # noqa: E731
+    b = lambda tag: [raw.encode(torch.randn(3, generator=g)).with_tag(tag),  # noqa: E731
+                     q2.encode(torch.randn(8, 8, generator=g))]
     return [a(1), a(2), b(3), b(4), a(5), [], a(6)]
 
 
@@ -298,7 +305,8 @@ def _layouts(rank: int, corrupt: str) -> dict:
                 payload[3] ^= 0x10
             preamble = _build_preamble(1, FORWARD, len(messages), len(payload), 0.0, bytes(header),
                                        _FLAG_INLINE | _FLAG_CHECKSUM)
-            dist.send(torch.frombuffer(bytearray(preamble + payload), dtype=torch.uint8), 1, tag=_TAG_BASE + FORWARD)
+            dist.send(torch.frombuffer(bytearray(preamble + payload), dtype=torch.uint8), 1,
+                      tag=_TAG_BASE + FORWARD)
             dist.barrier()
         return {}
     out: dict = {}
@@ -331,7 +339,8 @@ def _pooled(rank: int) -> dict:
             return {"pool": sizes}
         got = [[t.recv(0, FORWARD) for _ in burst] for burst in bursts]
         t.send([], 0, BACKWARD)
-        return {"equal": all(r[0].to_bytes() == m[0].to_bytes() for gb, b in zip(got, bursts) for r, m in zip(gb, b))}
+        return {"equal": all(r[0].to_bytes() == m[0].to_bytes() for gb, b in zip(got, bursts)
+                             for r, m in zip(gb, b))}
 
 
 def _options_rank(rank: int, world_size: int) -> dict:
@@ -488,7 +497,8 @@ def test_messages_over_the_receive_size_go_in_two_parts_and_raise_it(options, ch
         for direction, msgs in (("send", sent), ("recv", received)):
             packets = sum(len(m) for m in msgs)
             assert r["stats"][(peer, FORWARD, direction)] == (
-                n, packets, sum(p.nbytes for m in msgs for p in m), n * PREAMBLE_BYTES - packets * HEADER_BYTES)
+                n, packets, sum(p.nbytes for m in msgs for p in m),
+                n * PREAMBLE_BYTES - packets * HEADER_BYTES)
         # gloo messages: one per message plus one per two-part message, both ways
         assert r["calls"] == {"recv": n + len(_TWO_PART), "isend": n + len(_TWO_PART)}
         largest = PREAMBLE_BYTES + sum(_FALLBACK_SIZES[4])
@@ -530,8 +540,8 @@ def test_repeated_layouts_arrive_exactly_and_corruption_is_still_caught(options,
     got = options[1][f"layout_{corrupt}"]
     assert got["equal"] == [True] * 7
     assert got["tags"] == [[1], [2], [3, 0], [4, 0], [5], [], [6]]
-    assert got["last"] == ("stage 0 (rank 0) sent a malformed message on forward activations: corrupted packet "
-                           f"{corrupt} (CRC mismatch)")
+    assert got["last"] == ("stage 0 (rank 0) sent a malformed message on forward activations: corrupted "
+                           f"packet {corrupt} (CRC mismatch)")
 
 
 def test_message_buffers_are_reused_only_after_their_send_completed(options):

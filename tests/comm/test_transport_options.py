@@ -1,8 +1,8 @@
 """The transport's payload checksum as a training option (``--checksum/--no-checksum``, the pipeline section).
 
-One spawned pair of processes (a 2-stage distributed pipeline on gloo) runs several trainers one after another:
-stages started with different settings, a run with the default, the same run with ``--no-checksum``, and a run
-interrupted after a checkpoint and resumed with the setting flipped.
+One spawned pair of processes (a 2-stage distributed pipeline on gloo) runs several trainers one after
+another: stages started with different settings, a run with the default, the same run with ``--no-checksum``,
+and a run interrupted after a checkpoint and resumed with the setting flipped.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from aqsgd.train.trainer import Trainer
 
 def _cfg(tmp_path: Path, **kw: Any) -> TrainConfig:
     base = dict(task="synthetic-lm", max_train_samples=8, max_eval_samples=4, max_length=12, stages=2,
-                micro_batches=2, micro_batch_size=2, epochs=2, warmup_epochs=1, lr=3e-3, output_dir=str(tmp_path),
-                progress=False, tensorboard=False, forward="delta:q2", backward="ef21:q4",
-                cache_dir=str(tmp_path / "cache"), runtime="distributed", timeout=60.0, eval_every=0,
-                checkpoint_every=0)
+                micro_batches=2, micro_batch_size=2, epochs=2, warmup_epochs=1, lr=3e-3,
+                output_dir=str(tmp_path), progress=False, tensorboard=False, forward="delta:q2",
+                backward="ef21:q4", cache_dir=str(tmp_path / "cache"), runtime="distributed", timeout=60.0,
+                eval_every=0, checkpoint_every=0)
     base.update(kw)
     return TrainConfig.of(**base)
 
@@ -83,7 +83,8 @@ def test_no_checksum_reaches_the_transport_and_keeps_the_losses_bit_identical(ru
     assert [(r["crc_transport"], r["nocrc_transport"]) for r in ranks] == [(True, False)] * 2
     crc, nocrc = _rows(tmp / "crc", "train"), _rows(tmp / "nocrc", "train")
     assert len(crc) == 4 and [r["loss"] for r in nocrc] == [r["loss"] for r in crc]
-    assert [r["bytes"] for r in nocrc] == [r["bytes"] for r in crc]  # the same wire bytes: the header is fixed
+    # the same wire bytes: the header is fixed
+    assert [r["bytes"] for r in nocrc] == [r["bytes"] for r in crc]
 
 
 def test_checksum_may_change_on_resume(runs):

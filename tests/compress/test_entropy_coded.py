@@ -1,5 +1,5 @@
-"""Entropy-coded quantization: the ``step<c>`` scale (a uniform step of c x the group's rms) and the range-coder
-stage ``:rc`` over a quantizer's codes (aqsgd.compress.quant / wrappers)."""
+"""Entropy-coded quantization: the ``step<c>`` scale (a uniform step of c x the group's rms) and the
+range-coder stage ``:rc`` over a quantizer's codes (aqsgd.compress.quant / wrappers)."""
 
 from __future__ import annotations
 
@@ -171,7 +171,8 @@ def _peek(p: torch.Tensor, at: int, dtype: torch.dtype) -> int:
     return int(p[at:at + n].clone().view(dtype))
 
 
-_FREQ = 0  # offsets in the coder's tables of q4 codes: 16 uint16 frequencies, 16 uint32 states, 16 uint32 counts
+# offsets in the coder's tables of q4 codes: 16 uint16 frequencies, 16 uint32 states, 16 uint32 counts
+_FREQ = 0
 _STATE = 32
 _COUNT = 32 + 64
 
@@ -194,7 +195,8 @@ def test_rc_corrupt_packets(mutate, match):
     x = gaussian(4, 32, 128)
     c = make_codec("q4:rot128:step1:rc")
     p = c.encode(x)
-    bad = Packet(p.family, p.dtype, p.shape, p.fingerprint, mutate(p.payload.clone(), _tables_offset(c, x.shape)))
+    bad = Packet(p.family, p.dtype, p.shape, p.fingerprint,
+                 mutate(p.payload.clone(), _tables_offset(c, x.shape)))
     with pytest.raises(PacketError, match=match) as e:
         c.decode(bad)
     assert "\n" not in str(e.value)

@@ -268,7 +268,8 @@ def test_header_takes_a_precomputed_payload_crc():
     assert p.header_bytes(payload_crc=crc32_of_tensor(p.payload)) == p.header_bytes()
     assert p.header_bytes(checksum=False, payload_crc=123) == p.header_bytes(checksum=False)  # no CRC sent
     with pytest.raises(PacketError, match="CRC"):
-        Packet.from_bytes(p.header_bytes(payload_crc=crc32_of_tensor(p.payload) ^ 1) + p.payload.numpy().tobytes())
+        Packet.from_bytes(p.header_bytes(payload_crc=crc32_of_tensor(p.payload) ^ 1)
+                          + p.payload.numpy().tobytes())
 
 
 @pytest.mark.parametrize("checksum", [True, False])
@@ -278,7 +279,8 @@ def test_layout_key_and_fill_header_rebuild_header_bytes(checksum):
     from aqsgd.compress.packet import HEADER_BYTES, fill_header, layout_key, layout_keys, message_fields
 
     g = torch.Generator().manual_seed(3)
-    for spec, shape in (("q2", (4, 16)), ("none", (3,)), ("topk0.1", (8, 32)), ("fp16", ()), ("q4:rot64", (2, 128))):
+    for spec, shape in (("q2", (4, 16)), ("none", (3,)), ("topk0.1", (8, 32)), ("fp16", ()),
+                        ("q4:rot64", (2, 128))):
         base = make_codec(spec).encode(torch.randn(shape, generator=g))
         keys = set()
         for tag, kind in ((0, 0), (0xDEADBEEF, 3), (2**32 + 5, 255)):
@@ -286,9 +288,11 @@ def test_layout_key_and_fill_header_rebuild_header_bytes(checksum):
             want = p.header_bytes(checksum=checksum)
             crc = message_fields(want)[1]
             assert fill_header(layout_key(want), p.tag, crc) == want
-            assert message_fields(want)[0] == p.tag & 0xFFFFFFFF and message_fields(want)[2] == int.from_bytes(want[60:], "little")
+            assert (message_fields(want)[0] == p.tag & 0xFFFFFFFF
+                    and message_fields(want)[2] == int.from_bytes(want[60:], "little"))
             keys.add(layout_key(p.with_tag(tag, kind=0).header_bytes(checksum=checksum)))
         assert len(keys) == 1  # the tag is not part of the key
         assert sum(map(len, layout_key(want))) == 52
         two = want + base.header_bytes(checksum=checksum)
-        assert layout_keys(two, 2) == layout_key(two) + layout_key(two, HEADER_BYTES)  # several headers in one call
+        # several headers in one call
+        assert layout_keys(two, 2) == layout_key(two) + layout_key(two, HEADER_BYTES)

@@ -64,7 +64,8 @@ def test_nearest_error_within_half_step_and_exact_bytes(shape, bits, granularity
     x = (torch.randn(shape, generator=g, dtype=torch.float64) * magnitude).to(dtype)
     packet = codec.encode(x)
     numel = math.prod(shape)
-    expected = HEADER_BYTES + n_scales(shape, granularity, block) * scale_dtype.itemsize + -(-numel * bits // 8)
+    expected = (HEADER_BYTES + n_scales(shape, granularity, block) * scale_dtype.itemsize
+                + -(-numel * bits // 8))
     assert packet.nbytes == expected == codec.wire_bytes(shape)
     y = codec.decode(packet)
     assert y.dtype == dtype and y.shape == x.shape
@@ -156,7 +157,8 @@ def test_midrise_l2_reaches_the_optimal_uniform_quantizer_error(bits, expected):
     def rel(codec: QuantCodec) -> float:
         return float((codec.roundtrip(x) - x).norm() / x.norm())
 
-    assert rel(QuantCodec(bits, granularity="tensor", scale="l2", grid="midrise", scale_dtype=torch.float32)) \
+    assert rel(QuantCodec(bits, granularity="tensor", scale="l2", grid="midrise",
+                          scale_dtype=torch.float32)) \
         == pytest.approx(expected, abs=0.004)
     if bits == 2:
         clipped = x.clamp(-1.2, 1.2)  # the 3-level grid's best clipping for a unit Gaussian, ~1.2
@@ -229,8 +231,8 @@ def test_float64_beyond_fp32_scales_is_rejected_at_encode():
 def test_the_step_division_is_the_same_on_a_gpu(divisor):
     """CUDA divides a tensor by a Python number as ``x * (1 / d)``. The decode's step (stored scale / d) goes
     through float64, where that path and the CPU's true division round to the same fp32, for every fp16 scale;
-    in fp32 itself the reciprocal path differs (the bug a GPU run found: a packet decoded on the GPU differed in
-    its last bit from the same packet decoded on the CPU)."""
+    in fp32 itself the reciprocal path differs (the bug a GPU run found: a packet decoded on the GPU differed
+    in its last bit from the same packet decoded on the CPU)."""
     from aqsgd.compress.quant import divided
 
     every_fp16 = torch.arange(1, 0x7C00, dtype=torch.int16).view(torch.float16)  # every positive finite value

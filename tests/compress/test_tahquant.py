@@ -9,7 +9,8 @@ from aqsgd.compress import HEADER_BYTES, Packet, QuantCodec, make_codec
 from aqsgd.compress.tahquant import TahQuantCodec, low_tokens
 from aqsgd.errors import NonFiniteError, PacketError, SpecError
 
-SPECS = ["tah", "tah:tile32", "tah:tile2", "tah:tile256", "tah2", "tah3", "tah4", "tah6", "tah8", "tah6:tile64"]
+SPECS = ["tah", "tah:tile32", "tah:tile2", "tah:tile256", "tah2", "tah3", "tah4", "tah6", "tah8",
+         "tah6:tile64"]
 
 
 def rel_mse(y: torch.Tensor, x: torch.Tensor) -> float:

@@ -98,7 +98,8 @@ def test_every_values_codec_roundtrips_odd_shapes(values, shape):
             assert bool(torch.isfinite(y).all())
 
 
-@pytest.mark.parametrize("spec,where", [("topk0.1", "topk0.1 (its fp16 part)"), ("topk0.1+q8", "topk0.1+q8:token (its q8:token part)"),
+@pytest.mark.parametrize("spec,where", [("topk0.1", "topk0.1 (its fp16 part)"),
+                                        ("topk0.1+q8", "topk0.1+q8:token (its q8:token part)"),
                                         ("q4:zstd", "q4:zstd")])
 def test_a_non_finite_input_is_named_by_the_outer_spec(spec, where):
     from aqsgd.compress import make_codec

@@ -211,7 +211,8 @@ def test_codec_packets_are_canonical_and_sorted():
         assert torch.equal(idx, canonical(x.view(rows, n), k))
 
 
-@pytest.mark.parametrize("spec", ["topk0.1", "topk0.01+bf16", "topk0.3+fp32", "topk0.05:tensor", "topk0.1+q8"])
+@pytest.mark.parametrize("spec", ["topk0.1", "topk0.01+bf16", "topk0.3+fp32", "topk0.05:tensor",
+                                  "topk0.1+q8"])
 @pytest.mark.parametrize("data", ["normal", "integers", "misled"])
 def test_encode_is_byte_identical_to_the_step_by_step_path(selection_path, spec, data):
     """One kernel selects, gathers, casts and packs the indices (``fused.topk_encode``), or packs after the

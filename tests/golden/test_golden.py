@@ -15,8 +15,8 @@ The same code gives other float32 losses on another CPU (oneDNN and MKL pick ker
 values recorded on an AMD EPYC differ from an Intel Xeon's in the 7th digit, and with AQ-SGD's rounding
 the difference grows). So the losses are recorded per platform (torch version, CPU ISA, CPU model):
 on a recorded platform they must be equal bit for bit; on another one they are compared with every
-recorded platform's within a relative 2e-3 (ten times the largest difference between the platforms recorded so far, 1.8e-4), which still
-catches a real change of behaviour, and the message says how to record the platform
+recorded platform's within a relative 2e-3 (ten times the largest difference between the platforms recorded so
+far, 1.8e-4), which still catches a real change of behaviour, and the message says how to record the platform
 (``--record`` adds it, keeping the others).
 """
 
@@ -35,8 +35,8 @@ from aqsgd.cli import main
 
 GOLDEN = Path(__file__).with_name("losses.json")
 _QUIET = ["--no-progress", "--no-tensorboard"]
-_SYNTH = ["--task", "synthetic-lm", "--max-train-samples", "64", "--max-eval-samples", "16", "--max-length", "32",
-          "--micro-batches", "2", "--micro-batch-size", "4", "--epochs", "2", "--warmup-epochs", "1"]
+_SYNTH = ["--task", "synthetic-lm", "--max-train-samples", "64", "--max-eval-samples", "16", "--max-length",
+          "32", "--micro-batches", "2", "--micro-batch-size", "4", "--epochs", "2", "--warmup-epochs", "1"]
 CASES: dict[str, list[str]] = {
     "default_job": ["--max-steps", "12"],
     "distributed_aqsgd": [*_SYNTH, "--runtime", "distributed", "--stages", "2", "--forward", "delta:q2",
@@ -55,7 +55,8 @@ def _rows(run_dir: Path) -> list[dict]:
 def _losses(run_dir: Path) -> dict[str, list[float]]:
     rows = _rows(run_dir)
     return {"train": [r["loss"] for r in rows if r["kind"] == "train"],
-            "eval": [r[k]["loss"] for r in rows if r["kind"] == "eval" for k in ("compressed", "uncompressed")]}
+            "eval": [r[k]["loss"] for r in rows if r["kind"] == "eval"
+                     for k in ("compressed", "uncompressed")]}
 
 
 def run_case(name: str, out: Path) -> dict[str, list]:

@@ -34,8 +34,9 @@ pytest.importorskip("transformers")
 
 
 def test_kinds_and_order() -> None:
-    assert MODEL_KINDS == ("gpt2", "llama", "bert-cls", "resnet", "sequential-mlp", "mistral", "qwen2", "qwen3",
-                           "gemma2", "gemma3", "phi3", "olmo2", "gpt-neox", "deberta-v2-cls", "distilbert-cls")
+    assert MODEL_KINDS == ("gpt2", "llama", "bert-cls", "resnet", "sequential-mlp", "mistral", "qwen2",
+                           "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "gpt-neox", "deberta-v2-cls",
+                           "distilbert-cls")
     assert [f.kind for f in families()] == list(MODEL_KINDS)
 
 

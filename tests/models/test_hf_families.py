@@ -176,7 +176,8 @@ def test_pipeline_matches_unsplit_model(name: str, schedule: str, num_stages: in
         got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         assert got.keys() == ref_grads.keys()
         for param, grad in ref_grads.items():
-            torch.testing.assert_close(got[param], grad, atol=1e-5, rtol=1e-5, msg=lambda m, p=param: f"{p}: {m}")
+            torch.testing.assert_close(got[param], grad, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, p=param: f"{p}: {m}")
     finally:
         model.zero_grad(set_to_none=True)
 
@@ -370,7 +371,8 @@ def test_truncation_cuts_the_layer_types(kind: str) -> None:
 def test_dropout_reaches_every_dropout_setting(name: str) -> None:
     """On a full config (as a pretrained folder's config.json has it) every dropout probability is set."""
     case = CASES[name]
-    config = {**case.recipe().build("meta").config.to_dict(), "model_type": case.recipe().config["model_type"]}
+    config = {**case.recipe().build("meta").config.to_dict(),
+              "model_type": case.recipe().config["model_type"]}
     recipe = with_dropout(ModelRecipe(case.kind, config), 0.25)
     keys = [k for k in recipe.config if ("dropout" in k or "pdrop" in k) and k != "classifier_dropout"]
     assert keys

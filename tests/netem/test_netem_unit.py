@@ -69,30 +69,38 @@ def test_bandwidth_grid():
 def test_last_exception_line():
     log = "Traceback...\n  File x\naqsgd.errors.PeerTimeout: stage 1 did not send forward within 4 s\n"
     assert _last_exception(log) == "aqsgd.errors.PeerTimeout: stage 1 did not send forward within 4 s"
-    assert _last_exception("[rank0]: aqsgd.errors.PeerFailure: lost stage 1\n") == "aqsgd.errors.PeerFailure: lost stage 1"
+    assert (_last_exception("[rank0]: aqsgd.errors.PeerFailure: lost stage 1\n")
+            == "aqsgd.errors.PeerFailure: lost stage 1")
     assert _last_exception("all good\n") is None
-    assert _last_exception("x\naqsgd: error: lost stage 1 (rank 1)\n") == "lost stage 1 (rank 1)"  # the CLI's line
+    # the CLI's line
+    assert _last_exception("x\naqsgd: error: lost stage 1 (rank 1)\n") == "lost stage 1 (rank 1)"
 
 
 def test_snake_placement_gives_every_boundary_its_own_link():
-    assert snake_nodes(2) == [0, 1] and snake_nodes(2, 2) == [0, 1, 3, 2] and snake_nodes(3, 2) == [0, 1, 2, 5, 4, 3]
+    assert (snake_nodes(2) == [0, 1] and snake_nodes(2, 2) == [0, 1, 3, 2]
+            and snake_nodes(3, 2) == [0, 1, 2, 5, 4, 3])
     for stages, replicas in ((2, 2), (4, 2), (2, 3), (3, 3)):
         nodes = snake_nodes(stages, replicas)
         assert sorted(nodes) == list(range(stages * replicas))
         for r in range(replicas):  # consecutive stages of a replica are chain neighbours
             assert all(abs(nodes[r * stages + s + 1] - nodes[r * stages + s]) == 1 for s in range(stages - 1))
-    # 2x2: stage 1's replicas are neighbours (link 1), stage 0's span the chain (links 0-2): link 1 carries both
+    # 2x2: stage 1's replicas are neighbours (link 1), stage 0's span the chain (links 0-2): link 1
+    # carries both
     assert sync_link_load(2, 2) == 2 and sync_link_load(4, 2) == 4 and sync_link_load(3, 1) == 0
 
 
 def test_ideal_model_stretches_the_sync_by_the_link_load():
-    row = dict(setting="fp32", stages=2, data_parallel=2, grad_sync="allreduce", bandwidth_mbps=8.0, step_s=2.0,
-               samples_per_s=1.0, compute_per_mb_s=0.1, bytes_per_mb=1e5, num_microbatches=4, sync_bytes=1e6)
+    row = dict(setting="fp32", stages=2, data_parallel=2, grad_sync="allreduce", bandwidth_mbps=8.0,
+               step_s=2.0, samples_per_s=1.0, compute_per_mb_s=0.1, bytes_per_mb=1e5, num_microbatches=4,
+               sync_bytes=1e6)
     q8 = {**row, "grad_sync": "q8", "sync_bytes": 2.5e5, "samples_per_s": 1.5}
-    one, two = summarize([dict(row, sync_load=1), dict(q8, sync_load=1)]), summarize([dict(row, sync_load=2), dict(q8, sync_load=2)])
-    # the pipeline's step (1F1B, 2 stages, 4 micro-batches of 0.1 s, 0.1 s messages) plus load x sync_bytes x 8 / 8e6
+    one, two = (summarize([dict(row, sync_load=1), dict(q8, sync_load=1)]),
+                summarize([dict(row, sync_load=2), dict(q8, sync_load=2)]))
+    # the pipeline's step (1F1B, 2 stages, 4 micro-batches of 0.1 s, 0.1 s messages) plus
+    # load x sync_bytes x 8 / 8e6
     pipe = step_time("1f1b", 2, 4, 0.1, 0.1, 0.1)
-    assert one[1]["ideal_step_s"] == pytest.approx(pipe + 0.25) and two[1]["ideal_step_s"] == pytest.approx(pipe + 0.5)
+    assert (one[1]["ideal_step_s"] == pytest.approx(pipe + 0.25)
+            and two[1]["ideal_step_s"] == pytest.approx(pipe + 0.5))
     assert one[1]["ideal_speedup"] == pytest.approx((pipe + 1.0) / (pipe + 0.25))
     assert two[1]["ideal_speedup"] == pytest.approx((pipe + 2.0) / (pipe + 0.5))
     assert two[0]["efficiency"] == pytest.approx((pipe + 2.0) / 2.0)
@@ -111,7 +119,8 @@ def test_cli_options_and_reports(tmp_path):
     assert cfg.settings == ("fp32", "aqsgd fw2/bw4") and set(cfg.settings) <= set(SETTINGS)
     assert config_from_args(parser.parse_args(["netem"])).settings == DEFAULT_SETTINGS
     rows = [{"setting": s, "bandwidth_mbps": bw, "link_mbps": bw * 0.95, "samples_per_s": 10.0 * k,
-             "speedup_vs_fp32": float(k), "ideal_speedup": float(k), "efficiency": 1.0, "comm_compute_ratio": 1.0}
+             "speedup_vs_fp32": float(k), "ideal_speedup": float(k), "efficiency": 1.0,
+             "comm_compute_ratio": 1.0}
             for bw in (100, 10) for k, s in enumerate(("fp32", "aqsgd fw2/bw4"), start=1)]
     table = markdown_table(rows)
     assert table.count("\n") == 1 + len(rows) and "| 10 | 9.5 | aqsgd fw2/bw4 | 20.0 |" in table
@@ -149,7 +158,8 @@ def test_sweep_runs_are_trainer_options(tmp_path):
     assert parsed == TrainConfig.from_flat(opts).validate()
     assert (parsed.task.name, parsed.model.name, parsed.model.layers, parsed.model.hidden_size) == \
         ("synthetic-lm", "tiny-llama", 2, 64)
-    assert parsed.task.max_train_samples == parsed.global_batch_size == 2 * 4 * 4  # one global batch per epoch
+    # one global batch per epoch
+    assert parsed.task.max_train_samples == parsed.global_batch_size == 2 * 4 * 4
     assert (parsed.compression.forward, parsed.compression.backward) == ("delta:q2", "direct:q4")
     assert (parsed.compression.warmup_epochs, parsed.optim.epochs) == (1, 4)
     assert (parsed.run.eval_every, parsed.run.checkpoint_every) == (0, 0)

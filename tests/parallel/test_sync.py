@@ -15,7 +15,8 @@ from aqsgd.errors import SpecError
 from aqsgd.parallel import GridLayout, QuantizedSync, allreduce_bytes, make_grad_sync, parse_grad_sync
 
 WORLD = 3
-SHAPES = [(40, 30), (30,), (50, 20), (7,)]  # 2237 values; 4 KiB buckets -> [1200] and [30 + 1000 + 7] (no parameter splits)
+# 2237 values; 4 KiB buckets -> [1200] and [30 + 1000 + 7] (no parameter splits)
+SHAPES = [(40, 30), (30,), (50, 20), (7,)]
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
@@ -112,8 +113,9 @@ def _worker(rank: int, world: int) -> dict:
         except KeyError as e:
             out[f"{spec}_bad_key"] = str(e)
 
-    # PowerSGD on host buckets on a machine with a GPU (gloo sync): torch's hook then synchronizes the bucket's
-    # device, which raises for a host device; emulated here (a GPU machine's torch.cuda, as it behaves)
+    # PowerSGD on host buckets on a machine with a GPU (gloo sync): torch's hook then synchronizes the
+    # bucket's device, which raises for a host device; emulated here (a GPU machine's torch.cuda, as it
+    # behaves)
     def cuda_synchronize(device=None):
         if device is not None and torch.device(device).type != "cuda":
             raise ValueError(f"Expected a cuda device, but got: {torch.device(device)}")
@@ -157,7 +159,8 @@ def test_allreduce_is_the_exact_average(ranks):
     for r in ranks:
         assert r["allreduce_err"] < 1e-6 and r["allreduce_same"]
         assert r["allreduce_bytes"] == sum(allreduce_bytes(4 * n, WORLD) for n in r["buckets"])
-        assert r["warmup_err"] < 1e-6 and r["warmup_bytes"] == r["allreduce_bytes"] and r["warmup_state"] == {}
+        assert (r["warmup_err"] < 1e-6 and r["warmup_bytes"] == r["allreduce_bytes"]
+                and r["warmup_state"] == {})
 
 
 def test_quantized_sync_is_identical_everywhere_and_close(ranks):

@@ -193,8 +193,8 @@ def reference_step(case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 def run_pipeline(
     stages: list[nn.Module], schedule: str, microbatches: list[dict[str, torch.Tensor]]
 ) -> torch.Tensor:
-    """One training step of the stages as an uncompressed local pipeline: the gradients of the mean micro-batch
-    loss accumulate in the parameters (no optimizer step); returns that mean loss."""
+    """One training step of the stages as an uncompressed local pipeline: the gradients of the mean
+    micro-batch loss accumulate in the parameters (no optimizer step); returns that mean loss."""
     return LocalPipeline(stages, CompressionConfig(), schedule=schedule).step(microbatches)
 
 

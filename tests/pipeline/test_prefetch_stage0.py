@@ -1,5 +1,6 @@
-"""Disk-cache prefetch in the stage runner: every stage, stage 0 included, reads micro-batch k + 1's cache rows
-ahead when micro-batch k's forward starts, once per micro-batch, and every cache read is then a prefetch hit."""
+"""Disk-cache prefetch in the stage runner: every stage, stage 0 included, reads micro-batch k + 1's cache
+rows ahead when micro-batch k's forward starts, once per micro-batch, and every cache read is then a prefetch
+hit."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def test_every_stage_prefetches_every_microbatch_once(tmp_path, monkeypatch, sch
                 calls = collections.Counter(mb_of_ids[ids] for s, ids in prefetches if s is scheme)
                 # every micro-batch of every training step prefetched, none twice
                 assert calls == {m: TRAIN_STEPS for m in range(MICROBATCHES)}, (stage, scheme.label, calls)
-                # and every cache read was served from its prefetch (stage 0 used to miss all but micro-batch 0)
+                # and every cache read was served from its prefetch (stage 0 used to miss all but
+                # micro-batch 0)
                 assert (scheme.cache.prefetch_hits, scheme.cache.prefetch_misses) == (
                     TRAIN_STEPS * MICROBATCHES, 0), (stage, scheme.label)
         # prefetching changes nothing in the numbers

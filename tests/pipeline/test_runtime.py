@@ -86,28 +86,32 @@ def test_data_parallel_replicas_draw_independent_rounding():
     def sent(replica: int) -> torch.Tensor:
         sender = cfg.make(0, FORWARD_CHANNEL, "sender", row_shape=(64,), dtype=torch.float32, device="cpu",
                           replica=replica)
-        receiver = cfg.make(0, FORWARD_CHANNEL, "receiver", row_shape=(64,), dtype=torch.float32, device="cpu",
-                            replica=replica)
+        receiver = cfg.make(0, FORWARD_CHANNEL, "receiver", row_shape=(64,), dtype=torch.float32,
+                            device="cpu", replica=replica)
         return receiver.recv(sender.send(x))
 
     assert torch.equal(sent(0), sent(0))  # deterministic per replica
     assert not torch.equal(sent(0), sent(1))
     assert cfg.scheme_seed(0, FORWARD_CHANNEL, 0) == 3 * 1000  # unchanged for replica 0
-    seeds = {cfg.scheme_seed(b, ch, r) for b in range(4) for ch in (FORWARD_CHANNEL, BACKWARD_CHANNEL) for r in range(4)}
+    seeds = {cfg.scheme_seed(b, ch, r) for b in range(4) for ch in (FORWARD_CHANNEL, BACKWARD_CHANNEL)
+             for r in range(4)}
     assert len(seeds) == 32
 
 
 def test_schedule_actions_are_labelled_for_the_profiler():
     case = CASES["mlp"]()
-    pipe = LocalPipeline(partition_model(case.model, 2), CompressionConfig.simple("q8", "q8"), schedule="1f1b")
+    pipe = LocalPipeline(partition_model(case.model, 2), CompressionConfig.simple("q8", "q8"),
+                         schedule="1f1b")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         pipe.step(split_batch(case.batch, 2))
     names = {e.name for e in prof.events()}
     for m in (0, 1):
-        assert {f"stage0 FORWARD mb{m}", f"stage0 SEND_F mb{m}", f"stage0 encode F mb{m}", f"stage0 RECV_B mb{m}",
-                f"stage0 wait B mb{m}", f"stage0 decode B mb{m}", f"stage0 BACKWARD mb{m}"} <= names
-        assert {f"stage1 RECV_F mb{m}", f"stage1 wait F mb{m}", f"stage1 decode F mb{m}", f"stage1 FORWARD mb{m}",
-                f"stage1 BACKWARD mb{m}", f"stage1 SEND_B mb{m}", f"stage1 encode B mb{m}"} <= names
+        assert {f"stage0 FORWARD mb{m}", f"stage0 SEND_F mb{m}", f"stage0 encode F mb{m}",
+                f"stage0 RECV_B mb{m}", f"stage0 wait B mb{m}", f"stage0 decode B mb{m}",
+                f"stage0 BACKWARD mb{m}"} <= names
+        assert {f"stage1 RECV_F mb{m}", f"stage1 wait F mb{m}", f"stage1 decode F mb{m}",
+                f"stage1 FORWARD mb{m}", f"stage1 BACKWARD mb{m}", f"stage1 SEND_B mb{m}",
+                f"stage1 encode B mb{m}"} <= names
     assert {"stage0 wait sends", "stage1 wait sends"} <= names
 
 
@@ -121,10 +125,12 @@ def test_outside_a_profiler_no_label_is_made(monkeypatch):
     monkeypatch.setattr(runner_module, "record_function", lambda name: made.append(name) or real(name))
     case = CASES["mlp"]()
     stages = partition_model(case.model, 2)
-    plain = LocalPipeline(copy.deepcopy(stages), CompressionConfig.simple("q8", "q8")).step(split_batch(case.batch, 2))
+    plain = LocalPipeline(copy.deepcopy(stages),
+                          CompressionConfig.simple("q8", "q8")).step(split_batch(case.batch, 2))
     assert made == []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        labelled = LocalPipeline(stages, CompressionConfig.simple("q8", "q8")).step(split_batch(case.batch, 2))
+        labelled = LocalPipeline(stages,
+                                 CompressionConfig.simple("q8", "q8")).step(split_batch(case.batch, 2))
     assert "stage0 FORWARD mb0" in made
     assert torch.equal(plain, labelled)
 
@@ -154,7 +160,8 @@ def test_runner_state_round_trip_builds_the_schemes(tmp_path):
     assert [sorted(r.schemes) for r in fresh.runners] == [sorted(r.schemes) for r in pipe.runners]
     assert float(fresh.step(mbs)) == float(pipe.step(mbs))
     with pytest.raises(ValueError, match="has no scheme"):
-        fresh.runners[0].load_state_dict({(0, FORWARD_CHANNEL, "receiver"): folders[1][(0, FORWARD_CHANNEL, "receiver")]})
+        fresh.runners[0].load_state_dict(
+            {(0, FORWARD_CHANNEL, "receiver"): folders[1][(0, FORWARD_CHANNEL, "receiver")]})
 
 
 def _engine(model, stages=2):

@@ -1,8 +1,9 @@
 """Checkpoints can be trusted: checksummed, written durably and atomically, verified before anything is read.
 
-A real checkpoint of the synthetic task (3 stages, AQ-SGD forward, EF21 backward: both boundary kinds whose two
-sides hold bit-identical state) is damaged in every way a disk, a copy or a person can damage it; each resume
-must stop with one :class:`CheckpointError` line naming the file, and an undamaged one must continue exactly.
+A real checkpoint of the synthetic task (3 stages, AQ-SGD forward, EF21 backward: both boundary kinds whose
+two sides hold bit-identical state) is damaged in every way a disk, a copy or a person can damage it; each
+resume must stop with one :class:`CheckpointError` line naming the file, and an undamaged one must continue
+exactly.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ STEP4 = "checkpoints/step-00000004"
 def _cfg(out: Path, **kw) -> TrainConfig:
     base = dict(task="synthetic-lm", max_train_samples=48, max_eval_samples=16, max_length=12, stages=3,
                 micro_batches=2, micro_batch_size=4, epochs=2, lr=3e-3, output_dir=str(out), progress=False,
-                tensorboard=False, forward="delta:q2:stochastic", backward="ef21:q4", cache_dir=str(out / "cache"),
-                checkpoint_every=4)
+                tensorboard=False, forward="delta:q2:stochastic", backward="ef21:q4",
+                cache_dir=str(out / "cache"), checkpoint_every=4)
     base.update(kw)
     return TrainConfig.of(**base)
 
@@ -115,11 +116,14 @@ DAMAGE = {  # name: (file in the step-8 checkpoint, damage)
     "trainer-deleted": ("trainer.json", Path.unlink),
     "rng-flip": ("rank0.rng.safetensors", _flip),
     "rng-json-truncated": ("rank0.rng.json", _truncate),
-    "sender-cache-flip": ("stage0/schemes/b0-forward-sender/cache/cache.safetensors", lambda f: _flip(f, 0.7)),
-    "receiver-cache-flip": ("stage2/schemes/b1-forward-receiver/cache/cache.safetensors", lambda f: _flip(f, 0.99)),
+    "sender-cache-flip": ("stage0/schemes/b0-forward-sender/cache/cache.safetensors",
+                          lambda f: _flip(f, 0.7)),
+    "receiver-cache-flip": ("stage2/schemes/b1-forward-receiver/cache/cache.safetensors",
+                            lambda f: _flip(f, 0.99)),
     "cache-meta-garbled": ("stage1/schemes/b1-forward-sender/cache/meta.json", lambda f: f.write_text("}")),
     "cache-deleted": ("stage1/schemes/b0-forward-receiver/cache/cache.safetensors", Path.unlink),
-    "cache-from-older-checkpoint": ("stage0/schemes/b0-forward-sender/cache/cache.safetensors", _swap_older_cache),
+    "cache-from-older-checkpoint": ("stage0/schemes/b0-forward-sender/cache/cache.safetensors",
+                                    _swap_older_cache),
     "ef21-estimate-flip": ("stage1/schemes/b1-backward-receiver/slots.safetensors", _flip),
     "scheme-shape-edited": ("stage2/schemes/b1-backward-sender/shape.json",
                             lambda f: f.write_text(f.read_text().replace("12", "13", 1))),
@@ -129,7 +133,8 @@ DAMAGE = {  # name: (file in the step-8 checkpoint, damage)
     "manifest-flip": ("MANIFEST.json", _flip),
     "manifest-deleted": ("MANIFEST.json", Path.unlink),
     "complete-garbled": ("COMPLETE", lambda f: f.write_bytes(b"\x00\xff")),
-    "unlisted-file-in-scheme": ("stage1/schemes/b0-forward-receiver/cache/extra.bin", lambda f: f.write_bytes(b"x")),
+    "unlisted-file-in-scheme": ("stage1/schemes/b0-forward-receiver/cache/extra.bin",
+                                lambda f: f.write_bytes(b"x")),
 }
 
 
@@ -190,7 +195,8 @@ def test_manifests_cover_every_file(runs):
 
 # -- contents that pass their checksums but are bad (a bug in the writer, a manifest rewritten by hand) ------
 def _reseal(ck: Path) -> None:
-    """Recompute every manifest of ``ck`` for its current files (as a buggy writer would have written them)."""
+    """Recompute every manifest of ``ck`` for its current files (as a buggy writer would have written
+    them)."""
     top = json.loads((ck / "MANIFEST.json").read_text())
     for name in top["manifests"]:
         own = json.loads((ck / name).read_text())
@@ -208,7 +214,8 @@ SEALED = {  # name: (file, damage, words of the message)
     "scheduler-not-utf8": ("stage0/scheduler.json", lambda f: f.write_bytes(b"\xff\xfe{\x00"), "not UTF-8"),
     "scheduler-list": ("stage1/scheduler.json", lambda f: f.write_text("[1, 2]"), "LR scheduler"),
     "model-truncated": ("stage1/model.safetensors", _truncate, "cannot load the weights of stage 1"),
-    "optimizer-garbage": ("stage2/optimizer.pt", lambda f: f.write_bytes(b"PK\x03\x04 garbage"), "optimizer of stage 2"),
+    "optimizer-garbage": ("stage2/optimizer.pt", lambda f: f.write_bytes(b"PK\x03\x04 garbage"),
+                          "optimizer of stage 2"),
     "rng-json-wrong": ("rank0.rng.json", lambda f: f.write_text('{"python": 5}'), "Python RNG state"),
     "rng-not-safetensors": ("rank0.rng.safetensors", _truncate, "torch RNG state"),
     "shape-empty": ("stage1/schemes/b1-forward-sender/shape.json", lambda f: f.write_text("{}"), "'shape'"),
@@ -217,7 +224,8 @@ SEALED = {  # name: (file, damage, words of the message)
     # one side's cache no longer equals the other side's: found from the manifests before anything is read
     "cache-truncated": ("stage1/schemes/b1-forward-sender/cache/cache.safetensors", _truncate,
                         "boundary 1 forward: the sender's"),
-    "scheme-json-garbled": ("stage0/schemes/b0-backward-receiver/scheme.json", lambda f: f.write_bytes(b"\xff"),
+    "scheme-json-garbled": ("stage0/schemes/b0-backward-receiver/scheme.json",
+                            lambda f: f.write_bytes(b"\xff"),
                             "cannot restore the b0-backward-receiver scheme"),
 }
 
@@ -237,7 +245,8 @@ def test_bad_contents_with_valid_checksums_are_one_line_errors(run, tmp_path, na
 @pytest.mark.parametrize("kw,words", [
     (dict(stages=2), "written by a run of 3 stages x 1 replicas, this run has 2 x 1"),
     (dict(optimizer="sgd"), "optimizer.pt: holds the state of the AdamW optimizer"),
-    (dict(layers=[1, 1, 2]), "model.safetensors: weights do not fit stage 0 (missing [], unexpected ['layers.1."),
+    (dict(layers=[1, 1, 2]),
+     "model.safetensors: weights do not fit stage 0 (missing [], unexpected ['layers.1."),
     (dict(backward="direct:q4"), "b0-backward-receiver: cannot restore"),
     (dict(max_train_samples=40), "b0-forward-sender: cannot restore"),
 ])
@@ -270,7 +279,7 @@ def test_sides_that_diverged_before_the_save_are_refused(tmp_path, side, words):
     _one_line_error(excinfo, words, "sender", "receiver", "bit-identical")
 
 
-# -- writing ---------------------------------------------------------------------------------------------------
+# -- writing -------------------------------------------------------------------------------------------------
 def _enospc_at(path_part: str, real):
     def write(obj, path):
         if path_part in str(path):
@@ -286,7 +295,8 @@ def test_disk_full_is_one_line_and_the_previous_checkpoint_resumes_exactly(runs,
     with pytest.raises(CheckpointError) as excinfo:
         Trainer(_cfg(tmp_path, run_name="full-disk")).run()
     run = tmp_path / "full-disk"
-    _one_line_error(excinfo, "writing checkpoint", "step-00000008", "No space left on device", "stage1/optimizer.pt")
+    _one_line_error(excinfo, "writing checkpoint", "step-00000008", "No space left on device",
+                    "stage1/optimizer.pt")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004"]
     monkeypatch.undo()
     _resume(run)
@@ -309,7 +319,8 @@ def test_safetensors_storage_error_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "save_file", full)
     with pytest.raises(CheckpointError) as excinfo:
         save_checkpoint(tmp_path / "st", 1, trainer.engine, {"epoch": 0, "batch": 1, "step": 1})
-    _one_line_error(excinfo, "step-00000001: No space left on device (writing stage0/schemes/b0-forward-sender)")
+    _one_line_error(excinfo,
+                    "step-00000001: No space left on device (writing stage0/schemes/b0-forward-sender)")
     assert not (tmp_path / "st" / "checkpoints" / "step-00000001.tmp").exists()
 
 
@@ -396,7 +407,7 @@ def test_file_digest_streams_large_files(tmp_path):
     assert file_digest(tmp_path / "f", sync=True) == (len(data), hashlib.sha256(data).hexdigest())
 
 
-# -- the schemes' side of it -----------------------------------------------------------------------------------
+# -- the schemes' side of it ---------------------------------------------------------------------------------
 def test_mirrored_state_of_each_scheme():
     assert make_scheme("delta", "q4", "sender", num_samples=8).mirrored_state() == ("cache/",)
     assert make_scheme("ef21", "q4", "receiver").mirrored_state() == ("slots.safetensors",)
@@ -422,7 +433,8 @@ def test_ef21_sides_save_identical_estimates_and_old_folders_still_load(tmp_path
     legacy = tmp_path / "legacy"
     shutil.copytree(tmp_path / "r", legacy)
     (legacy / "slots.safetensors").unlink()
-    save_file({k: v.contiguous() for k, v in EF21Scheme.state_dict(r).items()}, str(legacy / "state.safetensors"))
+    save_file({k: v.contiguous() for k, v in EF21Scheme.state_dict(r).items()},
+              str(legacy / "state.safetensors"))
     r3 = make_scheme("ef21", "q4:stochastic", "receiver")
     r3.load(legacy)
     assert torch.equal(r3.state.buffers[0], r.state.buffers[0])
@@ -440,13 +452,14 @@ def test_scheme_load_names_a_garbled_file(tmp_path):
         make_scheme("direct", "q4", "sender").load(tmp_path)
 
 
-# -- distributed: 2 stages x 2 replicas, each rank writes and verifies its own files ---------------------------
+# -- distributed: 2 stages x 2 replicas, each rank writes and verifies its own files -------------------------
 def _dp_worker(rank: int, world: int, out: str) -> dict:
     import torch.distributed as dist
 
     out_dir = Path(out)
-    cfg = _cfg(out_dir, stages=2, runtime="distributed", data_parallel=2, grad_sync="q8", max_train_samples=30,
-               micro_batch_size=2, epochs=2, warmup_epochs=1, checkpoint_every=3, timeout=60.0, run_name="dp")
+    cfg = _cfg(out_dir, stages=2, runtime="distributed", data_parallel=2, grad_sync="q8",
+               max_train_samples=30, micro_batch_size=2, epochs=2, warmup_epochs=1, checkpoint_every=3,
+               timeout=60.0, run_name="dp")
     result: dict = {}
     Trainer(cfg).run(stop_at=4)  # checkpoint at step 3
     # one rank's disk is full at the next save: every rank gets the same error, the partial folder goes
@@ -465,7 +478,8 @@ def _dp_worker(rank: int, world: int, out: str) -> dict:
     result["after_failed_save"] = sorted(p.name for p in (out_dir / "dp" / "checkpoints").iterdir())
     # a byte of replica 1's stage-1 cache (only rank 3 reads it) flips: every rank refuses the resume
     if rank == 0:
-        _flip(next((out_dir / "dp" / "checkpoints" / "step-00000003" / "stage1" / "replica1").rglob("cache.safetensors")))
+        _flip(next((out_dir / "dp" / "checkpoints" / "step-00000003" / "stage1"
+                    / "replica1").rglob("cache.safetensors")))
     dist.barrier()
     try:
         Trainer(cfg.replace(resume=str(out_dir / "dp"))).run()
@@ -484,5 +498,6 @@ def test_distributed_ranks_agree_on_every_failure(tmp_path):
         assert "No space left on device (writing stage1/optimizer.pt)" in r["save_error"], r
         assert "\n" not in r["save_error"]
         assert r["after_failed_save"] == ["step-00000003"]
-        assert "step-00000003/stage1/replica1/schemes/" in r["load_error"] and "checksum mismatch" in r["load_error"]
+        assert ("step-00000003/stage1/replica1/schemes/" in r["load_error"]
+                and "checksum mismatch" in r["load_error"])
     assert len({r["save_error"] for r in ranks}) == len({r["load_error"] for r in ranks}) == 1

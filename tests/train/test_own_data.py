@@ -1,5 +1,5 @@
-"""Fine-tuning a model chosen by folder on the user's own files, through ``aqsgd train``: tiny random models of
-several families saved with ``save_pretrained`` next to a small tokenizer trained offline."""
+"""Fine-tuning a model chosen by folder on the user's own files, through ``aqsgd train``: tiny random models
+of several families saved with ``save_pretrained`` next to a small tokenizer trained offline."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from aqsgd.cli import main
 
-_WORDS = ("the cat dog sat ran on a mat big small red blue fast slow house tree river stone bird fish sun moon "
-          "light dark old new green").split()
+_WORDS = ("the cat dog sat ran on a mat big small red blue fast slow house tree river stone bird fish sun "
+          "moon light dark old new green").split()
 
 
 def _sentences(n: int, seed: int) -> list[str]:
@@ -28,13 +28,15 @@ def tokenizer_dir(tmp_path_factory):
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=100, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[EOS]"])
+    trainer = trainers.BpeTrainer(vocab_size=100,
+                                  special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[EOS]"])
     tok.train_from_iterator(_sentences(200, 0), trainer)
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", eos_token="[EOS]")
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                   cls_token="[CLS]", sep_token="[SEP]", eos_token="[EOS]")
     out = tmp_path_factory.mktemp("tokenizer")
     fast.save_pretrained(str(out))
     return out
@@ -57,9 +59,9 @@ def _save_model(folder, tokenizer_dir, model_type: str, auto: str, **config):
 
 
 def _train(tmp_path, *args: str) -> dict:
-    argv = ["train", *args, "--stages", "2", "--micro-batches", "2", "--micro-batch-size", "4", "--epochs", "2",
-            "--max-length", "16", "--lr", "1e-3", "--output-dir", str(tmp_path / "runs"), "--run-name", "run",
-            "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--no-tensorboard"]
+    argv = ["train", *args, "--stages", "2", "--micro-batches", "2", "--micro-batch-size", "4", "--epochs",
+            "2", "--max-length", "16", "--lr", "1e-3", "--output-dir", str(tmp_path / "runs"), "--run-name",
+            "run", "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--no-tensorboard"]
     assert main(argv) == 0
     return json.loads((tmp_path / "runs" / "run" / "summary.json").read_text())
 
@@ -76,7 +78,8 @@ def test_causal_lm_folder_on_a_txt_file(tmp_path, tokenizer_dir, model_type):
 
 
 def test_deberta_classifier_on_csv_files(tmp_path, tokenizer_dir):
-    folder = _save_model(tmp_path / "deberta", tokenizer_dir, "deberta-v2", "AutoModelForSequenceClassification")
+    folder = _save_model(tmp_path / "deberta", tokenizer_dir, "deberta-v2",
+                         "AutoModelForSequenceClassification")
     for name, n, seed in (("train.csv", 96, 2), ("dev.csv", 24, 3)):
         with open(tmp_path / name, "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
@@ -84,7 +87,8 @@ def test_deberta_classifier_on_csv_files(tmp_path, tokenizer_dir):
             for s in _sentences(n, seed):
                 w.writerow([s, "animals" if ("cat" in s.split() or "dog" in s.split()) else "other"])
     summary = _train(tmp_path, "--model", str(folder), "--train-file", str(tmp_path / "train.csv"),
-                     "--eval-file", str(tmp_path / "dev.csv"), "--text-column", "sentence", "--label-column", "topic")
+                     "--eval-file", str(tmp_path / "dev.csv"), "--text-column", "sentence",
+                     "--label-column", "topic")
     assert summary["main_metric"] == "accuracy" and 0 <= summary["eval"]["uncompressed"]["accuracy"] <= 1
     data = json.loads((tmp_path / "runs" / "run" / "data.json").read_text())
     assert data["label_names"] == ["animals", "other"]
@@ -97,8 +101,8 @@ def test_resume_refuses_a_changed_training_file(tmp_path, tokenizer_dir, capsys)
     _train(tmp_path, "--model", str(folder), "--train-file", str(text), "--checkpoint-every", "2",
            "--max-steps", "2")
     text.write_text("\n".join(_sentences(80, 9)) + "\n", encoding="utf-8")
-    argv = ["train", "--model", str(folder), "--train-file", str(text), "--stages", "2", "--micro-batches", "2",
-            "--micro-batch-size", "4", "--max-length", "16", "--cache-dir", str(tmp_path / "cache"),
+    argv = ["train", "--model", str(folder), "--train-file", str(text), "--stages", "2", "--micro-batches",
+            "2", "--micro-batch-size", "4", "--max-length", "16", "--cache-dir", str(tmp_path / "cache"),
             "--resume", str(tmp_path / "runs" / "run"), "--no-progress", "--no-tensorboard"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -121,22 +125,24 @@ def test_unsupported_family_and_folder_errors(tmp_path, tokenizer_dir, capsys):
     _save_model(empty, tokenizer_dir, "qwen2", "AutoModelForCausalLM")
     for f in empty.glob("*token*"):
         f.unlink()
-    assert main(["train", "--model", str(empty), "--train-file", str(text), "--cache-dir", str(tmp_path / "c")]) == 2
+    assert main(["train", "--model", str(empty), "--train-file", str(text), "--cache-dir",
+                 str(tmp_path / "c")]) == 2
     assert "no tokenizer" in capsys.readouterr().err
 
 
 def test_models_command_lists_the_families(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2", "gpt2", "gpt_neox", "bert",
-                       "roberta", "deberta-v2", "distilbert"):
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2", "gpt2", "gpt_neox",
+                       "bert", "roberta", "deberta-v2", "distilbert"):
         assert model_type in out, model_type
 
 
 def test_deberta_distributed_equals_local(tmp_path, tokenizer_dir):
     """DeBERTa's relative-position table is held by every stage (a tie across all three): the distributed run
     sums its gradient over the stages exactly as the local one does."""
-    folder = _save_model(tmp_path / "deberta", tokenizer_dir, "deberta-v2", "AutoModelForSequenceClassification")
+    folder = _save_model(tmp_path / "deberta", tokenizer_dir, "deberta-v2",
+                         "AutoModelForSequenceClassification")
     data = tmp_path / "train.jsonl"
     rows = [{"text": s, "label": int("cat" in s.split())} for s in _sentences(64, 5)]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
@@ -189,14 +195,14 @@ def test_every_classifier_family_trains_from_a_folder(tmp_path, tokenizer_dir, m
 def test_data_option_errors_are_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cases = [
-        (["--dataset", "stanfordnlp/imdb"], "--dataset stanfordnlp/imdb loads from the Hugging Face hub, which "
-                                            "HF_HUB_OFFLINE disables"),
+        (["--dataset", "stanfordnlp/imdb"], "--dataset stanfordnlp/imdb loads from the Hugging Face hub, "
+                                            "which HF_HUB_OFFLINE disables"),
         (["--train-file", str(tmp_path / "none.csv")], f"--train-file {tmp_path / 'none.csv'}: no such file"),
         (["--train-file", "a.csv", "--task", "wiki"], "--task: 'wiki' and --train-file both name the data"),
         (["--train-file", "a.csv", "--dataset", "x"], "--dataset: give either --train-file or --dataset"),
         (["--eval-file", "a.csv"], "--eval-file: needs --train-file"),
-        (["--model", "Qwen/Qwen2.5-0.5B", "--task", "wiki"], "--model Qwen/Qwen2.5-0.5B: the Hugging Face hub is "
-                                                             "offline (HF_HUB_OFFLINE=1)"),
+        (["--model", "Qwen/Qwen2.5-0.5B", "--task", "wiki"], "--model Qwen/Qwen2.5-0.5B: the Hugging Face "
+                                                             "hub is offline (HF_HUB_OFFLINE=1)"),
         (["--train-file", "a.csv", "--eval-split", "0"], "--eval-split: must be in (0, 1)"),
     ]
     for args, message in cases:

@@ -44,7 +44,8 @@ def _synthetic_rows(args: TaskArgs) -> DictDataset:
 
 @pytest.fixture
 def registered():
-    spec = register_task(TaskSpec("test-synthetic-rows", "causal-lm", True, "synthetic rows", _synthetic_rows))
+    spec = register_task(TaskSpec("test-synthetic-rows", "causal-lm", True, "synthetic rows",
+                                  _synthetic_rows))
     yield spec
     TASKS.pop(spec.name, None)
 
@@ -75,8 +76,10 @@ def test_python_data_refuses_a_task_too(tmp_path):
 def test_dataset_kind_from_columns():
     ids = torch.arange(12).view(2, 6)
     assert dataset_kind(DictDataset({"input_ids": ids, "labels": ids})) == "causal-lm"
-    assert dataset_kind(DictDataset({"input_ids": ids, "labels": torch.tensor([0, 1])})) == "sequence-classification"
-    assert dataset_kind(DictDataset({"pixel_values": torch.zeros(2, 1, 4, 4), "labels": torch.tensor([0, 1])})) \
+    assert (dataset_kind(DictDataset({"input_ids": ids, "labels": torch.tensor([0, 1])}))
+            == "sequence-classification")
+    assert dataset_kind(DictDataset({"pixel_values": torch.zeros(2, 1, 4, 4),
+                                     "labels": torch.tensor([0, 1])})) \
         == "image-classification"
     with pytest.raises(SpecError, match="cannot tell the task kind"):
         dataset_kind(DictDataset({"input_ids": ids, "labels": torch.zeros(2, 3)}))

@@ -318,7 +318,8 @@ def test_main_metric_follows_the_task(tmp_path):
 def test_eval_only_in_summary(tmp_path):
     d = make_run(tmp_path, "aqsgd")
     metrics = d / "metrics.jsonl"
-    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines() if '"eval"' not in line))
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if '"eval"' not in line))
     run = load_run(d)
     assert run.eval_rows == [] and main_metric([run]) == "accuracy"
     assert comparison_table([run])[0]["metric_on"] == pytest.approx(0.79)

@@ -13,8 +13,9 @@ from aqsgd.train.trainer import Trainer
 
 def _cfg(tmp_path, **kw):
     base = dict(task="synthetic-lm", max_train_samples=48, max_eval_samples=16, max_length=12, stages=3,
-                micro_batches=2, micro_batch_size=4, epochs=3, lr=3e-3, output_dir=str(tmp_path), progress=False,
-                tensorboard=False, forward="delta:q2:stochastic", backward="direct:q4", cache_dir=str(tmp_path / "cache"))
+                micro_batches=2, micro_batch_size=4, epochs=3, lr=3e-3, output_dir=str(tmp_path),
+                progress=False, tensorboard=False, forward="delta:q2:stochastic", backward="direct:q4",
+                cache_dir=str(tmp_path / "cache"))
     base.update(kw)
     return TrainConfig.of(**base)
 
@@ -39,7 +40,8 @@ def test_metrics_summary_and_both_evals(tmp_path):
     assert train[-1]["ratio"] > 5
     assert set(train[-1]["bytes"]) == {"b0.forward", "b0.backward", "b1.forward", "b1.backward"}
     for e in evals:
-        assert {"loss", "perplexity"} <= set(e["compressed"]) and {"loss", "perplexity"} <= set(e["uncompressed"])
+        assert ({"loss", "perplexity"} <= set(e["compressed"])
+                and {"loss", "perplexity"} <= set(e["uncompressed"]))
     assert summary["steps"] == 18 and summary["compression_ratio"] > 1 and 0 < summary["traffic_saved"] < 1
     assert train[-1]["loss"] < train[0]["loss"]
 
@@ -48,11 +50,12 @@ def test_resume_continues_exactly(tmp_path):
     full = Trainer(_cfg(tmp_path, run_name="full")).run()
     interrupted = Trainer(_cfg(tmp_path, run_name="part", checkpoint_every=4))
     interrupted.run(stop_at=10)  # checkpoints at steps 4 and 8, then "dies" after step 10
-    resumed = Trainer(_cfg(tmp_path, run_name="part", checkpoint_every=4, resume=str(tmp_path / "part"))).run()
+    resumed = Trainer(_cfg(tmp_path, run_name="part", checkpoint_every=4,
+                           resume=str(tmp_path / "part"))).run()
     expect = dict(_losses(tmp_path / "full"))
     got = _losses(tmp_path / "part")
-    # steps 9 and 10 ran twice (before the interruption and again after resuming from step 8); resuming cut the
-    # first records of them from metrics.jsonl, so every step is recorded once
+    # steps 9 and 10 ran twice (before the interruption and again after resuming from step 8); resuming cut
+    # the first records of them from metrics.jsonl, so every step is recorded once
     assert [s for s, _ in got] == list(range(1, 19))
     for step, loss in got:
         assert loss == expect[step], step  # bit-identical on CPU
@@ -67,8 +70,10 @@ def test_resume_refuses_other_settings(tmp_path):
 
 
 @pytest.mark.parametrize("field,value,needle", [("stages", 0, "--stages"), ("forward", "q9", "--forward"),
-                                                ("schedule", "zigzag", "--schedule"), ("warmup_epochs", 5, "--warmup-epochs"),
-                                                ("runtime", "cloud", "--runtime"), ("layers", [1, 1], "--layers")])
+                                                ("schedule", "zigzag", "--schedule"),
+                                                ("warmup_epochs", 5, "--warmup-epochs"),
+                                                ("runtime", "cloud", "--runtime"),
+                                                ("layers", [1, 1], "--layers")])
 def test_invalid_values_name_the_option(tmp_path, field, value, needle):
     with pytest.raises(SpecError, match=needle):
         _cfg(tmp_path, **{field: value}).validate()

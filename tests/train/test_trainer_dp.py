@@ -34,10 +34,10 @@ S, D = 2, 2
 
 def _cfg(tmp_path: Path, **kw: Any) -> TrainConfig:
     base = dict(task="synthetic-lm", max_train_samples=30, max_eval_samples=10, max_length=12, stages=S,
-                micro_batches=2, micro_batch_size=2, epochs=3, warmup_epochs=1, lr=3e-3, output_dir=str(tmp_path),
-                progress=False, tensorboard=False, forward="delta:q2", backward="direct:q4",
-                cache_dir=str(tmp_path / "cache"), runtime="distributed", data_parallel=D, grad_sync="q8",
-                timeout=120.0)
+                micro_batches=2, micro_batch_size=2, epochs=3, warmup_epochs=1, lr=3e-3,
+                output_dir=str(tmp_path), progress=False, tensorboard=False, forward="delta:q2",
+                backward="direct:q4", cache_dir=str(tmp_path / "cache"), runtime="distributed",
+                data_parallel=D, grad_sync="q8", timeout=120.0)
     base.update(kw)
     return TrainConfig.of(**base)
 
@@ -57,7 +57,8 @@ def _resume_worker(rank: int, world: int, cfg_json: str) -> dict[str, Any]:
     full = Trainer(cfg.replace(run_name="full"))
     out["coords"] = (full.grid.stage, full.grid.replica) if full.grid is not None else None
     out["full"] = full.run()
-    # checkpoints at steps 3 and 6 (the second one inside epoch 1, after the warm-up), then "dies" after step 8
+    # checkpoints at steps 3 and 6 (the second one inside epoch 1, after the warm-up), then "dies" after
+    # step 8
     part = cfg.replace(run_name="part", checkpoint_every=3)
     Trainer(part).run(stop_at=8)
     out["resumed"] = Trainer(part.replace(resume=str(Path(cfg.run.output_dir) / "part"))).run()
@@ -91,7 +92,8 @@ def test_resume_with_data_parallelism_continues_exactly(dp_resume):
     # first records of them from metrics.jsonl, so every step is recorded once
     assert [s for s, _ in got] == list(range(1, 13))
     for step, loss in got:
-        assert loss == expect[step], step  # bit-identical on CPU: caches, EF buffers, q8 error buffers restored
+        # bit-identical on CPU: caches, EF buffers, q8 error buffers restored
+        assert loss == expect[step], step
     assert [e["uncompressed"]["loss"] for e in _rows(tmp / "part", "eval")][-1] == \
         [e["uncompressed"]["loss"] for e in _rows(tmp / "full", "eval")][-1]
     # only stage 1 of replica 0 returns a summary with a loss (the others hold no history)
@@ -121,7 +123,8 @@ def test_metrics_carry_grad_sync_bytes(dp_resume):
     train = _rows(tmp / "full", "train")
     assert all(r["grad_sync_bytes"] > 0 for r in train)
     warm, compressed = train[0]["grad_sync_bytes"], train[-1]["grad_sync_bytes"]
-    # warm-up is the fp32 ring all-reduce (2 (D-1)/D x 4 bytes per value at D = 2, every rank); q8 is about 1/4
+    # warm-up is the fp32 ring all-reduce (2 (D-1)/D x 4 bytes per value at D = 2, every rank); q8 is
+    # about 1/4
     stages = partition_model(setup_task(cfg).recipe.build("meta"), S)
     numel = sum(p.numel() for m in stages for p in m.parameters())
     assert warm == D * 4 * numel
@@ -143,11 +146,12 @@ def test_uncompressed_dp_matches_one_pipeline_with_twice_the_micro_batches(tmp_p
                  grad_sync="allreduce")
     cfg = _cfg(tmp_path, run_name="dp", **quick)
     names = ("task", "max_train_samples", "max_eval_samples", "max_length", "stages", "micro_batches",
-             "micro_batch_size", "epochs", "warmup_epochs", "lr", "output_dir", "cache_dir", "forward", "backward",
-             "runtime", "data_parallel", "grad_sync", "timeout", "run_name")
+             "micro_batch_size", "epochs", "warmup_epochs", "lr", "output_dir", "cache_dir", "forward",
+             "backward", "runtime", "data_parallel", "grad_sync", "timeout", "run_name")
     flat = cfg.flat()
     argv = [f"--{name.replace('_', '-')}={flat[name]}" for name in names]
-    out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", *argv, "--no-progress", "--no-tensorboard"],
+    out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", *argv, "--no-progress",
+                          "--no-tensorboard"],
                          capture_output=True, text=True, timeout=420, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "2 stages x 2 replicas" in out.stdout and "bytes sent between replicas" in out.stdout

@@ -50,14 +50,14 @@ def transformer_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def collect_boundary_tensors(model: torch.nn.Module, probe: Mapping[str, torch.Tensor],
-                             batches: Iterable[Mapping[str, torch.Tensor]], *, stages: int = 4, lr: float = 5e-5,
-                             progress: bool = True) -> BoundaryTensors:
+                             batches: Iterable[Mapping[str, torch.Tensor]], *, stages: int = 4,
+                             lr: float = 5e-5, progress: bool = True) -> BoundaryTensors:
     """Activation, delta and gradient at the boundaries of an even ``stages``-way split of ``model``.
 
     ``probe`` and every batch are model inputs with ``labels`` (the model returns ``.loss``). The probe's
     activations and gradients are taken in eval mode (no dropout: the change measured is the weights'); then
-    one AdamW step (lr ``lr``, weight decay 0.01, gradients clipped to norm 1) per batch in train mode, and the
-    probe's activations again. Changes ``model``'s weights.
+    one AdamW step (lr ``lr``, weight decay 0.01, gradients clipped to norm 1) per batch in train mode, and
+    the probe's activations again. Changes ``model``'s weights.
     """
     from aqsgd.pipeline.partition import even_counts
 
@@ -106,8 +106,9 @@ def collect_boundary_tensors(model: torch.nn.Module, probe: Mapping[str, torch.T
 
 @dataclass(frozen=True)
 class BoundaryPreset:
-    """How :func:`source_boundary_tensors` probes one offline model: the reduced convergence study's sizes, and
-    one epoch of it (``steps`` x ``batch`` samples at the study's learning rate) between the two activations."""
+    """How :func:`source_boundary_tensors` probes one offline model: the reduced convergence study's sizes,
+    and one epoch of it (``steps`` x ``batch`` samples at the study's learning rate) between the two
+    activations."""
 
     description: str
     seq_len: int

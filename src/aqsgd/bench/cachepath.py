@@ -15,8 +15,8 @@ same run, interleaved with the two sides (medians over repeats after warm-up, as
 allocation. The step cycles over ``microbatches`` micro-batches of distinct sample ids, each with two versions
 of its activation that alternate between visits, so the cache rows, activations and deltas come from memory as
 they do in training rather than staying in the CPU's caches; the clone and the copy cycle over the same
-activations. The components (get, subtract, encode, decode, add, put) are timed alone as well, on a third cache
-of the same spec.
+activations. The components (get, subtract, encode, decode, add, put) are timed alone as well, on a third
+cache of the same spec.
 
 Where the cache keeps its rows in CPU memory (``memory``) and the codec is a plain quantizer, the two sides
 run as one fused pass over the rows (:meth:`Codec.encode_delta` / :meth:`Codec.decode_delta`): the
@@ -119,8 +119,8 @@ class PrefetchRow:
 
 
 def _activations(shape: Sequence[int], k: int, device: torch.device, seed: int) -> list[list[torch.Tensor]]:
-    """``k`` micro-batches, each in two versions (the second: the first plus 10 % noise), like ``bench codecs``'
-    tensor: Gaussian with every (width/8)-th channel scaled 8x."""
+    """``k`` micro-batches, each in two versions (the second: the first plus 10 % noise), like
+    ``bench codecs``' tensor: Gaussian with every (width/8)-th channel scaled 8x."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = []
     for _ in range(k):
@@ -142,9 +142,9 @@ def check_specs(codecs: Sequence[str], caches: Sequence[str]) -> None:
 
 
 class CachePair:
-    """Sender and receiver ``delta`` schemes of one boundary, built by :func:`make_scheme` as the trainer builds
-    them, over ``microbatches`` micro-batches of ``shape[0]`` distinct sample ids each, filled by a ``WARMUP``
-    pass. :meth:`send` / :meth:`recv` run one ``TRAIN`` micro-batch through the real schemes."""
+    """Sender and receiver ``delta`` schemes of one boundary, built by :func:`make_scheme` as the trainer
+    builds them, over ``microbatches`` micro-batches of ``shape[0]`` distinct sample ids each, filled by a
+    ``WARMUP`` pass. :meth:`send` / :meth:`recv` run one ``TRAIN`` micro-batch through the real schemes."""
 
     def __init__(self, cache: str, codec: str, shape: Sequence[int], *, microbatches: int = MICROBATCHES,
                  device: torch.device | str = "cpu", seed: int = 0, cache_dir: str | Path | None = None,
@@ -156,16 +156,17 @@ class CachePair:
         self.microbatches = microbatches
         self.capacity = microbatches * b
         perm = torch.randperm(self.capacity, generator=torch.Generator().manual_seed(seed))
-        self.ids = [perm[i * b:(i + 1) * b].clone() for i in range(microbatches)]  # scattered ids, as shuffled
-        self.xs = activations if activations is not None else _activations(self.shape, microbatches, self.device,
-                                                                          seed)
+        # scattered ids, as shuffled
+        self.ids = [perm[i * b:(i + 1) * b].clone() for i in range(microbatches)]
+        self.xs = activations if activations is not None else _activations(self.shape, microbatches,
+                                                                           self.device, seed)
         self.visits = [0] * microbatches
         self.schemes: dict[str, DeltaScheme] = {}
         for side in ("sender", "receiver"):
             path = None if cache_dir is None else Path(cache_dir) / f"cachepath-{cache}-{side}.bin"
             s = make_scheme("delta", codec, side, num_samples=self.capacity, cache=cache, cache_path=path,
-                            row_shape=self.shape[1:], dtype=torch.float32, label=f"bench {cache} {side}", seed=seed,
-                            device=self.device)
+                            row_shape=self.shape[1:], dtype=torch.float32, label=f"bench {cache} {side}",
+                            seed=seed, device=self.device)
             assert isinstance(s, DeltaScheme)
             self.schemes[side] = s
         self.sender, self.receiver = self.schemes["sender"], self.schemes["receiver"]
@@ -209,7 +210,8 @@ def bench_cache_path(codecs: Sequence[str] = (DEFAULT_CODEC,), caches: Sequence[
                      cache_dir: str | Path | None = None) -> list[CachePathRow]:
     """One row per codec and cache spec (``memory``, ``lowbit4``, ``disk``, ... as ``--cache`` spells them).
     Disk caches go to ``cache_dir`` (default: a temporary folder, removed afterwards); their reads here come
-    from the OS page cache (the rows were just written): :func:`bench_prefetch` measures reads from the disk."""
+    from the OS page cache (the rows were just written): :func:`bench_prefetch` measures reads from the
+    disk."""
     device = torch.device(device)
     shape = tuple(int(n) for n in shape)
     xs = _activations(shape, microbatches, device, seed)
@@ -229,7 +231,8 @@ def bench_cache_path(codecs: Sequence[str] = (DEFAULT_CODEC,), caches: Sequence[
                     eager = CachePair(spec, codec, shape, microbatches=microbatches, device=device, seed=seed,
                                       cache_dir=Path(tmp) / "eager", activations=xs)
                 try:
-                    rows.append(_measure(pair, probe, eager, nbytes, repeats=repeats, warmup=warmup, seed=seed))
+                    rows.append(_measure(pair, probe, eager, nbytes, repeats=repeats, warmup=warmup,
+                                         seed=seed))
                 finally:
                     for p in (pair, probe, eager):
                         if p is not None:
@@ -263,8 +266,8 @@ def _unfused(fn: Callable[[], None]) -> Callable[[], None]:
     return call
 
 
-def _measure(pair: CachePair, probe: CachePair, eager: CachePair | None, nbytes: int, *, repeats: int, warmup: int,
-             seed: int) -> CachePathRow:
+def _measure(pair: CachePair, probe: CachePair, eager: CachePair | None, nbytes: int, *, repeats: int,
+             warmup: int, seed: int) -> CachePathRow:
     k_count, device = pair.microbatches, pair.device
     send, recv = _sides(pair)
 
@@ -324,14 +327,15 @@ def _measure(pair: CachePair, probe: CachePair, eager: CachePair | None, nbytes:
         microbatches=k_count, sender_gbps=snd, receiver_gbps=rcv, clone_gbps=clone_gbps,
         sender_vs_clone=snd / clone_gbps, receiver_vs_clone=rcv / clone_gbps,
         sender_ms=t["send"] * 1e3, receiver_ms=t["recv"] * 1e3, clone_ms=t["clone"] * 1e3,
-        get_ms=t["get"] * 1e3, sub_ms=t["sub"] * 1e3, encode_ms=t["encode"] * 1e3, decode_ms=t["decode"] * 1e3,
-        add_ms=t["add"] * 1e3, put_ms=t["put"] * 1e3,
+        get_ms=t["get"] * 1e3, sub_ms=t["sub"] * 1e3, encode_ms=t["encode"] * 1e3,
+        decode_ms=t["decode"] * 1e3, add_ms=t["add"] * 1e3, put_ms=t["put"] * 1e3,
         cache_bytes_per_sample=_cache_bytes_per_sample(pair), wire_bytes=sum(p.nbytes for p in sent),
         caches_identical=pair.identical() and (eager is None or eager.identical()),
         eager_sender_ms=t["eager_send"] * 1e3 if eager is not None else None,
         eager_receiver_ms=t["eager_recv"] * 1e3 if eager is not None else None,
         fused=any(fused_steps),
-        copy_gbps=nbytes / t["copy"] / 1e9, sender_vs_copy=t["copy"] / t["send"], receiver_vs_copy=t["copy"] / t["recv"],
+        copy_gbps=nbytes / t["copy"] / 1e9, sender_vs_copy=t["copy"] / t["send"],
+        receiver_vs_copy=t["copy"] / t["recv"],
     )
 
 
@@ -344,7 +348,7 @@ class _Cycle:
         return self.i
 
 
-# ---------------------------------------------------------------------------------------------------- page cache
+# ------------------------------------------------------------------------------------------------- page cache
 
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
@@ -355,7 +359,8 @@ def _libc() -> ctypes.CDLL | None:
     except OSError:
         return None
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -390,8 +395,8 @@ def resident_fraction(path: str | Path) -> float | None:
 
 
 def drop_file_pages(cache: DiskCache) -> bool:
-    """Write the disk cache's dirty pages back, unmap them from this process (``madvise(MADV_DONTNEED)`` on the
-    cache's memmap: pages mapped by a process are not evicted) and drop the file from the OS page cache
+    """Write the disk cache's dirty pages back, unmap them from this process (``madvise(MADV_DONTNEED)`` on
+    the cache's memmap: pages mapped by a process are not evicted) and drop the file from the OS page cache
     (``posix_fadvise(POSIX_FADV_DONTNEED)``). True when no page of the file is resident afterwards (as far as
     ``mincore`` tells); False where the platform cannot do it (tmpfs, not Linux): reads are then warm."""
     cache.flush()
@@ -413,7 +418,7 @@ def drop_file_pages(cache: DiskCache) -> bool:
     return left is not None and left == 0.0
 
 
-# ---------------------------------------------------------------------------------------------------- prefetch
+# --------------------------------------------------------------------------------------------------- prefetch
 
 def bench_prefetch(codec: str = DEFAULT_CODEC, cache: str = "disk", *, shape: Sequence[int] = (8, 512, 768),
                    device: str | torch.device = "cpu", microbatches: int = MICROBATCHES, repeats: int = 7,
@@ -422,8 +427,8 @@ def bench_prefetch(codec: str = DEFAULT_CODEC, cache: str = "disk", *, shape: Se
     """Steps of ``microbatches`` sender micro-batches through a disk-cached ``delta`` scheme, in the runner's
     order: ``prefetch(ids[0])`` at the step's start, then per micro-batch ``k``: ``prefetch(ids[k + 1])`` (as
     on its arrival), the stand-in forward (one ``width x width`` linear layer on the micro-batch, when
-    ``forward``), and ``send`` (whose ``cache.get`` consumes the prefetch). Without prefetch the same steps make
-    no ``prefetch`` call. Four modes (cold/warm pages x with/without prefetch), interleaved step by step;
+    ``forward``), and ``send`` (whose ``cache.get`` consumes the prefetch). Without prefetch the same steps
+    make no ``prefetch`` call. Four modes (cold/warm pages x with/without prefetch), interleaved step by step;
     ``repeats`` steps each. The wait is the time spent inside the scheme's ``cache.get``."""
     device = torch.device(device)
     shape = tuple(int(n) for n in shape)
@@ -436,7 +441,8 @@ def bench_prefetch(codec: str = DEFAULT_CODEC, cache: str = "disk", *, shape: Se
     if cache_dir is not None:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="aqsgd-prefetch-", dir=cache_dir) as tmp:
-        pair = CachePair(cache, codec, shape, microbatches=microbatches, device=device, seed=seed, cache_dir=tmp)
+        pair = CachePair(cache, codec, shape, microbatches=microbatches, device=device, seed=seed,
+                         cache_dir=tmp)
         disk = pair.sender.cache
         if not isinstance(disk, DiskCache):
             pair.close()
@@ -501,7 +507,8 @@ def bench_prefetch(codec: str = DEFAULT_CODEC, cache: str = "disk", *, shape: Se
             step_read_wait_ms=statistics.median(s["wait"]) * 1e3,
             step_ms=statistics.median(s["step"]) * 1e3,
             forward_ms=statistics.median(s["fwd"]) * 1e3 if s["fwd"] else 0.0,
-            hits=round(statistics.median(s["hits"])), misses=round(statistics.median(s["misses"])), hidden=None,
+            hits=round(statistics.median(s["hits"])), misses=round(statistics.median(s["misses"])),
+            hidden=None,
         ))
     by_mode = {(r.pages, r.prefetch): r for r in rows}
     for r in rows:
@@ -531,13 +538,14 @@ def _opt(v: float | None, fmt: str) -> str:
 
 def markdown_table(d: dict[str, Any]) -> list[str]:
     """The two tables of a :func:`write_cache_path_json` file as markdown (for docs/bench-codecs.md)."""
-    out = ["| cache | codec | fused | sender GB/s | receiver GB/s | clone GB/s | sender / clone | receiver / clone "
-           "| copy GB/s | sender / copy | receiver / copy "
+    out = ["| cache | codec | fused | sender GB/s | receiver GB/s | clone GB/s | sender / clone | "
+           "receiver / clone | copy GB/s | sender / copy | receiver / copy "
            "| send / recv ms | unfused send / recv ms | get | a − m | encode | decode | m + d | put (ms) "
            "| cache bytes / sample |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
-        parts = " | ".join(f"{r[k]:.2f}" for k in ("get_ms", "sub_ms", "encode_ms", "decode_ms", "add_ms", "put_ms"))
+        parts = " | ".join(f"{r[k]:.2f}"
+                           for k in ("get_ms", "sub_ms", "encode_ms", "decode_ms", "add_ms", "put_ms"))
         unfused = ("-" if r.get("eager_sender_ms") is None
                    else f"{r['eager_sender_ms']:.2f} / {r['eager_receiver_ms']:.2f}")
         out.append(f"| `{r['cache']}` | `{r['codec']}` | {'yes' if r.get('fused') else 'no'} | "

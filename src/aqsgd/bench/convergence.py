@@ -33,24 +33,25 @@ log = logging.getLogger(__name__)
 TASKS: dict[str, dict[str, Any]] = {
     "minilm-bbc": dict(task="bbc", model="minilm", max_length=64, max_train_samples=400, max_eval_samples=200,
                        stages=4, micro_batches=4, micro_batch_size=8, epochs=3, warmup_epochs=1, lr=2e-4),
-    # the full 30-block SmolLM2-135M (truncating blocks breaks the pretrained model: eval loss 18 instead of 3),
-    # so the reduction is in tokens and samples
-    "smollm2-wiki": dict(task="wiki", model="smollm2", max_length=32, max_train_samples=256, max_eval_samples=64,
-                         stages=4, micro_batches=2, micro_batch_size=4, epochs=4, warmup_epochs=1, lr=5e-5),
+    # the full 30-block SmolLM2-135M (truncating blocks breaks the pretrained model: eval loss 18 instead of
+    # 3), so the reduction is in tokens and samples
+    "smollm2-wiki": dict(task="wiki", model="smollm2", max_length=32, max_train_samples=256,
+                         max_eval_samples=64, stages=4, micro_batches=2, micro_batch_size=4, epochs=4,
+                         warmup_epochs=1, lr=5e-5),
     # a smoke test of the study itself (seconds; a random-token LM, no data source needed)
-    "synthetic-lm": dict(task="synthetic-lm", max_length=12, max_train_samples=48, max_eval_samples=16, stages=3,
-                         micro_batches=2, micro_batch_size=4, epochs=3, warmup_epochs=1, lr=3e-3),
+    "synthetic-lm": dict(task="synthetic-lm", max_length=12, max_train_samples=48, max_eval_samples=16,
+                         stages=3, micro_batches=2, micro_batch_size=4, epochs=3, warmup_epochs=1, lr=3e-3),
 }
 DEFAULT_TASKS = ["minilm-bbc", "smollm2-wiki"]
 
 # the settings each task runs by default (the LM task is ~50x more expensive per sample on CPU)
 DEFAULT_SETTINGS: dict[str, list[str]] = {
     # ordered so that an interrupted study has the most telling runs first
-    "minilm-bbc": ["fp32", "aqsgd fw2/bw4", "direct fw2/bw4", "aqsgd fw3/bw6", "direct fw3/bw6", "aqsgd fw4/bw8",
-                   "direct fw4/bw8", "topk10%", "topk10% + ef", "topk30%", "topk30% + ef", "aqsgd + topk30%",
-                   "aqsgd fw2 only", "direct fw2 only", "bw4 only", "aqsgd fw2/bw4 token", "direct fw2/bw4 token",
-                   "aqsgd fw2/bw4 stochastic", "aqsgd fw2/bw4 l2", "direct fw2/bw4 l2",
-                   "aqsgd fw2/bw4 token l2 midrise"],
+    "minilm-bbc": ["fp32", "aqsgd fw2/bw4", "direct fw2/bw4", "aqsgd fw3/bw6", "direct fw3/bw6",
+                   "aqsgd fw4/bw8", "direct fw4/bw8", "topk10%", "topk10% + ef", "topk30%", "topk30% + ef",
+                   "aqsgd + topk30%", "aqsgd fw2 only", "direct fw2 only", "bw4 only", "aqsgd fw2/bw4 token",
+                   "direct fw2/bw4 token", "aqsgd fw2/bw4 stochastic", "aqsgd fw2/bw4 l2",
+                   "direct fw2/bw4 l2", "aqsgd fw2/bw4 token l2 midrise"],
     "smollm2-wiki": ["fp32", "aqsgd fw2/bw4", "direct fw2/bw4", "aqsgd fw4/bw8", "direct fw4/bw8", "topk30%",
                      "topk30% + ef", "aqsgd + topk30%"],
     "synthetic-lm": ["fp32", "aqsgd fw2/bw4", "direct fw2/bw4"],
@@ -60,16 +61,17 @@ DEFAULT_SETTINGS: dict[str, list[str]] = {
 # (TAH-Quant), entropy-coded AQ-SGD deltas (`ec`: a uniform step and the range coder). The zstd stage is
 # lossless, so a `zstd` run trains exactly as the same setting without it.
 _FEWER_BITS = ["fp32", "aqsgd fw2/bw4 l2 zstd", "aqsgd fw2/bw4 rot zstd", "direct fw3/bw6 rot zstd",
-               "tah-quant zstd", "direct fw4/bw6 rot zstd", "aqsgd fw2/bw4 rot outlier", "aqsgd fw2/bw4 l2 outlier",
-               "aqsgd fw1/bw4 rot zstd", "aqsgd fw1/bw4", "aqsgd fw2 rot only", "bw4 rot only",
-               "aqsgd fw3/bw4 rot zstd", "aqsgd fw2 ec/bw4 rot", "aqsgd fw1.5 ec/bw4 rot",
+               "tah-quant zstd", "direct fw4/bw6 rot zstd", "aqsgd fw2/bw4 rot outlier",
+               "aqsgd fw2/bw4 l2 outlier", "aqsgd fw1/bw4 rot zstd", "aqsgd fw1/bw4", "aqsgd fw2 rot only",
+               "bw4 rot only", "aqsgd fw3/bw4 rot zstd", "aqsgd fw2 ec/bw4 rot", "aqsgd fw1.5 ec/bw4 rot",
                "direct fw4 ec/bw6 rot", "direct fw3.5 ec/bw6 rot", "direct fw4/bw6 rot outlier zstd"]
 FEWER_BITS_SETTINGS: dict[str, list[str]] = {
     "minilm-bbc": _FEWER_BITS, "smollm2-wiki": _FEWER_BITS,
     "synthetic-lm": ["fp32", "aqsgd fw2/bw4 rot zstd", "tah-quant"],
 }
 #: the studies there are: their default settings per task (their result files are named ``<study>-<task>``)
-STUDIES: dict[str, dict[str, list[str]]] = {"convergence": DEFAULT_SETTINGS, "fewer-bits": FEWER_BITS_SETTINGS}
+STUDIES: dict[str, dict[str, list[str]]] = {"convergence": DEFAULT_SETTINGS,
+                                            "fewer-bits": FEWER_BITS_SETTINGS}
 
 
 def _slug(name: str) -> str:
@@ -81,9 +83,10 @@ def run_key(name: str, seed: int) -> str:
     return name if seed == 0 else f"{name} @seed{seed}"
 
 
-def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = None, overrides: dict[str, Any] | None = None,
-              seeds: list[int] | None = None, progress: Callable[[str], None] | None = None,
-              command: str | None = None, keep_checkpoints: bool = False, study: str = "convergence") -> dict[str, Any]:
+def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = None,
+              overrides: dict[str, Any] | None = None, seeds: list[int] | None = None,
+              progress: Callable[[str], None] | None = None, command: str | None = None,
+              keep_checkpoints: bool = False, study: str = "convergence") -> dict[str, Any]:
     """Run every setting on one task, once per seed (default: seed 0; the seed sets the data order, the
     initialization of new heads and stochastic rounding); returns (and writes) the collected results. A
     study is continued from ``<out_dir>/<task>/study.json``; one with other task settings is refused.
@@ -97,8 +100,8 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
     if result_path.exists():  # continue an interrupted study
         previous = json.loads(result_path.read_text())
         if previous.get("base_config", base) != base:
-            raise ValueError(f"{result_path} holds a study of {task} with other settings ({previous['base_config']}, "
-                             f"now {base}); use another --runs-dir")
+            raise ValueError(f"{result_path} holds a study of {task} with other settings "
+                             f"({previous['base_config']}, now {base}); use another --runs-dir")
         results["runs"] = previous.get("runs", {})
     for seed in seeds or [0]:
         for name in settings or STUDIES[study][task]:
@@ -110,14 +113,16 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
             run_name = _slug(name) + (f"-seed{seed}" if seed else "")
             # a run directory of a setting the study has not recorded is what an interrupted study left
             # behind: that run starts afresh
-            cfg = TrainConfig.of(**{**base, **setting.overrides}, forward=fw, backward=bw, output_dir=str(out),
-                                 run_name=run_name, progress=False, tensorboard=False, seed=seed, overwrite=True)
+            cfg = TrainConfig.of(**{**base, **setting.overrides}, forward=fw, backward=bw,
+                                 output_dir=str(out), run_name=run_name, progress=False, tensorboard=False,
+                                 seed=seed, overwrite=True)
             if progress:
                 progress(f"{task}: {key} ({fw} / {bw})")
             t0 = time.perf_counter()
             summary = Trainer(cfg).run()
             run = load_run(out / run_name)
-            results["runs"][key] = _run_record(name, seed, run_name, fw, bw, summary, run, time.perf_counter() - t0)
+            results["runs"][key] = _run_record(name, seed, run_name, fw, bw, summary, run,
+                                               time.perf_counter() - t0)
             if command:
                 results["runs"][key]["command"] = command
             out.mkdir(parents=True, exist_ok=True)
@@ -177,7 +182,8 @@ def study_table(results: dict[str, Any]) -> list[dict[str, Any]]:
 
     def best(r: dict[str, Any]) -> float | None:
         metric = r["summary"]["main_metric"]
-        vals = [e["uncompressed"][metric] for e in r.get("eval", []) if metric in (e.get("uncompressed") or {})]
+        vals = [e["uncompressed"][metric] for e in r.get("eval", [])
+                if metric in (e.get("uncompressed") or {})]
         if not vals:
             return None
         return max(vals) if HIGHER_IS_BETTER.get(metric, False) else min(vals)
@@ -201,7 +207,8 @@ def study_table(results: dict[str, Any]) -> list[dict[str, Any]]:
         fp32_runs = [base.get(k) for k in seeds]  # fp32 of the same seed, the pair of each run
         refs = [final(b, "uncompressed") if b else None for b in fp32_runs]
         on, off = [final(r, "compressed") for r in runs], [final(r, "uncompressed") for r in runs]
-        rel_on, rel_off = [rel(v, ref) for v, ref in zip(on, refs)], [rel(v, ref) for v, ref in zip(off, refs)]
+        rel_on, rel_off = ([rel(v, ref) for v, ref in zip(on, refs)],
+                           [rel(v, ref) for v, ref in zip(off, refs)])
         best_refs = [best(b) if b else None for b in fp32_runs]
         best_off = [best(r) for r in runs]
         rel_best = [rel(v, ref) for v, ref in zip(best_off, best_refs)]
@@ -219,7 +226,8 @@ def study_table(results: dict[str, Any]) -> list[dict[str, Any]]:
                      "compression_ratio": mean([r["summary"]["compression_ratio"] for r in runs]),
                      "train_loss_gap": mean(gaps), "train_loss_gap_std": std(gaps),
                      "wire_bits_per_value": mean([t.get("forward_bits_per_value") for t in traffic]),
-                     "wire_bits_per_value_backward": mean([t.get("backward_bits_per_value") for t in traffic]),
+                     "wire_bits_per_value_backward": mean([t.get("backward_bits_per_value")
+                                                           for t in traffic]),
                      "step_s": mean([t.get("step_s") for t in traffic]),
                      "steps": first["summary"]["steps"], "wall_s": sum(r["wall_s"] for r in runs)})
     return rows
@@ -229,7 +237,8 @@ def _gap(run: dict[str, Any], fp32: dict[str, Any] | None) -> float | None:
     """Last epoch's mean training loss of ``run`` minus that of ``fp32`` (the same seed), in nats."""
     if not fp32:
         return None
-    a, b = (run.get("traffic") or {}).get("epoch_train_loss"), (fp32.get("traffic") or {}).get("epoch_train_loss")
+    a, b = ((run.get("traffic") or {}).get("epoch_train_loss"),
+            (fp32.get("traffic") or {}).get("epoch_train_loss"))
     if not a or not b:
         return None
     last = max(a, key=int)
@@ -243,15 +252,16 @@ def format_relative(value: float | None, spread: float | None = None) -> str:
     return f"{100 * value:+.2f}%" + (f" ± {100 * spread:.2f}" if spread is not None else "")
 
 
-def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_dir: str | Path, *, command: str,
-                  machine: str, tag: str | None = None, study: str = "convergence",
+def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_dir: str | Path, *,
+                  command: str, machine: str, tag: str | None = None, study: str = "convergence",
                   settings: list[str] | None = None) -> tuple[Path, Path | None]:
     """The study's JSON (table, curves, final metrics) and a PNG of its runs under ``out_dir``, named
     ``<study>-<task>[-<tag>].json/.png``; a study's files hold its own settings only (several studies may
-    share one runs directory, and so their fp32 runs), plus any other ``settings`` asked for by name. ``command`` is this invocation; ``commands`` lists every
-    command that added runs to the study, in order (runs recorded before commands were kept name none). The
-    PNG is None (with a warning) when a seed-0 run directory is missing, e.g. for a study continued from its
-    JSON on another machine: the JSON is still written."""
+    share one runs directory, and so their fp32 runs), plus any other ``settings`` asked for by name.
+    ``command`` is this invocation; ``commands`` lists every command that added runs to the study, in order
+    (runs recorded before commands were kept name none). The PNG is None (with a warning) when a seed-0 run
+    directory is missing, e.g. for a study continued from its JSON on another machine: the JSON is still
+    written."""
     from aqsgd.train.report import load_run, plot_runs
 
     out = Path(out_dir)
@@ -259,10 +269,11 @@ def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_
     wanted = set(STUDIES[study][task])
     if study != "convergence":  # the convergence study keeps every run of its directory, as before
         keep = wanted | set(settings or [])
-        results = {**results, "runs": {k: r for k, r in results["runs"].items() if r.get("setting", k) in keep}}
+        results = {**results, "runs": {k: r for k, r in results["runs"].items()
+                                       if r.get("setting", k) in keep}}
     commands = list(dict.fromkeys(r["command"] for r in results["runs"].values() if r.get("command")))
-    results = {**results, "study": study, "table": study_table(results), "machine": machine, "command": command,
-               "commands": commands or [command],
+    results = {**results, "study": study, "table": study_table(results), "machine": machine,
+               "command": command, "commands": commands or [command],
                "complete": {r.get("setting", k) for k, r in results["runs"].items()} >= wanted}
     stem = f"{study}-{task}" + (f"-{tag}" if tag else "")
     path = out / f"{stem}.json"

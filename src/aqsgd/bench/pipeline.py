@@ -77,11 +77,12 @@ def run_options(cfg: Any, setting: str, *, stages: int, replicas: int = 1, grad_
                 link: str | None = None, timeout_s: float, output_dir: str | Path, run_name: str,
                 cache_dir: str | Path | None = None) -> dict[str, Any]:
     """One run of a throughput benchmark as training options by their flat names: a random tiny Llama of
-    ``cfg``'s sizes (``hidden``, ``layers``, ``seq_len``, ``vocab``, ``microbatch_size``, ``num_microbatches``,
-    ``measure_steps``: the fields :class:`PipelineBenchConfig` and the netem sweep's config share) on a synthetic
-    set of exactly one global batch, so every epoch is one optimizer step: epoch 0 uncompressed (AQ-SGD fills
-    its cache there; it is not timed), then ``measure_steps`` timed epochs with the setting's codecs and
-    overrides; no evaluation, no checkpoints. ``cache_dir`` holds the initial weights file."""
+    ``cfg``'s sizes (``hidden``, ``layers``, ``seq_len``, ``vocab``, ``microbatch_size``,
+    ``num_microbatches``, ``measure_steps``: the fields :class:`PipelineBenchConfig` and the netem sweep's
+    config share) on a synthetic set of exactly one global batch, so every epoch is one optimizer step: epoch
+    0 uncompressed (AQ-SGD fills its cache there; it is not timed), then ``measure_steps`` timed epochs with
+    the setting's codecs and overrides; no evaluation, no checkpoints. ``cache_dir`` holds the initial weights
+    file."""
     s = SETTINGS[setting]
     opts: dict[str, Any] = {
         "task": "synthetic-lm", "model": "tiny-llama", "model_layers": cfg.layers, "hidden_size": cfg.hidden,
@@ -101,24 +102,26 @@ def run_options(cfg: Any, setting: str, *, stages: int, replicas: int = 1, grad_
     return {**opts, **s.overrides}
 
 
-def train_config(cfg: PipelineBenchConfig, *, stages: int, data_parallel: int, setting: str, bandwidth_mbps: float,
-                 grad_sync: str, output_dir: str, run_name: str) -> TrainConfig:
+def train_config(cfg: PipelineBenchConfig, *, stages: int, data_parallel: int, setting: str,
+                 bandwidth_mbps: float, grad_sync: str, output_dir: str, run_name: str) -> TrainConfig:
     """One run of this benchmark (:func:`run_options`) over links emulated in the transport."""
-    return TrainConfig.of(**run_options(cfg, setting, stages=stages, replicas=data_parallel, grad_sync=grad_sync,
+    return TrainConfig.of(**run_options(cfg, setting, stages=stages, replicas=data_parallel,
+                                        grad_sync=grad_sync,
                                         link=f"{bandwidth_mbps:g}mbit,{cfg.latency_ms:g}ms", timeout_s=300.0,
                                         output_dir=output_dir, run_name=run_name))
 
 
-def _plan(cfg: PipelineBenchConfig, stages: int, data_parallel: int, output_dir: str) -> list[tuple[str, float, TrainConfig]]:
+def _plan(cfg: PipelineBenchConfig, stages: int, data_parallel: int,
+          output_dir: str) -> list[tuple[str, float, TrainConfig]]:
     syncs = cfg.grad_syncs if data_parallel > 1 else ("allreduce",)
     out = []
     for bw in cfg.bandwidths_mbps:
         for name in cfg.settings:
             for sync in syncs:
                 run_name = f"run{len(out)}"
-                out.append((name, bw, train_config(cfg, stages=stages, data_parallel=data_parallel, setting=name,
-                                                   bandwidth_mbps=bw, grad_sync=sync, output_dir=output_dir,
-                                                   run_name=run_name)))
+                out.append((name, bw, train_config(cfg, stages=stages, data_parallel=data_parallel,
+                                                   setting=name, bandwidth_mbps=bw, grad_sync=sync,
+                                                   output_dir=output_dir, run_name=run_name)))
     return out
 
 
@@ -142,8 +145,8 @@ def _bench_entry(configs_json: str) -> list[list[dict[str, Any]] | None]:
 
 
 def measure(rows: list[dict[str, Any]], *, num_microbatches: int, global_batch: int) -> dict[str, Any]:
-    """The figures of one run from its train rows (``metrics.jsonl``), warm-up excluded, per micro-batch and as
-    medians over the timed steps: the step time of stage 0 (its last backward ends a step), every stage's
+    """The figures of one run from its train rows (``metrics.jsonl``), warm-up excluded, per micro-batch and
+    as medians over the timed steps: the step time of stage 0 (its last backward ends a step), every stage's
     compute + codec time (``stage_compute_per_mb_s``) and the busiest one's (``compute_per_mb_s``), the bytes
     of every boundary's forward message (sent by the stage before it, ``fw_bytes_per_mb``) and backward
     message (sent by the stage after it, ``bw_bytes_per_mb``), the largest of them (``bytes_per_mb``), and the
@@ -168,9 +171,9 @@ def measure(rows: list[dict[str, Any]], *, num_microbatches: int, global_batch: 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Add the speed model's step (``ideal_step_s``, :func:`aqsgd.bench.speedmodel.row_step_time`), efficiency
-    (``ideal_step_s / step_s``), speed-ups and ideal speed-ups against fp32 and the fp32 comm:compute ratio (same
-    stages, replicas and bandwidth); with data parallelism also the speed-up over the same boundary setting
-    with the fp32 all-reduce."""
+    (``ideal_step_s / step_s``), speed-ups and ideal speed-ups against fp32 and the fp32 comm:compute ratio
+    (same stages, replicas and bandwidth); with data parallelism also the speed-up over the same boundary
+    setting with the fp32 all-reduce."""
     key = lambda row: (row["stages"], row.get("data_parallel", 1), row["bandwidth_mbps"])  # noqa: E731
     fp32 = lambda row: row.get("grad_sync", "allreduce") == "allreduce"  # noqa: E731
     base = {key(r): r for r in rows if r["setting"] == "fp32" and fp32(r)}
@@ -181,7 +184,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         b = base[key(r)]
         r["speedup_vs_fp32"] = r["samples_per_s"] / b["samples_per_s"]
         if r.get("data_parallel", 1) > 1:
-            r["speedup_vs_pipeline_only"] = r["samples_per_s"] / pipeline_only[(key(r), r["setting"])]["samples_per_s"]
+            r["speedup_vs_pipeline_only"] = (r["samples_per_s"]
+                                             / pipeline_only[(key(r), r["setting"])]["samples_per_s"])
         r["ideal_speedup"] = b["ideal_step_s"] / r["ideal_step_s"]
         r["efficiency"] = r["ideal_step_s"] / r["step_s"]
         link = speedmodel.transfer_time(b["bytes_per_mb"], r["bandwidth_mbps"] * 1e6)
@@ -189,7 +193,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def bench_pipeline(cfg: PipelineBenchConfig, work_dir: str | None = None, progress=None) -> list[dict[str, Any]]:
+def bench_pipeline(cfg: PipelineBenchConfig, work_dir: str | None = None,
+                   progress=None) -> list[dict[str, Any]]:
     """Every (stage count, replicas, setting, bandwidth, gradient sync) of ``cfg``; run directories go under
     ``work_dir`` (default: a temporary folder, removed afterwards)."""
     with tempfile.TemporaryDirectory(prefix="aqsgd-bench-") as tmp:
@@ -199,12 +204,13 @@ def bench_pipeline(cfg: PipelineBenchConfig, work_dir: str | None = None, progre
             for stages in cfg.stages:
                 plan = _plan(cfg, stages, dp, str(Path(out) / f"s{stages}-d{dp}"))
                 if progress:
-                    progress(f"{stages} stages x {dp} replicas: {len(plan)} runs ({len(cfg.settings)} settings x "
-                             f"{len(cfg.bandwidths_mbps)} bandwidths"
+                    progress(f"{stages} stages x {dp} replicas: {len(plan)} runs ({len(cfg.settings)} "
+                             f"settings x {len(cfg.bandwidths_mbps)} bandwidths"
                              + (f" x {len(cfg.grad_syncs)} gradient syncs" if dp > 1 else "")
                              + f"), {cfg.measure_steps} timed steps each")
-                # A fresh set of processes pays one-off costs in its first run (allocator growth, thread pools,
-                # first gloo connections; seen as a 2-5x slower first row): a copy of it runs first and is dropped.
+                # A fresh set of processes pays one-off costs in its first run (allocator growth, thread
+                # pools, first gloo connections; seen as a 2-5x slower first row): a copy of it runs first and
+                # is dropped.
                 first = plan[0][2].replace(run_name="warm-up")
                 runs = [first.to_json()] + [c.to_json() for _, _, c in plan]
                 per_rank = launch_local(_bench_entry, stages * dp, json.dumps(runs), run_id="aqsgd-bench")
@@ -223,4 +229,5 @@ def write_json(rows: list[dict[str, Any]], path: str | Path, *, cfg: PipelineBen
                machine: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({"benchmark": "pipeline", "command": command, "machine": machine,
-                                      "config": dataclasses.asdict(cfg), "rows": rows}, indent=1, default=list))
+                                      "config": dataclasses.asdict(cfg), "rows": rows}, indent=1,
+                                     default=list))

@@ -167,7 +167,8 @@ def reference_rows(bits: Sequence[int] = BITS, *, source: str = "gaussian", tens
     midrise = [optimal_uniform_mse(2**b)[0] for b in bits]
     midtread = [optimal_uniform_mse(2**b - 1 if b > 1 else 2)[0] for b in bits]
     prefix = "" if source == "gaussian" else "N(0,1) "
-    return [QualityRow(prefix + REFERENCE_LABELS[key], "reference", [None] * len(bits), errs, None, source, tensor)
+    return [QualityRow(prefix + REFERENCE_LABELS[key], "reference", [None] * len(bits), errs, None, source,
+                       tensor)
             for key, errs in (("uniform_midrise", midrise), ("uniform_midtread", midtread),
                               ("shannon", [shannon_bound(b) for b in bits]))]
 
@@ -216,9 +217,9 @@ def bench_quality(variants: Sequence[tuple[str, str]] = DEFAULT_VARIANTS, *, bit
     return _codec_rows([x], variants, bits, g, "gaussian", "normal") + reference_rows(bits)
 
 
-def boundary_quality(tensors: BoundaryTensors, source: str, variants: Sequence[tuple[str, str]] = DEFAULT_VARIANTS,
-                     *, bits: Sequence[int] = BITS, seed: int = 0,
-                     device: str | torch.device = "cpu") -> list[QualityRow]:
+def boundary_quality(tensors: BoundaryTensors, source: str,
+                     variants: Sequence[tuple[str, str]] = DEFAULT_VARIANTS, *, bits: Sequence[int] = BITS,
+                     seed: int = 0, device: str | torch.device = "cpu") -> list[QualityRow]:
     """The table of :func:`bench_quality` for each kind of boundary tensor (activation, delta, gradient) of
     ``tensors``: every figure the mean over the boundaries (each boundary's own figures in
     ``rel_mse_by_boundary``), then the Gaussian references."""
@@ -227,7 +228,8 @@ def boundary_quality(tensors: BoundaryTensors, source: str, variants: Sequence[t
     rows = []
     for kind, xs in tensors.tensors.items():
         xs = [x.to(device, torch.float32) for x in xs]
-        rows += _codec_rows(xs, variants, bits, g, source, kind) + reference_rows(bits, source=source, tensor=kind)
+        rows += (_codec_rows(xs, variants, bits, g, source, kind)
+                 + reference_rows(bits, source=source, tensor=kind))
     return rows
 
 
@@ -250,9 +252,9 @@ def spec_quality(tensors: dict[str, list[torch.Tensor]], specs: Sequence[str], s
                 xd = x.double()
                 errs.append(float((y.double() - xd).square().sum() / xd.square().sum()))
                 bits.append(8.0 * p.nbytes / x.numel())
-            rows.append({"spec": codec.spec, "source": source, "tensor": kind, "rel_mse": sum(errs) / len(errs),
-                         "bits_per_value": sum(bits) / len(bits), "rel_mse_by_boundary": errs,
-                         "bits_per_value_by_boundary": bits})
+            rows.append({"spec": codec.spec, "source": source, "tensor": kind,
+                         "rel_mse": sum(errs) / len(errs), "bits_per_value": sum(bits) / len(bits),
+                         "rel_mse_by_boundary": errs, "bits_per_value_by_boundary": bits})
     return rows
 
 
@@ -264,7 +266,8 @@ def write_quality_json(rows: list[QualityRow], path: str | Path, *, data: dict[s
         "command": command,
         "machine": machine,
         "data": data,
-        "metric": "relative squared error ||x - C(x)||^2 / ||x||^2 (mean over the boundaries for model tensors)",
+        "metric": "relative squared error ||x - C(x)||^2 / ||x||^2 (mean over the boundaries for model "
+                  "tensors)",
         "bits": list(bits),
         "rows": [asdict(r) for r in rows],
     }

@@ -1,6 +1,6 @@
-"""The named compression settings every benchmark draws from (``aqsgd bench pipeline``, ``bench netem`` and the
-convergence study): one table, so a name means the same codecs everywhere. Each benchmark picks its default
-list of names from it."""
+"""The named compression settings every benchmark draws from (``aqsgd bench pipeline``, ``bench netem`` and
+the convergence study): one table, so a name means the same codecs everywhere. Each benchmark picks its
+default list of names from it."""
 
 from __future__ import annotations
 
@@ -90,17 +90,18 @@ SETTINGS: dict[str, Setting] = {
     "aqsgd fw2 ec/bw4 rot": Setting("delta:q4:rot128:step1:rc", "direct:q4:rot64:l2:zstd"),
     # the same at a coarser step: about 1.45 bits per value (relative error about 0.3 on Gaussian tiles)
     "aqsgd fw1.5 ec/bw4 rot": Setting("delta:q4:rot128:step1.9:rc", "direct:q4:rot64:l2:zstd"),
-    # cache-free with entropy-coded steps: rotated tiles of 128, a uniform step of 0.3 (0.45) rms per tile in an
-    # 8-bit field (nothing clipped), range-coded: about 4.0 (3.4) bits per activation value on SmolLM2, under
-    # TAH-Quant's 4.15; the fixed-rate 4-bit row's error at 3.8 bits lies between. The gradients as in the
-    # other cache-free rows
+    # cache-free with entropy-coded steps: rotated tiles of 128, a uniform step of 0.3 (0.45) rms per tile in
+    # an 8-bit field (nothing clipped), range-coded: about 4.0 (3.4) bits per activation value on SmolLM2,
+    # under TAH-Quant's 4.15; the fixed-rate 4-bit row's error at 3.8 bits lies between. The gradients as in
+    # the other cache-free rows
     "direct fw4 ec/bw6 rot": Setting("direct:q8:rot128:step0.3:rc", "direct:q6:rot32:zstd"),
     "direct fw3.5 ec/bw6 rot": Setting("direct:q8:rot128:step0.45:rc", "direct:q6:rot32:zstd"),
-    # cache-free at TAH-Quant's bits: the fixed-rate 4-bit row on the `midrise` grid, with the rows whose norm is
-    # 32x the median (SmolLM2's attention sinks, 70-137x at the study's boundaries) sent apart in bf16, which
-    # take most of that row's error on SmolLM2's activations (0.0035 -> 0.0013, TAH 0.0012); with zstd about
-    # 4.1 bits per value, TAH's 4.15
-    "direct fw4/bw6 rot outlier zstd": Setting("direct:q4:rot128:l2:midrise:outlier32:zstd", "direct:q6:rot32:zstd"),
+    # cache-free at TAH-Quant's bits: the fixed-rate 4-bit row on the `midrise` grid, with the rows whose norm
+    # is 32x the median (SmolLM2's attention sinks, 70-137x at the study's boundaries) sent apart in bf16,
+    # which take most of that row's error on SmolLM2's activations (0.0035 -> 0.0013, TAH 0.0012); with zstd
+    # about 4.1 bits per value, TAH's 4.15
+    "direct fw4/bw6 rot outlier zstd": Setting("direct:q4:rot128:l2:midrise:outlier32:zstd",
+                                               "direct:q6:rot32:zstd"),
 }
 
 

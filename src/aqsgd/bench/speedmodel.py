@@ -21,11 +21,12 @@ Machine model
   the compute that needs the data; nothing else costs time (no per-message software overhead, no optimizer
   step, no loss reduction).
 
-:func:`step_time` replays the schedule's own per-stage action lists (:func:`aqsgd.pipeline.schedule.build_plans`)
-on that machine: every action starts as soon as its stage and, for a receive, its message are ready, so the
-result is the length of the critical path of the step, the shortest step the schedule allows. It includes
-the fill and drain of the pipeline (the bubble), the transfer time of the messages the schedule cannot overlap
-with compute, and the stalls of a schedule that limits the micro-batches in flight.
+:func:`step_time` replays the schedule's own per-stage action lists
+(:func:`aqsgd.pipeline.schedule.build_plans`) on that machine: every action starts as soon as its stage and,
+for a receive, its message are ready, so the result is the length of the critical path of the step, the
+shortest step the schedule allows. It includes the fill and drain of the pipeline (the bubble), the transfer
+time of the messages the schedule cannot overlap with compute, and the stalls of a schedule that limits the
+micro-batches in flight.
 
 Closed forms (uniform stages ``c = f + b``, uniform links ``lf``, ``lb``, latency ``L``, ``M`` micro-batches,
 ``S`` stages):
@@ -39,10 +40,11 @@ Closed forms (uniform stages ``c = f + b``, uniform links ``lf``, ``lb``, latenc
   (only communication: ``(M + S - 2)(lf + lb)``).
 * 1F1B lets stage ``s`` hold at most ``S - s`` micro-batches in flight: the forward of micro-batch
   ``j + S - s`` waits for the backward of ``j``, which ends one round trip from stage ``s`` after the forward
-  of ``j`` began. Stage 0's steady-state period is therefore at least ``R / S = c + (S - 1)/S (lf + lb + 2 L)``,
-  and ``T ~ R + (M - 1) max(c + (S - 1)/S (lf + lb + 2 L), lf, lb)``: with communication, even when it is
-  faster than compute, 1F1B does not hide it completely. (The replay gives the exact figure; this
-  steady-state estimate ignores the warm-up and cool-down phases.)
+  of ``j`` began. Stage 0's steady-state period is therefore at least
+  ``R / S = c + (S - 1)/S (lf + lb + 2 L)``, and
+  ``T ~ R + (M - 1) max(c + (S - 1)/S (lf + lb + 2 L), lf, lb)``: with communication, even when it is faster
+  than compute, 1F1B does not hide it completely. (The replay gives the exact figure; this steady-state
+  estimate ignores the warm-up and cool-down phases.)
 * One stage: ``M c``, no bubble.
 
 Data parallelism adds the paced gradient sync after the pipeline's step (``sync_s``): a stage's sync cannot
@@ -93,10 +95,11 @@ def step_time(schedule: str, num_stages: int, num_microbatches: int, compute_s: 
               latency_s: float = 0.0, sync_s: float = 0.0, backward_share: float = BACKWARD_SHARE) -> float:
     """The shortest step ``schedule`` (``"gpipe"`` or ``"1f1b"``) allows on the machine of the module docs.
 
-    ``compute_s``: per micro-batch, forward + backward + codec time of each stage (one value for all stages, or
-    ``num_stages`` values); ``forward_s`` / ``backward_s``: line time of one forward (activation) / backward
-    (gradient) message of each boundary (one value, or ``num_stages - 1``; see :func:`transfer_time`);
-    ``latency_s``: one-way propagation delay of every link; ``sync_s``: gradient-sync time added at the end.
+    ``compute_s``: per micro-batch, forward + backward + codec time of each stage (one value for all stages,
+    or ``num_stages`` values); ``forward_s`` / ``backward_s``: line time of one forward (activation) /
+    backward (gradient) message of each boundary (one value, or ``num_stages - 1``; see
+    :func:`transfer_time`); ``latency_s``: one-way propagation delay of every link; ``sync_s``: gradient-sync
+    time added at the end.
     """
     s, m = num_stages, num_microbatches
     comp = _per(compute_s, s, "compute_s")
@@ -113,7 +116,8 @@ def step_time(schedule: str, num_stages: int, num_microbatches: int, compute_s: 
         elif kind is BACKWARD:
             clock[stage] += backward_share * comp[stage]
         elif kind is SEND_F or kind is SEND_B:
-            direction, boundary, dst = ("F", stage, stage + 1) if kind is SEND_F else ("B", stage - 1, stage - 1)
+            direction, boundary, dst = (("F", stage, stage + 1) if kind is SEND_F
+                                        else ("B", stage - 1, stage - 1))
             start = max(clock[stage], line_free.get((direction, boundary), 0.0))
             line_free[(direction, boundary)] = depart = start + lines[direction][boundary]
             arrival[(direction, dst, mb)] = depart + latency_s
@@ -128,7 +132,8 @@ def pipeline_bound(num_stages: int, num_microbatches: int, compute_s: float, for
     ``S c + (S - 1)(lf + lb + 2 L) + (M - 1) max(c, lf, lb)``."""
     s, m = num_stages, num_microbatches
     links = (forward_s, backward_s) if s > 1 else (0.0, 0.0)
-    return s * compute_s + (s - 1) * (forward_s + backward_s + 2 * latency_s) + (m - 1) * max(compute_s, *links)
+    return (s * compute_s + (s - 1) * (forward_s + backward_s + 2 * latency_s)
+            + (m - 1) * max(compute_s, *links))
 
 
 def row_step_time(row: Mapping[str, Any], bandwidth_mbps: float | None = None) -> float:

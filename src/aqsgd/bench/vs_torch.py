@@ -16,11 +16,11 @@ same schedule and stage count. The first step of every system starts from the sa
 so its loss must be the same for all of them (:data:`LOSS_RTOL`); the rows carry it.
 
 :func:`bench_latency` measures one message between two processes, aqsgd transport against plain
-``dist.send``/``dist.recv`` on the same gloo group: *hand-over* (one way: the receive is posted, then the sender
-sends; from the send call to the receiver's ``wait`` returning, wall clocks of one machine) and *ping-pong*
-(a round trip, the reply sent as soon as the message is in). aqsgd is measured twice, with payload CRCs (the
-default) and without them (``Transport(checksum=False)``, trusted links); the three take turns per size and
-round, and each message is sent after 1 ms idle, as a pipeline stage sends after computing.
+``dist.send``/``dist.recv`` on the same gloo group: *hand-over* (one way: the receive is posted, then the
+sender sends; from the send call to the receiver's ``wait`` returning, wall clocks of one machine) and
+*ping-pong* (a round trip, the reply sent as soon as the message is in). aqsgd is measured twice, with payload
+CRCs (the default) and without them (``Transport(checksum=False)``, trusted links); the three take turns per
+size and round, and each message is sent after 1 ms idle, as a pipeline stage sends after computing.
 """
 
 from __future__ import annotations
@@ -109,18 +109,21 @@ class _Aqsgd(_System):
         from aqsgd.pipeline.runner import StageRunner
 
         super().__init__("aqsgd", schedule, module)
-        self.runner = StageRunner(module, rank, world, CompressionConfig.simple(), transport, schedule=schedule)
+        self.runner = StageRunner(module, rank, world, CompressionConfig.simple(), transport,
+                                  schedule=schedule)
 
     def step(self, ids: torch.Tensor, mbs: int) -> float | None:
         n = ids.shape[0] // mbs
-        batches = [{"input_ids": ids[i * mbs:(i + 1) * mbs], "labels": ids[i * mbs:(i + 1) * mbs]} for i in range(n)]
+        batches = [{"input_ids": ids[i * mbs:(i + 1) * mbs], "labels": ids[i * mbs:(i + 1) * mbs]}
+                   for i in range(n)]
         loss = self.runner.step(batches)
         self.update()
         return None if loss is None else float(loss)
 
 
 class _Torch(_System):
-    def __init__(self, schedule: str, module: nn.Module, group: Any, rank: int, world: int, n_mb: int) -> None:
+    def __init__(self, schedule: str, module: nn.Module, group: Any, rank: int, world: int,
+                 n_mb: int) -> None:
         from torch.distributed import pipelining
 
         super().__init__("torch", schedule, module)
@@ -185,7 +188,8 @@ def _pipeline_entry(cfg_json: str) -> dict[str, Any]:
 
 def check_losses(rows: Sequence[dict[str, Any]], rtol: float = LOSS_RTOL) -> None:
     """Raise if the first-step losses of the rows of one stage count differ by more than ``rtol``."""
-    for stages, group in itertools.groupby(sorted(rows, key=lambda r: r["stages"]), key=lambda r: r["stages"]):
+    for stages, group in itertools.groupby(sorted(rows, key=lambda r: r["stages"]),
+                                           key=lambda r: r["stages"]):
         losses = [v for r in group for v in (r["aqsgd_first_loss"], r["torch_first_loss"])]
         ref = losses[0]
         if any(abs(v - ref) > rtol * abs(ref) for v in losses):
@@ -199,8 +203,8 @@ def bench_vs_torch(cfg: VsTorchConfig, progress=None) -> list[dict[str, Any]]:
     rows = []
     for stages in cfg.stages:
         if progress:
-            progress(f"{stages} stages: {len(cfg.schedules)} schedules x (aqsgd, torch), {cfg.repeats} rounds of "
-                     f"{cfg.steps} steps after a warm-up round")
+            progress(f"{stages} stages: {len(cfg.schedules)} schedules x (aqsgd, torch), {cfg.repeats} "
+                     f"rounds of {cfg.steps} steps after a warm-up round")
         per_rank = launch_local(_pipeline_entry, stages, json.dumps(dataclasses.asdict(cfg), default=list),
                                 run_id="aqsgd-vs-torch")
         last = per_rank[-1]
@@ -231,7 +235,8 @@ def _latency_entry(cfg_json: str) -> dict[str, Any]:
     codec = make_codec("none")
     out: dict[str, list[float]] = {}
     # aqsgd with payload CRCs (the default) and without (trusted links), used in turn on the same group
-    transports = {"aqsgd": Transport(timeout_s=60.0), "aqsgd-nocrc": Transport(timeout_s=60.0, checksum=False)}
+    transports = {"aqsgd": Transport(timeout_s=60.0),
+                  "aqsgd-nocrc": Transport(timeout_s=60.0, checksum=False)}
     try:
         for rnd in range(cfg.rounds + 1):  # round 0: warm-up
             for size in cfg.sizes:

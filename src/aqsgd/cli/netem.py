@@ -1,4 +1,5 @@
-"""``aqsgd bench netem``: pipeline throughput over real shaped links (:mod:`aqsgd.bench.netem`; needs root)."""
+"""``aqsgd bench netem``: pipeline throughput over real shaped links (:mod:`aqsgd.bench.netem`; needs
+root)."""
 
 from __future__ import annotations
 
@@ -35,16 +36,18 @@ def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p = bench_subparsers.add_parser(
         "netem", help="pipeline throughput over real shaped links (network namespaces, tc; needs root)",
         description="Runs stage processes in Linux network namespaces joined by veth links shaped with tc "
-                    "(tbf; delay and loss by a user-space wire), over gloo/TCP, for fp32, fp16, direct and AQ-SGD "
-                    "compression (with --data-parallel also gradient syncs between replicas), from "
+                    "(tbf; delay and loss by a user-space wire), over gloo/TCP, for fp32, fp16, direct and "
+                    "AQ-SGD compression (with --data-parallel also gradient syncs between replicas), from "
                     "--max-mbps down to where the fp32 link time is --target-ratio x the compute time. "
-                    "Reports samples/s, speed-up vs fp32, the ideal speed-up and the efficiency (the step the "
-                    "schedule can reach, bubble included, over the measured step; see docs/design.md, Speed "
-                    "model) and the fp32 comm:compute ratio. Needs root and iproute2.")
+                    "Reports samples/s, speed-up vs fp32, the ideal speed-up and the efficiency (the step "
+                    "the schedule can reach, bubble included, over the measured step; see docs/design.md, "
+                    "Speed model) and the fp32 comm:compute ratio. Needs root and iproute2.")
     p.add_argument("--stages", type=int, choices=(2, 4), default=2, help="pipeline stages (default: 2)")
     p.add_argument("--bandwidths", type=_positive_float, nargs="+", default=None, metavar="MBPS",
-                   help="explicit bandwidths in Mbit/s, highest first (default: derived from a calibration run)")
-    p.add_argument("--max-mbps", type=_positive_float, default=1000.0, help="top of the sweep (default: 1000)")
+                   help="explicit bandwidths in Mbit/s, highest first (default: derived from a calibration "
+                        "run)")
+    p.add_argument("--max-mbps", type=_positive_float, default=1000.0,
+                   help="top of the sweep (default: 1000)")
     p.add_argument("--target-ratio", type=_positive_float, default=10.0,
                    help="sweep down to where fp32 link time = this x compute time (default: 10)")
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(DEFAULT_SETTINGS),
@@ -59,7 +62,8 @@ def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
                    help="also run --dp-settings on D replicas of the pipeline (S x D processes) with each "
                         "--grad-syncs (default: 1, off)")
     p.add_argument("--dp-settings", nargs="+", choices=list(SETTINGS), default=["fp32", "aqsgd fw2/bw4"],
-                   metavar="SETTING", help="settings run with data parallelism (default: fp32, aqsgd fw2/bw4)")
+                   metavar="SETTING",
+                   help="settings run with data parallelism (default: fp32, aqsgd fw2/bw4)")
     p.add_argument("--grad-syncs", nargs="+", default=["allreduce", "q8"], metavar="SYNC",
                    help="gradient syncs between replicas: allreduce | q<b>[:block<N>] | powersgd[:rank<R>] "
                         "(default: allreduce q8)")
@@ -74,10 +78,10 @@ def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
 
 def config_from_args(args: argparse.Namespace) -> NetemBenchConfig:
     """The sweep the parsed options ask for."""
-    kw: dict[str, Any] = {"stages": args.stages, "bandwidths_mbps": args.bandwidths, "max_mbps": args.max_mbps,
-                          "target_ratio": args.target_ratio, "settings": tuple(args.settings),
-                          "delay_ms": args.delay_ms, "runs": args.runs, "hidden": args.hidden,
-                          "seq_len": args.seq_len, "data_parallel": args.data_parallel,
+    kw: dict[str, Any] = {"stages": args.stages, "bandwidths_mbps": args.bandwidths,
+                          "max_mbps": args.max_mbps, "target_ratio": args.target_ratio,
+                          "settings": tuple(args.settings), "delay_ms": args.delay_ms, "runs": args.runs,
+                          "hidden": args.hidden, "seq_len": args.seq_len, "data_parallel": args.data_parallel,
                           "dp_settings": tuple(args.dp_settings), "grad_syncs": tuple(args.grad_syncs)}
     if args.steps:
         kw["measure_steps"] = args.steps
@@ -96,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     aq = next((r for r in rows if r["bandwidth_mbps"] == at and variant_label(r) == "aqsgd fw2/bw4"), None)
     if aq is not None:
         print(f"at {at:g} Mbit/s (fp32 comm:compute {aq['comm_compute_ratio']:.1f}): AQ-SGD fw2/bw4 is "
-              f"{aq['speedup_vs_fp32']:.2f}x fp32; lowest efficiency {min(r['efficiency'] for r in rows):.2f}")
+              f"{aq['speedup_vs_fp32']:.2f}x fp32; lowest efficiency "
+              f"{min(r['efficiency'] for r in rows):.2f}")
     machine = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Linux {platform.release()}"
     if args.json:
         write_json(report, args.json, cfg=cfg, command=args.command_line, machine=machine)

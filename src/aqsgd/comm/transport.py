@@ -111,16 +111,16 @@ Link emulation
 --------------
 With ``links`` given, each directed link to a destination has a :class:`~aqsgd.comm.link.Pacer` shared
 by all channels to it. The sender thread reserves the line for the message's wire bytes (from the time
-``isend`` handed the message over), sends at once, then sleeps until the message has left the emulated line; the preamble carries the wall-clock arrival time
-(``time.time()``; comparable between processes on one machine) and ``RecvHandle.wait``/``done`` deliver no
-earlier. The receiver *thread* does not sleep: a gloo send only completes once the receiver has posted the
-matching receive (a rendezvous, even for 100 bytes), so a sleeping receiver thread would stall the sender
-and serialize the latency of pipelined messages. The same rendezvous means a send to a peer that has not
-posted its ``irecv`` yet waits on the sender thread (the training thread is not blocked); the message's
-arrival time was fixed when it was scheduled, so the emulated timing is that of a buffered network as long
-as receivers post early. Each message also costs one or two real rendezvous (~1-4 ms on a loaded machine); since
-the schedule runs from hand-over times these costs do not accumulate, but a link is only emulated
-faithfully while the real path is faster than the emulated one.
+``isend`` handed the message over), sends at once, then sleeps until the message has left the emulated line;
+the preamble carries the wall-clock arrival time (``time.time()``; comparable between processes on one
+machine) and ``RecvHandle.wait``/``done`` deliver no earlier. The receiver *thread* does not sleep: a gloo
+send only completes once the receiver has posted the matching receive (a rendezvous, even for 100 bytes), so a
+sleeping receiver thread would stall the sender and serialize the latency of pipelined messages. The same
+rendezvous means a send to a peer that has not posted its ``irecv`` yet waits on the sender thread (the
+training thread is not blocked); the message's arrival time was fixed when it was scheduled, so the emulated
+timing is that of a buffered network as long as receivers post early. Each message also costs one or two real
+rendezvous (~1-4 ms on a loaded machine); since the schedule runs from hand-over times these costs do not
+accumulate, but a link is only emulated faithfully while the real path is faster than the emulated one.
 """
 
 from __future__ import annotations
@@ -240,7 +240,8 @@ def _parse_preamble(buf: bytes) -> tuple[int, int, int, int, float]:
     """(n, channel, seq, total, arrival) of a preamble; raises :class:`PacketError` when malformed."""
     if len(buf) != PREAMBLE_BYTES:
         raise PacketError(f"preamble of {len(buf)} bytes, expected {PREAMBLE_BYTES}")
-    magic, version, n, channel, seq, total, arrival, flags, reserved, crc = _PREFIX.unpack(buf[:_PREFIX_BYTES])
+    magic, version, n, channel, seq, total, arrival, flags, reserved, crc = _PREFIX.unpack(
+        buf[:_PREFIX_BYTES])
     if magic != _MAGIC:
         raise PacketError(f"not an aqsgd transport message (magic {magic!r}, expected {_MAGIC!r})")
     if version != _VERSION:
@@ -359,7 +360,8 @@ class _SendItem:
     works: list[Any] | None = None  # started on the caller's thread (a direct link): the gloo sends in flight
     wire: list[torch.Tensor] = dataclasses.field(default_factory=list)  # their buffers, alive until sent
     error: BaseException | None = None  # starting them failed
-    buffer: tuple[torch.Tensor, memoryview, int] | None = None  # the link's pooled message buffer it was built in
+    # the link's pooled message buffer it was built in
+    buffer: tuple[torch.Tensor, memoryview, int] | None = None
 
 
 class _Worker(threading.Thread):
@@ -374,8 +376,9 @@ class _Worker(threading.Thread):
         self.failure: tuple[str, BaseException] | None = None
         self.stats_key = StatsKey(peer, channel, role)
         self.seq = 0
-        # The size of the next receive on this link, the same on both sides: a message that fits travels as one
-        # gloo message (preamble + payload), a larger one as two, and raises it (see the module docstring).
+        # The size of the next receive on this link, the same on both sides: a message that fits travels as
+        # one gloo message (preamble + payload), a larger one as two, and raises it (see the module
+        # docstring).
         self.capacity = PREAMBLE_BYTES if transport._nccl else PREAMBLE_BYTES + _INLINE_START
         # gloo: the process group's own send/recv, called directly (torch.distributed's wrappers around them
         # cost tens of microseconds of Python per call, a large part of a small message's latency)
@@ -417,8 +420,8 @@ class _Worker(threading.Thread):
         return dist.isend(tensor, self.peer, group=group, tag=tag)
 
     def _recv_into(self, tensor: torch.Tensor) -> None:
-        """Receive the peer's next message on this link into ``tensor`` (blocking; gloo takes a shorter message
-        into a longer buffer)."""
+        """Receive the peer's next message on this link into ``tensor`` (blocking; gloo takes a shorter
+        message into a longer buffer)."""
         if self._pg is not None:
             self._pg.recv([tensor], self._pg_peer, self._tag).wait()
         else:
@@ -541,8 +544,9 @@ class _Sender(_Worker):
         if known is None or known[0] is not p.family:
             if len(self._layouts) >= _LAYOUTS_KEPT:  # ever-changing shapes: start over
                 self._layouts.clear()
-            known = self._layouts[key] = (p.family, layout_key(p.header_bytes(checksum=self.transport.checksum,
-                                                                            payload_crc=0)))
+            known = self._layouts[key] = (p.family,
+                                          layout_key(p.header_bytes(checksum=self.transport.checksum,
+                                                                    payload_crc=0)))
         return known[1]
 
     def _messages(self, item: _SendItem) -> tuple[list[torch.Tensor], float | None]:
@@ -553,7 +557,8 @@ class _Sender(_Worker):
         if item.ready is not None:
             item.ready.synchronize()  # type: ignore[attr-defined]
         packets = item.packets
-        host = item.host and item.ready is None and wire.type == "cpu"  # host payloads, complete, to a host message
+        # host payloads, complete, to a host message
+        host = item.host and item.ready is None and wire.type == "cpu"
         sizes, total = [], 0
         for p in packets:  # a loop, not a comprehension and sum(): fewer frames on the latency path
             size = p.payload.nbytes  # 1-D uint8: bytes = elements
@@ -582,7 +587,8 @@ class _Sender(_Worker):
             for p, size in zip(packets, sizes):
                 if size:
                     payload = p.payload
-                    if payload.is_contiguous():  # in host memory (item.host), so its address is a host address
+                    # in host memory (item.host), so its address is a host address
+                    if payload.is_contiguous():
                         _memmove(address + offset, payload.data_ptr(), size)
                     else:
                         view[offset:offset + size] = payload.numpy().data
@@ -590,14 +596,15 @@ class _Sender(_Worker):
                 offset += size
             headers = b"".join(fill_header(self._layout_key(p, size), p.tag, crc)
                                for p, size, crc in zip(packets, sizes, crcs))
-            view[:PREAMBLE_BYTES] = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers,
-                                                    flags)
+            view[:PREAMBLE_BYTES] = _build_preamble(len(packets), self.channel, self.seq, total, arrival,
+                                                    headers, flags)
             self.seq += 1
             return [msg], departure
         if host:
             checksum = t.checksum
             hosts = [p.payload.numpy() for p in packets]
-            headers = b"".join(fill_header(self._layout_key(p, a.size), p.tag, crc32_of_buffer(a) if checksum else 0)
+            headers = b"".join(fill_header(self._layout_key(p, a.size), p.tag,
+                                           crc32_of_buffer(a) if checksum else 0)
                                for p, a in zip(packets, hosts))
         else:
             checksum = None if t.checksum else False  # None: a payload CRC for host bytes
@@ -710,8 +717,8 @@ class _Receiver(_Worker):
         head = memoryview(host)[:PREAMBLE_BYTES] if host is not None else None  # read without a numpy call
         layout = self._layout
         # the payload views of the last message's layout, cut before the bytes arrive (off the latency path)
-        cut = layout.cut(first, host) if layout is not None and PREAMBLE_BYTES + layout.total <= self.capacity \
-            else None
+        cut = (layout.cut(first, host)
+               if layout is not None and PREAMBLE_BYTES + layout.total <= self.capacity else None)
         self._recv_into(first)
         buf = head.tobytes() if head is not None else first[:PREAMBLE_BYTES].cpu().numpy().tobytes()
         n, channel, seq, total, arrival = _parse_preamble(buf)
@@ -719,8 +726,9 @@ class _Receiver(_Worker):
         need = PREAMBLE_BYTES + total
         inline = need <= self.capacity
         if inline != bool(flags & _FLAG_INLINE):
-            raise PacketError(f"message number {seq} of {need} bytes was split differently than this receiver "
-                              f"expected (receive size {self.capacity}): the two sides are out of step")
+            raise PacketError(f"message number {seq} of {need} bytes was split differently than this "
+                              f"receiver expected (receive size {self.capacity}): the two sides are out "
+                              "of step")
         if channel != self.channel:
             raise PacketError(f"message for channel {channel} arrived on channel {self.channel}")
         if seq != self.seq:
@@ -729,7 +737,8 @@ class _Receiver(_Worker):
         key = layout_keys(region, n)  # the headers without their per-message fields (tag and CRCs)
         if layout is None or key != layout.key:
             # parse_header checks every field; the layout keeps them for the messages that repeat it
-            headers = [parse_header(region[o:o + HEADER_BYTES]) for o in range(0, n * HEADER_BYTES, HEADER_BYTES)]
+            headers = [parse_header(region[o:o + HEADER_BYTES])
+                       for o in range(0, n * HEADER_BYTES, HEADER_BYTES)]
             layout = self._layout = _Layout(key, headers)
             cut = None
         if layout.total != total:
@@ -902,7 +911,8 @@ class Transport:
             return packets, (), None, host
         if self._stager is not None:
             hosts, ready = self._stager.to_host([p.payload for p in packets])
-            return tuple(dataclasses.replace(p, payload=h) for p, h in zip(packets, hosts)), packets, ready, True
+            return (tuple(dataclasses.replace(p, payload=h) for p, h in zip(packets, hosts)),
+                    packets, ready, True)
         device = next(p.payload.device for p in packets if p.payload.is_cuda)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
@@ -959,8 +969,8 @@ class Transport:
 
     def close(self, *, failed: bool = False) -> None:
         """Fail queued requests, stop the threads (bounded wait) and forget them. Idempotent. ``failed``: the
-        job is ending on an error or an interruption, when a thread still blocked in a peer exchange is expected
-        (it is then noted at DEBUG level instead of a warning)."""
+        job is ending on an error or an interruption, when a thread still blocked in a peer exchange is
+        expected (it is then noted at DEBUG level instead of a warning)."""
         self._closing.set()
         with self._lock:
             workers: list[_Worker] = [*self._senders.values(), *self._receivers.values()]

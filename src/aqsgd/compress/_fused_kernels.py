@@ -42,7 +42,8 @@ def _h2f(typingctx, h):
 
 @intrinsic
 def _f2h(typingctx, f):
-    """fp32 to fp16 bits (uint16), rounded to nearest even as PyTorch's ``.to(torch.float16)``: ``fptrunc``."""
+    """fp32 to fp16 bits (uint16), rounded to nearest even as PyTorch's ``.to(torch.float16)``:
+    ``fptrunc``."""
     sig = nt.uint16(nt.float32)
 
     def codegen(context, builder, signature, args):
@@ -78,7 +79,8 @@ FMT_FP32, FMT_FP16, FMT_BF16 = 0, 1, 2
 
 
 def _load(row, j, fmt):
-    """``row[j]`` (a 1-D view of the storage) as fp32, for storage format ``fmt``; numba implementation below."""
+    """``row[j]`` (a 1-D view of the storage) as fp32, for storage format ``fmt``; numba implementation
+    below."""
 
 
 def _store(row, j, v, fmt):
@@ -222,8 +224,8 @@ def _merge_parts(part):
 
 @njit(parallel=True, cache=True)
 def _colmax(x, nchunk, per):
-    """Max |x| of each column: an integer max over the magnitudes' bits (see :func:`_absmax_bits`; 0.20 against
-    0.23 ms for a float compare that keeps NaN, 4096 x 768 at 2 threads, one timing on the AMD VM)."""
+    """Max |x| of each column: an integer max over the magnitudes' bits (see :func:`_absmax_bits`; 0.20
+    against 0.23 ms for a float compare that keeps NaN, 4096 x 768 at 2 threads, one timing on the AMD VM)."""
     r_, k = x.shape
     part = np.zeros((nchunk, k), np.uint32)
     for ch in prange(nchunk):
@@ -357,10 +359,10 @@ def fwht_rows(threads, x, s, c, inverse, out):
 
 
 # ---------------------------------------------------------------------------------------------- AQ-SGD, fused
-# The sender's and the receiver's step of ``delta`` against an in-memory cache, without materializing m, x - m,
-# the decoded delta or m + delta: row r of the [R, K] view of the micro-batch is row (r % rpb) of sample
-# ids[r // rpb] in the storage ``st`` [capacity, rpb * K] (fp32, or fp16/bf16 bits as uint16). The loops work
-# on 1-D row views: indexing the 2-D arrays inside them kept LLVM from vectorizing (4x slower).
+# The sender's and the receiver's step of ``delta`` against an in-memory cache, without materializing m,
+# x - m, the decoded delta or m + delta: row r of the [R, K] view of the micro-batch is row (r % rpb) of
+# sample ids[r // rpb] in the storage ``st`` [capacity, rpb * K] (fp32, or fp16/bf16 bits as uint16). The
+# loops work on 1-D row views: indexing the 2-D arrays inside them kept LLVM from vectorizing (4x slower).
 
 @njit(inline="always")
 def _cache_row(st, ids, rpb, r, k):
@@ -406,7 +408,8 @@ def _delta_into(x, st, ids, rpb, fmt, out, nchunk, per):
 
 
 @njit(parallel=True, cache=True)
-def _delta_quant_update(x, st, ids, rpb, fmt, inv, by_col, offset, bits, qmax, step, mul, low, out, nchunk, per):
+def _delta_quant_update(x, st, ids, rpb, fmt, inv, by_col, offset, bits, qmax, step, mul, low, out, nchunk,
+                        per):
     r_, k = x.shape
     for ch in prange(nchunk):
         c, c16, c32, c64 = _code_buffer(k)
@@ -479,7 +482,8 @@ def delta_quant_update(threads, x, st, ids, rpb, fmt, inv, by_col, offset, bits,
 
 def delta_dequant_update(threads, p, st, ids, rpb, fmt, step, by_col, bits, mul, low, out):
     numba.set_num_threads(threads)
-    _delta_dequant_update(p, st, ids, rpb, fmt, step, by_col, bits, mul, low, out, *_chunks(out.shape[0], threads))
+    _delta_dequant_update(p, st, ids, rpb, fmt, step, by_col, bits, mul, low, out,
+                          *_chunks(out.shape[0], threads))
 
 
 def round_to_storage(threads, v, st, fmt):

@@ -1,4 +1,5 @@
-"""numba kernels of the rANS coder (:mod:`aqsgd.compress.rans`), called through ``aqsgd.compress.fused._call``.
+"""numba kernels of the rANS coder (:mod:`aqsgd.compress.rans`), called through
+``aqsgd.compress.fused._call``.
 
 Every kernel reads or writes the quantizer's packed codes directly: symbol ``i`` is the ``width``-bit field
 ``i % (8 // width)`` (low bits first) of byte ``i // (8 // width)``. The symbols are cut into :data:`LANES`
@@ -111,7 +112,8 @@ def _encode(body, width, per_shift, nsym, block, freq, cum, words, states, start
             i0, i1, i2, i3 = q * block, (q + 1) * block, (q + 2) * block, (q + 3) * block
             common = _length(q + 3, nsym, block)  # the quad's last lane is its shortest
             # a lane's words go backwards from the end of its region of block + 1 words (a lane moves out at
-            # most one word per symbol, so the spare word takes the write that _enc_step makes and does not keep)
+            # most one word per symbol, so the spare word takes the write that _enc_step makes and does not
+            # keep)
             x0 = x1 = x2 = x3 = _LOW
             r = block + 1
             p0, p1, p2, p3 = (q + 1) * r, (q + 2) * r, (q + 3) * r, (q + 4) * r

@@ -1,5 +1,5 @@
-"""The rANS coder's layout constants, shared by :mod:`aqsgd.compress.rans` and its numba kernels (a module of its
-own so that neither imports the other: the kernels load lazily, and only where numba is installed)."""
+"""The rANS coder's layout constants, shared by :mod:`aqsgd.compress.rans` and its numba kernels (a module of
+its own so that neither imports the other: the kernels load lazily, and only where numba is installed)."""
 
 LANES = 16  # contiguous lanes of symbols, each its own rANS stream
 PROB_BITS = 15  # the frequencies add up to 2**15

@@ -122,14 +122,14 @@ class Codec(abc.ABC):
     # -- AQ-SGD against an in-memory cache, fused (optional) ------------------------------------------
     def encode_delta(self, x: torch.Tensor, store: "RowStore") -> Packet | None:
         """The sender's AQ-SGD step in one go: the packet ``encode(x - m)``, ``m`` the rows of ``store`` (in
-        fp32), with every row updated in place to ``m + decode(packet)`` in the store's format. Packet and rows
-        are bit-identical to that sequence of calls. None where this codec has no fused step for ``x``: the
-        caller then runs the sequence itself."""
+        fp32), with every row updated in place to ``m + decode(packet)`` in the store's format. Packet and
+        rows are bit-identical to that sequence of calls. None where this codec has no fused step for ``x``:
+        the caller then runs the sequence itself."""
         return None
 
     def decode_delta(self, packet: Packet, store: "RowStore") -> torch.Tensor | None:
-        """The receiver's step: rows updated in place to ``m + decode(packet)`` in the store's format, returned
-        as fp32 (what ``put`` returns). None where this codec has no fused step for the packet."""
+        """The receiver's step: rows updated in place to ``m + decode(packet)`` in the store's format,
+        returned as fp32 (what ``put`` returns). None where this codec has no fused step for the packet."""
         return None
 
     def roundtrip(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -45,7 +45,8 @@ import torch
 log = logging.getLogger(__name__)
 
 __all__ = ["available", "enabled", "set_enabled", "compile_seconds", "encode", "decode_into", "plan", "fwht",
-           "topk_rows", "topk_pack", "topk_encode", "RowStore", "delta_max_abs", "delta_into", "delta_encode_update", "delta_decode_update"]
+           "topk_rows", "topk_pack", "topk_encode", "RowStore", "delta_max_abs", "delta_into",
+           "delta_encode_update", "delta_decode_update"]
 
 _lock = threading.Lock()
 _state: dict = {"enabled": os.environ.get("AQSGD_FUSED", "1") not in ("0", "false", "no", "off"),
@@ -64,8 +65,8 @@ def _load():
                 _state["kernels"] = False
                 if not _state["warned"]:
                     _state["warned"] = True
-                    warnings.warn(f"fused codec kernels unavailable ({e}); quantization uses the slower eager "
-                                  "PyTorch path (pip install numba)", RuntimeWarning, stacklevel=3)
+                    warnings.warn(f"fused codec kernels unavailable ({e}); quantization uses the slower "
+                                  "eager PyTorch path (pip install numba)", RuntimeWarning, stacklevel=3)
             else:
                 _state["kernels"] = k
     return _state["kernels"] or None
@@ -153,13 +154,15 @@ def max_abs(x2: np.ndarray, by_col: bool) -> np.ndarray:
 
 def encode(x2: np.ndarray, inv: np.ndarray, by_col: bool, offset: float, bits: int, qmax: int,
            out: np.ndarray) -> None:
-    """Codes ``trunc(clamp(fma(x, inv, offset), 0, qmax))`` of ``x2`` [R, K], packed into ``out`` [R, K*bits/8]."""
+    """Codes ``trunc(clamp(fma(x, inv, offset), 0, qmax))`` of ``x2`` [R, K], packed into ``out``
+    [R, K*bits/8]."""
     _call("quant_pack", x2, inv, by_col, np.float32(offset), bits, np.float32(qmax), out)
 
 
 def decode_into(packed: np.ndarray, step: np.ndarray, by_col: bool, bits: int, mul: int, low: int,
                 out: np.ndarray) -> None:
-    """``out[r, j] = (code * mul - low) * step[group]`` from packed codes [R, K*bits/8] into fp32 ``out`` [R, K]."""
+    """``out[r, j] = (code * mul - low) * step[group]`` from packed codes [R, K*bits/8] into fp32 ``out``
+    [R, K]."""
     _call("unpack_dequant", packed, step, by_col, bits, np.float32(mul), np.float32(low), out)
 
 
@@ -172,8 +175,8 @@ def fwht(x2: np.ndarray, signs: np.ndarray, c: float, inverse: bool, out: np.nda
 def topk_rows(keys: np.ndarray, mask: int, pos: np.ndarray, j_lo: int, j_hi: int, k: int,
               out: np.ndarray) -> np.ndarray:
     """TopK selection of :func:`aqsgd.compress.topk.topk_indices` in one compiled pass per row: the integer
-    ``keys`` [R, n] (a float's bits), their sign ``mask``, the sampled positions and the order statistics of the
-    two thresholds; writes ``out`` [R, k] (int64, increasing positions) and returns a bool per row, False
+    ``keys`` [R, n] (a float's bits), their sign ``mask``, the sampled positions and the order statistics of
+    the two thresholds; writes ``out`` [R, k] (int64, increasing positions) and returns a bool per row, False
     where the sample misled (that row is to be ranked in full)."""
     ok = np.empty(keys.shape[0], dtype=np.bool_)
     _call("topk_rows", keys, keys.dtype.type(mask), pos, int(j_lo), int(j_hi), int(k), out, ok,
@@ -227,12 +230,12 @@ def topk_encode(keys: np.ndarray, mask: int, pos: np.ndarray, j_lo: int, j_hi: i
     fmt, payload, vals, index_bytes = _topk_payload(rows, k, wire, width)
     ok = np.empty(rows, dtype=np.bool_)
     bad = np.empty(rows, dtype=np.bool_)
-    _call("topk_encode", keys, keys.dtype.type(mask), pos, int(j_lo), int(j_hi), int(k), fmt, vals, int(width),
-          index_bytes, ok, bad, *_topk_scratch(keys))
+    _call("topk_encode", keys, keys.dtype.type(mask), pos, int(j_lo), int(j_hi), int(k), fmt, vals,
+          int(width), index_bytes, ok, bad, *_topk_scratch(keys))
     return payload if ok.all() and not bad.any() else None
 
 
-# -------------------------------------------------------------------------------- AQ-SGD against a memory cache
+# ------------------------------------------------------------------------------ AQ-SGD against a memory cache
 _STORE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernels' FMT_* codes
 
 
@@ -240,9 +243,9 @@ _STORE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the 
 class RowStore:
     """Rows of an activation cache's CPU storage that a codec's fused AQ-SGD step reads and updates in place.
 
-    ``data`` is the whole storage ``[capacity, n]`` (fp32, or the uint16 bits of fp16/bf16 rows) sharing memory
-    with the cache's tensor; ``ids`` (int64) are the rows of the micro-batch, in its order; ``fmt`` is the
-    storage format. Built by the cache (:meth:`ActivationCache.row_store`), which has validated the ids.
+    ``data`` is the whole storage ``[capacity, n]`` (fp32, or the uint16 bits of fp16/bf16 rows) sharing
+    memory with the cache's tensor; ``ids`` (int64) are the rows of the micro-batch, in its order; ``fmt`` is
+    the storage format. Built by the cache (:meth:`ActivationCache.row_store`), which has validated the ids.
     """
 
     data: np.ndarray
@@ -266,8 +269,8 @@ class RowStore:
 
 
 def delta_max_abs(x2: np.ndarray, store: RowStore, rpb: int, by_col: bool) -> np.ndarray:
-    """Max ``|x - m|`` of each column (``by_col``) or row of fp32 ``x2`` [R, K], ``m`` the store's rows (``rpb``
-    rows of ``x2`` per sample); NaN anywhere in a group gives NaN."""
+    """Max ``|x - m|`` of each column (``by_col``) or row of fp32 ``x2`` [R, K], ``m`` the store's rows
+    (``rpb`` rows of ``x2`` per sample); NaN anywhere in a group gives NaN."""
     return _call("delta_absmax", x2, store.data, store.ids, rpb, store.fmt, by_col)
 
 
@@ -276,18 +279,20 @@ def delta_into(x2: np.ndarray, store: RowStore, rpb: int, out: np.ndarray) -> No
     _call("delta_into", x2, store.data, store.ids, rpb, store.fmt, out)
 
 
-def delta_encode_update(x2: np.ndarray, store: RowStore, rpb: int, inv: np.ndarray, by_col: bool, offset: float,
-                        bits: int, qmax: int, step: np.ndarray, mul: int, low: int, out: np.ndarray) -> None:
+def delta_encode_update(x2: np.ndarray, store: RowStore, rpb: int, inv: np.ndarray, by_col: bool,
+                        offset: float, bits: int, qmax: int, step: np.ndarray, mul: int, low: int,
+                        out: np.ndarray) -> None:
     """The sender's step: codes of ``x - m`` packed into ``out`` as :func:`encode` packs them, and each stored
-    row set to ``m + (code * mul - low) * step`` rounded to the storage format, as ``put(m + decode(...))``."""
-    _call("delta_quant_update", x2, store.data, store.ids, rpb, store.fmt, inv, by_col, np.float32(offset), bits,
-          np.float32(qmax), step, np.float32(mul), np.float32(low), out)
+    row set to ``m + (code * mul - low) * step`` rounded to the storage format, as
+    ``put(m + decode(...))``."""
+    _call("delta_quant_update", x2, store.data, store.ids, rpb, store.fmt, inv, by_col, np.float32(offset),
+          bits, np.float32(qmax), step, np.float32(mul), np.float32(low), out)
 
 
-def delta_decode_update(packed: np.ndarray, store: RowStore, rpb: int, step: np.ndarray, by_col: bool, bits: int,
-                        mul: int, low: int, out: np.ndarray) -> None:
-    """The receiver's step: each stored row set to ``m + (code * mul - low) * step`` in the storage format, and
-    ``out`` (fp32 [R, K]) to the stored values, as ``put(m + decode(...))`` returns them."""
+def delta_decode_update(packed: np.ndarray, store: RowStore, rpb: int, step: np.ndarray, by_col: bool,
+                        bits: int, mul: int, low: int, out: np.ndarray) -> None:
+    """The receiver's step: each stored row set to ``m + (code * mul - low) * step`` in the storage format,
+    and ``out`` (fp32 [R, K]) to the stored values, as ``put(m + decode(...))`` returns them."""
     _call("delta_dequant_update", packed, store.data, store.ids, rpb, store.fmt, step, by_col, bits,
           np.float32(mul), np.float32(low), out)
 

@@ -82,7 +82,8 @@ def _transform(x: torch.Tensor, tile: int, seed: int, inverse: bool) -> torch.Te
 
 
 def rotate(x: torch.Tensor, tile: int, seed: int) -> torch.Tensor:
-    """``H D x / sqrt(tile)`` of every tile of ``x`` (numel a multiple of ``tile``): fp32 [numel/tile, tile]."""
+    """``H D x / sqrt(tile)`` of every tile of ``x`` (numel a multiple of ``tile``): fp32
+    [numel/tile, tile]."""
     return _transform(x, tile, seed, inverse=False)
 
 

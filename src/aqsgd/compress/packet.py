@@ -156,7 +156,8 @@ def bytes_as(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 _MESSAGE_FIELDS = struct.Struct("<12xI4xI36xI")  # tag (offset 12), payload CRC (20), header CRC (60)
 _LAYOUT_FIELDS = "12s4x4s4x36s4x"  # the rest: bytes 0..12, 16..20 and 24..60
-_LAYOUTS = [struct.Struct("<" + _LAYOUT_FIELDS * n) for n in range(9)]  # of 0..8 headers (a transport message)
+# of 0..8 headers (a transport message)
+_LAYOUTS = [struct.Struct("<" + _LAYOUT_FIELDS * n) for n in range(9)]
 _FILL = struct.Struct("<12sI4sI36s")  # a layout with a tag and a payload CRC: the first 60 bytes of a header
 _U32 = struct.Struct("<I")
 
@@ -322,7 +323,8 @@ class Packet:
         return packet
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview, *, device: str | torch.device = "cpu") -> Packet:
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *,
+                   device: str | torch.device = "cpu") -> Packet:
         """Parse serialized bytes (exactly one packet). Raises :class:`PacketError` on malformed input."""
         data = bytes(data)
         header = parse_header(data)
@@ -332,9 +334,11 @@ class Packet:
                 f"truncated or oversized packet: header announces {header.payload_len} payload bytes, "
                 f"got {len(body)}"
             )
-        payload = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8)
+        payload = (torch.frombuffer(bytearray(body), dtype=torch.uint8) if body
+                   else torch.empty(0, dtype=torch.uint8))
         packet = cls.from_header(header, payload)
-        return packet if torch.device(device).type == "cpu" else dataclasses.replace(packet, payload=payload.to(device))
+        return (packet if torch.device(device).type == "cpu"
+                else dataclasses.replace(packet, payload=payload.to(device)))
 
     def expect(self, *, tag: int | None = None, kind: int | None = None,
                shape: tuple[int, ...] | None = None, what: str = "packet") -> None:
@@ -347,4 +351,5 @@ class Packet:
                 f"{tag & 0xFFFFFFFF:#010x}); sender and receiver are out of step"
             )
         if shape is not None and tuple(self.shape) != tuple(shape):
-            raise PacketMismatchError(f"{what}: packet shape {tuple(self.shape)}, receiver expected {tuple(shape)}")
+            raise PacketMismatchError(f"{what}: packet shape {tuple(self.shape)}, receiver expected "
+                                      f"{tuple(shape)}")

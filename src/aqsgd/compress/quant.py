@@ -3,29 +3,30 @@
 Grid
     ``midtread`` (default): for ``bits >= 2`` the levels are ``k * step`` for integers ``k`` in ``[-L, L]``,
     ``L = 2**(bits-1) - 1`` and ``step = scale / L``: symmetric about zero, zero exact, ``2**bits - 1`` levels
-    (the all-ones code is unused). For ``bits == 1`` the levels are ``{-scale, +scale}`` (``step = 2 * scale``).
-    ``midrise``: all ``n = 2**bits`` codes, levels ``(k - (n-1)/2) * step`` for codes ``k`` in ``[0, n-1]``
-    with ``step = 2 * scale / (n - 1)``: symmetric, no zero level, the outermost levels at ``+-scale`` (for
-    1 bit the same grid as ``midtread``). At 2 bits this is 4 levels instead of 3; with each grid's
-    MSE-optimal clipping the relative error on Gaussian data falls from 0.44 to 0.35 (3 bits 0.22 -> 0.19,
-    4 bits 0.11 -> 0.11) for the same bytes. The price: an exact zero is sent as +-step/2. With nearest
-    rounding every value inside ``[-scale, scale]`` is reconstructed within half a step, on either grid.
+    (the all-ones code is unused). For ``bits == 1`` the levels are ``{-scale, +scale}``
+    (``step = 2 * scale``). ``midrise``: all ``n = 2**bits`` codes, levels ``(k - (n-1)/2) * step`` for codes
+    ``k`` in ``[0, n-1]`` with ``step = 2 * scale / (n - 1)``: symmetric, no zero level, the outermost levels
+    at ``+-scale`` (for 1 bit the same grid as ``midtread``). At 2 bits this is 4 levels instead of 3; with
+    each grid's MSE-optimal clipping the relative error on Gaussian data falls from 0.44 to 0.35
+    (3 bits 0.22 -> 0.19, 4 bits 0.11 -> 0.11) for the same bytes. The price: an exact zero is sent as
+    +-step/2. With nearest rounding every value inside ``[-scale, scale]`` is reconstructed within half a
+    step, on either grid.
 
 Scale (one per group)
     ``max``: the group's max-abs, so nothing is clipped (the AQ-SGD reference's choice). The default for
     ``bits >= 2``, and for 1 bit with stochastic rounding (the only scale under which that is unbiased).
-    ``mean`` (1 bit only; the default for 1 bit with nearest rounding): the group's mean absolute value. A sign
-    quantizer reconstructs every value at ``+-scale``, and the scale minimizing the group's squared error is
-    its mean ``|x|``: relative error 1 - 2/pi = 0.36 on Gaussian data, where max-abs scales give 4 to 15
+    ``mean`` (1 bit only; the default for 1 bit with nearest rounding): the group's mean absolute value. A
+    sign quantizer reconstructs every value at ``+-scale``, and the scale minimizing the group's squared error
+    is its mean ``|x|``: relative error 1 - 2/pi = 0.36 on Gaussian data, where max-abs scales give 4 to 15
     (every value sent at the group's extreme: worse than sending zeros).
     ``l2``: ``min(max-abs, c_b * rms)`` with ``c_b`` the clipping multiple that minimizes the mean squared
     error for Gaussian data at ``b`` bits (Banner et al., 2019, "Post-training 4-bit quantization of
     convolution networks for rapid-deployment": 1.71, 2.15, 2.55, 2.94, 3.29, 3.61, 3.92 for 2..8 bits;
     0.80 = E|x|/sigma for 1 bit). Values beyond the scale are clipped to the outermost level. These multiples
-    were derived for ``2**b`` levels; on the 3-level ``midtread`` grid at 2 bits the Gaussian optimum is nearer
-    1.2 (kept at 1.71 so that ``q2:l2`` keeps its meaning). On the ``midrise`` grid ``c_b`` is the outermost
-    level of the MSE-optimal uniform quantizer of a unit Gaussian (Max, 1960, "Quantizing for minimum
-    distortion": 1.49, 2.05, 2.51, 2.92, 3.28, 3.62, 3.95 for 2..8 bits, i.e. (n-1)/2 optimal steps).
+    were derived for ``2**b`` levels; on the 3-level ``midtread`` grid at 2 bits the Gaussian optimum is
+    nearer 1.2 (kept at 1.71 so that ``q2:l2`` keeps its meaning). On the ``midrise`` grid ``c_b`` is the
+    outermost level of the MSE-optimal uniform quantizer of a unit Gaussian (Max, 1960, "Quantizing for
+    minimum distortion": 1.49, 2.05, 2.51, 2.92, 3.28, 3.62, 3.95 for 2..8 bits, i.e. (n-1)/2 optimal steps).
     Scales are stored in fp16 by default, rounded *up* to the next fp16 value (so rounding never clips)
     and clamped to 65504 (so they never overflow; larger magnitudes are clipped); ``scale32`` stores fp32.
     ``step<c>``: the quantization step is ``c`` times the group's rms, or its max-abs where that is smaller
@@ -102,8 +103,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def divided(scales: torch.Tensor, divisor: int, cdt: torch.dtype) -> torch.Tensor:
-    """``scales / divisor`` in ``cdt``, correctly rounded on every device, so that a packet decodes to the same
-    bits on the CPU and on a GPU (the two sides of an AQ-SGD boundary must agree bit for bit).
+    """``scales / divisor`` in ``cdt``, correctly rounded on every device, so that a packet decodes to the
+    same bits on the CPU and on a GPU (the two sides of an AQ-SGD boundary must agree bit for bit).
 
     CUDA divides a tensor by a Python number as ``x * (1 / divisor)``, one rounding more than the CPU's true
     division, and the last bit then differs for some scales. In fp32 the quotient is taken in float64 and
@@ -287,7 +288,8 @@ class QuantCodec(Codec):
         return torch.cat([stored.view(torch.uint8), pack_bits(codes, self.bits)])
 
     def _encode_fused(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The packet payload from the numba kernels (:mod:`aqsgd.compress.fused`); None where they do not apply."""
+        """The packet payload from the numba kernels (:mod:`aqsgd.compress.fused`); None where they do not
+        apply."""
         plan = fused.plan(x.shape, self.granularity, self.block)
         if plan is None:
             return None
@@ -296,8 +298,8 @@ class QuantCodec(Codec):
         s = self._fused_scales(x2, x.shape, by_col, lambda: fused.max_abs(x2.numpy(), by_col))
         stored, inv, _ = self._scale_steps(s, torch.float32)
         out, nsb = self._fused_payload(stored, rows, k)
-        fused.encode(x2.numpy(), self._per_group(inv, rows, k, by_col), by_col, self.qmax / 2.0 + 0.5, self.bits,
-                     self.qmax, out[nsb:].view(rows, -1).numpy())
+        fused.encode(x2.numpy(), self._per_group(inv, rows, k, by_col), by_col, self.qmax / 2.0 + 0.5,
+                     self.bits, self.qmax, out[nsb:].view(rows, -1).numpy())
         return out
 
     @staticmethod
@@ -335,7 +337,8 @@ class QuantCodec(Codec):
         return v.contiguous().numpy()
 
     def _delta_plan(self, shape: Sequence[int], store: fused.RowStore) -> tuple[int, int, bool, int] | None:
-        """``(rows, k, by_col, rows per sample)`` for the fused AQ-SGD step, or None (the caller goes eager)."""
+        """``(rows, k, by_col, rows per sample)`` for the fused AQ-SGD step, or None (the caller goes
+        eager)."""
         plan = fused.plan(shape, self.granularity, self.block)
         if plan is None or not shape or int(shape[0]) != store.ids.shape[0]:
             return None
@@ -354,7 +357,8 @@ class QuantCodec(Codec):
         rows, k, by_col, rpb = plan
         x2 = self._fp32_rows(x, rows, k)
         if self.scale_mode == "max":
-            s = self._fused_scales(x2, x.shape, by_col, lambda: fused.delta_max_abs(x2.numpy(), store, rpb, by_col))
+            s = self._fused_scales(x2, x.shape, by_col,
+                                   lambda: fused.delta_max_abs(x2.numpy(), store, rpb, by_col))
         else:  # the scale needs a mean of x - m in torch's order: materialize x - m once
             d = torch.empty(rows, k)
             fused.delta_into(x2.numpy(), store, rpb, d.numpy())
@@ -363,14 +367,15 @@ class QuantCodec(Codec):
         mul, low, step = self._levels(stored, torch.float32)
         out, nsb = self._fused_payload(stored, rows, k)
         fused.delta_encode_update(x2.numpy(), store, rpb, self._per_group(inv, rows, k, by_col), by_col,
-                                  self.qmax / 2.0 + 0.5, self.bits, self.qmax, self._per_group(step, rows, k, by_col),
-                                  mul, low, out[nsb:].view(rows, -1).numpy())
+                                  self.qmax / 2.0 + 0.5, self.bits, self.qmax,
+                                  self._per_group(step, rows, k, by_col), mul, low,
+                                  out[nsb:].view(rows, -1).numpy())
         return Packet(self.family, torch.float32, tuple(x.shape), self.fingerprint, out)
 
     def decode_delta(self, packet: Packet, store: fused.RowStore) -> torch.Tensor | None:
         self.check_packet(packet)
-        if (packet.dtype != torch.float32 or packet.payload.device.type != "cpu" or packet.payload.numel() == 0
-                or not fused.enabled()):
+        if (packet.dtype != torch.float32 or packet.payload.device.type != "cpu"
+                or packet.payload.numel() == 0 or not fused.enabled()):
             return None
         plan = self._delta_plan(packet.shape, store)
         if plan is None:
@@ -381,11 +386,13 @@ class QuantCodec(Codec):
         mul, low, step = self._levels(scales, torch.float32)
         out = torch.empty(rows, k, dtype=torch.float32)
         fused.delta_decode_update(packet.payload[nsb:].view(rows, -1).numpy(), store, rpb,
-                                  self._per_group(step, rows, k, by_col), by_col, self.bits, mul, low, out.numpy())
+                                  self._per_group(step, rows, k, by_col), by_col, self.bits, mul, low,
+                                  out.numpy())
         return out.view(packet.shape)
 
     def _scale_steps(self, s: torch.Tensor, cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Checked stored scales, the reciprocal steps ``qmax / (2 * scale)`` (0 for a zero scale), max scale."""
+        """Checked stored scales, the reciprocal steps ``qmax / (2 * scale)`` (0 for a zero scale), max
+        scale."""
         # One host sync for both checks: NaN/Inf anywhere make the largest scale non-finite.
         smax = float(s.max())
         if self.check_finite:
@@ -399,7 +406,8 @@ class QuantCodec(Codec):
         inv = torch.where(sf > 0, self.qmax / (2.0 * sf), torch.zeros_like(sf))
         return stored, inv, smax
 
-    def quantize(self, x: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, x: torch.Tensor,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(stored scales, flat uint8 codes)`` of a non-empty tensor, before packing."""
         groups = self._groups(x.shape)
         cdt = _compute_dtype(x.dtype)
@@ -461,15 +469,16 @@ class QuantCodec(Codec):
         if step.numel() != (k if by_col else rows):
             step = step.expand(rows)
         out = torch.empty(rows, k, dtype=torch.float32)
-        fused.decode_into(packed.view(rows, -1).numpy(), step.contiguous().numpy(), by_col, self.bits, mul, low,
-                          out.numpy())
+        fused.decode_into(packed.view(rows, -1).numpy(), step.contiguous().numpy(), by_col, self.bits, mul,
+                          low, out.numpy())
         out = out.view(shape)
         return out if out_dtype == torch.float32 else out.to(out_dtype)
 
     def _levels(self, scales: torch.Tensor, cdt: torch.dtype) -> tuple[int, int, torch.Tensor]:
         """``(mul, low, step)``: code ``c`` decodes to ``(c * mul - low) * step`` of its group."""
         if self.grid == "midrise" and self.bits > 1:
-            # code c is level (c - qmax/2) * step = (2c - qmax) * scale / qmax: an odd integer times scale / qmax
+            # code c is level (c - qmax/2) * step = (2c - qmax) * scale / qmax: an odd integer times
+            # scale / qmax
             return 2, self.qmax, divided(scales, self.qmax, cdt)
         if self.bits == 1:  # +-1 times the scale
             return 2, 1, scales.to(cdt)
@@ -482,7 +491,8 @@ class QuantCodec(Codec):
         groups = self._groups(shape)
         cdt = _compute_dtype(out_dtype)
         if self.grid == "midrise" and self.bits > 1:
-            # code c is level (c - qmax/2) * step = (2c - qmax) * scale / qmax: an odd integer times scale / qmax
+            # code c is level (c - qmax/2) * step = (2c - qmax) * scale / qmax: an odd integer times
+            # scale / qmax
             out = codes.to(cdt).mul_(2.0).sub_(self.qmax)
             step = divided(scales, self.qmax, cdt)
         else:
@@ -522,7 +532,8 @@ def quantize_groups(
     g, n = x.shape
     n8 = -(-n // 8) * 8
     if g * n == 0:
-        return x.new_zeros((g, packed_nbytes(n, bits)), dtype=torch.uint8), x.new_zeros(g, dtype=torch.float16)
+        return (x.new_zeros((g, packed_nbytes(n, bits)), dtype=torch.uint8),
+                x.new_zeros(g, dtype=torch.float16))
     if n8 == n:  # rows end on byte boundaries: the packet's codes are the rows packed one after another
         payload = codec._encode(x.contiguous(), generator)
         return payload[2 * g :].view(g, -1), bytes_as(payload[: 2 * g], torch.float16)
@@ -542,7 +553,8 @@ def dequantize_groups(
     n8 = -(-n // 8) * 8
     if n8 == n:
         codec = QuantCodec(bits, granularity="token", scale="max")
-        return codec.dequantize_packed(scales.to(torch.float16).reshape(-1), packed.reshape(-1), (g, n), dtype)
+        return codec.dequantize_packed(scales.to(torch.float16).reshape(-1), packed.reshape(-1),
+                                       (g, n), dtype)
     row = n8 * bits // 8
     if packed.shape[1] != row:
         packed = torch.nn.functional.pad(packed, (0, row - packed.shape[1]))

@@ -48,7 +48,8 @@ def available() -> None:
 
 
 def overhead_bytes(width: int) -> int:
-    """Bytes of :func:`encode`'s output besides the words: the frequencies and the lanes' states and counts."""
+    """Bytes of :func:`encode`'s output besides the words: the frequencies and the lanes' states and
+    counts."""
     return 2 * (1 << width) + 8 * LANES
 
 
@@ -82,7 +83,8 @@ def _scratch(name: str, size: int, dtype) -> np.ndarray:
 
 
 def _starts(freq: np.ndarray) -> np.ndarray:
-    """Each symbol's first slot in the table (the cumulative frequencies before it), uint64 as the kernels take."""
+    """Each symbol's first slot in the table (the cumulative frequencies before it), uint64 as the kernels
+    take."""
     return np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.uint64)
 
 
@@ -141,7 +143,8 @@ def decode(data: np.ndarray, width: int, nbody: int, out: np.ndarray | None = No
         raise PacketError("rANS lane state below 2**16: corrupt data")
     total = int(nwords.sum())
     words = _scratch("dwords", total + 1, np.uint16)  # one more word, read by a lane that ran past its own
-    words[:total] = data[head:].view("<u2")  # numpy copies from an unaligned view; the kernel gets aligned ones
+    # numpy copies from an unaligned view; the kernel gets aligned ones
+    words[:total] = data[head:].view("<u2")
     words[total] = 0
     ends = np.cumsum(nwords)
     starts = ends - nwords

@@ -27,8 +27,8 @@ spec                                   codec
 Wrapper options, after any codec's own (see :mod:`aqsgd.compress.wrappers`): ``rot<G>[s<seed>]``
 (``q<b>`` only: randomized Hadamard rotation of tiles of G values, one scale per tile by default),
 ``outlier<F>`` (rows with norm above F x the median go apart in bf16), ``zstd[<level>]`` (lossless
-entropy stage), ``rc`` (``q<b>`` only, optionally rotated: the codes through an order-0 rANS coder, lossless). They
-compose as ``zstd(outlier(rot(codec)))`` or ``rc(rot(codec))`` whatever their order.
+entropy stage), ``rc`` (``q<b>`` only, optionally rotated: the codes through an order-0 rANS coder, lossless).
+They compose as ``zstd(outlier(rot(codec)))`` or ``rc(rot(codec))`` whatever their order.
 
 Examples: ``q4``, ``q2:token``, ``q3:block64:stochastic``, ``topk0.1``, ``topk0.1+q8``, ``q3:rot64:l2``,
 ``q2:l2:outlier8:zstd``.

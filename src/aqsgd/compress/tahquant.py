@@ -145,7 +145,8 @@ def _swap_pivot(t: torch.Tensor, piv: torch.Tensor) -> None:
 
 
 class TahQuantCodec(Codec):
-    """``tah[:tile<G>]`` (forward, 3/4 bits per token by entropy) or ``tah<b>[:tile<G>]`` (backward fixpoint)."""
+    """``tah[:tile<G>]`` (forward, 3/4 bits per token by entropy) or ``tah<b>[:tile<G>]`` (backward
+    fixpoint)."""
 
     family = Family.TAH
 
@@ -185,8 +186,9 @@ class TahQuantCodec(Codec):
         if self.bits is not None:
             return [2 * n, packed_nbytes(g.rows * g.padded, self.bits)]
         nlow = g.batch * g.low * g.padded
-        return [2 * n, 2 * n, packed_nbytes(g.rows, 1), packed_nbytes(n, 1), packed_nbytes(n, self.pivot_bits),
-                packed_nbytes(nlow, LOW_BITS), packed_nbytes(g.rows * g.padded - nlow, HIGH_BITS)]
+        return [2 * n, 2 * n, packed_nbytes(g.rows, 1), packed_nbytes(n, 1),
+                packed_nbytes(n, self.pivot_bits), packed_nbytes(nlow, LOW_BITS),
+                packed_nbytes(g.rows * g.padded - nlow, HIGH_BITS)]
 
     def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
         g = self._geometry(shape)
@@ -214,12 +216,13 @@ class TahQuantCodec(Codec):
         ok = torch.stack([torch.isfinite(s).all() for s in stats]).all()
         if not bool(ok):
             if bool(torch.isfinite(x).all()):
-                raise NonFiniteError(f"{self.spec}: magnitudes beyond the fp16 range (65504) of the tile zero "
-                                     "points and scales")
+                raise NonFiniteError(f"{self.spec}: magnitudes beyond the fp16 range (65504) of the tile "
+                                     "zero points and scales")
             raise_non_finite(self.spec)
 
     def _hadamard(self, t: torch.Tensor, flag: torch.Tensor, piv: torch.Tensor, inverse: bool) -> None:
-        """In place on the flagged rows of ``t``: pivot swap then Hadamard, or (inverse) Hadamard then swap."""
+        """In place on the flagged rows of ``t``: pivot swap then Hadamard, or (inverse) Hadamard then
+        swap."""
         sel = flag.nonzero().view(-1)
         if sel.numel() == 0:
             return
@@ -348,11 +351,13 @@ class TahQuantCodec(Codec):
         ]).tolist()  # one host sync for all checks
         if any(checks):
             why = ["non-finite or negative tile scales", "non-finite tile zero points",
-                   f"a token map that does not mark exactly {g.low} 3-bit tokens in every sequence of {g.seq}",
+                   (f"a token map that does not mark exactly {g.low} 3-bit tokens in every sequence of "
+                    f"{g.seq}"),
                    "a pivot index on a tile that is not transformed"][checks.index(True)]
             raise PacketError(f"{self.spec}: packet holds {why}")
         nlow = g.batch * g.low * g.padded
-        k = torch.cat([unpack_bits(raw_lo, LOW_BITS, nlow), unpack_bits(raw_hi, HIGH_BITS, g.rows * g.padded - nlow)])
+        k = torch.cat([unpack_bits(raw_lo, LOW_BITS, nlow),
+                       unpack_bits(raw_hi, HIGH_BITS, g.rows * g.padded - nlow)])
         t = k.view(-1, self.tile).float().mul_(s16.float().view(-1, 1)).add_(z16.float().view(-1, 1))
         self._hadamard(t, flag, piv, inverse=True)
         return t, self._wire_rows(low_mask, g)

@@ -106,7 +106,8 @@ class TopKCodec(Codec):
         width = index_dtype(n).itemsize
         packs = (isinstance(self.values, CastCodec) and x2.dtype == torch.float32 and x2.device.type == "cpu"
                  and fused.enabled())
-        if packs:  # selection, gather, cast and index packing in one kernel (byte-identical to the steps below)
+        # selection, gather, cast and index packing in one kernel (byte-identical to the steps below)
+        if packs:
             plan = _sampling(rows, n, k)
             if plan is not None:
                 payload = fused.topk_encode(x2.view(torch.int32).numpy(), _MASK32, *plan, k,
@@ -221,8 +222,8 @@ def _kernel_rows(rows: int) -> bool:
 
 
 def _plan(n: int, k: int, sample: int = SAMPLE, min_row: int = MIN_ROW) -> tuple[np.ndarray, int, int] | None:
-    """``(sampled positions, j_lo, j_hi)`` of the sampled selection of ``k`` of ``n`` (the order statistics of the
-    sample that give the two thresholds), or None where rows of ``n`` are ranked in full."""
+    """``(sampled positions, j_lo, j_hi)`` of the sampled selection of ``k`` of ``n`` (the order statistics of
+    the sample that give the two thresholds), or None where rows of ``n`` are ranked in full."""
     s = min(sample, n)
     mean = k * s / n
     sd = math.sqrt(mean * (1.0 - k / n))
@@ -233,8 +234,8 @@ def _plan(n: int, k: int, sample: int = SAMPLE, min_row: int = MIN_ROW) -> tuple
 
 
 def _sampling(rows: int, n: int, k: int) -> tuple[np.ndarray, int, int] | None:
-    """:func:`_plan` where :func:`topk_indices` would select ``rows`` rows of ``n`` through the compiled kernel
-    at its defaults, else None."""
+    """:func:`_plan` where :func:`topk_indices` would select ``rows`` rows of ``n`` through the compiled
+    kernel at its defaults, else None."""
     return _plan(n, k) if 0 < k < n and _kernel_rows(rows) else None
 
 

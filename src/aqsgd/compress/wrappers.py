@@ -197,7 +197,8 @@ def _zstd():
     try:
         import zstandard
     except ImportError as e:  # a base dependency; only a broken install gets here
-        raise SpecError(f"the zstd entropy stage needs the zstandard package ({e}); pip install zstandard") from None
+        raise SpecError(f"the zstd entropy stage needs the zstandard package ({e}); pip install "
+                        "zstandard") from None
     return zstandard
 
 
@@ -240,13 +241,13 @@ class EntropyCodec(Codec):
 
     # the stage itself: bytes in, bytes out (the two methods a lossless stage overrides)
     def _squeeze(self, raw, shape: Sequence[int]) -> bytes | np.ndarray:
-        """The stage's output (bytes or a uint8 numpy array) for the inner payload ``raw`` (a uint8 numpy array)
-        of a tensor of ``shape``."""
+        """The stage's output (bytes or a uint8 numpy array) for the inner payload ``raw`` (a uint8 numpy
+        array) of a tensor of ``shape``."""
         return self._ctx()[0].compress(memoryview(raw))
 
     def _expand(self, data, bound: int, shape: Sequence[int]) -> bytes | np.ndarray:
-        """Inverse of :meth:`_squeeze` (bytes or a uint8 numpy array): at most ``bound`` bytes of inner payload;
-        PacketError where corrupt."""
+        """Inverse of :meth:`_squeeze` (bytes or a uint8 numpy array): at most ``bound`` bytes of inner
+        payload; PacketError where corrupt."""
         try:
             return self._ctx()[1].decompress(memoryview(data), max_output_size=bound)
         except Exception as e:  # zstandard.ZstdError: a corrupt frame
@@ -278,7 +279,8 @@ class EntropyCodec(Codec):
         inner = self.inner.encode_delta(x, store)
         if inner is None:
             return None
-        return Packet(self.family, inner.dtype, inner.shape, self.fingerprint, self._compress(inner.payload, x.shape))
+        return Packet(self.family, inner.dtype, inner.shape, self.fingerprint,
+                      self._compress(inner.payload, x.shape))
 
     def decode_delta(self, packet: Packet, store) -> torch.Tensor | None:
         self.check_packet(packet)
@@ -314,10 +316,11 @@ class RansCodec(EntropyCodec):
     """``q<b>[...][:rot<G>]:rc``: the quantizer's codes through an order-0 rANS coder; its scales as they are.
 
     The codes are cut into symbols of ``b`` bits where ``b`` divides 8 (q1, q2, q4, q8), else into bytes, and
-    coded (:mod:`aqsgd.compress.rans`) under the packet's own symbol frequencies, which the packet carries. That
-    spends each symbol's empirical entropy, where zstd's Huffman stage spends whole bits per byte (on 4-bit codes
-    about 0.1 bit per value more). Payload after the mode byte (3): the scales as the quantizer wrote them, then
-    the coder's output (its frequency table, 16 lanes' states and word counts, their 16-bit words).
+    coded (:mod:`aqsgd.compress.rans`) under the packet's own symbol frequencies, which the packet carries.
+    That spends each symbol's empirical entropy, where zstd's Huffman stage spends whole bits per byte (on
+    4-bit codes about 0.1 bit per value more). Payload after the mode byte (3): the scales as the quantizer
+    wrote them, then the coder's output (its frequency table, 16 lanes' states and word counts, their 16-bit
+    words).
     """
 
     MODE = 3
@@ -351,8 +354,8 @@ class RansCodec(EntropyCodec):
     def _expand(self, data, bound: int, shape: Sequence[int]) -> np.ndarray:
         head, nbody = self._layout(shape)
         if data.size < head:
-            raise PacketError(f"{self.spec}: rANS-coded payload of {data.size} bytes is shorter than its {head} "
-                              f"scale bytes")
+            raise PacketError(f"{self.spec}: rANS-coded payload of {data.size} bytes is shorter than its "
+                              f"{head} scale bytes")
         out = np.empty(head + nbody, dtype=np.uint8)
         out[:head] = data[:head]
         try:

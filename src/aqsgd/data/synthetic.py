@@ -14,7 +14,8 @@ __all__ = ["SyntheticLM", "microbatches"]
 
 
 class SyntheticLM(Dataset):
-    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, *, seed: int = 0, noise: float = 0.1) -> None:
+    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, *, seed: int = 0,
+                 noise: float = 0.1) -> None:
         if num_samples < 1 or seq_len < 2 or vocab_size < 4:
             raise ValueError("SyntheticLM needs num_samples >= 1, seq_len >= 2, vocab_size >= 4")
         self.num_samples, self.seq_len, self.vocab_size = num_samples, seq_len, vocab_size

@@ -108,7 +108,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-GRAD_SYNC_HELP = "grad sync spec: allreduce | q<bits 1-8>[:block<N>] | powersgd[:rank<R>] (e.g. q8, q4:block256, powersgd:rank4)"
+GRAD_SYNC_HELP = ("grad sync spec: allreduce | q<bits 1-8>[:block<N>] | powersgd[:rank<R>] (e.g. q8, "
+                  "q4:block256, powersgd:rank4)")
 DEFAULT_BUCKET_MB = 25.0
 DEFAULT_BLOCK = 64
 
@@ -295,7 +296,8 @@ def _allreduce(buckets: list[_Bucket], group: Any, world: int, device: torch.dev
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
-    """Async all-gather into one flat tensor (``all_gather_single``, named ``all_gather_into_tensor`` before)."""
+    """Async all-gather into one flat tensor (``all_gather_single``, named ``all_gather_into_tensor``
+    before)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=True)
 
@@ -320,7 +322,8 @@ class QuantizedSync(GradSync):
         self.codec = QuantCodec(bits, granularity="block", block=block)
         self.bits, self.block = bits, block
         self.ef1: dict[int, torch.Tensor] = {}  # per bucket, padded length D * c: before the all-to-all
-        self.ef2: dict[int, torch.Tensor] = {}  # per bucket, length c: this rank's chunk before the all-gather
+        # per bucket, length c: this rank's chunk before the all-gather
+        self.ef2: dict[int, torch.Tensor] = {}
 
     def chunk_numel(self, numel: int) -> int:
         """Values per chunk: ``ceil(numel / D)`` rounded up to a whole number of blocks."""
@@ -361,8 +364,8 @@ class QuantizedSync(GradSync):
         if buf is None:
             buf = store[index] = torch.zeros(numel, dtype=torch.float32, device=self.device)
         elif buf.numel() != numel:
-            raise ValueError(f"error-feedback buffer of bucket {index} has {buf.numel()} values, expected {numel} "
-                             "(state from another model, bucket size or group size?)")
+            raise ValueError(f"error-feedback buffer of bucket {index} has {buf.numel()} values, expected "
+                             f"{numel} (state from another model, bucket size or group size?)")
         return buf
 
     def _sync(self, buckets: list[_Bucket]) -> int:
@@ -539,7 +542,8 @@ class PowerSGDSync(GradSync):
                 continue
             m = re.fullmatch(r"(error|p|q)\.(\d+)", key)
             if m is None:
-                raise KeyError(f"unexpected key {key!r} in a PowerSGD grad sync state (iter, error.<i>, p.<i>, q.<i>)")
+                raise KeyError(f"unexpected key {key!r} in a PowerSGD grad sync state (iter, error.<i>, "
+                               "p.<i>, q.<i>)")
             stores[m.group(1)][int(m.group(2))] = value.detach().to(self.device, copy=True)
         self.state.iter = it
         self.state.error_dict = stores["error"]

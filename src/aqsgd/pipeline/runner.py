@@ -16,9 +16,9 @@ both compute the same numbers. Receives are posted at the start of a step, so a 
 can receive while the stage computes.
 
 Every action runs inside ``torch.profiler.record_function(f"stage{i} {KIND} mb{m}")`` (``KIND`` one of
-``FORWARD``, ``BACKWARD``, ``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``), with the waits, decodes and encodes
-within it labelled ``stage{i} wait F mb{m}``, ``stage{i} decode B mb{m}``, ``stage{i} encode F mb{m}`` and
-the wait for a step's outstanding sends ``stage{i} wait sends``: a :class:`torch.profiler.profile` around
+``FORWARD``, ``BACKWARD``, ``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``), with the waits, decodes and
+encodes within it labelled ``stage{i} wait F mb{m}``, ``stage{i} decode B mb{m}``, ``stage{i} encode F mb{m}``
+and the wait for a step's outstanding sends ``stage{i} wait sends``: a :class:`torch.profiler.profile` around
 training shows the schedule of every stage (``export_chrome_trace`` writes it for chrome://tracing or
 Perfetto). Outside a profiler no label is made (each costs a dispatcher call on entry and exit, tens of
 microseconds per action when the caches are cold).
@@ -109,7 +109,8 @@ class LocalTransport:
     """In-memory FIFO channels between the stages of one process. Use :meth:`view` for one stage's side."""
 
     def __init__(self) -> None:
-        self.queues: dict[tuple[int, int, int], collections.deque] = collections.defaultdict(collections.deque)
+        self.queues: dict[tuple[int, int, int], collections.deque] = collections.defaultdict(
+            collections.deque)
 
     def view(self, rank: int) -> _LocalView:
         return _LocalView(self, rank)
@@ -213,15 +214,16 @@ class StageRunner:
             b = self.stage - 1 if side == "sender" else self.stage
         return (b, channel, side)
 
-    def scheme(self, channel: int, side: str, like: torch.Size | tuple[int, ...], dtype: torch.dtype) -> BoundaryScheme:
+    def scheme(self, channel: int, side: str, like: torch.Size | tuple[int, ...],
+               dtype: torch.dtype) -> BoundaryScheme:
         """The scheme for this stage's side of a direction, built on first use for tensors like ``like``."""
         return self._scheme(self.scheme_key(channel, side), tuple(like), dtype)
 
     def _scheme(self, key: SchemeKey, shape: tuple[int, ...], dtype: torch.dtype) -> BoundaryScheme:
         if key not in self.schemes:
             b, channel, side = key
-            self.schemes[key] = self.compression.make(b, channel, side, row_shape=tuple(shape[1:]), dtype=dtype,
-                                                      device=self.device, replica=self.replica)
+            self.schemes[key] = self.compression.make(b, channel, side, row_shape=tuple(shape[1:]),
+                                                      dtype=dtype, device=self.device, replica=self.replica)
             self._built_for[key] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
         return self.schemes[key]
 
@@ -242,12 +244,14 @@ class StageRunner:
         for key, entry in state.items():
             b, channel, side = key
             if (channel not in (FORWARD_CHANNEL, BACKWARD_CHANNEL) or side not in ("sender", "receiver")
-                    or self.scheme_key(channel, side) != (b, channel, side) or not 0 <= b < self.num_stages - 1):
+                    or self.scheme_key(channel, side) != (b, channel, side)
+                    or not 0 <= b < self.num_stages - 1):
                 raise ValueError(f"stage {self.stage} of {self.num_stages} has no scheme {key}")
             dtype = getattr(torch, str(entry["dtype"]), None)
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"unknown dtype {entry['dtype']!r}")
-            self._scheme((b, channel, side), tuple(int(n) for n in entry["shape"]), dtype).load(entry["scheme"])
+            self._scheme((b, channel, side), tuple(int(n) for n in entry["shape"]),
+                         dtype).load(entry["scheme"])
 
     # -- one step ------------------------------------------------------------------------------------
     def begin_step(self, microbatches: Sequence[Batch], phase: Phase, plan: list[Action] | None = None, *,
@@ -274,9 +278,11 @@ class StageRunner:
         self._prefetched: set[int] = set()  # micro-batches whose cache rows were prefetched this step
         for a in plan:
             if a.kind is RECV_F:
-                self.recvs[(RECV_F, a.microbatch)] = self.transport.irecv(self.ranks[self.stage - 1], FORWARD_CHANNEL)
+                self.recvs[(RECV_F, a.microbatch)] = self.transport.irecv(self.ranks[self.stage - 1],
+                                                                          FORWARD_CHANNEL)
             elif a.kind is RECV_B:
-                self.recvs[(RECV_B, a.microbatch)] = self.transport.irecv(self.ranks[self.stage + 1], BACKWARD_CHANNEL)
+                self.recvs[(RECV_B, a.microbatch)] = self.transport.irecv(self.ranks[self.stage + 1],
+                                                                          BACKWARD_CHANNEL)
         self._prefetch(0)
 
     def _prefetch(self, mb: int) -> None:
@@ -286,7 +292,8 @@ class StageRunner:
         # beyond the caches' capacity)
         if self.phase not in (Phase.TRAIN, Phase.WARMUP):
             return
-        if mb >= len(self.microbatches) or "sample_ids" not in self.microbatches[mb] or mb in self._prefetched:
+        if (mb >= len(self.microbatches) or "sample_ids" not in self.microbatches[mb]
+                or mb in self._prefetched):
             return
         self._prefetched.add(mb)
         for s in self.schemes.values():
@@ -297,11 +304,12 @@ class StageRunner:
         return self.microbatches[mb].get("sample_ids")
 
     def _label(self, what: str, mb: int | None = None) -> record_function | contextlib.nullcontext:
-        """The profiler label ``stage{i} {what} mb{mb}`` (``stage{i} {what}`` without a micro-batch), made (and
-        its name formatted) only while a profiler records."""
+        """The profiler label ``stage{i} {what} mb{mb}`` (``stage{i} {what}`` without a micro-batch), made
+        (and its name formatted) only while a profiler records."""
         if not _profiling():
             return _UNLABELLED
-        return record_function(f"stage{self.stage} {what}" if mb is None else f"stage{self.stage} {what} mb{mb}")
+        return record_function(f"stage{self.stage} {what}" if mb is None
+                               else f"stage{self.stage} {what} mb{mb}")
 
     def run(self, action: Action) -> None:
         with self._label(action.kind.name, action.microbatch):
@@ -324,13 +332,16 @@ class StageRunner:
             self._prefetch(mb + 1)
             return
         if kind is FORWARD:
-            self._prefetch(mb + 1)  # stage 0 has no RECV_F to start the next micro-batch's read (a no-op elsewhere)
+            # stage 0 has no RECV_F to start the next micro-batch's read (a no-op elsewhere)
+            self._prefetch(mb + 1)
             grad = self.phase in (Phase.TRAIN, Phase.WARMUP)
             keep = self.is_last and self.keep_logits
-            with torch.set_grad_enabled(grad), torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16,
-                                                               enabled=self.autocast is not None):
+            with torch.set_grad_enabled(grad), torch.autocast(self.device.type,
+                                                              dtype=self.autocast or torch.bfloat16,
+                                                              enabled=self.autocast is not None):
                 if keep:
-                    self.module.keep_logits = True  # the stage's hook: it keeps its latest logits in last_logits
+                    # the stage's hook: it keeps its latest logits in last_logits
+                    self.module.keep_logits = True
                 try:
                     out = self.module(self.inputs.get(mb), batch)
                 finally:
@@ -355,8 +366,8 @@ class StageRunner:
             self.stats.wait_s += t1 - t0
             with self._label("decode B", mb):
                 self.out_grads[mb] = self.scheme(BACKWARD_CHANNEL, "receiver", packets[0].shape,
-                                                 packets[0].dtype).recv(packets, self._ids(mb), phase=self.phase,
-                                                                        slot=mb)
+                                                 packets[0].dtype).recv(packets, self._ids(mb),
+                                                                        phase=self.phase, slot=mb)
             self.stats.decode_s += time.perf_counter() - t1
             return
         if kind is BACKWARD:
@@ -371,7 +382,8 @@ class StageRunner:
         if kind is SEND_B:
             x = self.inputs.pop(mb)
             if x.grad is None:
-                raise RuntimeError(f"stage {self.stage} produced no gradient for its input of micro-batch {mb}")
+                raise RuntimeError(f"stage {self.stage} produced no gradient for its input of micro-batch "
+                                   f"{mb}")
             self._send(x.grad, BACKWARD_CHANNEL, self.ranks[self.stage - 1], mb, "backward", t0)
             return
         raise ValueError(f"unknown action {action}")
@@ -379,8 +391,8 @@ class StageRunner:
     def _send(self, x: torch.Tensor, channel: int, dst: int, mb: int, name: str, t0: float) -> None:
         with self._label(f"encode {name[0].upper()}", mb):
             try:
-                packets = self.scheme(channel, "sender", x.shape, x.dtype).send(x, self._ids(mb), phase=self.phase,
-                                                                               slot=mb)
+                packets = self.scheme(channel, "sender", x.shape, x.dtype).send(x, self._ids(mb),
+                                                                                phase=self.phase, slot=mb)
             except NonFiniteError as e:  # say where: the boundary, the direction, the micro-batch
                 b = self.stage if channel == FORWARD_CHANNEL else self.stage - 1
                 what = "activations" if channel == FORWARD_CHANNEL else "activation gradients"

@@ -76,14 +76,16 @@ def ids_tag(sample_ids: torch.Tensor | None, slot: int = 0) -> int:
     return crc
 
 
-def as_ids(sample_ids: torch.Tensor | Sequence[int] | None, n: int, required: bool, who: str) -> torch.Tensor | None:
+def as_ids(sample_ids: torch.Tensor | Sequence[int] | None, n: int, required: bool,
+           who: str) -> torch.Tensor | None:
     if sample_ids is None:
         if required:
             raise SchemeError(f"{who} needs the sample ids of every micro-batch")
         return None
     ids = torch.as_tensor(sample_ids)
     if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise SchemeError(f"{who}: sample_ids must be a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+        raise SchemeError(f"{who}: sample_ids must be a 1-D integer tensor, got {ids.dtype} "
+                          f"{tuple(ids.shape)}")
     if ids.numel() != n:
         raise SchemeError(f"{who}: {ids.numel()} sample ids for a micro-batch of {n} rows")
     return ids.to(torch.int64)
@@ -177,30 +179,32 @@ class BoundaryScheme(abc.ABC):
         self.generator.set_state(saved)
 
     def save(self, directory: str | os.PathLike[str]) -> None:
-        """Write the scheme's complete state (safetensors + JSON, no pickle) into ``directory``; the form in which
-        :meth:`~aqsgd.pipeline.runner.StageRunner.state_dict` hands schemes to checkpoints."""
+        """Write the scheme's complete state (safetensors + JSON, no pickle) into ``directory``; the form in
+        which :meth:`~aqsgd.pipeline.runner.StageRunner.state_dict` hands schemes to checkpoints."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self._saved_state().items()}, str(d / "state.safetensors"))
         (d / "scheme.json").write_text(json.dumps(self.describe(), indent=1))
 
     def load(self, directory: str | os.PathLike[str]) -> None:
-        """Restore what :meth:`save` wrote; :class:`SchemeError` naming the file if it is missing, unreadable or
-        written by another scheme."""
+        """Restore what :meth:`save` wrote; :class:`SchemeError` naming the file if it is missing, unreadable
+        or written by another scheme."""
         d = Path(directory)
         file = d / "scheme.json"
         try:
             meta = json.loads(file.read_bytes().decode("utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SchemeError(f"{file}: unreadable ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
+            raise SchemeError(f"{file}: unreadable ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())})") from None
         if meta != self.describe():
             raise SchemeError(f"{self.label}: saved scheme {meta} does not match this one {self.describe()}")
         self.load_state_dict(_load_tensors(d / "state.safetensors"))
 
     def mirrored_state(self) -> tuple[str, ...]:
-        """Paths inside :meth:`save`'s folder that the other side of the boundary saves byte for byte identically
-        (a trailing ``/``: every file below). Checkpoints compare the two sides' checksums of these on load;
-        stateless sides and state that only one side holds (EF's error, generators) are not listed."""
+        """Paths inside :meth:`save`'s folder that the other side of the boundary saves byte for byte
+        identically (a trailing ``/``: every file below). Checkpoints compare the two sides' checksums of
+        these on load; stateless sides and state that only one side holds (EF's error, generators) are not
+        listed."""
         return ()
 
     def _saved_state(self) -> dict[str, torch.Tensor]:
@@ -221,7 +225,8 @@ class BoundaryScheme(abc.ABC):
     def _send(self, x: torch.Tensor, ids: torch.Tensor | None, phase: Phase, slot: int) -> list[Packet]: ...
 
     @abc.abstractmethod
-    def _recv(self, packets: list[Packet], ids: torch.Tensor | None, phase: Phase, slot: int) -> torch.Tensor: ...
+    def _recv(self, packets: list[Packet], ids: torch.Tensor | None, phase: Phase,
+              slot: int) -> torch.Tensor: ...
 
     def _check(self, side: Side, phase: Phase | str) -> Phase:
         if self.side != side:

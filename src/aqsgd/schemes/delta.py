@@ -32,8 +32,8 @@ class DeltaScheme(BoundaryScheme):
     name = "delta"
     needs_ids = True
 
-    def __init__(self, codec: Codec | str, side: Side | str, *, cache: ActivationCache, label: str = "boundary",
-                 seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(self, codec: Codec | str, side: Side | str, *, cache: ActivationCache,
+                 label: str = "boundary", seed: int = 0, device: torch.device | str = "cpu") -> None:
         super().__init__(codec, side, label=label, seed=seed, device=device)
         self.cache = cache
 
@@ -84,8 +84,9 @@ class DeltaScheme(BoundaryScheme):
         for packet, idx in zip(packets, [i for i in (seen, new) if i.numel()]):
             if packet.shape[:1] != (idx.numel(),):
                 raise PacketMismatchError(
-                    f"{self.label}: packet for {packet.shape[0] if packet.shape else 0} rows, receiver's cache "
-                    f"expects {idx.numel()} (sender and receiver caches disagree on which samples were seen)"
+                    f"{self.label}: packet for {packet.shape[0] if packet.shape else 0} rows, receiver's "
+                    f"cache expects {idx.numel()} (sender and receiver caches disagree on which samples "
+                    "were seen)"
                 )
             if packet.kind == Kind.DELTA:
                 parts.append((idx, self._recv_delta(packet, ids[idx])))

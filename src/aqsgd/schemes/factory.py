@@ -20,7 +20,8 @@ __all__ = ["make_scheme", "make_cache", "SCHEME_NAMES", "CACHE_HELP"]
 
 SCHEME_NAMES = ("direct", "delta", "ef", "ef21")
 KEYS = ("slot", "sample")
-CACHE_HELP = "memory[:fp16|bf16|fp32] | disk[:fp16|bf16|fp32] | lowbit<bits>[:block<N>] (e.g. memory, disk:fp32, lowbit4:block64)"
+CACHE_HELP = ("memory[:fp16|bf16|fp32] | disk[:fp16|bf16|fp32] | lowbit<bits>[:block<N>] (e.g. memory, "
+              "disk:fp32, lowbit4:block64)")
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -48,7 +49,8 @@ def make_cache(spec: str, capacity: int, *, row_shape: Sequence[int] | None = No
             block = int(bm.group(1))
         if row_shape is None:
             raise SpecError(f"cache {spec!r} needs the row shape")
-        return LowBitCache(capacity, tuple(row_shape), bits=int(m.group(1)), block=block, dtype=dtype, device=device)
+        return LowBitCache(capacity, tuple(row_shape), bits=int(m.group(1)), block=block, dtype=dtype,
+                           device=device)
     raise SpecError(f"invalid cache spec {spec!r}; valid: {CACHE_HELP}")
 
 

@@ -4,7 +4,8 @@
 ``e <- x + e - decode(C(x + e))``; the receiver just decodes.
 
 ``ef21`` (Richtarik et al., 2021): both sides keep an estimate ``g``; the sender sends ``C(x - g)``, both set
-``g <- g + decode(C(x - g))`` and the receiver outputs ``g``. ``WARMUP`` sends ``x`` in full and sets ``g = x``.
+``g <- g + decode(C(x - g))`` and the receiver outputs ``g``. ``WARMUP`` sends ``x`` in full and sets
+``g = x``.
 
 State is keyed either per micro-batch **slot** (the index of the micro-batch within the step; the
 default) or per **sample** id. The slot key is the default because its memory is one micro-batch per slot
@@ -46,7 +47,8 @@ class SlotState:
         if buf is None:
             return torch.zeros(like.shape, dtype=self.dtype, device=like.device)
         if buf.shape[1:] != like.shape[1:]:
-            raise SchemeError(f"slot {slot}: rows of shape {tuple(like.shape[1:])}, state holds {tuple(buf.shape[1:])}")
+            raise SchemeError(f"slot {slot}: rows of shape {tuple(like.shape[1:])}, state holds "
+                              f"{tuple(buf.shape[1:])}")
         if buf.shape[0] >= n:
             return buf[:n].clone()
         return torch.cat([buf, buf.new_zeros((n - buf.shape[0], *buf.shape[1:]))])
@@ -135,9 +137,9 @@ class _FeedbackScheme(BoundaryScheme):
             self.state.load_state_dict(state, self.device)
 
     # Files: ``state.safetensors`` (the generator), ``scheme.json``, and the error/estimate state in
-    # ``slots.safetensors`` (slot key) or ``cache/`` (sample key), kept apart from the generator so that EF21's
-    # two sides save identical bytes for their identical estimates (see mirrored_state). Folders written
-    # before the split hold the slot buffers in ``state.safetensors``; they still load.
+    # ``slots.safetensors`` (slot key) or ``cache/`` (sample key), kept apart from the generator so that
+    # EF21's two sides save identical bytes for their identical estimates (see mirrored_state). Folders
+    # written before the split hold the slot buffers in ``state.safetensors``; they still load.
     def _saved_state(self) -> dict[str, torch.Tensor]:
         return BoundaryScheme.state_dict(self)
 

@@ -37,8 +37,8 @@ from typing import Any, Self
 
 from aqsgd.errors import SpecError
 
-__all__ = ["TrainConfig", "TaskSection", "ModelSection", "PipelineSection", "CompressionSection", "OptimSection",
-           "RunSection", "Option", "options", "load_toml", "flatten_config", "check_run_name"]
+__all__ = ["TrainConfig", "TaskSection", "ModelSection", "PipelineSection", "CompressionSection",
+           "OptimSection", "RunSection", "Option", "options", "load_toml", "flatten_config", "check_run_name"]
 
 
 MAX_SEED = 2**32 - 1
@@ -58,11 +58,12 @@ class TaskSection:
     """Which task (data) a run trains on, and how much of it."""
 
     name: str | None = _flag(None, flat="task")
-    """task: bbc (the default), wiki, fashion-mnist, mnist, synthetic-lm (offline); wikitext-2, glue-cola, glue-qnli,
-    cifar10 (hub); a task registered from Python; leave it unset to train on --train-file or --dataset"""
+    """task: bbc (the default), wiki, fashion-mnist, mnist, synthetic-lm (offline); wikitext-2, glue-cola,
+    glue-qnli, cifar10 (hub); a task registered from Python; leave it unset to train on --train-file or
+    --dataset"""
     train_file: str | None = None
-    """your training data: .jsonl, .json, .csv, .tsv, .txt (one document per line) or .parquet; a label column makes
-    it text classification, none makes it causal-LM fine-tuning"""
+    """your training data: .jsonl, .json, .csv, .tsv, .txt (one document per line) or .parquet; a label column
+    makes it text classification, none makes it causal-LM fine-tuning"""
     eval_file: str | None = None
     """your evaluation data, in the training file's format (default: --eval-split of the training data)"""
     dataset: str | None = None
@@ -72,16 +73,19 @@ class TaskSection:
     text_pair_column: str | None = None
     """column holding the second text of sentence-pair classification (--train-file, --dataset)"""
     label_column: str | None = None
-    """column holding the class label, strings or integers (default: label, where the data have it; without a label
-    column the data are causal-LM text)"""
+    """column holding the class label, strings or integers (default: label, where the data have it; without a
+    label column the data are causal-LM text)"""
     eval_split: float = 0.1
-    """fraction of the training data held out for evaluation (seeded) when there is no evaluation file or split"""
+    """fraction of the training data held out for evaluation (seeded) when there is no evaluation file or
+    split"""
     max_length: int = 64
     """tokens per sample (text tasks): padded/truncated length or LM chunk length"""
     max_train_samples: int | None = None
-    """use only the first N training samples (default: 600 for the built-in tasks, all of your own data; 0: all)"""
+    """use only the first N training samples (default: 600 for the built-in tasks, all of your own data; 0:
+    all)"""
     max_eval_samples: int | None = None
-    """use only the first N evaluation samples (default: 200 for the built-in tasks, all of your own data; 0: all)"""
+    """use only the first N evaluation samples (default: 200 for the built-in tasks, all of your own data; 0:
+    all)"""
     cache_dir: str | None = None
     """data and weights cache (default $AQSGD_CACHE or ~/.cache/aqsgd)"""
 
@@ -91,8 +95,8 @@ class ModelSection:
     """The model and what to change in it."""
 
     name: str | None = _flag(None, flat="model")
-    """model: a Hugging Face hub name (e.g. Qwen/Qwen2.5-0.5B) or a local folder of any supported family (see `aqsgd
-    models`), or minilm, smollm2, resnet, tiny-llama, tiny-gpt2 (default: the task's model)"""
+    """model: a Hugging Face hub name (e.g. Qwen/Qwen2.5-0.5B) or a local folder of any supported family (see
+    `aqsgd models`), or minilm, smollm2, resnet, tiny-llama, tiny-gpt2 (default: the task's model)"""
     layers: int | None = _flag(None, flat="model_layers")
     """keep only the first N transformer blocks of the model (a reduced model)"""
     dropout: float | None = None
@@ -127,8 +131,8 @@ class PipelineSection:
     """where the stages compute: auto (CUDA when available), cpu or cuda; a distributed process takes
     cuda:(LOCAL_RANK mod device count)"""
     p2p_backend: str = "gloo"
-    """how packets cross stage boundaries (distributed): gloo (TCP; robust on slow links, GPU tensors are staged
-    through pinned host memory) or nccl (GPU to GPU; for fast links)"""
+    """how packets cross stage boundaries (distributed): gloo (TCP; robust on slow links, GPU tensors are
+    staged through pinned host memory) or nccl (GPU to GPU; for fast links)"""
     dp_backend: str = "auto"
     """backend of the data-parallel gradient sync: auto (nccl on GPU, else gloo), gloo or nccl"""
     timeout: float = 60.0
@@ -153,8 +157,8 @@ class CompressionSection:
     """What crosses each stage boundary."""
 
     forward: str = "delta:q2:l2"
-    """activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`); the default is AQ-SGD at 2
-    bits with MSE-clipped per-channel scales"""
+    """activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`); the default is AQ-SGD at
+    2 bits with MSE-clipped per-channel scales"""
     backward: str = "direct:q4"
     """activation gradients: [SCHEME:]CODEC"""
     cache: str = "memory"
@@ -184,9 +188,9 @@ class OptimSection:
     max_grad_norm: float = 1.0
     """clip the global gradient norm (0: off)"""
     skip_nonfinite: int = 0
-    """a step whose loss or gradient norm is NaN or infinite never updates the model; 0 stops the run there (one
-    line naming the step, the value and what to change), N > 0 skips up to N such steps in a row and stops at the
-    next"""
+    """a step whose loss or gradient norm is NaN or infinite never updates the model; 0 stops the run there
+    (one line naming the step, the value and what to change), N > 0 skips up to N such steps in a row and
+    stops at the next"""
     grad_accum: int = 1
     """pipeline passes accumulated per optimizer step"""
     dtype: str = "auto"
@@ -204,8 +208,8 @@ class RunSection:
     output_dir: str = "runs"
     """parent folder of run directories"""
     run_name: str | None = None
-    """run directory name inside --output-dir (default: task-forward-backward); an existing run is never appended
-    to: continue it with --resume or replace it with --overwrite"""
+    """run directory name inside --output-dir (default: task-forward-backward); an existing run is never
+    appended to: continue it with --resume or replace it with --overwrite"""
     overwrite: bool = False
     """replace an existing run directory of the same name (its metrics and checkpoints are deleted)"""
     checkpoint_every: int | None = None
@@ -224,8 +228,9 @@ class RunSection:
 
 SECTIONS: dict[str, type] = {"task": TaskSection, "model": ModelSection, "pipeline": PipelineSection,
                              "compression": CompressionSection, "optim": OptimSection, "run": RunSection}
-SECTION_TITLES = {"task": "task and data", "model": "model", "pipeline": "pipeline", "compression": "compression",
-                  "optim": "optimization", "run": "evaluation, logging, checkpoints"}
+SECTION_TITLES = {"task": "task and data", "model": "model", "pipeline": "pipeline",
+                  "compression": "compression", "optim": "optimization",
+                  "run": "evaluation, logging, checkpoints"}
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:
@@ -234,7 +239,8 @@ def _attribute_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
@@ -342,8 +348,9 @@ class TrainConfig:
         for k, v in flat.items():
             o = by_flat[k]
             changes.setdefault(o.section, {})[o.name] = list(v) if isinstance(v, tuple) and o.is_list else v
-        return dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **c)  # type: ignore[arg-type]
-                                            for s, c in changes.items()})
+        return dataclasses.replace(
+            self, **{s: dataclasses.replace(getattr(self, s), **c)  # type: ignore[arg-type]
+                     for s, c in changes.items()})
 
     @classmethod
     def from_flat(cls, data: dict[str, Any], *, source: str = "config") -> Self:
@@ -466,8 +473,8 @@ class TrainConfig:
             if v[name] not in valid:
                 raise bad(name, f"{v[name]!r} is not one of {', '.join(valid)}")
         if v["data_parallel"] > 1 and v["runtime"] != "distributed":
-            raise bad("data_parallel", f"{v['data_parallel']} replicas need --runtime distributed (one process per "
-                      f"stage and replica); the local runtime runs one pipeline")
+            raise bad("data_parallel", f"{v['data_parallel']} replicas need --runtime distributed (one "
+                      "process per stage and replica); the local runtime runs one pipeline")
         parsed("grad_sync", parse_grad_sync)
         if not v["grad_bucket_mb"] > 0:
             raise bad("grad_bucket_mb", f"must be > 0, got {v['grad_bucket_mb']}")
@@ -479,20 +486,21 @@ class TrainConfig:
         if v["layers"] is not None and len(v["layers"]) != v["stages"]:
             raise bad("layers", f"{len(v['layers'])} counts for {v['stages']} stages")
         if v["layers"] is not None and min(v["layers"]) < 1:
-            raise bad("layers", f"every stage needs at least one block, got {','.join(map(str, v['layers']))}")
+            raise bad("layers",
+                      f"every stage needs at least one block, got {','.join(map(str, v['layers']))}")
         if v["link"] is not None and v["runtime"] != "distributed":
-            raise bad("link", "emulates the links between stage processes: it needs --runtime distributed (the "
-                      "local runtime passes tensors in memory)")
+            raise bad("link", "emulates the links between stage processes: it needs --runtime distributed "
+                      "(the local runtime passes tensors in memory)")
         if v["run_name"] is not None:
             check_run_name(v["run_name"])
         if v["link"] is not None:
             parsed("link", LinkSpec.parse)
         if v["p2p_backend"] != "gloo" and v["runtime"] != "distributed":
-            raise bad("p2p_backend", "carries packets between stage processes: it needs --runtime distributed (the "
-                      "local runtime passes tensors in memory)")
+            raise bad("p2p_backend", "carries packets between stage processes: it needs --runtime "
+                      "distributed (the local runtime passes tensors in memory)")
         if v["dp_backend"] != "auto" and v["data_parallel"] < 2:
-            raise bad("dp_backend", "is the backend of the data-parallel gradient sync: it needs --data-parallel 2 "
-                      "or more")
+            raise bad("dp_backend", "is the backend of the data-parallel gradient sync: it needs "
+                      "--data-parallel 2 or more")
         if v["device"] == "cpu" and "nccl" in (v["p2p_backend"], v["dp_backend"]):
             which = "p2p_backend" if v["p2p_backend"] == "nccl" else "dp_backend"
             raise bad(which, "nccl runs on GPUs only; it needs --device cuda (or auto on a machine with one)")
@@ -512,8 +520,8 @@ class TrainConfig:
 
 
 def _flatten_tables(data: dict[str, Any], source: str) -> dict[str, Any]:
-    """``{table: {key: value}}`` to ``{flat name: value}``, naming an unknown table, an unknown key or a key in
-    the wrong table."""
+    """``{table: {key: value}}`` to ``{flat name: value}``, naming an unknown table, an unknown key or a key
+    in the wrong table."""
     by_section = {s: {o.name: o for o in options() if o.section == s} for s in SECTIONS}
     by_flat = _by_flat()
     flat: dict[str, Any] = {}
@@ -535,7 +543,8 @@ def _flatten_tables(data: dict[str, Any], source: str) -> dict[str, Any]:
                 if home:
                     where = f"; {key!r} belongs in [{home[0].section}]"
                     where += f" (as {home[0].name})" if home[0].name != name else ""
-                raise SpecError(f"{source}: unknown key {key!r} in [{table}]{where}; see `aqsgd train --help`")
+                raise SpecError(f"{source}: unknown key {key!r} in [{table}]{where}; see "
+                                "`aqsgd train --help`")
             flat[o.flat] = value  # unique: TOML refuses a key twice in a table, and tables map to sections
     return flat
 
@@ -562,9 +571,9 @@ def check_run_name(name: str) -> str:
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """A preset's settings as ``{flat name: value}``: one table per section (``[task]``, ``[model]``,
-    ``[pipeline]``, ``[compression]``, ``[optim]``, ``[run]``) holding that section's fields. An unknown table or
-    key, a key in the wrong table, a key given twice (TOML's own error) or a value of the wrong type is an error
-    naming it."""
+    ``[pipeline]``, ``[compression]``, ``[optim]``, ``[run]``) holding that section's fields. An unknown table
+    or key, a key in the wrong table, a key given twice (TOML's own error) or a value of the wrong type is an
+    error naming it."""
     p = Path(path)
     if not p.is_file():
         raise SpecError(f"--config: no such file {p}")

@@ -26,8 +26,8 @@ from aqsgd.errors import AqsgdError
 if TYPE_CHECKING:
     from aqsgd.train.config import TrainConfig
 
-__all__ = ["RunDirError", "RunDirLock", "default_run_name", "resolve_run_dir", "check_run_dir", "prepare_run_dir",
-           "truncate_metrics", "run_dir_of_checkpoint", "last_logged_step"]
+__all__ = ["RunDirError", "RunDirLock", "default_run_name", "resolve_run_dir", "check_run_dir",
+           "prepare_run_dir", "truncate_metrics", "run_dir_of_checkpoint", "last_logged_step"]
 
 _LOCK = ".lock"
 # what a run writes: a directory holding any of these is a run directory that --overwrite may delete
@@ -35,8 +35,8 @@ _RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "checkpoints", "te
 
 
 class RunDirError(AqsgdError, ValueError):
-    """A run directory that cannot be used: it exists (without --resume/--overwrite), is in use by another run,
-    or is not a directory."""
+    """A run directory that cannot be used: it exists (without --resume/--overwrite), is in use by another
+    run, or is not a directory."""
 
 
 def run_dir_of_checkpoint(checkpoint: Path) -> Path:
@@ -52,8 +52,8 @@ def default_run_name(cfg: TrainConfig, task: str | None = None) -> str:
 
 
 def resolve_run_dir(cfg: TrainConfig, task: str | None = None) -> Path:
-    """Where ``cfg`` writes: ``output_dir / run_name``; when resuming without a ``run_name``, the resumed run's
-    own directory; otherwise ``output_dir /`` :func:`default_run_name`."""
+    """Where ``cfg`` writes: ``output_dir / run_name``; when resuming without a ``run_name``, the resumed
+    run's own directory; otherwise ``output_dir /`` :func:`default_run_name`."""
     source = _resumed_run_dir(cfg)
     if cfg.run.run_name is None and source is not None:
         return source
@@ -87,13 +87,14 @@ def check_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
         raise RunDirError(f"run directory {run_dir} exists and is not a directory")
     here = _resumes_here(cfg, run_dir)
     if cfg.run.overwrite and here:
-        raise RunDirError(f"--overwrite would delete {run_dir}, the run that --resume continues; drop one of them")
+        raise RunDirError(f"--overwrite would delete {run_dir}, the run that --resume continues; drop one of "
+                          "them")
     occupied = run_dir.is_dir() and any(p.name != _LOCK for p in run_dir.iterdir())
     if not occupied or here:
         return
     if not cfg.run.overwrite:
-        raise RunDirError(f"run directory {run_dir} already exists: continue it with --resume {run_dir}, replace "
-                          f"it with --overwrite, or choose another --run-name")
+        raise RunDirError(f"run directory {run_dir} already exists: continue it with --resume {run_dir}, "
+                          "replace it with --overwrite, or choose another --run-name")
     if not _is_run_dir(run_dir):
         raise RunDirError(f"--overwrite: {run_dir} does not look like a run directory (none of "
                           f"{', '.join(_RUN_FILES)}); refusing to delete it")
@@ -127,7 +128,8 @@ class RunDirLock:
 
 def prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> RunDirLock:
     """Check, clear (``--overwrite``), create and lock a run directory; the caller keeps the lock while it
-    runs. In a distributed run exactly one process calls this, before any process writes into the directory."""
+    runs. In a distributed run exactly one process calls this, before any process writes into the
+    directory."""
     check_run_dir(cfg, run_dir)
     try:
         if cfg.run.overwrite and run_dir.is_dir() and not _resumes_here(cfg, run_dir):

@@ -9,11 +9,11 @@ Topology: a chain
 -----------------
 Namespace ``i`` runs node ``i``. Consecutive nodes ``i`` and ``i+1`` are joined through a *wire* namespace
 ``w<i>``: device ``east`` (address ``10.77.i.1``) in namespace ``i`` is a veth to ``wa`` in ``w<i>``, device
-``west`` (``10.77.i.2``) in namespace ``i+1`` one to ``wb``, and ``w<i>`` joins ``wa`` and ``wb`` with a kernel
-bridge (layer 2: both nodes are on subnet ``10.77.i.0/24``). Every node forwards IPv4 and has routes to every
-other link subnet through its left or right neighbour, so non-neighbours reach each other too (gloo opens a TCP
-full mesh at start-up, and tied weights are all-reduced between the first and the last stage); that traffic
-crosses the intermediate nodes' shaped links, as it would on a real chain of hosts.
+``west`` (``10.77.i.2``) in namespace ``i+1`` one to ``wb``, and ``w<i>`` joins ``wa`` and ``wb`` with a
+kernel bridge (layer 2: both nodes are on subnet ``10.77.i.0/24``). Every node forwards IPv4 and has routes to
+every other link subnet through its left or right neighbour, so non-neighbours reach each other too (gloo
+opens a TCP full mesh at start-up, and tied weights are all-reduced between the first and the last stage);
+that traffic crosses the intermediate nodes' shaped links, as it would on a real chain of hosts.
 
 A chain rather than a star (one veth per process into one switch) because it gives *one dedicated link per
 pipeline boundary and direction*, exactly the model of the in-process emulation and of the ideal speed-up in
@@ -26,9 +26,9 @@ the chain as :func:`snake_nodes` places them.
 
 Shaping
 -------
-Rate: a ``tbf`` root qdisc on the sending device (``east`` for ``i -> i+1``, ``west`` for ``i+1 -> i``). Its sizes
-matter for accuracy: the *burst* is one millisecond at line rate (at least 4 KiB; a larger bucket lets short
-messages leave faster than the line), and the queue *limit* is at least 100 ms at line rate (256 KiB
+Rate: a ``tbf`` root qdisc on the sending device (``east`` for ``i -> i+1``, ``west`` for ``i+1 -> i``). Its
+sizes matter for accuracy: the *burst* is one millisecond at line rate (at least 4 KiB; a larger bucket lets
+short messages leave faster than the line), and the queue *limit* is at least 100 ms at line rate (256 KiB
 minimum) so that TCP's bursts are not tail-dropped (drops make TCP back off below the configured rate).
 :meth:`NetemCluster.measure_goodput` checks the outcome with a TCP bulk transfer between two namespaces.
 
@@ -40,8 +40,9 @@ impaired link's wire namespace instead takes its two ends off the bridge and run
 :mod:`aqsgd.bench.netem_wire`, a user-space forwarder that delays (uniform jitter, reordering like netem),
 drops and forwards frames per direction; the ``tbf`` rate stays on the nodes' devices. A link whose two
 directions both lose 100% is simply taken off the bridge (a black hole, no forwarder). The forwarder is a
-Python loop (tens of MB/s): fine for fault tests, not for bulk Gbit/s links. It is a module of its own, outside
-this package, so that it starts in a moment (it imports the standard library only) while a run is live.
+Python loop (tens of MB/s): fine for fault tests, not for bulk Gbit/s links. It is a module of its own,
+outside this package, so that it starts in a moment (it imports the standard library only) while a run is
+live.
 
 Processes
 ---------
@@ -49,14 +50,14 @@ Processes
 namespaces, one process per rank, each started the way torchrun starts it (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, plus ``GLOO_SOCKET_IFNAME``); it waits
 for all of them within a deadline (killing the rest when it passes) and returns each rank's
-:class:`StageOutcome`: exit code, the run's summary for the rank that writes the metrics, and for a failed rank
-the error it ended with. The trainer's ``metrics.jsonl`` (:func:`train_rows`) has every step's figures. All
-processes share one run directory, so that a run killed by a fault can be continued with ``--resume``.
+:class:`StageOutcome`: exit code, the run's summary for the rank that writes the metrics, and for a failed
+rank the error it ended with. The trainer's ``metrics.jsonl`` (:func:`train_rows`) has every step's figures.
+All processes share one run directory, so that a run killed by a fault can be continued with ``--resume``.
 
 Faults are injected from outside, by a ``during`` callback that runs while the processes train and gets a
 :class:`NetemRun`: wait until training is under way (:meth:`NetemCluster.wait_for_traffic`, or
-:meth:`NetemRun.wait_for_step` on the metrics), then cut or impair a link (:meth:`NetemCluster.shape`), or kill
-or stop a rank's process (:meth:`NetemRun.kill`, with SIGKILL or SIGSTOP).
+:meth:`NetemRun.wait_for_step` on the metrics), then cut or impair a link (:meth:`NetemCluster.shape`), or
+kill or stop a rank's process (:meth:`NetemRun.kill`, with SIGKILL or SIGSTOP).
 
 Clean-up
 --------
@@ -129,7 +130,8 @@ class NetemError(AqsgdError, RuntimeError):
 # availability
 
 
-def _run_cmd(argv: Sequence[str], *, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+def _run_cmd(argv: Sequence[str], *, check: bool = True,
+             timeout: float = 30.0) -> subprocess.CompletedProcess:
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
     if check and proc.returncode != 0:
         raise NetemError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
@@ -239,7 +241,8 @@ class LinkShape:
         if self.rate_mbit is not None and not self.rate_mbit > 0:
             raise ValueError(f"rate_mbit must be > 0 or None, got {self.rate_mbit}")
         if self.delay_ms < 0 or self.jitter_ms < 0 or self.jitter_ms > self.delay_ms:
-            raise ValueError(f"need 0 <= jitter_ms <= delay_ms, got delay {self.delay_ms}, jitter {self.jitter_ms}")
+            raise ValueError(f"need 0 <= jitter_ms <= delay_ms, got delay {self.delay_ms}, jitter "
+                             f"{self.jitter_ms}")
         if not 0 <= self.loss_pct <= 100:
             raise ValueError(f"loss_pct must be in [0, 100], got {self.loss_pct}")
 
@@ -251,7 +254,8 @@ class LinkShape:
     def describe(self) -> str:
         parts = [f"{self.rate_mbit:g} Mbit/s" if self.rate_mbit else "unlimited"]
         if self.delay_ms or self.jitter_ms:
-            parts.append(f"{self.delay_ms:g}±{self.jitter_ms:g} ms" if self.jitter_ms else f"{self.delay_ms:g} ms")
+            parts.append(f"{self.delay_ms:g}±{self.jitter_ms:g} ms" if self.jitter_ms
+                         else f"{self.delay_ms:g} ms")
         if self.loss_pct:
             parts.append(f"{self.loss_pct:g}% loss")
         return ", ".join(parts)
@@ -321,14 +325,16 @@ class StageOutcome:
 
 
 # torch prefixes an uncaught exception's traceback lines with "[rankN]: " under torch.distributed
-_EXC_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Failure|Timeout|Exception|Interrupt): .*)$")
+_EXC_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?"
+                       r"([A-Za-z_][\w.]*(?:Error|Failure|Timeout|Exception|Interrupt): .*)$")
 
 
 _CLI_ERROR = re.compile(r"^aqsgd: error: (.*)$")  # how the ``aqsgd`` command reports an AqsgdError
 
 
 def _last_exception(text: str) -> str | None:
-    found = [m.group(1) for line in text.splitlines() for m in (_EXC_LINE.match(line) or _CLI_ERROR.match(line),) if m]
+    found = [m.group(1) for line in text.splitlines()
+             for m in (_EXC_LINE.match(line) or _CLI_ERROR.match(line),) if m]
     return found[-1] if found else None
 
 
@@ -354,8 +360,8 @@ def train_argv(opts: Mapping[str, Any]) -> list[str]:
 
 
 def train_rows(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The ``"kind": "train"`` rows of a run's ``metrics.jsonl``, in file order (a resumed run appends after the
-    rows it kept: a step can appear twice, the later row is the one that counts)."""
+    """The ``"kind": "train"`` rows of a run's ``metrics.jsonl``, in file order (a resumed run appends after
+    the rows it kept: a step can appear twice, the later row is the one that counts)."""
     text = (Path(run_dir) / "metrics.jsonl").read_text()
     return [row for row in map(json.loads, text.splitlines()) if row.get("kind") == "train"]
 
@@ -380,8 +386,8 @@ class NetemRun:
         return any(p.poll() is None for p in self.procs)
 
     def steps_done(self) -> int:
-        """The last optimizer step in the run's ``metrics.jsonl`` (0 before the first; rows that an earlier run
-        left in the directory count until the trainer truncates or replaces them)."""
+        """The last optimizer step in the run's ``metrics.jsonl`` (0 before the first; rows that an earlier
+        run left in the directory count until the trainer truncates or replaces them)."""
         try:
             text = (self.run_dir / "metrics.jsonl").read_text()
         except FileNotFoundError:
@@ -409,7 +415,8 @@ def snake_nodes(stages: int, replicas: int = 1) -> list[int]:
     replica ``r+1``'s."""
     if stages < 1 or replicas < 1:
         raise ValueError(f"stages and replicas must be >= 1, got {stages} and {replicas}")
-    return [r * stages + (s if r % 2 == 0 else stages - 1 - s) for r in range(replicas) for s in range(stages)]
+    return [r * stages + (s if r % 2 == 0 else stages - 1 - s) for r in range(replicas)
+            for s in range(stages)]
 
 
 def sync_link_load(stages: int, replicas: int = 1) -> int:
@@ -419,7 +426,8 @@ def sync_link_load(stages: int, replicas: int = 1) -> int:
     if replicas < 2:
         return 0
     nodes = snake_nodes(stages, replicas)
-    spans = [(min(g), max(g)) for g in ([nodes[r * stages + s] for r in range(replicas)] for s in range(stages))]
+    spans = [(min(g), max(g)) for g in ([nodes[r * stages + s] for r in range(replicas)]
+                                        for s in range(stages))]
     return max(sum(lo <= link < hi for lo, hi in spans) for link in range(stages * replicas - 1))
 
 
@@ -497,8 +505,10 @@ class NetemCluster:
             _run_cmd(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.conf.all.rp_filter=0"])
         for i, wire in enumerate(self.wires):
             left, right = self.namespaces[i], self.namespaces[i + 1]
-            _run_cmd(["ip", "link", "add", "name", "east", "netns", left, "type", "veth", "peer", "name", "wa", "netns", wire])
-            _run_cmd(["ip", "link", "add", "name", "west", "netns", right, "type", "veth", "peer", "name", "wb", "netns", wire])
+            _run_cmd(["ip", "link", "add", "name", "east", "netns", left, "type", "veth", "peer", "name",
+                      "wa", "netns", wire])
+            _run_cmd(["ip", "link", "add", "name", "west", "netns", right, "type", "veth", "peer", "name",
+                      "wb", "netns", wire])
             _run_cmd(["ip", "-n", wire, "link", "add", "br0", "type", "bridge"])
             for dev in ("wa", "wb", "br0"):
                 _run_cmd(["ip", "-n", wire, "link", "set", "dev", dev, "up"])
@@ -510,9 +520,11 @@ class NetemCluster:
         for node, ns in enumerate(self.namespaces):
             for link in range(self.num_nodes - 1):
                 if link < node - 1:  # left of the left neighbour: via the left neighbour's right address
-                    _run_cmd(["ip", "-n", ns, "route", "add", f"{SUBNET}.{link}.0/24", "via", f"{SUBNET}.{node - 1}.1"])
+                    _run_cmd(["ip", "-n", ns, "route", "add", f"{SUBNET}.{link}.0/24", "via",
+                              f"{SUBNET}.{node - 1}.1"])
                 elif link > node:
-                    _run_cmd(["ip", "-n", ns, "route", "add", f"{SUBNET}.{link}.0/24", "via", f"{SUBNET}.{node}.2"])
+                    _run_cmd(["ip", "-n", ns, "route", "add", f"{SUBNET}.{link}.0/24", "via",
+                              f"{SUBNET}.{node}.2"])
         for i in range(self.num_nodes - 1):
             self.shapes[(i, i + 1)] = self.shapes[(i + 1, i)] = LinkShape()
         log.info("network namespaces %s: chain of %d links", ", ".join(self.namespaces), self.num_nodes - 1)
@@ -520,7 +532,8 @@ class NetemCluster:
     def _bridge(self, link: int, *, attach: bool) -> None:
         wire = self.wires[link]
         for dev in ("wa", "wb"):
-            _run_cmd(["ip", "-n", wire, "link", "set", "dev", dev] + (["master", "br0"] if attach else ["nomaster"]))
+            _run_cmd(["ip", "-n", wire, "link", "set", "dev", dev]
+                     + (["master", "br0"] if attach else ["nomaster"]))
 
     def _stop_forwarder(self, link: int) -> None:
         proc = self._forwarders.pop(link, None)
@@ -624,7 +637,8 @@ class NetemCluster:
     def popen_wire(self, link: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` inside the wire namespace of ``link`` (tracked: killed on close)."""
         src_dir = str(Path(aqsgd.__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src_dir, os.environ.get("PYTHONPATH")) if p)}
+        env = {**os.environ,
+               "PYTHONPATH": os.pathsep.join(p for p in (src_dir, os.environ.get("PYTHONPATH")) if p)}
         proc = subprocess.Popen(["ip", "netns", "exec", self.wires[link], *argv], env=env, **kwargs)
         self._procs.append(proc)
         return proc
@@ -651,8 +665,10 @@ class NetemCluster:
         try:
             assert server.stdout is not None
             if server.stdout.readline().strip() != "ready":
-                raise NetemError(f"goodput server did not start: {server.stderr.read() if server.stderr else ''}")
-            client = self.popen(src, [sys.executable, "-c", _IPERF_CLIENT, self.address(dst), str(port), str(nbytes)],
+                raise NetemError("goodput server did not start: "
+                                 f"{server.stderr.read() if server.stderr else ''}")
+            client = self.popen(src, [sys.executable, "-c", _IPERF_CLIENT, self.address(dst), str(port),
+                                      str(nbytes)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             out, err = server.communicate(timeout=120)
             client.wait(timeout=30)
@@ -666,7 +682,8 @@ class NetemCluster:
         return m["bytes"] * 8 / m["seconds"] / 1e6
 
     def run_train(self, opts: Mapping[str, Any], workdir: str | Path, *, deadline_s: float = 600.0,
-                  env: Mapping[str, str] | None = None, stage_env: Mapping[int, Mapping[str, str]] | None = None,
+                  env: Mapping[str, str] | None = None,
+                  stage_env: Mapping[int, Mapping[str, str]] | None = None,
                   during: Callable[[NetemRun], None] | None = None, threads: int = 1) -> list[StageOutcome]:
         """Run ``python -m aqsgd train OPTIONS --runtime distributed`` across the namespaces, one process per
         rank (placed by :func:`snake_nodes`), each started the way torchrun starts it (module docs). ``opts``
@@ -676,27 +693,28 @@ class NetemCluster:
         ``workdir/stage{rank}.log``.
 
         Returns every rank's outcome, in rank order, once all have exited, or after ``deadline_s`` (the rest
-        are killed and have ``returncode`` None). The outcome of the rank that writes the metrics (last stage of
-        replica 0) carries the run's ``summary.json`` as ``result``. ``env`` goes to every process,
+        are killed and have ``returncode`` None). The outcome of the rank that writes the metrics (last stage
+        of replica 0) carries the run's ``summary.json`` as ``result``. ``env`` goes to every process,
         ``stage_env[rank]`` to that rank's only; ``during(run)`` runs on this thread while the processes train
         (fault injection); ``threads``: torch threads per process (``OMP_NUM_THREADS``)."""
         opts = {**opts, "runtime": "distributed"}
         cfg = TrainConfig.from_flat(dict(opts), source="run_train").validate()
         if cfg.run.run_name is None:
-            raise ValueError("run_train needs a run_name (--run-name): every process must write into the same run "
-                             "directory")
+            raise ValueError("run_train needs a run_name (--run-name): every process must write into the "
+                             "same run directory")
         run_dir = Path(cfg.run.output_dir) / cfg.run.run_name
         summary_path = run_dir / "summary.json"
         started = summary_path.stat().st_mtime_ns if summary_path.exists() else None
         argv = [sys.executable, "-m", "aqsgd", "train", *train_argv(opts)]
         outcomes = self._run_processes(snake_nodes(cfg.pipeline.stages, cfg.pipeline.data_parallel), argv,
-                                       Path(workdir), run_dir, deadline_s=deadline_s, env=env, stage_env=stage_env,
-                                       during=during, threads=threads)
+                                       Path(workdir), run_dir, deadline_s=deadline_s, env=env,
+                                       stage_env=stage_env, during=during, threads=threads)
         writer = cfg.pipeline.stages - 1  # replica 0's last stage writes the metrics
         fresh = summary_path.exists() and summary_path.stat().st_mtime_ns != started
         for outcome in outcomes:
             if outcome.returncode == 0:
-                outcome.result = json.loads(summary_path.read_text()) if outcome.stage == writer and fresh else {}
+                outcome.result = (json.loads(summary_path.read_text())
+                                  if outcome.stage == writer and fresh else {})
         return outcomes
 
     def _run_processes(self, nodes: Sequence[int], argv: Sequence[str], workdir: Path, run_dir: Path, *,
@@ -708,21 +726,23 @@ class NetemCluster:
         results."""
         world = len(nodes)
         if max(nodes) >= self.num_nodes:
-            raise ValueError(f"{world} processes need {max(nodes) + 1} namespaces; the cluster has {self.num_nodes}")
+            raise ValueError(f"{world} processes need {max(nodes) + 1} namespaces; the cluster has "
+                             f"{self.num_nodes}")
         workdir.mkdir(parents=True, exist_ok=True)
         src_dir = str(Path(aqsgd.__file__).resolve().parent.parent)
         pythonpath = os.pathsep.join(p for p in (src_dir, os.environ.get("PYTHONPATH", "")) if p)
         procs, logs = [], []
         t0 = time.monotonic()
         for rank in range(world):
-            rank_vars = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                         "GROUP_RANK": str(rank), "MASTER_ADDR": self.address(nodes[0]),
-                         "MASTER_PORT": str(MASTER_PORT), "GLOO_SOCKET_IFNAME": self.ifname(nodes[rank]),
-                         "OMP_NUM_THREADS": str(threads), "PYTHONPATH": pythonpath,
-                         **(env or {}), **((stage_env or {}).get(rank, {}))}
+            rank_vars = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+                         "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank),
+                         "MASTER_ADDR": self.address(nodes[0]), "MASTER_PORT": str(MASTER_PORT),
+                         "GLOO_SOCKET_IFNAME": self.ifname(nodes[rank]), "OMP_NUM_THREADS": str(threads),
+                         "PYTHONPATH": pythonpath, **(env or {}), **((stage_env or {}).get(rank, {}))}
             log_file = open(workdir / f"stage{rank}.log", "w")  # noqa: SIM115 (closed below)
             logs.append(log_file)
-            procs.append(self.popen(nodes[rank], argv, env=rank_vars, stdout=log_file, stderr=subprocess.STDOUT))
+            procs.append(self.popen(nodes[rank], argv, env=rank_vars, stdout=log_file,
+                                    stderr=subprocess.STDOUT))
         handle = NetemRun(procs, t0, run_dir)
         ended: list[float | None] = [None] * len(procs)
         try:
@@ -745,7 +765,8 @@ class NetemCluster:
         for rank, p in enumerate(procs):
             text = (workdir / f"stage{rank}.log").read_text(errors="replace")
             code = p.returncode if ended[rank] is not None else None
-            error = None if code == 0 else (_last_exception(text) or (f"exit code {code}" if code is not None else None))
+            error = None if code == 0 else (_last_exception(text)
+                                            or (f"exit code {code}" if code is not None else None))
             if ended[rank] is None:  # say so: a hang leaves no exception in the log
                 last = f"; last error: {error}" if error else ""
                 error = f"still running at the {deadline_s:g} s deadline (killed){last}"

@@ -1,4 +1,5 @@
-"""The netem benchmark (:func:`bench_netem`, ``aqsgd bench netem``): pipeline throughput over real shaped links.
+"""The netem benchmark (:func:`bench_netem`, ``aqsgd bench netem``): pipeline throughput over real shaped
+links.
 
 ``aqsgd bench pipeline`` emulates links inside the transport (a pacer per directed link); this benchmark runs
 the same training over *real* TCP links instead, one process per rank in the namespaces of a
@@ -106,7 +107,8 @@ class NetemBenchConfig:
 
 
 def train_options(cfg: NetemBenchConfig, setting: str, *, replicas: int = 1, grad_sync: str = "allreduce",
-                  output_dir: str | Path, run_name: str, cache_dir: str | Path | None = None) -> dict[str, Any]:
+                  output_dir: str | Path, run_name: str,
+                  cache_dir: str | Path | None = None) -> dict[str, Any]:
     """One run of the sweep as ``aqsgd train`` options (:func:`aqsgd.bench.pipeline.run_options`) over the
     cluster's shaped links; ``cache_dir`` holds the initial weights file, which every run of the same model
     shares."""
@@ -187,10 +189,12 @@ def _check(cfg: NetemBenchConfig) -> None:
     """ValueError for settings, data-parallel settings or gradient syncs the sweep cannot run."""
     unknown = [s for s in cfg.settings if s not in SETTINGS]
     if unknown or "fp32" not in cfg.settings:
-        raise ValueError(f"settings must include fp32 and come from {list(SETTINGS)}; got {list(cfg.settings)}")
+        raise ValueError(f"settings must include fp32 and come from {list(SETTINGS)}; got "
+                         f"{list(cfg.settings)}")
     unknown = [s for s in cfg.dp_settings if s not in SETTINGS] if cfg.data_parallel > 1 else []
     if unknown or (cfg.data_parallel > 1 and "fp32" not in cfg.dp_settings):
-        raise ValueError(f"dp_settings must include fp32 and come from {list(SETTINGS)}; got {list(cfg.dp_settings)}")
+        raise ValueError(f"dp_settings must include fp32 and come from {list(SETTINGS)}; got "
+                         f"{list(cfg.dp_settings)}")
     for sync in cfg.grad_syncs:
         parse_grad_sync(sync)
     if cfg.data_parallel > 1 and "allreduce" not in cfg.grad_syncs:
@@ -230,8 +234,8 @@ def bench_netem(cfg: NetemBenchConfig, workdir: str | Path,
     def measure_links(cluster: NetemCluster, bw: float) -> dict[str, float]:
         fw = cluster.measure_goodput(0, 1)
         bwd = cluster.measure_goodput(1, 0)
-        say(f"link {bw:g} Mbit/s (delay {cfg.delay_ms:g} ms): TCP goodput 0->1 {fw:.1f}, 1->0 {bwd:.1f} Mbit/s "
-            f"({min(fw, bwd) / bw:.1%} of nominal)")
+        say(f"link {bw:g} Mbit/s (delay {cfg.delay_ms:g} ms): TCP goodput 0->1 {fw:.1f}, 1->0 {bwd:.1f} "
+            f"Mbit/s ({min(fw, bwd) / bw:.1%} of nominal)")
         return {"forward_mbps": fw, "backward_mbps": bwd}
 
     with NetemCluster(cfg.stages * max(cfg.data_parallel, 1)) as cluster:

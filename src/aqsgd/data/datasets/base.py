@@ -92,8 +92,8 @@ def _max(ds_len: int, max_samples: int | None) -> int:
 
 @dataclass(frozen=True)
 class TaskArgs:
-    """What a task loader (:attr:`TaskSpec.loader <aqsgd.data.datasets.tasks.TaskSpec>`) receives: the arguments of
-    :func:`~aqsgd.data.datasets.load_task`.
+    """What a task loader (:attr:`TaskSpec.loader <aqsgd.data.datasets.tasks.TaskSpec>`) receives: the
+    arguments of :func:`~aqsgd.data.datasets.load_task`.
 
     Attributes:
         split: ``"train"`` or ``"eval"``.

@@ -98,8 +98,9 @@ def load_text_files(
             (:func:`~aqsgd.data.datasets.text.load_tokenizer`). A tokenizer without a pad token gets its EOS
             token as pad for classification, on a copy (the caller's tokenizer is not changed);
             ``info["pad_token_id"]`` says which id pads.
-        tokenizer_for: instead of ``tokenizer``, ``tokenizer_for(kind)`` gives the tokenizer once the data's kind
-            (``causal-lm`` / ``sequence-classification``) is known, e.g. that of the kind's default model.
+        tokenizer_for: instead of ``tokenizer``, ``tokenizer_for(kind)`` gives the tokenizer once the data's
+            kind (``causal-lm`` / ``sequence-classification``) is known, e.g. that of the kind's default
+            model.
         max_length: tokens per sample: padded/truncated length (classification) or chunk length (LM).
         text_column: the column holding the text.
         text_pair_column: the column holding the second text of sentence-pair classification.
@@ -131,10 +132,10 @@ def load_text_files(
         "fingerprint": digests["train"] if eval_file is None else _combine(list(digests.values())),
         "fingerprints": digests,
     }
-    return _logged(train, evals, tokenizer=tokenizer, tokenizer_for=tokenizer_for, max_length=max_length, text_column=text_column,
-                  text_pair_column=text_pair_column, label_column=label_column, eval_split=eval_split,
-                  seed=seed, max_train_samples=max_train_samples, max_eval_samples=max_eval_samples,
-                  info=info)
+    return _logged(train, evals, tokenizer=tokenizer, tokenizer_for=tokenizer_for, max_length=max_length,
+                   text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
+                   eval_split=eval_split, seed=seed, max_train_samples=max_train_samples,
+                   max_eval_samples=max_eval_samples, info=info)
 
 
 def load_hub_dataset(
@@ -194,10 +195,10 @@ def load_hub_dataset(
         "eval_split_name": eval_name,
         "fingerprint": _combine([spec, *fps]) if all(isinstance(f, str) for f in fps) else None,
     }
-    return _logged(train, evals, tokenizer=tokenizer, tokenizer_for=tokenizer_for, max_length=max_length, text_column=text_column,
-                  text_pair_column=text_pair_column, label_column=label, eval_split=eval_split, seed=seed,
-                  max_train_samples=max_train_samples, max_eval_samples=max_eval_samples, info=info,
-                  class_names=class_names)
+    return _logged(train, evals, tokenizer=tokenizer, tokenizer_for=tokenizer_for, max_length=max_length,
+                   text_column=text_column, text_pair_column=text_pair_column, label_column=label,
+                   eval_split=eval_split, seed=seed, max_train_samples=max_train_samples,
+                   max_eval_samples=max_eval_samples, info=info, class_names=class_names)
 
 
 def _hub_records(ds: Any, spec: str, split: str, wanted: Sequence[str]) -> Records:
@@ -213,16 +214,19 @@ def _hub_records(ds: Any, spec: str, split: str, wanted: Sequence[str]) -> Recor
 
 
 def _logged(train: Records, evals: Records | None, **kw: Any) -> tuple[DictDataset, DictDataset]:
-    """:func:`_build`, with what was read and what it became in the log (tokenizing a large file takes a while)."""
-    log.info("%s %s: %d %ss with columns %s%s; tokenizing", train.option, train.source, len(train), train.unit,
-             ", ".join(train.column_names), "" if evals is None else f" (evaluation: {len(evals)} {evals.unit}s)")
+    """:func:`_build`, with what was read and what it became in the log (tokenizing a large file takes a
+    while)."""
+    log.info("%s %s: %d %ss with columns %s%s; tokenizing", train.option, train.source, len(train),
+             train.unit, ", ".join(train.column_names),
+             "" if evals is None else f" (evaluation: {len(evals)} {evals.unit}s)")
     out = _build(train, evals, **kw)
-    log.info("data: %d training and %d evaluation samples (%s)", len(out[0]), len(out[1]), out[0].info.get("kind"))
+    log.info("data: %d training and %d evaluation samples (%s)", len(out[0]), len(out[1]),
+             out[0].info.get("kind"))
     return out
 
 
-def _build(train: Records, evals: Records | None, *, tokenizer: Any, tokenizer_for: Callable[[str], Any] | None,
-           max_length: int, text_column: str,
+def _build(train: Records, evals: Records | None, *, tokenizer: Any,
+           tokenizer_for: Callable[[str], Any] | None, max_length: int, text_column: str,
            text_pair_column: str | None, label_column: str | None, eval_split: float, seed: int,
            max_train_samples: int | None, max_eval_samples: int | None, info: Mapping[str, Any],
            class_names: Sequence[str] | None = None) -> tuple[DictDataset, DictDataset]:
@@ -307,7 +311,8 @@ def _chunks(records: Records, what: str, docs: list[str], tok: Any, max_length: 
             max_chunks: int | None, info: dict[str, Any]) -> DictDataset:
     try:
         return lm_chunks(docs, tok, max_length, eos_token_id=separator, add_eos=separator is not None,
-                         max_chunks=max_chunks, info=info, label=f"{what} of {records.option} {records.source}")
+                         max_chunks=max_chunks, info=info,
+                         label=f"{what} of {records.option} {records.source}")
     except SpecError as e:
         found = re.search(r"give (\d+) tokens", str(e))
         tokens = f"{found.group(1)} tokens, " if found else ""
@@ -392,9 +397,9 @@ def _texts(records: Records, column: str) -> list[str]:
         if not isinstance(v, str):
             raise records.error(f"{records.where(i)}: the {column!r} value is {_describe(v)}, not a string")
         if len(v) > MAX_LINE_BYTES:
-            raise records.error(f"{records.where(i)}: the {column!r} value is {len(v):,} characters long, over "
-                                f"the limit of {MAX_LINE_BYTES:,} for one text; split long documents into "
-                                "paragraphs")
+            raise records.error(f"{records.where(i)}: the {column!r} value is {len(v):,} characters long, "
+                                f"over the limit of {MAX_LINE_BYTES:,} for one text; split long documents "
+                                "into paragraphs")
     return values
 
 

@@ -4,8 +4,8 @@
   ``.tsv``, ``.txt`` (one document per line, column ``text``) and ``.parquet`` (needs ``pyarrow``).
 * **Only regular files** are read: a directory, a FIFO, a device or a socket is refused at once (a FIFO would
   block the reader forever), and so is a symbolic link that loops or points nowhere.
-* **Bounded lines**: the line-based formats (``.jsonl``, ``.csv``, ``.tsv``, ``.txt``) are read line by line, at
-  most :data:`MAX_LINE_BYTES` (4 MiB) at a time; a longer line, or a longer text value in a ``.json`` or
+* **Bounded lines**: the line-based formats (``.jsonl``, ``.csv``, ``.tsv``, ``.txt``) are read line by line,
+  at most :data:`MAX_LINE_BYTES` (4 MiB) at a time; a longer line, or a longer text value in a ``.json`` or
   ``.parquet`` file, is an error naming its line (or record, or row). Tokenizers take about 140 bytes of
   memory per byte of text in one piece (a 45 MB line grew past 6 GB), so one document must stay well below
   that; split longer documents into paragraphs, one per line. A ``.json`` file is parsed whole and may be at
@@ -43,7 +43,8 @@ __all__ = ["MAX_JSON_BYTES", "MAX_LINE_BYTES", "SUPPORTED_EXTENSIONS", "Records"
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet")
 """The data file types :func:`read_records` reads, by extension (case-insensitive)."""
 MAX_LINE_BYTES = 4 << 20
-"""The longest line of a line-based data file, in bytes (4 MiB); also the longest text value, in characters."""
+"""The longest line of a line-based data file, in bytes (4 MiB); also the longest text value, in
+characters."""
 MAX_JSON_BYTES = 1 << 30
 """The largest ``.json`` file (1 GiB): it is parsed whole; larger data go in ``.jsonl``, read line by line."""
 
@@ -153,7 +154,8 @@ def _check_regular_file(p: Path, fail: _Fail) -> None:
     try:
         st = os.stat(p)
     except FileNotFoundError:
-        raise fail("a symbolic link to a file that does not exist" if p.is_symlink() else "no such file") from None
+        raise fail("a symbolic link to a file that does not exist" if p.is_symlink()
+                   else "no such file") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise fail("a symbolic link loop (it points back to itself)") from None
@@ -257,8 +259,8 @@ def _read_delimited(path: Path, fail: _Fail, delimiter: str) -> _Read:
                 lines.append(start)
         except csv.Error as e:
             if "field larger than field limit" in str(e):
-                raise fail(f"a field that starts at line {end + 1} is longer than {_LIMIT}, the limit for one "
-                           "text; split long documents into paragraphs") from None
+                raise fail(f"a field that starts at line {end + 1} is longer than {_LIMIT}, the limit for "
+                           "one text; split long documents into paragraphs") from None
             raise fail(f"line {reader.line_num} is malformed {kind}: {e}") from None
     finally:
         csv.field_size_limit(limit)

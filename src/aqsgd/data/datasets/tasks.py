@@ -12,8 +12,8 @@ from aqsgd.data.datasets.images import _load_cifar10, _load_fashion_mnist, _load
 from aqsgd.data.datasets.text import _load_bbc, _load_glue, _load_wiki, _load_wikitext2
 from aqsgd.errors import SpecError
 
-__all__ = ["SPLITS", "TASKS", "TASK_KIND_NAMES", "TaskArgs", "TaskSpec", "load_task", "register_task", "registered_tasks",
-           "task_names"]
+__all__ = ["SPLITS", "TASKS", "TASK_KIND_NAMES", "TaskArgs", "TaskSpec", "load_task", "register_task",
+           "registered_tasks", "task_names"]
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ def _split(split: str) -> str:
 class TaskSpec:
     """A named task: how to load it, whether it works offline and, if not, its offline stand-in.
 
-    ``loader(args: TaskArgs) -> DictDataset`` returns one split (``args.split``) with stable sample ids: the same
-    arguments must give the same samples in the same order in every process. ``kind`` is one of
+    ``loader(args: TaskArgs) -> DictDataset`` returns one split (``args.split``) with stable sample ids: the
+    same arguments must give the same samples in the same order in every process. ``kind`` is one of
     :data:`TASK_KIND_NAMES`; the loader's dataset ``info`` should hold ``num_labels`` for classification.
     """
 
@@ -63,7 +63,8 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("cifar10", "image-classification", False, "CIFAR-10 from the hub, 50k/10k", _load_cifar10,
              "fashion-mnist"),
 )}
-"""All tasks :func:`load_task` knows, by name: the built-in ones and those added with :func:`register_task`."""
+"""All tasks :func:`load_task` knows, by name: the built-in ones and those added with
+:func:`register_task`."""
 
 TASK_KIND_NAMES = ("causal-lm", "sequence-classification", "image-classification")
 """The kinds of task the trainer knows how to train."""

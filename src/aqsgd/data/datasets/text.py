@@ -150,7 +150,8 @@ def text_classification(
                 parts.setdefault(k, []).append(enc[k].to(torch.int64))
         progress.update(min(stop, len(texts)))
     if not parts:  # no texts: the columns' names and widths, from an empty call
-        enc = tokenizer([""], padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
+        enc = tokenizer([""], padding="max_length", truncation=True, max_length=max_length,
+                        return_tensors="pt")
         parts = {k: [enc[k][:0].to(torch.int64)] for k in ("input_ids", "attention_mask", "token_type_ids")
                  if k in enc}
     cols = {k: torch.cat(v) for k, v in parts.items()}

@@ -155,9 +155,9 @@ class ActivationCache(abc.ABC):
 
     def row_store(self, ids: Tensor) -> RowStore | None:
         """The rows of ``ids`` (all visited; validated as :meth:`get` validates them) as a
-        :class:`~aqsgd.compress.fused.RowStore` that a codec's fused AQ-SGD step reads and updates in place, or
-        None where this backend, device or dtype has no such storage: the caller then uses get and put. Writing
-        through the store must leave exactly what ``put`` would have stored."""
+        :class:`~aqsgd.compress.fused.RowStore` that a codec's fused AQ-SGD step reads and updates in place,
+        or None where this backend, device or dtype has no such storage: the caller then uses get and put.
+        Writing through the store must leave exactly what ``put`` would have stored."""
         return None
 
     def prefetch(self, ids: Tensor) -> None:
@@ -248,14 +248,15 @@ class ActivationCache(abc.ABC):
         ids = ids.to(torch.int64)
         if ids.numel() == 0:
             return ids
-        # in numpy: a micro-batch has a few ids, where each torch call costs microseconds (this runs several times
-        # per micro-batch on both sides of every AQ-SGD boundary); CUDA ids are copied once, as any check syncs
+        # in numpy: a micro-batch has a few ids, where each torch call costs microseconds (this runs several
+        # times per micro-batch on both sides of every AQ-SGD boundary); CUDA ids are copied once, as any
+        # check syncs
         a = ids.cpu().numpy()
         out_of_range = (a < 0) | (a >= self.capacity)
         if out_of_range.any():
             raise CacheError(
-                f"sample id {int(a[out_of_range][0])} is out of range for a cache of capacity {self.capacity} "
-                f"(valid ids are 0..{self.capacity - 1})"
+                f"sample id {int(a[out_of_range][0])} is out of range for a cache of capacity "
+                f"{self.capacity} (valid ids are 0..{self.capacity - 1})"
             )
         ordered = np.sort(a)
         repeated = ordered[1:] == ordered[:-1]

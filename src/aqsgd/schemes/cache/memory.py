@@ -63,8 +63,8 @@ class MemoryCache(ActivationCache):
     def _lazy_shape_ok(self) -> bool:
         return True
 
-    # index_select / index_copy_ rather than rows[ids] / rows[ids] = ...: the same values, several times faster
-    # on the CPU (ids are validated int64 and unique, so index_copy_ is deterministic)
+    # index_select / index_copy_ rather than rows[ids] / rows[ids] = ...: the same values, several times
+    # faster on the CPU (ids are validated int64 and unique, so index_copy_ is deterministic)
     def _read(self, ids: Tensor) -> Tensor:
         assert self._rows is not None
         return torch.index_select(self._rows, 0, ids.to(self.device)).to(self.dtype)

@@ -12,8 +12,8 @@ Layout of ``RUN_DIR/checkpoints/step-NNNNNNNN/``::
                                  buffers): what the scheme's save() writes, and shape.json (the shape and
                                  dtype it was built for); <key> is b<N>-forward|backward-sender|receiver
     rank{r}.manifest.json        the files rank r wrote: size and SHA-256 of each
-    MANIFEST.json                the run's shape (stages, replicas, processes) and the size and SHA-256 of every
-                                 rank{r}.manifest.json
+    MANIFEST.json                the run's shape (stages, replicas, processes) and the size and SHA-256 of
+                                 every rank{r}.manifest.json
     COMPLETE                     the step and the SHA-256 of MANIFEST.json; a folder without it is ignored
 
 With data parallelism (``D > 1`` replicas of the pipeline, see :mod:`aqsgd.parallel.grid`) the replicas of a

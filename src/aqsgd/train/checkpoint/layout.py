@@ -35,7 +35,8 @@ __all__ = [
 
 
 class CheckpointError(AqsgdError, ValueError):
-    """A checkpoint that is missing, incomplete, damaged or does not fit this run, or one that cannot be written."""
+    """A checkpoint that is missing, incomplete, damaged or does not fit this run, or one that cannot be
+    written."""
 
 
 FORMAT = "aqsgd-checkpoint"
@@ -59,7 +60,8 @@ def channel_name(channel: int) -> str:
 
 
 def scheme_dir(key: tuple[int, int, str]) -> str:
-    """The folder name of a boundary scheme ``(boundary, channel, side)``: ``b<N>-forward|backward-<side>``."""
+    """The folder name of a boundary scheme ``(boundary, channel, side)``:
+    ``b<N>-forward|backward-<side>``."""
     b, channel, side = key
     return f"b{b}-{channel_name(channel)}-{side}"
 
@@ -110,7 +112,8 @@ def one_line(exc: BaseException) -> str:
     else:
         text = str(exc)
         m = _RUST_IO.search(text)
-        if m:  # SafetensorError: 'Error while serializing: IoError(Os { code: 28, ..., message: "No space ..." })'
+        # SafetensorError: 'Error while serializing: IoError(Os { code: 28, ..., message: "No space ..." })'
+        if m:
             text = m[1]
     text = " ".join(text.split())
     if not text:

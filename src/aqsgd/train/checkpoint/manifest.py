@@ -1,9 +1,9 @@
 """Manifests: the size and SHA-256 of every file of a checkpoint, verified before anything is read.
 
 ``COMPLETE`` holds the step and the checksum of ``MANIFEST.json``; ``MANIFEST.json`` the run's shape and the
-checksum of every ``rank{r}.manifest.json``; each of those the files one process wrote (size and checksum), its
-scheme folders, which files of each scheme folder the other side of the boundary saves identically, and the
-class of each optimizer state. :class:`Manifest` reads and checks that chain; :func:`head` adds
+checksum of every ``rank{r}.manifest.json``; each of those the files one process wrote (size and checksum),
+its scheme folders, which files of each scheme folder the other side of the boundary saves identically, and
+the class of each optimizer state. :class:`Manifest` reads and checks that chain; :func:`head` adds
 ``trainer.json``.
 """
 
@@ -78,8 +78,8 @@ def read_json(file: Path, what: str = "") -> Any:
 
 def digest_entry(obj: Any, file: Path, where: str) -> tuple[int, str]:
     """A ``{"size": int, "sha256": hex}`` entry of a manifest, checked."""
-    if (not isinstance(obj, dict) or not isinstance(obj.get("size"), int) or not isinstance(obj.get(ALGORITHM), str)
-            or not re.fullmatch(r"[0-9a-f]{64}", obj[ALGORITHM])):
+    if (not isinstance(obj, dict) or not isinstance(obj.get("size"), int)
+            or not isinstance(obj.get(ALGORITHM), str) or not re.fullmatch(r"[0-9a-f]{64}", obj[ALGORITHM])):
         raise CheckpointError(f"{file}: malformed entry for {where} (damaged manifest)")
     return obj["size"], obj[ALGORITHM]
 
@@ -89,8 +89,8 @@ def check_size(file: Path, size: int, listed_in: str) -> None:
         raise CheckpointError(f"{file}: missing (listed in {listed_in})")
     got_size = file.stat().st_size
     if got_size != size:
-        raise CheckpointError(f"{file}: {got_size} bytes, {listed_in} says {size}: the file was truncated, extended "
-                              f"or replaced after the checkpoint was written")
+        raise CheckpointError(f"{file}: {got_size} bytes, {listed_in} says {size}: the file was truncated, "
+                              "extended or replaced after the checkpoint was written")
 
 
 def check_file(file: Path, expected: tuple[int, str], listed_in: str,
@@ -101,17 +101,20 @@ def check_file(file: Path, expected: tuple[int, str], listed_in: str,
     got = actual if actual is not None else file_digest(file)
     if got[1] != digest:
         raise CheckpointError(f"{file}: {ALGORITHM} checksum mismatch ({got[1][:16]}..., {listed_in} says "
-                              f"{digest[:16]}...): the file was changed or damaged after the checkpoint was written")
+                              f"{digest[:16]}...): the file was changed or damaged after the checkpoint was "
+                              "written")
 
 
 class Manifest:
-    """The verified manifests of a checkpoint: ``COMPLETE`` -> ``MANIFEST.json`` -> ``rank{r}.manifest.json``."""
+    """The verified manifests of a checkpoint: ``COMPLETE`` -> ``MANIFEST.json`` ->
+    ``rank{r}.manifest.json``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         complete = path / COMPLETE
         marker = read_json(complete, " (is this a checkpoint written before checkpoints carried checksums?)")
-        if not isinstance(marker, dict) or not isinstance(marker.get("step"), int) or "manifest" not in marker:
+        if (not isinstance(marker, dict) or not isinstance(marker.get("step"), int)
+                or "manifest" not in marker):
             raise CheckpointError(f"{complete}: no step and {MANIFEST} checksum (a checkpoint written before "
                                   f"checkpoints carried checksums, or a damaged marker)")
         self.step = marker["step"]
@@ -124,8 +127,8 @@ class Manifest:
         if not isinstance(root, dict) or root.get("format") != FORMAT:
             raise CheckpointError(f"{top}: not an aqsgd checkpoint manifest")
         if root.get("version") != VERSION or root.get("algorithm") != ALGORITHM:
-            raise CheckpointError(f"{top}: format version {root.get('version')} ({root.get('algorithm')}), this "
-                                  f"aqsgd reads version {VERSION} ({ALGORITHM})")
+            raise CheckpointError(f"{top}: format version {root.get('version')} ({root.get('algorithm')}), "
+                                  f"this aqsgd reads version {VERSION} ({ALGORITHM})")
         if root.get("step") != self.step:
             raise CheckpointError(f"{top}: says step {root.get('step')}, {COMPLETE} says {self.step}")
         for key in ("stages", "data_parallel", "world"):
@@ -133,7 +136,8 @@ class Manifest:
                 raise CheckpointError(f"{top}: no valid {key!r} (damaged manifest)")
         self.stages, self.data_parallel, self.world = root["stages"], root["data_parallel"], root["world"]
         manifests = root.get("manifests")
-        if not isinstance(manifests, dict) or sorted(manifests) != sorted(rank_manifest(r) for r in range(self.world)):
+        if (not isinstance(manifests, dict)
+                or sorted(manifests) != sorted(rank_manifest(r) for r in range(self.world))):
             raise CheckpointError(f"{top}: does not list one file manifest per process (damaged manifest)")
         self.files: dict[str, tuple[int, str]] = {}
         self.owner: dict[str, str] = {}
@@ -144,19 +148,21 @@ class Manifest:
             file = path / name
             check_file(file, digest_entry(manifests[name], top, name), MANIFEST)
             own = read_json(file)
-            if (not isinstance(own, dict) or own.get("format") != f"{FORMAT}-files" or own.get("step") != self.step
-                    or not isinstance(own.get("files"), dict)
+            if (not isinstance(own, dict) or own.get("format") != f"{FORMAT}-files"
+                    or own.get("step") != self.step or not isinstance(own.get("files"), dict)
                     or not isinstance(own.get("trees"), list) or not isinstance(own.get("mirrored"), dict)):
                 raise CheckpointError(f"{file}: not a file manifest of step {self.step} (damaged manifest)")
             for rel, entry in own["files"].items():
-                if rel in self.files or not isinstance(rel, str) or rel.startswith("/") or ".." in rel.split("/"):
+                if (rel in self.files or not isinstance(rel, str) or rel.startswith("/")
+                        or ".." in rel.split("/")):
                     raise CheckpointError(f"{file}: bad or duplicate entry {rel!r} (damaged manifest)")
                 self.files[rel] = digest_entry(entry, file, rel)
                 self.owner[rel] = name
             for tree in own["trees"]:
                 self.trees[str(tree)] = name
             for d, rels in own["mirrored"].items():
-                if not isinstance(rels, list) or not all(isinstance(r, str) and f"{d}/{r}" in own["files"] for r in rels):
+                if (not isinstance(rels, list)
+                        or not all(isinstance(r, str) and f"{d}/{r}" in own["files"] for r in rels)):
                     raise CheckpointError(f"{file}: bad mirrored entry for {d!r} (damaged manifest)")
                 self.mirrored[d] = rels
             kinds = own.get("optimizers", {})
@@ -189,13 +195,14 @@ class Manifest:
         if d.is_dir():
             for f in sorted(d.rglob("*")):
                 if f.is_file() and relative(f, self.path) not in self.files:
-                    raise CheckpointError(f"{f}: not listed in the checkpoint's manifests (a file added after "
-                                          f"the checkpoint was written)")
+                    raise CheckpointError(f"{f}: not listed in the checkpoint's manifests (a file added "
+                                          "after the checkpoint was written)")
         self.verify(listed)
         return listed
 
     def check_mirrors(self) -> None:
-        """The two sides of each boundary with bit-identical state saved identical bytes (by their digests)."""
+        """The two sides of each boundary with bit-identical state saved identical bytes (by their
+        digests)."""
         pairs: dict[tuple[str, int, str], dict[str, str]] = {}
         for d in self.mirrored:
             parts = d.split("/")
@@ -213,14 +220,14 @@ class Manifest:
                 continue
             where = f"boundary {b} {direction}" + (f" ({replica})" if replica else "")
             if ms != mr:
-                raise CheckpointError(f"{self.path}: {where}: the sender saved {ms} in {s}, the receiver {mr} in {r}; "
-                                      f"the two sides' state must be identical")
+                raise CheckpointError(f"{self.path}: {where}: the sender saved {ms} in {s}, the receiver "
+                                      f"{mr} in {r}; the two sides' state must be identical")
             for f in ms:
                 if self.files[f"{s}/{f}"][1] != self.files[f"{r}/{f}"][1]:
                     raise CheckpointError(
-                        f"{self.path}: {where}: the sender's {s}/{f} and the receiver's {r}/{f} differ; the two "
-                        f"sides of the boundary must hold bit-identical state, so this checkpoint would not "
-                        f"continue training correctly")
+                        f"{self.path}: {where}: the sender's {s}/{f} and the receiver's {r}/{f} differ; the "
+                        "two sides of the boundary must hold bit-identical state, so this checkpoint would "
+                        "not continue training correctly")
 
 
 def head(path: Path) -> tuple[Manifest, dict[str, Any]]:
@@ -234,7 +241,8 @@ def head(path: Path) -> tuple[Manifest, dict[str, Any]]:
         if not isinstance(state.get(key), int) or isinstance(state.get(key), bool) or state[key] < 0:
             raise CheckpointError(f"{path / TRAINER}: no valid {key!r}")
     if state["step"] != manifest.step:
-        raise CheckpointError(f"{path / TRAINER}: says step {state['step']}, the checkpoint is step {manifest.step}")
+        raise CheckpointError(f"{path / TRAINER}: says step {state['step']}, the checkpoint is step "
+                              f"{manifest.step}")
     if not isinstance(state.get("totals", {}), dict) or not isinstance(state.get("config", {}), dict):
         raise CheckpointError(f"{path / TRAINER}: 'totals' and 'config' must be JSON objects")
     state.setdefault("totals", {})

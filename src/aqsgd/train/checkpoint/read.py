@@ -38,7 +38,8 @@ __all__ = ["latest_checkpoint", "load_checkpoint", "read_trainer_state"]
 def latest_checkpoint(path: str | Path) -> Path | None:
     """The newest complete checkpoint under a run directory (or ``path`` itself if it is one); ``None`` if
     there is none. Unfinished ``step-N.tmp`` folders are never taken. Raises :class:`CheckpointError` if that
-    checkpoint's manifests or ``trainer.json`` are damaged (an older one can be resumed by naming its folder)."""
+    checkpoint's manifests or ``trainer.json`` are damaged (an older one can be resumed by naming its
+    folder)."""
     p = Path(path)
     if p.name.endswith(".tmp"):
         return None
@@ -76,8 +77,8 @@ def _pointing_back(path: Path, message: str) -> str:
 
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
-    """The verified ``trainer.json`` of a checkpoint (position, totals, config); :class:`CheckpointError` if the
-    checkpoint is incomplete or damaged."""
+    """The verified ``trainer.json`` of a checkpoint (position, totals, config); :class:`CheckpointError` if
+    the checkpoint is incomplete or damaged."""
     return head(Path(path))[1]
 
 
@@ -101,7 +102,8 @@ def _plan(manifest: Manifest, engine: Any, held: dict[int, dict[str, Any]], rank
     num_stages = int(engine.num_stages)
     if manifest.stages != num_stages or manifest.data_parallel != data_parallel:
         raise CheckpointError(f"{path / MANIFEST}: written by a run of {manifest.stages} stages x "
-                              f"{manifest.data_parallel} replicas, this run has {num_stages} x {data_parallel}")
+                              f"{manifest.data_parallel} replicas, this run has {num_stages} x "
+                              f"{data_parallel}")
     files = [TRAINER, f"rank{rank}.rng.json", f"rank{rank}.rng.safetensors"]
     trees = []
     for i, state in held.items():
@@ -111,19 +113,21 @@ def _plan(manifest: Manifest, engine: Any, held: dict[int, dict[str, Any]], rank
         files += [f"{d}/model.safetensors", f"{d}/optimizer.pt", f"{d}/scheduler.json"]
         own = d if data_parallel == 1 else f"{d}/replica{replica}"
         prefix = f"{own}/schemes/"
-        trees += sorted({prefix + f[len(prefix):].split("/")[0] for f in manifest.files if f.startswith(prefix)})
+        trees += sorted({prefix + f[len(prefix):].split("/")[0] for f in manifest.files
+                         if f.startswith(prefix)})
         if "grad_sync" in state:
             if not manifest.has(f"{own}/grad_sync.safetensors"):
-                raise CheckpointError(f"{path / own} has no grad_sync.safetensors: was it written without data "
-                                      f"parallelism?")
+                raise CheckpointError(f"{path / own} has no grad_sync.safetensors: was it written without "
+                                      "data parallelism?")
             files.append(f"{own}/grad_sync.safetensors")
     for t in trees:
         if t not in manifest.trees:
-            raise CheckpointError(f"{path / t}: not a scheme folder of the checkpoint's manifests (damaged manifest)")
+            raise CheckpointError(f"{path / t}: not a scheme folder of the checkpoint's manifests (damaged "
+                                  "manifest)")
     for f in files:
         if not manifest.has(f):
-            raise CheckpointError(f"{path / f}: missing from the checkpoint's manifests (damaged, or written by "
-                                  f"another version)")
+            raise CheckpointError(f"{path / f}: missing from the checkpoint's manifests (damaged, or written "
+                                  "by another version)")
     return files, trees
 
 
@@ -155,7 +159,8 @@ def load_checkpoint(path: Path, engine: Any) -> dict[str, Any]:
 
 
 def _scheme_shape(file: Path) -> dict[str, Any]:
-    """A scheme folder's ``shape.json``: the shape (a list of ints) and dtype name the scheme was built for."""
+    """A scheme folder's ``shape.json``: the shape (a list of ints) and dtype name the scheme was built
+    for."""
     shape = read_json(file)
     dims = [int(n) for n in shape["shape"]]
     dtype = str(shape["dtype"])
@@ -172,15 +177,16 @@ def _restore(path: Path, engine: Any, held: dict[int, dict[str, Any]], rank: int
         own = per_replica_dir(d, replica, data_parallel)
         file = d / "model.safetensors"
         with _reading(file, f"cannot load the weights of stage {i}"):
-            missing, unexpected = engine.load_state_dict({i: {"model": load_file(str(file))}}, strict=False)[i]
+            missing, unexpected = engine.load_state_dict({i: {"model": load_file(str(file))}},
+                                                         strict=False)[i]
         if missing or unexpected:
             raise CheckpointError(f"{file}: weights do not fit stage {i} (missing {sorted(missing)[:5]}, "
                                   f"unexpected {sorted(unexpected)[:5]})")
         file = d / "optimizer.pt"
         kind = optimizers.get(relative(file, path))
         if kind is not None and kind != state["optimizer_class"]:
-            raise CheckpointError(f"{file}: holds the state of the {kind} optimizer, this run's stage {i} uses "
-                                  f"{state['optimizer_class']}")
+            raise CheckpointError(f"{file}: holds the state of the {kind} optimizer, this run's stage {i} "
+                                  f"uses {state['optimizer_class']}")
         with _reading(file, f"does not fit the optimizer of stage {i}"):
             # read onto the host wherever it was saved; the optimizer moves it to its parameters' device
             saved = torch.load(file, weights_only=True, map_location="cpu")
@@ -196,7 +202,8 @@ def _restore(path: Path, engine: Any, held: dict[int, dict[str, Any]], rank: int
             sd = path / tree
             key = parse_scheme_dir(sd.name)
             if key is None:
-                raise CheckpointError(f"{sd}: not a boundary scheme folder (b<N>-forward|backward-sender|receiver)")
+                raise CheckpointError(f"{sd}: not a boundary scheme folder "
+                                      "(b<N>-forward|backward-sender|receiver)")
             with _reading(sd / "shape.json", f"does not describe the {sd.name} scheme of stage {i}"):
                 built_for = _scheme_shape(sd / "shape.json")
             with _reading(sd, f"cannot restore the {sd.name} scheme of stage {i}"):

@@ -159,7 +159,8 @@ def _jsonable(o: Any) -> Any:
 
 
 def _mirrored_files(scheme: Any, d: Path) -> list[str]:
-    """The files (relative to the scheme folder ``d``) that the other side of the boundary saves identically."""
+    """The files (relative to the scheme folder ``d``) that the other side of the boundary saves
+    identically."""
     declared = getattr(scheme, "mirrored_state", None)
     patterns = tuple(declared()) if callable(declared) else ()
     out = []
@@ -249,9 +250,11 @@ def _publish(root: Path, tmp: Path, final: Path, step: int, world: int, engine: 
 
 
 def _remove_stale(root: Path) -> None:
-    """Remove left-overs of crashed saves: ``step-*.tmp`` folders and ``step-N`` folders without ``COMPLETE``."""
+    """Remove left-overs of crashed saves: ``step-*.tmp`` folders and ``step-N`` folders without
+    ``COMPLETE``."""
     for d in root.iterdir():
-        if d.name.startswith("step-") and d.is_dir() and (d.name.endswith(".tmp") or not (d / COMPLETE).exists()):
+        if (d.name.startswith("step-") and d.is_dir()
+                and (d.name.endswith(".tmp") or not (d / COMPLETE).exists())):
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -261,7 +264,8 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def save_checkpoint(run_dir: Path, step: int, engine: Any, position: dict[str, Any], *, keep: int = 2) -> Path:
+def save_checkpoint(run_dir: Path, step: int, engine: Any, position: dict[str, Any], *,
+                    keep: int = 2) -> Path:
     """Write checkpoint ``step`` of this run (every process of a distributed run calls it) and keep the
     ``keep`` newest; returns its folder. Raises :class:`CheckpointError` (on every process) if any process
     cannot write its part: the partial folder is then removed and the earlier checkpoints stay."""
@@ -273,8 +277,8 @@ def save_checkpoint(run_dir: Path, step: int, engine: Any, position: dict[str, A
     def fail(error: str) -> CheckpointError:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        return CheckpointError(f"writing checkpoint {final}: {error}; the partial {tmp.name} was removed, earlier "
-                               f"checkpoints are kept")
+        return CheckpointError(f"writing checkpoint {final}: {error}; the partial {tmp.name} was removed, "
+                               "earlier checkpoints are kept")
 
     error = None
     if rank == 0:
