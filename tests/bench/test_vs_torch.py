@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from aqsgd.bench.vs_torch import LatencyConfig, VsTorchConfig, bench_latency, bench_vs_torch, check_losses
+from aqsgd.bench.vs_torch import (LatencyConfig, VsTorchConfig, bench_latency, bench_vs_torch, check_losses,
+                                  pipelining_supported)
 
 
+@pytest.mark.skipif(pipelining_supported() is not None, reason=str(pipelining_supported()))
 def test_both_pipelines_run_and_start_from_the_same_loss():
     cfg = VsTorchConfig(stages=(2,), hidden=32, layers=2, seq_len=16, vocab=64, microbatch_size=2,
                         num_microbatches=3, steps=1, repeats=1)
@@ -30,3 +32,12 @@ def test_latency_rows():
     assert [r["payload_bytes"] for r in rows] == [4, 4096]
     for r in rows:
         assert r["aqsgd_pingpong_ms"] > 0 and r["torch_pingpong_ms"] > 0 and r["aqsgd_handover_ms"] > 0
+
+
+@pytest.mark.skipif(pipelining_supported() is None, reason="this torch runs the comparison")
+def test_an_older_torch_is_refused_in_one_line():
+    from aqsgd.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"^aqsgd bench vs-torch: the comparison needs torch.distributed"
+                                        r".pipelining's Schedule.step\(return_outputs=...\), from torch 2.8 on"):
+        bench_vs_torch(VsTorchConfig(stages=(2,)))
