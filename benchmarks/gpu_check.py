@@ -17,16 +17,16 @@ limit inside ``--budget`` seconds (a step that would not fit is skipped and said
 
 * ``default-job``: ``aqsgd train`` as the README shows it (samples/s, accuracy with compression on and off);
 * ``codecs``: ``aqsgd bench codecs --device cuda`` (each codec's rate against a same-tensor ``clone()``);
-* ``overhead``: ``aqsgd bench overhead --device cuda`` on a 251 M-parameter Qwen2-style model (plain transformers
-  loop vs the local pipeline at 1 and 4 stages);
+* ``overhead``: ``aqsgd bench overhead --device cuda`` on a 251 M-parameter Qwen2-style model (plain
+  transformers loop vs the local pipeline at 1 and 4 stages);
 * ``dist-fp32`` / ``dist-aqsgd``: 4 stage processes sharing the GPU over an emulated 1 Gbit/s link
   (``--runtime distributed --link 1gbit``) on a 55 M-parameter Qwen2-style folder and text file made here;
 * ``dp-gloo``: 2 stages x 2 replicas on the one GPU with ``q8`` gradient sync (``--dp-backend auto`` must take
   gloo there and say so), and ``dp-nccl`` that an explicit ``--dp-backend nccl`` is refused in one line;
 * ``suite``: the whole test suite (pytest-xdist where installed), in the time that is left.
 
-The report (``gpu-check.json``, ``gpu-check.md`` in ``--out``) holds the machine, the versions, every step's exit
-status, seconds and figures; ``log.txt`` the output of every step.
+The report (``gpu-check.json``, ``gpu-check.md`` in ``--out``) holds the machine, the versions, every step's
+exit status, seconds and figures; ``log.txt`` the output of every step.
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / ".gpu"
 WHEELS = ("isal", "zstandard", "gguf")  # base dependencies the GPU image lacks
-OVERHEAD = ["--hidden", "1024", "--layers", "16", "--heads", "16", "--kv-heads", "8", "--intermediate", "2816",
-            "--vocab", "32000", "--seq-len", "256", "--micro-batch-size", "8", "--micro-batches", "4",
+OVERHEAD = ["--hidden", "1024", "--layers", "16", "--heads", "16", "--kv-heads", "8", "--intermediate",
+            "2816", "--vocab", "32000", "--seq-len", "256", "--micro-batch-size", "8", "--micro-batches", "4",
             "--stages", "1,4", "--rounds", "5", "--steps", "3"]
 DIST = ["--max-length", "256", "--epochs", "3", "--warmup-epochs", "1", "--max-train-samples", "320",
         "--eval-every", "0", "--checkpoint-every", "0", "--no-progress", "--no-tensorboard", "--stages", "4",
         "--runtime", "distributed", "--link", "1gbit", "--timeout", "60"]
-SMOKE_OVERHEAD = ["--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--intermediate", "48",
-                  "--vocab", "64", "--seq-len", "8", "--micro-batch-size", "2", "--micro-batches", "2",
+SMOKE_OVERHEAD = ["--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--intermediate",
+                  "48", "--vocab", "64", "--seq-len", "8", "--micro-batch-size", "2", "--micro-batches", "2",
                   "--stages", "1,2", "--rounds", "1", "--steps", "1"]
 
 
@@ -73,7 +73,8 @@ def prepare() -> None:
 
     for name in WHEELS:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+                        "--python-version", "3.12", "--implementation", "cp",
+                        "--platform", "manylinux_2_28_x86_64",
                         "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
                         "-d", str(GPU / "whl"), f"{name}=={version(name)}"], check=True)
     from aqsgd.data import default_cache_dir, require
@@ -89,8 +90,8 @@ def prepare() -> None:
 
     weights = minilm / "model.safetensors"
     tensors = load_file(str(weights))
-    save_file({k: (v.half() if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}, str(weights),
-              metadata={"format": "pt"})
+    save_file({k: (v.half() if v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
+              str(weights), metadata={"format": "pt"})
     with tarfile.open(GPU / "cache" / "bbc.tgz", "w:gz") as tar:
         tar.add(cache / "bbc", arcname="bbc")
     size = sum(f.stat().st_size for f in GPU.rglob("*") if f.is_file())
@@ -111,7 +112,8 @@ class Check:
         return self.budget - (time.monotonic() - self.t0)
 
     def step(self, name: str, limit: float, argv: list[str], cwd: Path | None = None) -> dict:
-        """Run ``argv`` with at most ``limit`` seconds (less where the budget has less); its output to the log."""
+        """Run ``argv`` with at most ``limit`` seconds (less where the budget has less); its output to the
+        log."""
         t = min(limit, self.left() - 10)
         record: dict = {"name": name, "command": " ".join(argv), "limit_s": round(t, 1)}
         if t < 5:
@@ -143,8 +145,8 @@ class Check:
     def report(self, env: dict) -> dict:
         self.log.close()
         steps = [{k: v for k, v in s.items() if k != "output"} for s in self.steps]
-        data = {"check": "gpu", "env": env, "budget_s": self.budget, "seconds": round(time.monotonic() - self.t0, 1),
-                "steps": steps}
+        data = {"check": "gpu", "env": env, "budget_s": self.budget,
+                "seconds": round(time.monotonic() - self.t0, 1), "steps": steps}
         (self.out / "gpu-check.json").write_text(json.dumps(data, indent=1))
         (self.out / "gpu-check.md").write_text(markdown(data))
         return data
@@ -173,18 +175,21 @@ def _median_samples_per_s(run_dir: Path, after_epoch: int = 0) -> float | None:
 
 
 def _pytest_counts(text: str) -> dict:
-    found = re.findall(r"(\d+) (passed|failed|errors?|skipped)", text.splitlines()[-1] if text.strip() else "")
+    found = re.findall(r"(\d+) (passed|failed|errors?|skipped)",
+                       text.splitlines()[-1] if text.strip() else "")
     return {k.rstrip("s") if k.startswith("error") else k: int(n) for n, k in found}
 
 
 def _make_model(folder: Path, tokenizer: Path, hidden: int, layers: int) -> None:
-    """A random Qwen2-style folder with MiniLM's tokenizer and a causal-LM text file, for the distributed step."""
+    """A random Qwen2-style folder with MiniLM's tokenizer and a causal-LM text file, for the distributed
+    step."""
     import random
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer))
-    cfg = AutoConfig.for_model("qwen2", vocab_size=len(tok) + 64, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+    cfg = AutoConfig.for_model("qwen2", vocab_size=len(tok) + 64, hidden_size=hidden,
+                               intermediate_size=hidden * 11 // 4,
                                num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
                                num_key_value_heads=max(1, hidden // 128), max_position_embeddings=1024,
                                pad_token_id=tok.pad_token_id, bos_token_id=tok.cls_token_id,
@@ -192,9 +197,11 @@ def _make_model(folder: Path, tokenizer: Path, hidden: int, layers: int) -> None
     AutoModelForCausalLM.from_config(cfg).save_pretrained(str(folder / "model"))
     tok.save_pretrained(str(folder / "model"))
     rng = random.Random(0)
-    words = ("the a network slow pipeline stage model data train bits cache link fast good bad river mountain city "
-             "engine signal value paper result method table figure gradient activation quantize compress").split()
-    (folder / "docs.txt").write_text("\n".join(" ".join(rng.choices(words, k=300)) for _ in range(700)) + "\n")
+    words = ("the a network slow pipeline stage model data train bits cache link fast good bad river "
+             "mountain city engine signal value paper result method table figure gradient activation "
+             "quantize compress").split()
+    (folder / "docs.txt").write_text("\n".join(" ".join(rng.choices(words, k=300)) for _ in range(700))
+                                     + "\n")
 
 
 def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool = False) -> dict:
@@ -206,9 +213,11 @@ def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool =
     work.mkdir(parents=True)
     env = os.environ
     if (GPU / "whl").is_dir() and any((GPU / "whl").iterdir()):
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--target", "/tmp/site", *map(str, (GPU / "whl").iterdir())], check=False)
-        env["PYTHONPATH"] = os.pathsep.join(["/tmp/site", str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                        "--no-compile", "--target", "/tmp/site", *map(str, (GPU / "whl").iterdir())],
+                       check=False)
+        env["PYTHONPATH"] = os.pathsep.join(["/tmp/site", str(ROOT / "src"), str(ROOT),
+                                             env.get("PYTHONPATH", "")])
     else:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
     if (GPU / "cache").is_dir():
@@ -219,10 +228,11 @@ def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool =
         env["AQSGD_CACHE"] = str(cache)
     env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     check = Check(budget, out, work, smoke=smoke)
-    probe = subprocess.run([sys.executable, "-c", "import json, sys, torch, transformers, numba; print(json.dumps("
-                            "{'python': sys.version.split()[0], 'torch': torch.__version__, 'transformers': "
-                            "transformers.__version__, 'numba': numba.__version__, 'cuda': torch.cuda.is_available(), "
-                            "'gpu': torch.cuda.get_device_name() if torch.cuda.is_available() else None}))"],
+    probe = subprocess.run([sys.executable, "-c", "import json, sys, torch, transformers, numba; "
+                            "print(json.dumps({'python': sys.version.split()[0], 'torch': torch.__version__, "
+                            "'transformers': transformers.__version__, 'numba': numba.__version__, 'cuda': "
+                            "torch.cuda.is_available(), 'gpu': torch.cuda.get_device_name() if "
+                            "torch.cuda.is_available() else None}))"],
                            capture_output=True, text=True)
     envinfo = json.loads(probe.stdout) if probe.returncode == 0 else {"probe": probe.stderr[-500:]}
     device = "cuda" if envinfo.get("cuda") else "cpu"
@@ -268,7 +278,8 @@ def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool =
         for name, setting in (("dist-fp32", ["--forward", "none", "--backward", "none"]), ("dist-aqsgd", [])):
             if model_ok and wanted(name):
                 r = check.step(name, 100, [*aq, "train", *common, *setting, "--run-name", name])
-                r["figures"] = {"samples_per_s_after_warmup": _median_samples_per_s(runs / name, after_epoch=0)}
+                r["figures"] = {"samples_per_s_after_warmup": _median_samples_per_s(runs / name,
+                                                                                    after_epoch=0)}
     dp = [*aq, "train", "--task", "synthetic-lm", "--model", "tiny-llama", "--stages", "2", "--runtime",
           "distributed", "--data-parallel", "2", "--grad-sync", "q8", "--max-steps", "4", "--no-progress",
           "--no-tensorboard", "--output-dir", str(runs)]
@@ -325,7 +336,8 @@ def markdown(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check",
+                                     description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("prepare", help="build .gpu/ here")
     r = sub.add_parser("run", help="run the check (on the GPU machine)")
@@ -340,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = run(args.budget, args.out, only=set(args.only.split(",")) if args.only else None, smoke=args.smoke)
     failed = [s["name"] for s in data["steps"] if s.get("rc") not in (0, None) and s["name"] != "dp-nccl"]
-    print(f"report: {args.out / 'gpu-check.md'}" + (f"; steps that failed: {', '.join(failed)}" if failed else ""))
+    print(f"report: {args.out / 'gpu-check.md'}"
+          + (f"; steps that failed: {', '.join(failed)}" if failed else ""))
     return 0
 
 

@@ -31,9 +31,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 @contextlib.contextmanager
 def stop_on_signals(*, again: str = "exit") -> Iterator[None]:
     """Within the block, SIGINT and SIGTERM raise :class:`~aqsgd.errors.Interrupted` in the main thread;
-    ``again``: what a later signal does (``exit`` at once with 128 + its number, or ``ignore`` it). The previous
-    handlers come back when the block ends. Outside the main thread (where Python cannot install handlers) the
-    block runs unchanged."""
+    ``again``: what a later signal does (``exit`` at once with 128 + its number, or ``ignore`` it). The
+    previous handlers come back when the block ends. Outside the main thread (where Python cannot install
+    handlers) the block runs unchanged."""
     if again not in ("exit", "ignore"):
         raise ValueError(f"again must be 'exit' or 'ignore', got {again!r}")
     if threading.current_thread() is not threading.main_thread():

@@ -9,7 +9,8 @@ import time
 __all__ = ["configure", "ProgressLog"]
 
 
-def configure(level: int = logging.INFO, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> None:
+def configure(level: int = logging.INFO,
+              fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> None:
     """Log to stderr at ``level`` in format ``fmt`` (``logging.basicConfig``: nothing changes where the root
     logger has a handler already).
 
@@ -22,8 +23,8 @@ def configure(level: int = logging.INFO, fmt: str = "%(asctime)s %(levelname)s %
 
 class ProgressLog:
     """Progress of long work as log lines, at most one every ``every_s`` seconds: ``reading --train-file
-    big.txt: 512 of 2,048 MB (25%)``. Work that ends within ``every_s`` logs nothing. ``total`` (None: unknown)
-    and the values given to :meth:`update` count in ``unit``."""
+    big.txt: 512 of 2,048 MB (25%)``. Work that ends within ``every_s`` logs nothing. ``total`` (None:
+    unknown) and the values given to :meth:`update` count in ``unit``."""
 
     def __init__(self, logger: logging.Logger, what: str, *, total: float | None = None, unit: str = "",
                  every_s: float = 5.0) -> None:

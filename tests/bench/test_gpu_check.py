@@ -1,5 +1,5 @@
-"""``python -m benchmarks.gpu_check``: the GPU check runs its steps within a budget and reports them; checked here
-on the CPU with tiny settings (``--smoke``)."""
+"""``python -m benchmarks.gpu_check``: the GPU check runs its steps within a budget and reports them; checked
+here on the CPU with tiny settings (``--smoke``)."""
 
 from __future__ import annotations
 
@@ -15,18 +15,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_smoke_run_reports_every_step_it_ran(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "run", "--budget", "200", "--out", str(out),
-                           "--smoke", "--only", "codecs,dp-nccl,suite"],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "run", "--budget", "200",
+                           "--out", str(out), "--smoke", "--only", "codecs,dp-nccl,suite"],
                           cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "gpu-check.json").read_text())
     steps = {s["name"]: s for s in data["steps"]}
     assert list(steps) == ["codecs", "dp-nccl", "suite"]
-    assert steps["codecs"]["rc"] == 0 and {r["codec"] for r in steps["codecs"]["figures"]["rows"]} == {"q2", "fp16"}
+    assert steps["codecs"]["rc"] == 0 and ({r["codec"] for r in steps["codecs"]["figures"]["rows"]}
+                                           == {"q2", "fp16"})
     assert steps["suite"]["rc"] == 0 and steps["suite"]["figures"]["passed"] > 0
     # NCCL on a machine without a GPU: refused before any stage process starts, in one line
     assert steps["dp-nccl"]["rc"] == 2 and steps["dp-nccl"]["figures"]["refused_in_one_line"]
-    assert steps["dp-nccl"]["figures"]["line"].startswith("aqsgd: error: --dp-backend nccl: NCCL runs on GPUs only")
+    assert steps["dp-nccl"]["figures"]["line"].startswith(
+        "aqsgd: error: --dp-backend nccl: NCCL runs on GPUs only")
     assert data["env"]["torch"] and "| codecs | 0 |" in (out / "gpu-check.md").read_text()
     assert "=== suite: rc=0" in (out / "log.txt").read_text()
 

@@ -31,8 +31,9 @@ def test_every_system_starts_from_the_same_model_and_data():
 def test_the_command_writes_json(tmp_path, capsys):
     out = tmp_path / "overhead.json"
     argv = ["bench", "overhead", "--stages", "1,2", "--hidden", "32", "--layers", "2", "--heads", "2",
-            "--kv-heads", "1", "--intermediate", "48", "--vocab", "64", "--seq-len", "8", "--micro-batch-size", "2",
-            "--micro-batches", "2", "--steps", "1", "--rounds", "1", "--device", "cpu", "--json", str(out)]
+            "--kv-heads", "1", "--intermediate", "48", "--vocab", "64", "--seq-len", "8",
+            "--micro-batch-size", "2", "--micro-batches", "2", "--steps", "1", "--rounds", "1",
+            "--device", "cpu", "--json", str(out)]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     assert data["benchmark"] == "overhead" and data["command"].startswith("aqsgd bench overhead --stages 1,2")

@@ -262,7 +262,8 @@ def test_cli_frozen_stage_ends_in_one_error_line(tmp_path):
     cmd = [sys.executable, "-c", "import sys; from aqsgd.cli import main; sys.exit(main())",
            "train", "--task", "synthetic-lm", "--runtime", "distributed",
            "--stages", "2", "--model-layers", "2", "--max-length", "16", "--max-train-samples", "64",
-           # epochs enough that the run is still going when a stage is frozen (32 steps can take under a second)
+           # epochs enough that the run is still going when a stage is frozen (32 steps can take under a
+           # second)
            "--max-eval-samples", "8", "--micro-batches", "2", "--micro-batch-size", "2", "--epochs", "100",
            "--warmup-epochs", "0", "--timeout", "3", "--no-tensorboard", "--no-progress",
            "--output-dir", str(tmp_path / "out")]

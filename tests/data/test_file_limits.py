@@ -1,5 +1,5 @@
-"""Input files that are not plain data, or too large to read in one piece: each is refused at once, in one line
-naming it, before it can hang the reader or fill the memory; large files report their progress."""
+"""Input files that are not plain data, or too large to read in one piece: each is refused at once, in one
+line naming it, before it can hang the reader or fill the memory; large files report their progress."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def test_a_fifo_is_refused_without_reading_it(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(DataFileError) as e:
         read_records(fifo)
-    assert message(e) == (f"--train-file {fifo}: is a FIFO (named pipe), not a regular file; save the data to a "
-                          "file first")
+    assert message(e) == (f"--train-file {fifo}: is a FIFO (named pipe), not a regular file; save the data "
+                          "to a file first")
     assert time.monotonic() - t0 < 5
 
 
@@ -46,8 +46,8 @@ def test_a_character_device_is_refused():
     """Read as a data file, /dev/zero would never end."""
     with pytest.raises(DataFileError) as e:
         read_records("/dev/zero", option="--eval-file")
-    assert message(e) == ("--eval-file /dev/zero: is a character device, not a regular file; save the data to a "
-                          "file first")
+    assert message(e) == ("--eval-file /dev/zero: is a character device, not a regular file; save the data "
+                          "to a file first")
 
 
 def test_symbolic_link_loops_and_dangling_links_say_so(tmp_path):
@@ -77,8 +77,8 @@ def test_a_line_over_the_limit_is_refused_by_number(tmp_path, fname):
     p.write_text(f"{short}\n{short}\n{long}\n{short}\n")
     with pytest.raises(DataFileError) as e:
         read_records(p)
-    assert message(e) == (f"--train-file {p}: line 3 is longer than 4 MiB, the limit for one line; split long "
-                          "documents into paragraphs, one per line")
+    assert message(e) == (f"--train-file {p}: line 3 is longer than 4 MiB, the limit for one line; split "
+                          "long documents into paragraphs, one per line")
 
 
 def test_a_line_of_exactly_the_limit_is_read(tmp_path):
@@ -89,7 +89,8 @@ def test_a_line_of_exactly_the_limit_is_read(tmp_path):
 
 
 def test_a_sparse_2_gb_file_is_refused_at_once(tmp_path):
-    """One 2 GB "line" of zero bytes: refused at its first 4 MiB, not after reading (and holding) all of it."""
+    """One 2 GB "line" of zero bytes: refused at its first 4 MiB, not after reading (and holding) all of
+    it."""
     p = tmp_path / "sparse.txt"
     with open(p, "wb") as f:
         f.truncate(2 << 30)
@@ -106,8 +107,8 @@ def test_a_csv_field_over_the_limit_names_where_it_starts(tmp_path):
     p.write_text(f'text,label\n"a b",1\n"{body}",0\n')
     with pytest.raises(DataFileError) as e:
         read_records(p)
-    assert message(e) == (f"--train-file {p}: a field that starts at line 3 is longer than 4 MiB, the limit for "
-                          "one text; split long documents into paragraphs")
+    assert message(e) == (f"--train-file {p}: a field that starts at line 3 is longer than 4 MiB, the limit "
+                          "for one text; split long documents into paragraphs")
 
 
 def test_a_json_text_over_the_limit_names_its_record(tmp_path, word_tokenizer):
@@ -115,8 +116,8 @@ def test_a_json_text_over_the_limit_names_its_record(tmp_path, word_tokenizer):
     p.write_text(json.dumps([{"text": "a b"}, {"text": "x" * (LIMIT + 1)}]))
     with pytest.raises(DataFileError) as e:
         load_text_files(p, tokenizer=word_tokenizer, max_length=4)
-    assert message(e) == (f"--train-file {p}: record 2: the 'text' value is {LIMIT + 1:,} characters long, over "
-                          f"the limit of {LIMIT:,} for one text; split long documents into paragraphs")
+    assert message(e) == (f"--train-file {p}: record 2: the 'text' value is {LIMIT + 1:,} characters long, "
+                          f"over the limit of {LIMIT:,} for one text; split long documents into paragraphs")
 
 
 def test_a_json_file_over_its_limit_points_to_jsonl(tmp_path, monkeypatch):
@@ -125,7 +126,8 @@ def test_a_json_file_over_its_limit_points_to_jsonl(tmp_path, monkeypatch):
     monkeypatch.setattr(records, "MAX_JSON_BYTES", 1 << 10)
     with pytest.raises(DataFileError) as e:
         read_records(p)
-    assert message(e).startswith(f"--train-file {p}: 0.0 GiB: a .json file is parsed whole and may be at most")
+    assert message(e).startswith(f"--train-file {p}: 0.0 GiB: a .json file is parsed whole and may be at "
+                                 f"most")
     assert message(e).endswith("save large data as .jsonl (one object per line)")
 
 
@@ -140,7 +142,8 @@ def test_progress_lines_for_reading_and_tokenizing(tmp_path, word_tokenizer, mon
         load_text_files(p, tokenizer=word_tokenizer, max_length=4, eval_split=0.1)
     lines = [r.getMessage() for r in caplog.records]
     assert any(m.startswith(f"reading --train-file {p}: ") and m.endswith(" MB (100%)") for m in lines), lines
-    tokenizing = [m for m in lines if m.startswith("tokenizing the training documents (2700) of --train-file")]
+    tokenizing = [m for m in lines
+                  if m.startswith("tokenizing the training documents (2700) of --train-file")]
     assert tokenizing and tokenizing[-1].endswith(": 2,700 of 2,700 documents (100%)"), lines
 
 

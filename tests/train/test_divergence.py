@@ -20,14 +20,15 @@ from aqsgd.train.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[2]
 # the divergence command of the issue that found it: plain SGD at lr 10 without clipping or compression
 DIVERGING = ["--config", str(ROOT / "configs" / "synthetic-quick.toml"), "--optimizer", "sgd", "--lr", "10",
-             "--max-grad-norm", "0", "--forward", "none", "--backward", "none", "--max-steps", "30", "--no-progress",
-             "--no-tensorboard"]
+             "--max-grad-norm", "0", "--forward", "none", "--backward", "none", "--max-steps", "30",
+             "--no-progress", "--no-tensorboard"]
 
 
 def _cfg(tmp_path, **kw):
     base = dict(task="synthetic-lm", max_train_samples=32, max_eval_samples=8, max_length=12, stages=2,
-                micro_batches=2, micro_batch_size=4, epochs=2, warmup_epochs=0, lr=3e-3, output_dir=str(tmp_path),
-                run_name="run", progress=False, tensorboard=False, forward="none", backward="none",
+                micro_batches=2, micro_batch_size=4, epochs=2, warmup_epochs=0, lr=3e-3,
+                output_dir=str(tmp_path), run_name="run", progress=False, tensorboard=False, forward="none",
+                backward="none",
                 cache_dir=str(tmp_path / "cache"), checkpoint_every=1, keep_checkpoints=8)
     base.update(kw)
     return TrainConfig.of(**base)
@@ -40,7 +41,8 @@ def _rows(tmp_path, kind="train"):
 
 class Poison:
     """An ``on_step`` hook: at the given steps every gradient of ``stage``'s first parameter becomes NaN (for
-    that step only); ``weights``: its weight itself becomes NaN instead. Records each parameter before each step."""
+    that step only); ``weights``: its weight itself becomes NaN instead. Records each parameter before each
+    step."""
 
     def __init__(self, steps, *, stage=0, weights=False):
         self.steps, self.stage, self.weights = set(steps), stage, weights
@@ -62,8 +64,9 @@ class Poison:
 
 
 def test_the_diverging_command_stops_at_its_first_non_finite_step(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", *DIVERGING, "--output-dir", str(tmp_path),
-                          "--run-name", "run", "--cache-dir", str(tmp_path / "cache")],
+    out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", *DIVERGING,
+                          "--output-dir", str(tmp_path), "--run-name", "run",
+                          "--cache-dir", str(tmp_path / "cache")],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 3, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("aqsgd: error:")]
@@ -94,10 +97,12 @@ def test_a_non_finite_step_is_not_applied_and_stops_the_run(tmp_path):
         trainer.run()
     text = str(e.value)
     assert "\n" not in text
-    assert text.startswith("training diverged at step 3: loss ") and ", gradient norm nan; the step was not " \
-        "applied. To go on: lower the learning rate (--lr 0.003), clip harder (--max-grad-norm below 1)" in text
-    assert text.endswith(f"the last complete checkpoint is {tmp_path / 'run' / 'checkpoints' / 'step-00000002'} "
-                         f"(continue with `aqsgd train --resume {tmp_path / 'run'}`)")
+    assert text.startswith("training diverged at step 3: loss ") and (
+        ", gradient norm nan; the step was not applied. To go on: lower the learning rate (--lr 0.003), "
+        "clip harder (--max-grad-norm below 1)" in text)
+    assert text.endswith(f"the last complete checkpoint is "
+                         f"{tmp_path / 'run' / 'checkpoints' / 'step-00000002'} (continue with `aqsgd train "
+                         f"--resume {tmp_path / 'run'}`)")
     assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
     param = next(trainer.engine.stages[0].parameters())
     assert param.detach().equal(poison.before[3])  # the NaN gradients never reached the weights
@@ -134,24 +139,25 @@ def test_grad_norm_is_logged_without_clipping(tmp_path):
 
 
 @pytest.mark.parametrize("stage,needle", [
-    (0, "the activations that stage 0 sends across boundary 0 (forward) hold NaN or Inf (micro-batch 0, codec "
-        "q2)"),
+    (0, "the activations that stage 0 sends across boundary 0 (forward) hold NaN or Inf (micro-batch 0, "
+        "codec q2)"),
     # a NaN weight on the last stage: NaN loss, whose gradient stage 1 sends back
-    (1, "the activation gradients that stage 1 sends across boundary 0 (backward) hold NaN or Inf (micro-batch "
-        "0, codec q4)"),
+    (1, "the activation gradients that stage 1 sends across boundary 0 (backward) hold NaN or Inf "
+        "(micro-batch 0, codec q4)"),
 ])
 def test_a_codec_refusing_nan_names_the_step_boundary_and_direction(tmp_path, stage, needle):
     cfg = _cfg(tmp_path, forward="direct:q2", backward="direct:q4")
     with pytest.raises(DivergedError) as e:
         Trainer(cfg, on_step=[Poison([2], stage=stage, weights=True)]).run()
-    assert str(e.value).startswith(f"training diverged at step 2: {needle}; the step was not applied"), str(e.value)
+    assert str(e.value).startswith(
+        f"training diverged at step 2: {needle}; the step was not applied"), str(e.value)
 
 
 def test_distributed_stages_all_stop_at_the_same_step(tmp_path):
     """Every stage learns of the NaN from the norm's all-reduce: one line naming the divergence, exit 3."""
     out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", *DIVERGING, "--runtime", "distributed",
-                          "--output-dir", str(tmp_path), "--run-name", "run", "--cache-dir", str(tmp_path / "cache"),
-                          "--timeout", "30"],
+                          "--output-dir", str(tmp_path), "--run-name", "run",
+                          "--cache-dir", str(tmp_path / "cache"), "--timeout", "30"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 3, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("aqsgd: error:")]

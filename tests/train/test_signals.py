@@ -28,7 +28,8 @@ def _start(tmp_path, *extra):
     cmd = [sys.executable, "-m", "aqsgd.cli", "train", *LONG, *extra, "--output-dir", str(tmp_path),
            "--run-name", "run", "--cache-dir", str(tmp_path / "cache")]
     # its own session: a signal to its process group is what Ctrl-C in a terminal sends
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def _wait_for_checkpoint(proc, run: Path, timeout: float = 120.0) -> None:
@@ -68,7 +69,8 @@ def _check(err: str, code: int, rc: int, run: Path, signame: str, who: str = "")
     line = lines[0]
     assert line.startswith(f"aqsgd: {who}interrupted ({signame}) after step "), line
     newest = sorted(p for p in (run / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))[-1]
-    assert line.endswith(f"the last complete checkpoint is {newest} (continue with `aqsgd train --resume {run}`)")
+    assert line.endswith(f"the last complete checkpoint is {newest} (continue with `aqsgd train --resume "
+                         f"{run}`)")
     RunDirLock(run).release()  # the run directory is unlocked (a held lock raises RunDirError)
     return line
 

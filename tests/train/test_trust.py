@@ -18,8 +18,9 @@ from aqsgd.train.trainer import Trainer
 
 def _cfg(tmp_path, **kw):
     base = dict(task="synthetic-lm", max_train_samples=32, max_eval_samples=8, max_length=12, stages=2,
-                micro_batches=2, micro_batch_size=4, epochs=2, warmup_epochs=1, lr=3e-3, output_dir=str(tmp_path),
-                progress=False, tensorboard=False, forward="delta:q2", backward="direct:q4",
+                micro_batches=2, micro_batch_size=4, epochs=2, warmup_epochs=1, lr=3e-3,
+                output_dir=str(tmp_path), progress=False, tensorboard=False, forward="delta:q2",
+                backward="direct:q4",
                 cache_dir=str(tmp_path / "cache"))
     base.update(kw)
     return TrainConfig.of(**base)
@@ -30,7 +31,7 @@ def _rows(run_dir, kind=None):
     return [r for r in rows if kind is None or r["kind"] == kind]
 
 
-# -- validation: each value is refused with one line naming the option -------------------------------------------
+# -- validation: each value is refused with one line naming the option ---------------------------------------
 @pytest.mark.parametrize("field,value,needle", [
     ("lr", float("inf"), "--lr: must be a finite number"),
     ("weight_decay", float("nan"), "--weight-decay: must be a finite number"),
@@ -80,7 +81,8 @@ def test_model_layers_on_a_resnet_is_refused(tmp_path):
     ("[pipeline]\nstages = 2.5\n", "stages must be an integer, got 2.5"),
     ("[optim]\nlr = \"fast\"\n", "lr must be a number"),
     ("[pipeline]\nlayers = [1, \"x\"]\n", "layers must be a list of integers"),
-    ("[compression]\nstages = 2\n", "unknown key 'stages' in \\[compression\\]; 'stages' belongs in \\[pipeline\\]"),
+    ("[compression]\nstages = 2\n", "unknown key 'stages' in \\[compression\\]; 'stages' belongs in "
+                                    "\\[pipeline\\]"),
     ("[model]\nmodel_layers = 2\n", "'model_layers' belongs in \\[model\\] \\(as layers\\)"),
     ("[task]\ntask = 'bbc'\n", "'task' belongs in \\[task\\] \\(as name\\)"),
     ("[pipelines]\nstages = 2\n", "unknown table \\[pipelines\\]"),
@@ -99,7 +101,8 @@ def test_toml_presets_are_checked_key_by_key(tmp_path, toml, needle):
 
 def test_toml_preset_values_of_the_right_type_load(tmp_path):
     path = tmp_path / "preset.toml"
-    path.write_text('[task]\nname = "synthetic-lm"\n[optim]\nlr = 1\n[pipeline]\nlayers = [1, 3]\nstages = 2\n')
+    path.write_text('[task]\nname = "synthetic-lm"\n[optim]\nlr = 1\n[pipeline]\nlayers = [1, 3]\n'
+                    'stages = 2\n')
     cfg = TrainConfig.from_flat(load_toml(path)).validate()
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float) and cfg.pipeline.layers == [1, 3]
     assert cfg.task.name == "synthetic-lm"
@@ -124,7 +127,7 @@ def test_max_steps_inside_an_epoch_still_evaluates_and_checkpoints(tmp_path):
     assert (tmp_path / "m" / "checkpoints" / "step-00000003" / "COMPLETE").exists()
 
 
-# -- run directories ------------------------------------------------------------------------------------------
+# -- run directories -----------------------------------------------------------------------------------------
 def test_an_existing_run_is_never_reused_silently(tmp_path):
     Trainer(_cfg(tmp_path, run_name="r", epochs=1, warmup_epochs=0)).run()
     before = (tmp_path / "r" / "metrics.jsonl").read_text()
@@ -165,9 +168,11 @@ def test_a_run_directory_in_use_is_locked(tmp_path):
 
 def test_a_second_process_cannot_take_the_lock(tmp_path):
     (tmp_path / "r").mkdir()
-    code = ("import sys, time; from aqsgd.train.rundir import RunDirLock; l = RunDirLock(__import__('pathlib')"
-            ".Path(sys.argv[1])); print('locked', flush=True); time.sleep(30)")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "r")], stdout=subprocess.PIPE, text=True)
+    code = ("import sys, time; from aqsgd.train.rundir import RunDirLock; l = "
+            "RunDirLock(__import__('pathlib').Path(sys.argv[1])); print('locked', flush=True); "
+            "time.sleep(30)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "r")], stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunDirError, match=f"pid {holder.pid}"):
@@ -190,10 +195,11 @@ def test_truncate_metrics_drops_later_steps_and_torn_lines(tmp_path):
     rows = [{"kind": "train", "step": s} for s in range(1, 6)] + [{"kind": "eval", "step": 4}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "tra')
     assert truncate_metrics(tmp_path, 4) == 2
-    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 4]
+    assert [json.loads(x)["step"]
+            for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 4]
 
 
-# -- resume settings ------------------------------------------------------------------------------------------
+# -- resume settings -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("finished")
@@ -258,7 +264,7 @@ def test_unknown_option_names_are_errors():
         TrainConfig.of(stage=2)
 
 
-# -- the probes of the "no silent wrong results" review ----------------------------------------------------------
+# -- the probes of the "no silent wrong results" review ------------------------------------------------------
 @pytest.mark.parametrize("seed", ["-1", str(2**63)])
 def test_a_bad_seed_writes_nothing_before_it_is_refused(tmp_path, capsys, seed):
     from aqsgd.cli import main
@@ -281,11 +287,13 @@ def test_a_partly_deleted_last_checkpoint_points_to_the_previous_one(tmp_path):
     (checkpoints / "step-00000006" / "stage1" / "model.safetensors").unlink()
     with pytest.raises(CheckpointError) as e:
         Trainer(_cfg(tmp_path, checkpoint_every=2, resume=str(tmp_path / "p"))).run()
-    assert str(e.value) == (f"{checkpoints / 'step-00000006' / 'stage1' / 'model.safetensors'}: missing (listed in "
-                            f"rank0.manifest.json); the previous complete checkpoint is {checkpoints / 'step-00000004'}"
-                            f": continue from it with --resume {checkpoints / 'step-00000004'}")
+    assert str(e.value) == (f"{checkpoints / 'step-00000006' / 'stage1' / 'model.safetensors'}: missing "
+                            f"(listed in rank0.manifest.json); the previous complete checkpoint is "
+                            f"{checkpoints / 'step-00000004'}: continue from it with --resume "
+                            f"{checkpoints / 'step-00000004'}")
     (checkpoints / "step-00000006" / "MANIFEST.json").unlink()
-    with pytest.raises(CheckpointError, match="the previous complete checkpoint is .*step-00000004: continue from it"):
+    with pytest.raises(CheckpointError,
+                       match="the previous complete checkpoint is .*step-00000004: continue from it"):
         Trainer(_cfg(tmp_path, checkpoint_every=2, resume=str(tmp_path / "p"))).run()
     summary = Trainer(_cfg(tmp_path, checkpoint_every=2, resume=str(checkpoints / "step-00000004"))).run()
     assert summary["steps"] == 8

@@ -64,10 +64,12 @@ def test_a_folder_saved_again_in_place_trains_on_its_new_weights(tmp_path, token
 
 def test_another_folder_of_the_same_name_gets_its_own_entry(tmp_path, tokenizer_dir):  # noqa: F811
     data, cache = _data(tmp_path), tmp_path / "cache"
-    one, two = _save(tmp_path / "a" / "model", tokenizer_dir, 0), _save(tmp_path / "b" / "model", tokenizer_dir, 1)
+    one, two = (_save(tmp_path / "a" / "model", tokenizer_dir, 0),
+                _save(tmp_path / "b" / "model", tokenizer_dir, 1))
     w1 = setup_task(_cfg(tmp_path, one, data, cache)).recipe.weights
     w2 = setup_task(_cfg(tmp_path, two, data, cache)).recipe.weights
-    assert w1 != w2 and os.path.basename(w1).startswith("model-") and os.path.basename(w2).startswith("model-")
+    assert (w1 != w2 and os.path.basename(w1).startswith("model-")
+            and os.path.basename(w2).startswith("model-"))
     assert setup_task(_cfg(tmp_path, one, data, cache)).recipe.weights == w1  # unchanged: the same entry
 
 
@@ -99,4 +101,5 @@ def test_a_truncated_safetensors_file_is_one_line(tmp_path, tokenizer_dir):  # n
     assert "\n" not in text
     assert text.startswith(f"--model {folder}: {weights} is not a readable safetensors file (")
     assert text.endswith("it may be truncated or damaged: save the model there again")
-    assert not (tmp_path / "cache" / "weights").exists() or not list((tmp_path / "cache" / "weights").glob("*.safetensors"))
+    assert (not (tmp_path / "cache" / "weights").exists()
+            or not list((tmp_path / "cache" / "weights").glob("*.safetensors")))

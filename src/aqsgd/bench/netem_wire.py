@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     a, b = _socket(dev_a), _socket(dev_b)
     stop = threading.Event()
     threads = [threading.Thread(target=forward, args=(a, b, a_to_b, random.Random(seed), stop), daemon=True),
-               threading.Thread(target=forward, args=(b, a, b_to_a, random.Random(seed + 1), stop), daemon=True)]
+               threading.Thread(target=forward, args=(b, a, b_to_a, random.Random(seed + 1), stop),
+                                daemon=True)]
     for t in threads:
         t.start()
     print("ready", flush=True)

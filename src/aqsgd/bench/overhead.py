@@ -1,4 +1,5 @@
-"""``aqsgd bench overhead``: what the local pipeline costs per step next to a plain transformers training loop.
+"""``aqsgd bench overhead``: what the local pipeline costs per step next to a plain transformers training
+loop.
 
 Three systems train the same Qwen2-style model (a random one of the configured size, built once with a fixed
 seed and copied, so every system starts from the same weights) on the same micro-batches:
@@ -13,11 +14,12 @@ seed and copied, so every system starts from the same weights) on the same micro
   once per step, an attention mask of ones left out on the host as the trainer does); the plain loop gets
   the micro-batches as a data collator makes them, the mask included.
 
-Timing: one untimed warm-up round, then ``rounds`` rounds in which every system runs ``steps`` steps in turn (the
-order rotated every round, so that drifting load hits all alike), each timed between device synchronisations;
-the reported step time is the median over the rounds of the mean step of a round. ``ratio`` is plain step time
-over aqsgd step time (1.0: no overhead; above 1: faster than the plain loop). The first step's loss of every
-system is recorded (the same weights and data: equal up to the order of floating-point sums).
+Timing: one untimed warm-up round, then ``rounds`` rounds in which every system runs ``steps`` steps in turn
+(the order rotated every round, so that drifting load hits all alike), each timed between device
+synchronisations; the reported step time is the median over the rounds of the mean step of a round. ``ratio``
+is plain step time over aqsgd step time (1.0: no overhead; above 1: faster than the plain loop). The first
+step's loss of every system is recorded (the same weights and data: equal up to the order of floating-point
+sums).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class _Plain:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.01)
 
-    def batches(self, host: Sequence[dict[str, torch.Tensor]], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    def batches(self, host: Sequence[dict[str, torch.Tensor]],
+                device: torch.device) -> list[dict[str, torch.Tensor]]:
         """The micro-batches as a plain loop passes them: every column, moved to the device."""
         return [{k: v.to(device) for k, v in mb.items()} for mb in host]
 
@@ -96,7 +99,8 @@ class _Plain:
 class _Pipeline:
     """The same model cut into stages and trained by aqsgd's local runtime."""
 
-    def __init__(self, model: nn.Module, stages: int, device: torch.device, autocast: torch.dtype | None) -> None:
+    def __init__(self, model: nn.Module, stages: int, device: torch.device,
+                 autocast: torch.dtype | None) -> None:
         from aqsgd.pipeline.compression import CompressionConfig
         from aqsgd.pipeline.partition import partition_model
         from aqsgd.train.engine import OptimConfig, PipelineEngine
@@ -104,14 +108,16 @@ class _Pipeline:
         self.name = f"aqsgd {stages}"
         parts = [s.to(device) for s in partition_model(model.to(device), stages)]
         self.engine = PipelineEngine(dict(enumerate(parts)), stages, CompressionConfig.simple(),
-                                     OptimConfig("adamw", 1e-4, 0.01, 0, 0, 1.0), device=device, autocast=autocast)
+                                     OptimConfig("adamw", 1e-4, 0.01, 0, 0, 1.0), device=device,
+                                     autocast=autocast)
 
     def step(self, microbatches: Sequence[dict[str, torch.Tensor]]) -> float:
         loss = self.engine.train_step(list(microbatches))
         assert loss is not None
         return loss
 
-    def batches(self, host: Sequence[dict[str, torch.Tensor]], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    def batches(self, host: Sequence[dict[str, torch.Tensor]],
+                device: torch.device) -> list[dict[str, torch.Tensor]]:
         """The micro-batches as the trainer hands them to the engine (a mask of ones left out on the host)."""
         from aqsgd.train.trainer import without_full_mask
 
@@ -136,7 +142,8 @@ def _timed_rounds(systems: Sequence[Any], host: Sequence[dict[str, torch.Tensor]
             if rnd > 0:  # round 0 warms up (allocator, kernels, autotuning)
                 times[s.name].append((time.perf_counter() - t0) / cfg.steps)
         if progress is not None and rnd > 0:
-            progress(f"round {rnd}/{cfg.rounds}: " + ", ".join(f"{k} {1e3 * v[-1]:.1f} ms" for k, v in times.items()))
+            progress(f"round {rnd}/{cfg.rounds}: "
+                     + ", ".join(f"{k} {1e3 * v[-1]:.1f} ms" for k, v in times.items()))
     return {k: statistics.median(v) for k, v in times.items()}, first
 
 
@@ -160,8 +167,8 @@ def bench_overhead(cfg: OverheadConfig, progress: Callable[[str], None] | None =
     del model
     medians, first = _timed_rounds(systems, host, cfg, device, progress)
     samples = cfg.num_microbatches * cfg.microbatch_size
-    rows = [{"system": "plain", "stages": None, "step_s": medians["plain"], "samples_per_s": samples / medians["plain"],
-             "first_loss": first["plain"], "ratio": 1.0}]
+    rows = [{"system": "plain", "stages": None, "step_s": medians["plain"],
+             "samples_per_s": samples / medians["plain"], "first_loss": first["plain"], "ratio": 1.0}]
     for s in cfg.stages:
         t = medians[f"aqsgd {s}"]
         rows.append({"system": "aqsgd", "stages": s, "step_s": t, "samples_per_s": samples / t,
@@ -170,7 +177,8 @@ def bench_overhead(cfg: OverheadConfig, progress: Callable[[str], None] | None =
             "rows": rows, "ratio": {str(r["stages"]): r["ratio"] for r in rows[1:]}}
 
 
-def write_json(result: dict[str, Any], path: str | Path, *, cfg: OverheadConfig, command: str, machine: str) -> None:
+def write_json(result: dict[str, Any], path: str | Path, *, cfg: OverheadConfig, command: str,
+               machine: str) -> None:
     import transformers
 
     out = {"benchmark": "overhead", "command": command, "machine": machine,

@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="aqsgd",
-        description="Pipeline-parallel training over slow networks with compressed activations and gradients.",
+        description="Pipeline-parallel training over slow networks with compressed activations and "
+                    "gradients.",
     )
     parser.add_argument("--version", action="version", version=f"aqsgd {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

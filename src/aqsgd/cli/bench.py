@@ -20,16 +20,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     bsub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     c = bsub.add_parser("codecs", help="codec encode/decode throughput against x.clone(), or --quality",
                         description="Encode, decode and round-trip throughput of each codec on one "
-                                    "activation-like fp32 tensor, next to x.clone() of the same tensor measured "
-                                    "in the same run (interleaved repeats, medians, warm-up excluded). "
-                                    "With --quality: the quantizer's rate-distortion table instead "
-                                    "(relative squared error at 1..8 bits for every scale/grid/granularity "
-                                    "option on N(0, 1) data, next to the best uniform quantizer and the "
-                                    "Shannon bound; with --data also on MiniLM's and SmolLM2's boundary "
-                                    "tensors).")
+                                    "activation-like fp32 tensor, next to x.clone() of the same tensor "
+                                    "measured in the same run (interleaved repeats, medians, warm-up "
+                                    "excluded). With --quality: the quantizer's rate-distortion table "
+                                    "instead (relative squared error at 1..8 bits for every "
+                                    "scale/grid/granularity option on N(0, 1) data, next to the best uniform "
+                                    "quantizer and the Shannon bound; with --data also on MiniLM's and "
+                                    "SmolLM2's boundary tensors).")
     c.add_argument("--codecs", nargs="+", default=None, metavar="SPEC",
                    help="codec specs (default: a representative set; see `aqsgd codecs`)")
-    c.add_argument("--shape", type=parse_shape, default=(8, 512, 768), help="tensor shape (default: 8,512,768)")
+    c.add_argument("--shape", type=parse_shape, default=(8, 512, 768),
+                   help="tensor shape (default: 8,512,768)")
     c.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where the codecs run: auto (CUDA when available), cpu or cuda (default: auto)")
     c.add_argument("--repeats", type=positive_int, default=15, help="timed repeats per codec (default: 15)")
@@ -39,18 +40,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--quality", action="store_true",
                    help="rate-distortion table of q1..q8 on Gaussian data (or --data) instead of throughput")
     c.add_argument("--data", nargs="+", choices=QUALITY_DATA, default=None, metavar="SOURCE",
-                   help="with --quality: what to measure on: gaussian (one N(0, 1) tensor of --shape), minilm, "
-                        "smollm2 (the offline model's activations, AQ-SGD deltas and activation gradients at "
-                        "the boundaries of a 4-stage split, on BBC News text: about 20 s and 1.5 min on 2 CPU "
-                        "cores), or all (default: gaussian)")
+                   help="with --quality: what to measure on: gaussian (one N(0, 1) tensor of --shape), "
+                        "minilm, smollm2 (the offline model's activations, AQ-SGD deltas and activation "
+                        "gradients at the boundaries of a 4-stage split, on BBC News text: about 20 s and "
+                        "1.5 min on 2 CPU cores), or all (default: gaussian)")
     c.add_argument("--seed", type=int, default=0, help="seed of the --quality data (default: 0)")
     c.add_argument("--png", metavar="PATH", default=None, help="with --quality: also plot it to PATH")
     c.add_argument("--cache-path", nargs="*", default=None, metavar="CACHE",
-                   help="instead of the codec table: the AQ-SGD cache path per micro-batch (the delta scheme's "
-                        "sender: get, a - m, encode, decode, m + d, put; its receiver: get, decode, add, put) "
-                        "for each cache spec (default: memory lowbit4 disk) with --codecs (q2 unless given), "
-                        "against x.clone(); with a disk cache also its reads from disk with and without "
-                        "prefetch")
+                   help="instead of the codec table: the AQ-SGD cache path per micro-batch (the delta "
+                        "scheme's sender: get, a - m, encode, decode, m + d, put; its receiver: get, decode, "
+                        "add, put) for each cache spec (default: memory lowbit4 disk) with --codecs (q2 "
+                        "unless given), against x.clone(); with a disk cache also its reads from disk with "
+                        "and without prefetch")
     c.add_argument("--cache-dir", metavar="DIR", default=None,
                    help="with --cache-path: where the disk caches go (default: a temporary folder, removed)")
     c.set_defaults(func=run_codecs)
@@ -60,20 +61,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     d = PipelineBenchConfig()
     pp = bsub.add_parser("pipeline", help="training throughput of stage processes over emulated links",
-                         description="Samples/s of real stage processes (PyTorch's elastic launcher, gloo) over "
-                                     "links emulated in the transport, for each setting and bandwidth; speed-up vs "
-                                     "fp32 next to the ideal speed-up and the efficiency of the speed model (the step "
-                                     "the schedule allows, pipeline bubble included, from the measured compute "
-                                     "time and bytes per micro-batch; docs/design.md).")
+                         description="Samples/s of real stage processes (PyTorch's elastic launcher, gloo) "
+                                     "over links emulated in the transport, for each setting and bandwidth; "
+                                     "speed-up vs fp32 next to the ideal speed-up and the efficiency of the "
+                                     "speed model (the step the schedule allows, pipeline bubble included, "
+                                     "from the measured compute time and bytes per micro-batch; "
+                                     "docs/design.md).")
     pp.add_argument("--stages", type=_ints, default=list(d.stages), help="stage counts (default: 2,4)")
     pp.add_argument("--bandwidths", type=_floats, default=list(d.bandwidths_mbps),
                     help="link bandwidths in Mbit/s (default: 1000,300,100,30,10)")
-    pp.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(d.settings), metavar="SETTING",
+    pp.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(d.settings),
+                    metavar="SETTING",
                     help=f"settings to compare, from the named settings (default: {', '.join(d.settings)})")
-    pp.add_argument("--latency-ms", type=float, default=d.latency_ms, help="one-way link latency (default: 0)")
+    pp.add_argument("--latency-ms", type=float, default=d.latency_ms,
+                    help="one-way link latency (default: 0)")
     pp.add_argument("--hidden", type=positive_int, default=d.hidden, help="model width (default: 256)")
     pp.add_argument("--layers", type=positive_int, default=d.layers, help="transformer blocks (default: 4)")
-    pp.add_argument("--seq-len", type=positive_int, default=d.seq_len, help="tokens per sample (default: 128)")
+    pp.add_argument("--seq-len", type=positive_int, default=d.seq_len,
+                    help="tokens per sample (default: 128)")
     pp.add_argument("--micro-batch-size", type=positive_int, default=d.microbatch_size, help="(default: 4)")
     pp.add_argument("--micro-batches", type=positive_int, default=d.num_microbatches, help="(default: 8)")
     pp.add_argument("--measure-steps", type=positive_int, default=d.measure_steps,
@@ -81,26 +86,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--data-parallel", type=_ints, default=list(d.data_parallel),
                     help="replica counts; D > 1 runs stages x D processes (default: 1)")
     pp.add_argument("--grad-syncs", type=lambda t: t.split(","), default=list(d.grad_syncs),
-                    help="gradient syncs compared when D > 1, e.g. allreduce,q8,q4,powersgd:rank4 (default: allreduce,q8)")
+                    help="gradient syncs compared when D > 1, e.g. allreduce,q8,q4,powersgd:rank4 (default: "
+                         "allreduce,q8)")
     pp.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
     pp.set_defaults(func=run_pipeline)
 
     from aqsgd.bench.vs_torch import LatencyConfig, VsTorchConfig
 
     dv, dl = VsTorchConfig(), LatencyConfig()
-    vt = bsub.add_parser("vs-torch", help="uncompressed pipeline vs torch.distributed.pipelining, same stages",
-                         description="Samples/s of aqsgd's uncompressed pipeline and of PyTorch's PipelineStage "
-                                     "with ScheduleGPipe and Schedule1F1B on the same stage modules and weights "
-                                     "(tiny Llama, fp32, gloo on loopback, one thread per process, AdamW with "
-                                     "clipping; interleaved rounds, medians, first-step losses checked equal), "
-                                     "then one message's hand-over and ping-pong latency, aqsgd transport vs "
-                                     "dist.send/recv.")
+    vt = bsub.add_parser("vs-torch",
+                         help="uncompressed pipeline vs torch.distributed.pipelining, same stages",
+                         description="Samples/s of aqsgd's uncompressed pipeline and of PyTorch's "
+                                     "PipelineStage with ScheduleGPipe and Schedule1F1B on the same stage "
+                                     "modules and weights (tiny Llama, fp32, gloo on loopback, one thread "
+                                     "per process, AdamW with clipping; interleaved rounds, medians, "
+                                     "first-step losses checked equal), then one message's hand-over and "
+                                     "ping-pong latency, aqsgd transport vs dist.send/recv.")
     vt.add_argument("--stages", type=_ints, default=list(dv.stages), help="stage counts (default: 2,4)")
     vt.add_argument("--schedules", type=lambda t: t.split(","), default=list(dv.schedules),
                     help="gpipe and/or 1f1b (default: gpipe,1f1b)")
     vt.add_argument("--hidden", type=positive_int, default=dv.hidden, help="model width (default: 256)")
     vt.add_argument("--layers", type=positive_int, default=dv.layers, help="transformer blocks (default: 4)")
-    vt.add_argument("--seq-len", type=positive_int, default=dv.seq_len, help="tokens per sample (default: 128)")
+    vt.add_argument("--seq-len", type=positive_int, default=dv.seq_len,
+                    help="tokens per sample (default: 128)")
     vt.add_argument("--micro-batch-size", type=positive_int, default=dv.microbatch_size, help="(default: 4)")
     vt.add_argument("--micro-batches", type=positive_int, default=dv.num_microbatches, help="(default: 8)")
     vt.add_argument("--steps", type=positive_int, default=dv.steps, help="timed steps per round (default: 3)")
@@ -115,15 +123,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     do = OverheadConfig()
     ov = bsub.add_parser("overhead", help="the local pipeline's step time next to a plain transformers loop",
                          description="Step time of a plain transformers training loop and of aqsgd's local "
-                                     "pipeline (uncompressed) at each stage count, on the same Qwen2-style model "
-                                     "(random, from one seed), the same micro-batches, AdamW and clipping, the same "
-                                     "autocast; interleaved rounds, medians, warm-up excluded. The ratio is the plain "
-                                     "loop's step time over the pipeline's (1.0: no overhead). Runs on the CPU or "
-                                     "a GPU.")
+                                     "pipeline (uncompressed) at each stage count, on the same Qwen2-style "
+                                     "model (random, from one seed), the same micro-batches, AdamW and "
+                                     "clipping, the same autocast; interleaved rounds, medians, warm-up "
+                                     "excluded. The ratio is the plain loop's step time over the pipeline's "
+                                     "(1.0: no overhead). Runs on the CPU or a GPU.")
     ov.add_argument("--stages", type=_ints, default=list(do.stages), help="stage counts (default: 1,4)")
-    for name, default, what in (("hidden", do.hidden, "model width"), ("layers", do.layers, "transformer blocks"),
-                                ("heads", do.heads, "attention heads"), ("kv-heads", do.kv_heads, "key/value heads"),
-                                ("intermediate", do.intermediate, "MLP width"), ("vocab", do.vocab, "vocabulary"),
+    for name, default, what in (("hidden", do.hidden, "model width"),
+                                ("layers", do.layers, "transformer blocks"),
+                                ("heads", do.heads, "attention heads"),
+                                ("kv-heads", do.kv_heads, "key/value heads"),
+                                ("intermediate", do.intermediate, "MLP width"),
+                                ("vocab", do.vocab, "vocabulary"),
                                 ("seq-len", do.seq_len, "tokens per sample"),
                                 ("micro-batch-size", do.microbatch_size, "samples per micro-batch"),
                                 ("micro-batches", do.num_microbatches, "micro-batches per step"),
@@ -143,11 +154,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     from aqsgd.bench.convergence import STUDIES as CONV_STUDIES
     from aqsgd.bench.convergence import TASKS as CONV_TASKS
 
-    cv = bsub.add_parser("convergence", help="fp32 vs direct quantization vs AQ-SGD vs TopK/EF, same seed and data",
-                         description="Train every setting with the same seed, data order and steps on reduced "
-                                     "tasks; write curves and final metrics (compression on and off at eval) as "
-                                     "JSON, a PNG per task and a table.")
-    cv.add_argument("tasks", nargs="*", choices=list(CONV_TASKS), default=list(CONV_DEFAULT_TASKS), metavar="TASK",
+    cv = bsub.add_parser("convergence",
+                         help="fp32 vs direct quantization vs AQ-SGD vs TopK/EF, same seed and data",
+                         description="Train every setting with the same seed, data order and steps on "
+                                     "reduced tasks; write curves and final metrics (compression on and off "
+                                     "at eval) as JSON, a PNG per task and a table.")
+    cv.add_argument("tasks", nargs="*", choices=list(CONV_TASKS), default=list(CONV_DEFAULT_TASKS),
+                    metavar="TASK",
                     help=f"tasks, of {', '.join(CONV_TASKS)} (default: {' '.join(CONV_DEFAULT_TASKS)})")
     cv.add_argument("--study", choices=list(CONV_STUDIES), default="convergence",
                     help="which study: its default settings and the name of its result files, "
@@ -155,22 +168,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "zstd, 1-bit AQ-SGD, TAH-Quant)")
     cv.add_argument("--settings", nargs="+", choices=list(CONV_SETTINGS), default=None, metavar="SETTING",
                     help="settings (default: the study's)")
-    cv.add_argument("--runs-dir", default="runs/convergence", help="run directories (default: runs/convergence); "
-                    "an interrupted study continues where it stopped")
-    cv.add_argument("--results-dir", default="benchmarks/results", help="JSON and PNG output (default: benchmarks/results)")
+    cv.add_argument("--runs-dir", default="runs/convergence", help="run directories (default: "
+                    "runs/convergence); an interrupted study continues where it stopped")
+    cv.add_argument("--results-dir", default="benchmarks/results",
+                    help="JSON and PNG output (default: benchmarks/results)")
     cv.add_argument("--epochs", type=positive_int, default=None, help="override the task's epochs")
-    cv.add_argument("--max-train-samples", type=positive_int, default=None, help="override the task's training samples")
-    cv.add_argument("--max-eval-samples", type=positive_int, default=None, help="override the task's evaluation samples")
+    cv.add_argument("--max-train-samples", type=positive_int, default=None,
+                    help="override the task's training samples")
+    cv.add_argument("--max-eval-samples", type=positive_int, default=None,
+                    help="override the task's evaluation samples")
     cv.add_argument("--dropout", type=float, default=None, help="override the model's dropout probabilities "
                     "(e.g. 0)")
     cv.add_argument("--seeds", type=_ints, default=[0], metavar="N[,N...]",
-                    help="run every setting once per seed (data order, head initialization, rounding); the table "
-                         "gives means and the spread of the paired differences to fp32 (default: 0)")
+                    help="run every setting once per seed (data order, head initialization, rounding); the "
+                         "table gives means and the spread of the paired differences to fp32 (default: 0)")
     cv.add_argument("--tag", default=None, help="suffix of the result files: convergence-TASK-TAG.json/.png "
                     "(use it with another --runs-dir when overriding the task's settings)")
     cv.add_argument("--keep-checkpoints", action="store_true",
-                    help="keep every finished run's checkpoints (default: delete them once the run is recorded; "
-                         "an LLM run's take gigabytes)")
+                    help="keep every finished run's checkpoints (default: delete them once the run is "
+                         "recorded; an LLM run's take gigabytes)")
     cv.set_defaults(func=run_convergence)
 
     from aqsgd.cli.netem import register as register_netem
@@ -193,29 +209,33 @@ def run_convergence(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = args.command_line
     for task in args.tasks:
-        results = run_study(task, args.runs_dir, settings=args.settings, overrides=overrides, seeds=args.seeds,
-                            progress=lambda m: console.print(m), command=command,
+        results = run_study(task, args.runs_dir, settings=args.settings, overrides=overrides,
+                            seeds=args.seeds, progress=lambda m: console.print(m), command=command,
                             keep_checkpoints=args.keep_checkpoints, study=args.study)
         path, png = write_results(task, results, args.runs_dir, out, command=command,
-                                  machine=machine_description(torch.device("cpu")), tag=args.tag, study=args.study,
-                                  settings=args.settings)
+                                  machine=machine_description(torch.device("cpu")), tag=args.tag,
+                                  study=args.study, settings=args.settings)
         rows = [r for r in study_table(results) if args.study == "convergence"
                 or r["setting"] in STUDIES[args.study][task] or r["setting"] in (args.settings or [])]
-        table = Table(title=f"{args.study}: {task}" + (f" (means over seeds {args.seeds})" if len(args.seeds) > 1 else ""))
-        for col in ("setting", "forward", "backward", "train loss", "metric", "eval (comp. on)", "eval (comp. off)",
-                    "on vs fp32", "off vs fp32", "best off", "best vs fp32", "loss gap", "fw bits/value",
-                    "traffic ratio"):
-            table.add_column(col, justify="left" if col in ("setting", "forward", "backward", "metric") else "right")
+        table = Table(title=f"{args.study}: {task}"
+                      + (f" (means over seeds {args.seeds})" if len(args.seeds) > 1 else ""))
+        for col in ("setting", "forward", "backward", "train loss", "metric", "eval (comp. on)",
+                    "eval (comp. off)", "on vs fp32", "off vs fp32", "best off", "best vs fp32", "loss gap",
+                    "fw bits/value", "traffic ratio"):
+            table.add_column(col, justify="left" if col in ("setting", "forward", "backward", "metric")
+                             else "right")
         for r in rows:
             fmt = lambda v, p=4: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
             table.add_row(r["setting"], r["forward"], r["backward"], fmt(r["final_train_loss"]), r["metric"],
-                          fmt(r["eval_on"]), fmt(r["eval_off"]), format_relative(r["rel_vs_fp32"], r["rel_vs_fp32_std"]),
+                          fmt(r["eval_on"]), fmt(r["eval_off"]),
+                          format_relative(r["rel_vs_fp32"], r["rel_vs_fp32_std"]),
                           format_relative(r["rel_off_vs_fp32"], r["rel_off_vs_fp32_std"]), fmt(r["best_off"]),
                           format_relative(r["rel_best_off_vs_fp32"], r["rel_best_off_vs_fp32_std"]),
                           fmt(r["train_loss_gap"], 3), fmt(r["wire_bits_per_value"], 2),
                           fmt(r["compression_ratio"], 2))
         console.print(table)
-        console.print(f"wrote {path}" + (f" and {png}" if png else " (the plot needs every seed-0 run directory)"))
+        console.print(f"wrote {path}"
+                      + (f" and {png}" if png else " (the plot needs every seed-0 run directory)"))
     return 0
 
 
@@ -244,21 +264,23 @@ def run_pipeline(args: argparse.Namespace) -> int:
                               data_parallel=args.data_parallel, grad_syncs=args.grad_syncs)
     console = Console(width=max(Console().width, 150))
     machine = machine_description(torch.device("cpu"))
-    console.print(f"[bold]pipeline throughput[/] on {machine}: Llama-style model, {cfg.layers} blocks x {cfg.hidden}, "
-                  f"{cfg.seq_len} tokens, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size}; median of "
-                  f"{cfg.measure_steps} steps after an uncompressed warm-up epoch")
+    console.print(f"[bold]pipeline throughput[/] on {machine}: Llama-style model, {cfg.layers} blocks x "
+                  f"{cfg.hidden}, {cfg.seq_len} tokens, {cfg.num_microbatches} micro-batches of "
+                  f"{cfg.microbatch_size}; median of {cfg.measure_steps} steps after an uncompressed warm-up "
+                  f"epoch")
     rows = bench_pipeline(cfg, progress=lambda m: console.print(m))
     table = Table()
-    for col in ("stages", "D", "grad sync", "Mbit/s", "setting", "samples/s", "speed-up", "ideal", "efficiency",
-                "vs pipeline-only", "fp32 comm:compute", "bytes/micro-batch"):
+    for col in ("stages", "D", "grad sync", "Mbit/s", "setting", "samples/s", "speed-up", "ideal",
+                "efficiency", "vs pipeline-only", "fp32 comm:compute", "bytes/micro-batch"):
         table.add_column(col, justify="left" if col in ("setting", "grad sync") else "right")
     for r in rows:
         vs = r.get("speedup_vs_pipeline_only")
         table.add_row(str(r["stages"]), str(r.get("data_parallel", 1)),
-                      r.get("grad_sync", "-") if r.get("data_parallel", 1) > 1 else "-", f"{r['bandwidth_mbps']:g}",
-                      r["setting"], f"{r['samples_per_s']:.1f}", f"{r['speedup_vs_fp32']:.2f}x",
-                      f"{r['ideal_speedup']:.2f}x", f"{r['efficiency']:.2f}", "-" if vs is None else f"{vs:.2f}x",
-                      f"{r['comm_compute_ratio']:.2f}", f"{int(r['bytes_per_mb']):,}")
+                      r.get("grad_sync", "-") if r.get("data_parallel", 1) > 1 else "-",
+                      f"{r['bandwidth_mbps']:g}", r["setting"], f"{r['samples_per_s']:.1f}",
+                      f"{r['speedup_vs_fp32']:.2f}x", f"{r['ideal_speedup']:.2f}x", f"{r['efficiency']:.2f}",
+                      "-" if vs is None else f"{vs:.2f}x", f"{r['comm_compute_ratio']:.2f}",
+                      f"{int(r['bytes_per_mb']):,}")
     console.print(table)
     if args.json:
         write_json(rows, args.json, cfg=cfg, command=args.command_line, machine=machine)
@@ -285,18 +307,21 @@ def run_vs_torch(args: argparse.Namespace) -> int:
                         num_microbatches=args.micro_batches, steps=args.steps, repeats=args.repeats)
     console = Console(width=max(Console().width, 150))
     machine = machine_description(torch.device("cpu"))
-    console.print(f"[bold]aqsgd vs torch.distributed.pipelining[/] on {machine}: Llama-style model, {cfg.layers} "
-                  f"blocks x {cfg.hidden}, {cfg.seq_len} tokens, {cfg.num_microbatches} micro-batches of "
-                  f"{cfg.microbatch_size}, fp32; median of {cfg.repeats} x {cfg.steps} interleaved steps")
+    console.print(f"[bold]aqsgd vs torch.distributed.pipelining[/] on {machine}: Llama-style model, "
+                  f"{cfg.layers} blocks x {cfg.hidden}, {cfg.seq_len} tokens, {cfg.num_microbatches} "
+                  f"micro-batches of {cfg.microbatch_size}, fp32; median of {cfg.repeats} x {cfg.steps} "
+                  f"interleaved steps")
     rows = bench_vs_torch(cfg, progress=lambda m: console.print(m))
     table = Table()
     for col in ("stages", "schedule", "aqsgd samples/s", "torch samples/s", "aqsgd/torch", "aqsgd step ms",
                 "torch step ms", "first-step loss aqsgd", "first-step loss torch"):
         table.add_column(col, justify="left" if col == "schedule" else "right")
     for r in rows:
-        table.add_row(str(r["stages"]), f"{r['schedule']} / {r['torch_schedule']}", f"{r['aqsgd_samples_per_s']:.1f}",
-                      f"{r['torch_samples_per_s']:.1f}", f"{r['ratio']:.2f}x", f"{1e3 * r['aqsgd_step_s']:.1f}",
-                      f"{1e3 * r['torch_step_s']:.1f}", f"{r['aqsgd_first_loss']:.6f}", f"{r['torch_first_loss']:.6f}")
+        table.add_row(str(r["stages"]), f"{r['schedule']} / {r['torch_schedule']}",
+                      f"{r['aqsgd_samples_per_s']:.1f}", f"{r['torch_samples_per_s']:.1f}",
+                      f"{r['ratio']:.2f}x", f"{1e3 * r['aqsgd_step_s']:.1f}",
+                      f"{1e3 * r['torch_step_s']:.1f}", f"{r['aqsgd_first_loss']:.6f}",
+                      f"{r['torch_first_loss']:.6f}")
     console.print(table)
     check_losses(rows)
     console.print("first-step losses equal")
@@ -305,8 +330,8 @@ def run_vs_torch(args: argparse.Namespace) -> int:
         lcfg = LatencyConfig(repeats=args.latency_repeats)
         latency = bench_latency(lcfg)
         lt = Table(title="one message between two processes (median ms)")
-        for col in ("payload bytes", "checksum", "aqsgd hand-over", "torch hand-over", "ratio", "aqsgd ping-pong",
-                    "torch ping-pong", "ratio "):
+        for col in ("payload bytes", "checksum", "aqsgd hand-over", "torch hand-over", "ratio",
+                    "aqsgd ping-pong", "torch ping-pong", "ratio "):
             lt.add_column(col, justify="right")
         for r in latency:
             for name, suffix, crc in (("aqsgd", "", "CRC-32"), ("aqsgd_nocrc", "_nocrc", "off")):
@@ -335,19 +360,23 @@ def run_overhead(args: argparse.Namespace) -> int:
                          num_microbatches=args.micro_batches, steps=args.steps, rounds=args.rounds,
                          device=args.device, dtype=args.dtype)
     if min(cfg.stages) < 1 or max(cfg.stages) > cfg.layers:
-        raise SpecError(f"--stages {','.join(map(str, cfg.stages))}: each must be in 1..--layers ({cfg.layers})")
+        raise SpecError(f"--stages {','.join(map(str, cfg.stages))}: each must be in 1..--layers "
+                        f"({cfg.layers})")
     machine = machine_description(resolve_device(cfg.device))
     console = Console()
-    console.print(f"[bold]local pipeline vs a plain transformers loop[/] on {machine}: Qwen2-style, {cfg.layers} "
-                  f"blocks x {cfg.hidden}, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size} x "
-                  f"{cfg.seq_len} tokens; median of {cfg.rounds} interleaved rounds of {cfg.steps} steps")
+    console.print(f"[bold]local pipeline vs a plain transformers loop[/] on {machine}: Qwen2-style, "
+                  f"{cfg.layers} blocks x {cfg.hidden}, {cfg.num_microbatches} micro-batches of "
+                  f"{cfg.microbatch_size} x {cfg.seq_len} tokens; median of {cfg.rounds} interleaved rounds "
+                  f"of {cfg.steps} steps")
     result = bench_overhead(cfg, progress=lambda m: console.print(m))
-    table = Table(title=f"{result['parameters'] / 1e6:.1f} M parameters, {result['dtype']}, {result['device']}")
+    table = Table(title=f"{result['parameters'] / 1e6:.1f} M parameters, {result['dtype']}, "
+                        f"{result['device']}")
     for col in ("system", "stages", "step ms", "samples/s", "ratio (plain / this)", "first-step loss"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for r in result["rows"]:
-        table.add_row(r["system"], "" if r["stages"] is None else str(r["stages"]), f"{1e3 * r['step_s']:.1f}",
-                      f"{r['samples_per_s']:.1f}", f"{r['ratio']:.3f}", f"{r['first_loss']:.6f}")
+        table.add_row(r["system"], "" if r["stages"] is None else str(r["stages"]),
+                      f"{1e3 * r['step_s']:.1f}", f"{r['samples_per_s']:.1f}", f"{r['ratio']:.3f}",
+                      f"{r['first_loss']:.6f}")
     console.print(table)
     if args.json:
         write_json(result, args.json, cfg=cfg, command=args.command_line, machine=machine)
@@ -372,8 +401,9 @@ def run_codecs(args: argparse.Namespace) -> int:
     if args.data:
         raise SpecError("--data: chooses the --quality data; add --quality")
     specs = args.codecs or DEFAULT_CODECS
-    console.print(f"[bold]codec throughput[/]: fp32 tensor {tuple(args.shape)} on {machine_description(device)}; "
-                  f"median of {args.repeats} interleaved repeats after {args.warmup} warm-up calls")
+    console.print(f"[bold]codec throughput[/]: fp32 tensor {tuple(args.shape)} on "
+                  f"{machine_description(device)}; median of {args.repeats} interleaved repeats after "
+                  f"{args.warmup} warm-up calls")
     rows = bench_codecs(specs, shape=args.shape, device=device, repeats=args.repeats, warmup=args.warmup)
     eager = any(r.eager_encode_gbps is not None for r in rows)
     table = Table(caption="eager: the same codec with the fused kernels off, timed in the same rounds"
@@ -451,7 +481,8 @@ def run_codec_quality(args: argparse.Namespace, device: torch.device, console: C
     return 0
 
 
-def run_spec_quality(args: argparse.Namespace, device: torch.device, console: Console, chosen: list[str]) -> int:
+def run_spec_quality(args: argparse.Namespace, device: torch.device, console: Console,
+                     chosen: list[str]) -> int:
     """``--quality --codecs SPEC...``: the named codecs (any spec) on the chosen data, with the bits per value
     that cross the wire measured from the packets."""
     import json
@@ -499,8 +530,9 @@ def run_spec_quality(args: argparse.Namespace, device: torch.device, console: Co
         console.print(table)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"benchmark": "codecs-quality-specs", "command": args.command_line,
-                                               "machine": machine, "data": data, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"benchmark": "codecs-quality-specs",
+                                               "command": args.command_line, "machine": machine, "data": data,
+                                               "rows": rows}, indent=1))
         console.print(f"wrote {args.json}")
     return 0
 
@@ -522,8 +554,8 @@ def _quality_table(console: Console, rows: list, title: str) -> None:
 
 
 def run_cache_path(args: argparse.Namespace, device: torch.device, console: Console) -> int:
-    """``--cache-path``: the AQ-SGD cache path per micro-batch (and the disk cache's prefetch) instead of the codec
-    table."""
+    """``--cache-path``: the AQ-SGD cache path per micro-batch (and the disk cache's prefetch) instead of the
+    codec table."""
     from aqsgd.bench.cachepath import (
         DEFAULT_CACHES,
         DEFAULT_CODEC,
@@ -544,33 +576,36 @@ def run_cache_path(args: argparse.Namespace, device: torch.device, console: Cons
     check_specs(codecs, caches)
     shape = tuple(args.shape)
     if len(shape) < 2:
-        raise SpecError(f"--shape {args.shape}: the cache path needs rows (samples) and a row shape, e.g. 8,512,768")
+        raise SpecError(f"--shape {args.shape}: the cache path needs rows (samples) and a row shape, e.g. "
+                        f"8,512,768")
     machine = machine_description(device)
     where = args.cache_dir or "a temporary folder"
-    console.print(f"[bold]AQ-SGD cache path[/]: delta scheme (sender and receiver of one boundary, TRAIN phase), "
-                  f"fp32 micro-batches {shape} cycling over {MICROBATCHES} micro-batches of distinct sample ids, "
-                  f"on {machine}; "
-                  f"median of {args.repeats} interleaved repeats after {args.warmup} warm-up calls; disk caches "
-                  f"in {where}, read from the page cache here")
-    rows = bench_cache_path(codecs, caches, shape=shape, device=device, repeats=args.repeats, warmup=args.warmup,
-                            cache_dir=args.cache_dir)
+    console.print(f"[bold]AQ-SGD cache path[/]: delta scheme (sender and receiver of one boundary, TRAIN "
+                  f"phase), fp32 micro-batches {shape} cycling over {MICROBATCHES} micro-batches of distinct "
+                  f"sample ids, on {machine}; "
+                  f"median of {args.repeats} interleaved repeats after {args.warmup} warm-up calls; disk "
+                  f"caches in {where}, read from the page cache here")
+    rows = bench_cache_path(codecs, caches, shape=shape, device=device, repeats=args.repeats,
+                            warmup=args.warmup, cache_dir=args.cache_dir)
     table = Table()
     for col in ("cache", "codec", "fused", "send GB/s", "recv GB/s", "clone GB/s", "send/clone", "recv/clone",
-                "send ms", "recv ms", "unfused send ms", "unfused recv ms", "get", "a-m", "encode", "decode", "m+d",
-                "put", "B/sample"):
+                "send ms", "recv ms", "unfused send ms", "unfused recv ms", "get", "a-m", "encode", "decode",
+                "m+d", "put", "B/sample"):
         table.add_column(col, justify="left" if col in ("cache", "codec", "fused") else "right")
     for r in rows:
-        table.add_row(r.cache, r.codec, "yes" if r.fused else "no", f"{r.sender_gbps:.2f}", f"{r.receiver_gbps:.2f}",
-                      f"{r.clone_gbps:.2f}", f"{r.sender_vs_clone:.3f}", f"{r.receiver_vs_clone:.3f}",
-                      f"{r.sender_ms:.2f}", f"{r.receiver_ms:.2f}",
+        table.add_row(r.cache, r.codec, "yes" if r.fused else "no", f"{r.sender_gbps:.2f}",
+                      f"{r.receiver_gbps:.2f}", f"{r.clone_gbps:.2f}", f"{r.sender_vs_clone:.3f}",
+                      f"{r.receiver_vs_clone:.3f}", f"{r.sender_ms:.2f}", f"{r.receiver_ms:.2f}",
                       *("-" if v is None else f"{v:.2f}" for v in (r.eager_sender_ms, r.eager_receiver_ms)),
-                      *(f"{v:.2f}" for v in (r.get_ms, r.sub_ms, r.encode_ms, r.decode_ms, r.add_ms, r.put_ms)),
+                      *(f"{v:.2f}" for v in (r.get_ms, r.sub_ms, r.encode_ms, r.decode_ms, r.add_ms,
+                                             r.put_ms)),
                       f"{r.cache_bytes_per_sample:,}")
     console.print(table)
-    console.print("send: the sender's path, recv: the receiver's; fused: the sender's step ran as one pass over the "
-                  "cache rows (memory cache, q<b> codec); unfused: the same paths with the fused kernels off, timed "
-                  "in the same rounds; GB/s: fp32 activation bytes per second; get .. put: each step alone (ms per "
-                  "micro-batch, on a third cache of the same spec); B/sample: the cache's bytes per sample")
+    console.print("send: the sender's path, recv: the receiver's; fused: the sender's step ran as one pass "
+                  "over the cache rows (memory cache, q<b> codec); unfused: the same paths with the fused "
+                  "kernels off, timed in the same rounds; GB/s: fp32 activation bytes per second; get .. "
+                  "put: each step alone (ms per micro-batch, on a third cache of the same spec); B/sample: "
+                  "the cache's bytes per sample")
     broken = [r.cache for r in rows if not r.caches_identical]
     if broken:
         console.print(f"[red]sender and receiver caches differ after the run: {', '.join(broken)}[/]")
@@ -581,9 +616,10 @@ def run_cache_path(args: argparse.Namespace, device: torch.device, console: Cons
     if prefetch:
         console.print(f"[bold]disk cache reads[/]: steps of {MICROBATCHES} micro-batches through the sender, "
                       f"in the stage runner's order (prefetch of micro-batch k+1 when k arrives, a stand-in "
-                      f"forward of one {shape[-1]}x{shape[-1]} linear layer, send); median of {args.repeats} steps per mode, "
-                      f"interleaved. cold: the file's pages dropped before every step (fsync, "
-                      f"madvise/posix_fadvise DONTNEED), resident = its share in the page cache then (mincore)")
+                      f"forward of one {shape[-1]}x{shape[-1]} linear layer, send); median of {args.repeats} "
+                      f"steps per mode, interleaved. cold: the file's pages dropped before every step "
+                      f"(fsync, madvise/posix_fadvise DONTNEED), resident = its share in the page cache then "
+                      f"(mincore)")
         ptable = Table()
         for col in ("cache", "pages", "prefetch", "resident", "read wait ms/step", "slowest get ms", "hidden",
                     "step ms", "forward ms/mb", "hits/misses"):
@@ -596,11 +632,13 @@ def run_cache_path(args: argparse.Namespace, device: torch.device, console: Cons
                            f"{r.step_ms:.1f}", f"{r.forward_ms:.1f}", f"{r.hits}/{r.misses}")
         console.print(ptable)
         if any(r.pages == "cold" and not r.pages_dropped for r in prefetch):
-            console.print("[yellow]the file's pages could not be dropped (tmpfs, or not Linux?): the cold rows "
-                          "may have been read from the page cache[/]")
+            console.print("[yellow]the file's pages could not be dropped (tmpfs, or not Linux?): the cold "
+                          "rows may have been read from the page cache[/]")
     if args.json:
-        config = {"codecs": list(codecs), "caches": list(caches), "shape": list(shape), "microbatches": MICROBATCHES,
-                  "repeats": args.repeats, "warmup": args.warmup, "cache_dir": args.cache_dir}
-        write_cache_path_json(rows, prefetch, args.json, device=device, command=args.command_line, config=config)
+        config = {"codecs": list(codecs), "caches": list(caches), "shape": list(shape),
+                  "microbatches": MICROBATCHES, "repeats": args.repeats, "warmup": args.warmup,
+                  "cache_dir": args.cache_dir}
+        write_cache_path_json(rows, prefetch, args.json, device=device, command=args.command_line,
+                              config=config)
         console.print(f"wrote {args.json}")
     return 0

@@ -13,7 +13,8 @@ from aqsgd.models import families
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="list the supported model families",
                        description="The model families aqsgd can cut into pipeline stages: for a hub name or "
-                                   "a local folder given to --model, the config's model_type must be one of these.")
+                                   "a local folder given to --model, the config's model_type must be one of "
+                                   "these.")
     p.set_defaults(func=run)
 
 

@@ -6,10 +6,10 @@ line override it. With no arguments it runs the embedded default:
 MiniLM fine-tuned on BBC news over a 4-stage local pipeline, AQ-SGD fw2/bw4 after one uncompressed epoch.
 
 ``--runtime distributed`` starts one process per stage on this machine through PyTorch's elastic launcher;
-with ``--data-parallel D`` it starts ``stages x D`` (D replicas of the pipeline, each on its own shard of every
-global batch, gradients averaged per stage with ``--grad-sync``). Across machines, start the same command
-under ``torchrun`` (it sets RANK/WORLD_SIZE/MASTER_ADDR) with a world size of exactly ``stages x D``: every
-process then runs its own stage of its own replica (rank = replica x stages + stage), e.g.::
+with ``--data-parallel D`` it starts ``stages x D`` (D replicas of the pipeline, each on its own shard of
+every global batch, gradients averaged per stage with ``--grad-sync``). Across machines, start the same
+command under ``torchrun`` (it sets RANK/WORLD_SIZE/MASTER_ADDR) with a world size of exactly ``stages x D``:
+every process then runs its own stage of its own replica (rank = replica x stages + stage), e.g.::
 
     torchrun --nnodes 4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m aqsgd train --runtime distributed --stages 4 --run-name bbc-aqsgd
@@ -52,7 +52,8 @@ def _help_text(text: str, default: Any) -> str:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="fine-tune a model over a compressed pipeline", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="PRESET.toml", help="load settings from a TOML preset (options override it)")
+    p.add_argument("--config", metavar="PRESET.toml",
+                   help="load settings from a TOML preset (options override it)")
     groups = {k: p.add_argument_group(v) for k, v in SECTION_TITLES.items()}
     for o in options():
         help_text = _help_text(o.help, o.default)
@@ -63,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             continue
         conv = _parse_list if o.is_list else o.base
         conv = _optional(conv) if o.optional else conv
-        group.add_argument(o.flag, dest=o.flat, type=conv, default=None, metavar=o.flat.upper(), help=help_text)
+        group.add_argument(o.flag, dest=o.flat, type=conv, default=None, metavar=o.flat.upper(),
+                           help=help_text)
     p.set_defaults(func=run)
 
 
@@ -103,7 +105,8 @@ def print_summary(s: dict[str, Any]) -> None:
     table.add_row("bytes sent between stages", f"{s['bytes_sent']:,}")
     table.add_row("bytes at fp32", f"{s['raw_bytes']:,}")
     if s.get("traffic_saved") is not None:
-        table.add_row("traffic saved vs fp32", f"{100 * s['traffic_saved']:.1f}% ({s['compression_ratio']:.2f}x less)")
+        table.add_row("traffic saved vs fp32",
+                      f"{100 * s['traffic_saved']:.1f}% ({s['compression_ratio']:.2f}x less)")
     if replicas > 1:
         table.add_row(f"bytes sent between replicas ({s['grad_sync']})", f"{s['grad_sync_bytes']:,}")
     if s.get("samples_per_s"):

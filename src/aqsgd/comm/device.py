@@ -15,10 +15,10 @@ Backends
     going through gloo while GPU tensors (tied-weight gradients) use NCCL. Data-parallel gradient sync
     (``--dp-backend``, :func:`resolve_dp_backend`): ``auto`` is NCCL on a GPU and gloo otherwise; an NCCL
     replica group is built as ``cpu:gloo,cuda:nccl`` (:func:`group_backend`) so the trainer's CPU reductions
-    over the replicas still work on it. NCCL cannot put two ranks of one group on one GPU: where processes share
-    GPUs (:func:`ranks_sharing_a_gpu`), ``auto`` takes gloo for the replicas that would, and an explicit ``nccl``
-    (data-parallel, or ``--p2p-backend``, whose world group holds every process) is refused before the run
-    starts.
+    over the replicas still work on it. NCCL cannot put two ranks of one group on one GPU: where processes
+    share GPUs (:func:`ranks_sharing_a_gpu`), ``auto`` takes gloo for the replicas that would, and an explicit
+    ``nccl`` (data-parallel, or ``--p2p-backend``, whose world group holds every process) is refused before
+    the run starts.
 
 Staging
     :class:`HostStager` copies GPU tensors to pinned host buffers with non-blocking copies on a side CUDA
@@ -34,8 +34,8 @@ import torch
 
 from aqsgd.errors import SpecError
 
-__all__ = ["DEVICE_CHOICES", "HostStager", "check_backends", "check_p2p_sharing", "gpu_sharing", "group_backend",
-           "ranks_sharing_a_gpu",
+__all__ = ["DEVICE_CHOICES", "HostStager", "check_backends", "check_p2p_sharing", "gpu_sharing",
+           "group_backend", "ranks_sharing_a_gpu",
            "resolve_device", "resolve_dp_backend", "world_backend"]
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -76,17 +76,17 @@ def resolve_dp_backend(spec: str, device: torch.device, *, shared_gpu: str | Non
     if name not in _BACKENDS:
         raise SpecError(f"--dp-backend {spec}: not one of auto, {', '.join(_BACKENDS)}")
     if name == "nccl" and shared_gpu is not None:
-        raise SpecError(f"--dp-backend nccl: {shared_gpu}, and NCCL cannot put two ranks of one group on one GPU; "
-                        "use --dp-backend gloo (or auto), or give every process a GPU of its own")
+        raise SpecError(f"--dp-backend nccl: {shared_gpu}, and NCCL cannot put two ranks of one group on one "
+                        "GPU; use --dp-backend gloo (or auto), or give every process a GPU of its own")
     return name
 
 
 def gpu_sharing(groups: Sequence[Sequence[int]], name: Callable[[int], str], *, world_size: int,
                 device_count: int | None = None) -> str | None:
-    """Where two ranks of one of ``groups`` would share a GPU of this machine, said in words (``stage 0 replica 0
-    and stage 0 replica 1 would share GPU 0 (4 processes on 2 GPUs)``), or None. The machine holds
-    ``LOCAL_WORLD_SIZE`` processes (all ``world_size`` when unset: the local launcher) and ``device_count``
-    GPUs (default: what torch sees)."""
+    """Where two ranks of one of ``groups`` would share a GPU of this machine, said in words
+    (``stage 0 replica 0 and stage 0 replica 1 would share GPU 0 (4 processes on 2 GPUs)``), or None. The
+    machine holds ``LOCAL_WORLD_SIZE`` processes (all ``world_size`` when unset: the local launcher) and
+    ``device_count`` GPUs (default: what torch sees)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     gpus = torch.cuda.device_count() if device_count is None else device_count
     if gpus < 1:
@@ -95,26 +95,28 @@ def gpu_sharing(groups: Sequence[Sequence[int]], name: Callable[[int], str], *, 
     if pair is None:
         return None
     a, b, gpu = pair
-    return f"{name(a)} and {name(b)} would share GPU {gpu} ({local} processes on {gpus} GPU{'s' if gpus > 1 else ''})"
+    return (f"{name(a)} and {name(b)} would share GPU {gpu} ({local} processes on {gpus} "
+            f"GPU{'s' if gpus > 1 else ''})")
 
 
 def check_p2p_sharing(p2p_backend: str, device: torch.device, name: Callable[[int], str], *, world_size: int,
                       device_count: int | None = None) -> None:
-    """``--p2p-backend nccl`` puts every process in one NCCL group: a one-line SpecError where two would share a
-    GPU (see :func:`gpu_sharing`)."""
+    """``--p2p-backend nccl`` puts every process in one NCCL group: a one-line SpecError where two would share
+    a GPU (see :func:`gpu_sharing`)."""
     if p2p_backend != "nccl" or device.type != "cuda":
         return
     shared = gpu_sharing([range(world_size)], name, world_size=world_size, device_count=device_count)
     if shared is not None:
-        raise SpecError(f"--p2p-backend nccl: {shared}, and NCCL cannot put two ranks of one group on one GPU; use "
-                        "--p2p-backend gloo, or give every process a GPU of its own")
+        raise SpecError(f"--p2p-backend nccl: {shared}, and NCCL cannot put two ranks of one group on one "
+                        "GPU; use --p2p-backend gloo, or give every process a GPU of its own")
 
 
 def ranks_sharing_a_gpu(groups: Sequence[Sequence[int]], *, local_world_size: int, device_count: int
                         ) -> tuple[int, int, int] | None:
-    """Two ranks of one of ``groups`` that would compute on the same GPU, and the GPU: ``(rank a, rank b, gpu)``,
-    or None. Ranks are placed on machines in blocks of ``local_world_size`` (torchrun's order; one machine for
-    the local launcher), and each process takes GPU ``LOCAL_RANK mod device_count`` (:func:`resolve_device`)."""
+    """Two ranks of one of ``groups`` that would compute on the same GPU, and the GPU:
+    ``(rank a, rank b, gpu)``, or None. Ranks are placed on machines in blocks of ``local_world_size``
+    (torchrun's order; one machine for the local launcher), and each process takes GPU
+    ``LOCAL_RANK mod device_count`` (:func:`resolve_device`)."""
     for group in groups:
         seen: dict[tuple[int, int], int] = {}
         for r in group:

@@ -45,7 +45,8 @@ _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?"
 _BANDWIDTH_RE = re.compile(_NUMBER + r"\s*(bit|kbit|mbit|gbit|tbit)")
 _LATENCY_RE = re.compile(_NUMBER + r"\s*(s|ms|us)?")
 
-BANDWIDTH_HELP = 'bandwidth: <number><bit|kbit|mbit|gbit|tbit> (e.g. "500kbit", "100mbit", "2.5gbit") or "inf"'
+BANDWIDTH_HELP = ('bandwidth: <number><bit|kbit|mbit|gbit|tbit> (e.g. "500kbit", "100mbit", "2.5gbit") or '
+                  '"inf"')
 LATENCY_HELP = 'latency: <number><s|ms|us> (e.g. "10ms", "0.5s", "250us") or "0"'
 
 

@@ -61,9 +61,10 @@ def sequence_classification_loss(config: Any, logits: torch.Tensor, labels: torc
 class EncoderClassifierStage(PipelineStage):
     """A slice of a BERT-family ``*ForSequenceClassification`` model.
 
-    First stage: ``embeddings`` (then ``embeddings_project`` where the model has one); every stage: encoder layers with the bidirectional padding mask rebuilt
-    from ``batch["attention_mask"]``; last stage: ``pooler`` -> ``dropout`` -> ``classifier`` (BERT) or
-    ``classifier`` on the sequence output (RoBERTa/ELECTRA-style heads) and the classification loss.
+    First stage: ``embeddings`` (then ``embeddings_project`` where the model has one); every stage: encoder
+    layers with the bidirectional padding mask rebuilt from ``batch["attention_mask"]``; last stage:
+    ``pooler`` -> ``dropout`` -> ``classifier`` (BERT) or ``classifier`` on the sequence output
+    (RoBERTa/ELECTRA-style heads) and the classification loss.
     """
 
     def __init__(self, model: nn.Module, stage_index: int, num_stages: int, start: int, end: int) -> None:
@@ -96,7 +97,8 @@ class EncoderClassifierStage(PipelineStage):
         attention_mask = batch.get("attention_mask")
         if self.config.is_decoder:
             mask = create_causal_mask(
-                config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, **no_cache(create_causal_mask)
+                config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                **no_cache(create_causal_mask)
             )
         else:
             mask = create_bidirectional_mask(

@@ -303,7 +303,8 @@ def decoder_family(
         model_types=(spec.model_type,),
         blocks_key="num_hidden_layers",
         dropout=set_dropout,
-        buffer_initializers=((spec.modeling_module, spec.rotary_class, rotary_init), *extra_buffer_initializers),
+        buffer_initializers=((spec.modeling_module, spec.rotary_class, rotary_init),
+                             *extra_buffer_initializers),
         auto_class="AutoModelForCausalLM",
         checkpoint_renames=checkpoint_renames,
     )

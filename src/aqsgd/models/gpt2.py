@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from aqsgd.models.family import ModelFamily, ModelLayout
-from aqsgd.models.hf import build_transformers_model, is_transformers_instance, no_cache, position_ids, set_dropout
+from aqsgd.models.hf import (build_transformers_model, is_transformers_instance, no_cache, position_ids,
+                             set_dropout)
 from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
 
 KIND = "gpt2"

@@ -63,7 +63,8 @@ class GridLayout:
 
     def rank(self, stage: int, replica: int) -> int:
         if not (0 <= stage < self.num_stages and 0 <= replica < self.data_parallel):
-            raise ValueError(f"no (stage {stage}, replica {replica}) in a {self.num_stages}x{self.data_parallel} grid")
+            raise ValueError(f"no (stage {stage}, replica {replica}) in a "
+                             f"{self.num_stages}x{self.data_parallel} grid")
         return replica * self.num_stages + stage
 
     def coords(self, rank: int) -> tuple[int, int]:
@@ -176,6 +177,8 @@ def check_same_settings(settings: dict[str, Any], group: Any = None) -> None:
     for rank, other in enumerate(every[1:], start=1):
         for key in sorted(set(every[0]) | set(other)):
             if every[0].get(key) != other.get(key):
-                problems.append(f"{key}: rank 0 has {every[0].get(key)!r}, rank {rank} has {other.get(key)!r}")
+                problems.append(f"{key}: rank 0 has {every[0].get(key)!r}, rank {rank} has "
+                                f"{other.get(key)!r}")
     if problems:
-        raise ConfigMismatchError("stage processes were started with different settings: " + "; ".join(problems[:8]))
+        raise ConfigMismatchError("stage processes were started with different settings: "
+                                  + "; ".join(problems[:8]))

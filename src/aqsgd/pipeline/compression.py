@@ -94,7 +94,8 @@ class CompressionConfig:
 
     def make(self, b: int, channel: int, side: str, *, row_shape: tuple[int, ...] | None,
              dtype: torch.dtype, device: torch.device | str, replica: int = 0) -> BoundaryScheme:
-        """The scheme object for one side of one direction of boundary ``b`` (of data-parallel ``replica``)."""
+        """The scheme object for one side of one direction of boundary ``b`` (of data-parallel
+        ``replica``)."""
         d = self.direction(b, channel)
         name = "forward" if channel == FORWARD_CHANNEL else "backward"
         path = None
@@ -112,8 +113,8 @@ class CompressionConfig:
     def scheme_seed(self, b: int, channel: int, replica: int = 0) -> int:
         """Seed of one direction's random generator (stochastic rounding, only the sender draws): distinct per
         boundary and direction, and per data-parallel replica, so that the replicas' rounding errors are
-        independent and average out in the gradient all-reduce instead of adding up. Replica 0 keeps the seed of
-        a run without data parallelism; the others hash, kept to 32 bits (a CPU generator uses no more)."""
+        independent and average out in the gradient all-reduce instead of adding up. Replica 0 keeps the seed
+        of a run without data parallelism; the others hash, kept to 32 bits (a CPU generator uses no more)."""
         base = self.seed * 1000 + 2 * b + channel
         if replica == 0:
             return base
@@ -123,7 +124,8 @@ class CompressionConfig:
     def describe(self, num_boundaries: int) -> dict[str, Any]:
         return {
             "boundaries": {b: {"forward": str(self.for_boundary(b).forward),
-                               "backward": str(self.for_boundary(b).backward)} for b in range(num_boundaries)},
+                               "backward": str(self.for_boundary(b).backward)}
+                           for b in range(num_boundaries)},
             "num_samples": self.num_samples, "cache": self.cache, "ef_key": self.ef_key, "seed": self.seed,
         }
 

@@ -2,9 +2,10 @@
 
 The entry points for Python users are re-exported here (imported on first use):
 
-* :class:`~aqsgd.train.config.TrainConfig`, the whole configuration (``TrainConfig.of(task="wiki", stages=2)``);
-* :func:`~aqsgd.train.driver.run_training`, which trains as the config says, locally, in processes it starts, or
-  as one rank of a torchrun job (``run_training(cfg, data=(train, eval))`` for datasets built in Python);
+* :class:`~aqsgd.train.config.TrainConfig`, the whole configuration
+  (``TrainConfig.of(task="wiki", stages=2)``);
+* :func:`~aqsgd.train.driver.run_training`, which trains as the config says, locally, in processes it starts,
+  or as one rank of a torchrun job (``run_training(cfg, data=(train, eval))`` for datasets built in Python);
 * :class:`~aqsgd.train.trainer.Trainer`, the loop one process runs.
 """
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from torch.utils.data import Dataset
 
-from aqsgd.comm.device import (check_backends, check_p2p_sharing, gpu_sharing, resolve_device, resolve_dp_backend,
-                               world_backend)
+from aqsgd.comm.device import (check_backends, check_p2p_sharing, gpu_sharing, resolve_device,
+                               resolve_dp_backend, world_backend)
 from aqsgd.comm.launch import launch, leave_process_group
 from aqsgd.data.datasets import TaskSpec, register_task, registered_tasks
 from aqsgd.errors import Interrupted, SpecError
@@ -46,7 +46,8 @@ def worker(cfg_json: str, data: tuple[Dataset, Dataset] | None = None,
         return _stage(cfg_json, data, tasks)
 
 
-def _stage(cfg_json: str, data: tuple[Dataset, Dataset] | None, tasks: Sequence[TaskSpec]) -> dict[str, Any] | None:
+def _stage(cfg_json: str, data: tuple[Dataset, Dataset] | None,
+           tasks: Sequence[TaskSpec]) -> dict[str, Any] | None:
     configure(logging.INFO, "%(asctime)s %(levelname)s [pid %(process)d] %(message)s")
     for spec in tasks:
         register_task(spec, replace=True)
@@ -88,14 +89,15 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
     run_dirs: list[Path] = []
 
     def prepare() -> None:
-        """Before the stage processes are spawned here: what would fail in every one of them alike, and the data
-        sources and weights file, prepared once."""
-        for what, obj in (("the datasets given as data", data), *((f"registered task {t.name!r}", t) for t in tasks)):
+        """Before the stage processes are spawned here: what would fail in every one of them alike, and the
+        data sources and weights file, prepared once."""
+        for what, obj in (("the datasets given as data", data),
+                          *((f"registered task {t.name!r}", t) for t in tasks)):
             try:
                 pickle.dumps(obj)
             except Exception as e:  # noqa: BLE001 - whatever pickling raises, the stage processes cannot get it
-                raise SpecError(f"{what} must be picklable to reach the stage processes ({type(e).__name__}: {e}); "
-                                f"use module-level functions and plain tensors") from None
+                raise SpecError(f"{what} must be picklable to reach the stage processes ({type(e).__name__}: "
+                                f"{e}); use module-level functions and plain tensors") from None
         _check_gpu_sharing(cfg)
         setup = setup_task(cfg, data=data)
         run_dirs.append(resolve_run_dir(cfg, None if data is None else setup.name))
@@ -105,7 +107,8 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
     # a failing stage ends in StageFailedError: one line naming the stage at fault and the details file
     names = _layout(cfg).label
     try:
-        results = launch(worker, cfg.world_size, cfg.to_json(), data, tasks, before_spawn=prepare, rank_names=names)
+        results = launch(worker, cfg.world_size, cfg.to_json(), data, tasks, before_spawn=prepare,
+                         rank_names=names)
     except Interrupted as e:
         if not run_dirs:  # a rank of a torchrun job: its trainer said where it stood
             raise
@@ -120,17 +123,18 @@ def _layout(cfg: TrainConfig) -> GridLayout:
 
 
 def _check_gpu_sharing(cfg: TrainConfig, device_count: int | None = None) -> None:
-    """Before the stage processes are spawned on this machine: an explicit NCCL backend where there is no GPU, or
-    where it would put two ranks of one group on one GPU, is refused in one line (``auto`` takes gloo there, see
-    the trainer)."""
+    """Before the stage processes are spawned on this machine: an explicit NCCL backend where there is no GPU,
+    or where it would put two ranks of one group on one GPU, is refused in one line (``auto`` takes gloo
+    there, see the trainer)."""
     p = cfg.pipeline
     device = resolve_device(p.device)
     check_backends(device, p.p2p_backend, p.dp_backend)  # NCCL on a machine without a GPU
     if device.type != "cuda":
         return
     layout = _layout(cfg)
-    check_p2p_sharing(p.p2p_backend, device, layout.label, world_size=cfg.world_size, device_count=device_count)
+    check_p2p_sharing(p.p2p_backend, device, layout.label, world_size=cfg.world_size,
+                      device_count=device_count)
     if p.data_parallel > 1 and p.dp_backend == "nccl":
-        shared = gpu_sharing([layout.dp_ranks(s) for s in range(p.stages)], layout.label, world_size=cfg.world_size,
-                             device_count=device_count)
+        shared = gpu_sharing([layout.dp_ranks(s) for s in range(p.stages)], layout.label,
+                             world_size=cfg.world_size, device_count=device_count)
         resolve_dp_backend(p.dp_backend, device, shared_gpu=shared)

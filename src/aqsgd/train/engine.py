@@ -94,15 +94,16 @@ class PipelineEngine:
             if len(self.stages) != 1:
                 raise ValueError("a distributed engine runs exactly one stage per process")
             (index, module), = self.stages.items()
-            self.runners = {index: StageRunner(module, index, num_stages, compression, transport, schedule=schedule,
-                                               device=device, rank_of_stage=self.ranks, autocast=autocast,
+            self.runners = {index: StageRunner(module, index, num_stages, compression, transport,
+                                               schedule=schedule, device=device, rank_of_stage=self.ranks,
+                                               autocast=autocast,
                                                replica=grid.replica if grid is not None else 0)}
             self.local = None
         else:
             if sorted(self.stages) != list(range(num_stages)):
                 raise ValueError(f"a local engine needs all {num_stages} stages, got {sorted(self.stages)}")
-            self.local = LocalPipeline([self.stages[i] for i in range(num_stages)], compression, schedule=schedule,
-                                       device=device, autocast=autocast)
+            self.local = LocalPipeline([self.stages[i] for i in range(num_stages)], compression,
+                                       schedule=schedule, device=device, autocast=autocast)
             self.runners = dict(enumerate(self.local.runners))
         self.optim_config = optim
         # A parameter shared by several local stages (tied embeddings) is updated once, by the lowest stage.
@@ -113,7 +114,8 @@ class PipelineEngine:
                                                 exclude=set(claimed))
             claimed.update(id(p) for p in self.stages[i].parameters())
         factor = warmup_linear_decay(optim.warmup_steps, optim.total_steps)
-        self.schedulers = {i: torch.optim.lr_scheduler.LambdaLR(o, factor) for i, o in self.optimizers.items()}
+        self.schedulers = {i: torch.optim.lr_scheduler.LambdaLR(o, factor)
+                           for i, o in self.optimizers.items()}
         if not self.distributed and not ties:
             ties = shared_parameters([self.stages[i] for i in range(num_stages)])
         self._not_counted: dict[int, set[str]] = {}
@@ -123,7 +125,8 @@ class PipelineEngine:
                     self._not_counted.setdefault(s, set()).add(name)
         self._tie_groups = self._build_ties(ties)
         self.last_grad_norm = 0.0
-        self.skipped = False  # whether the last train_step was not applied (a non-finite loss or gradient norm)
+        # whether the last train_step was not applied (a non-finite loss or gradient norm)
+        self.skipped = False
 
     # -- ties ----------------------------------------------------------------------------------------
     def _build_ties(self, ties: Sequence[dict[int, str]]) -> list[tuple[object, torch.nn.Parameter]]:
@@ -137,7 +140,8 @@ class PipelineEngine:
                      if self.grid is not None else [self.ranks])
         for tie in ties:
             for pipeline in pipelines:
-                group = new_group(sorted(pipeline[s] for s in tie), getattr(self.transport, "timeout_s", None))
+                group = new_group(sorted(pipeline[s] for s in tie),
+                                  getattr(self.transport, "timeout_s", None))
                 if pipeline != self.ranks:
                     continue
                 for s, name in tie.items():
@@ -163,13 +167,14 @@ class PipelineEngine:
         loss = runner.step(microbatches, phase, loss_scale=loss_scale, keep_logits=keep_logits)
         return None if loss is None else float(loss)
 
-    def train_step(self, passes: Sequence[Sequence[Batch]] | Sequence[Batch], phase: Phase | str = Phase.TRAIN,
-                   ) -> float | None:
+    def train_step(self, passes: Sequence[Sequence[Batch]] | Sequence[Batch],
+                   phase: Phase | str = Phase.TRAIN) -> float | None:
         """One optimizer update from one pipelined pass (a list of micro-batches) or several accumulated
         passes (a list of lists); returns the mean loss over passes where the last stage runs.
 
         A step whose loss or global gradient norm is NaN or infinite (on any stage or replica: every process
-        learns it from the norm's all-reduce) is not applied: the optimizers do not step, the LR schedule does.
+        learns it from the norm's all-reduce) is not applied: the optimizers do not step, the LR schedule
+        does.
         :attr:`skipped` says so afterwards, on every process alike, and :attr:`last_grad_norm` holds the norm
         (``inf`` where a replica's gradients were already non-finite before the data-parallel sync)."""
         if passes and isinstance(passes[0], dict):
@@ -285,7 +290,8 @@ class PipelineEngine:
                 for name in names[1:]:
                     del model[name]
             optimizer = self.optimizers[i]
-            out[i] = {"model": model, "optimizer": optimizer.state_dict(), "optimizer_class": type(optimizer).__name__,
+            out[i] = {"model": model, "optimizer": optimizer.state_dict(),
+                      "optimizer_class": type(optimizer).__name__,
                       "scheduler": self.schedulers[i].state_dict(), "schemes": self.runners[i].state_dict()}
             if self.grad_sync is not None:
                 out[i]["grad_sync"] = self.grad_sync.state_dict()
@@ -295,9 +301,10 @@ class PipelineEngine:
                         ) -> dict[int, tuple[list[str], list[str]]]:
         """Restore the entries ``state`` gives, in the form of :meth:`state_dict` (for ``schemes``, each
         scheme's folder in place of the scheme, see :meth:`StageRunner.load_state_dict`); entries left out are
-        left as they are. Returns ``(missing, unexpected)`` tensor names per stage whose ``model`` was given (a
-        tied tensor is present if one of its names is); with ``strict`` either being non-empty is a ValueError.
-        The saved ``lr_lambdas`` of a scheduler are ignored: they are functions, rebuilt from the settings."""
+        left as they are. Returns ``(missing, unexpected)`` tensor names per stage whose ``model`` was given
+        (a tied tensor is present if one of its names is); with ``strict`` either being non-empty is a
+        ValueError. The saved ``lr_lambdas`` of a scheduler are ignored: they are functions, rebuilt from the
+        settings."""
         unknown = sorted(set(state) - set(self.stages))
         if unknown:
             raise ValueError(f"this process does not own stage(s) {unknown}; it owns {sorted(self.stages)}")

@@ -22,7 +22,8 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, *, enabled: bool = True, tensorboard: bool = True,
                  purge_step: int | None = None) -> None:
         """``purge_step``: a resumed run's first step; TensorBoard hides the events from there on that the
-        interrupted run had written (metrics.jsonl is cut back by :func:`aqsgd.train.rundir.truncate_metrics`)."""
+        interrupted run had written (metrics.jsonl is cut back by
+        :func:`aqsgd.train.rundir.truncate_metrics`)."""
         self.run_dir = run_dir
         self.enabled = enabled
         self._file = None

@@ -1,8 +1,8 @@
 """A model folder's files: checked before anything loads them, and named by what they hold.
 
 The prepared-weights cache (``CACHE/weights``, see :mod:`aqsgd.train.tasks`) holds the complete starting model
-of a run built from a folder (its weights, a seeded classification head, fewer blocks). Such a file is named by
-the folder's **contents**, :func:`model_digest`, never by its name alone: a folder saved again with new
+of a run built from a folder (its weights, a seeded classification head, fewer blocks). Such a file is named
+by the folder's **contents**, :func:`model_digest`, never by its name alone: a folder saved again with new
 weights (fine-tune, save, fine-tune again from the same path), or another folder of the same name, gets a
 cache entry of its own instead of the stale one.
 
@@ -26,7 +26,8 @@ from aqsgd.errors import WeightsError
 __all__ = ["model_digest", "check_model_files", "MODEL_FILE_SUFFIXES"]
 
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
-"""Files of a model folder that hold weights (with the ``*.index.json`` of sharded ones and ``config.json``)."""
+"""Files of a model folder that hold weights (with the ``*.index.json`` of sharded ones and
+``config.json``)."""
 _MEMO = "digests.json"
 
 
@@ -49,8 +50,8 @@ def check_model_files(folder: Path, option: str) -> None:
                 pass
         except (OSError, SafetensorError) as e:
             detail = " ".join(str(e).split()) or type(e).__name__
-            raise WeightsError(f"{option}: {f} is not a readable safetensors file ({detail}); it may be truncated "
-                               f"or damaged: save the model there again") from None
+            raise WeightsError(f"{option}: {f} is not a readable safetensors file ({detail}); it may be "
+                               f"truncated or damaged: save the model there again") from None
 
 
 def model_digest(folder: Path, memo_dir: Path) -> str:
@@ -66,7 +67,8 @@ def model_digest(folder: Path, memo_dir: Path) -> str:
         key = str(f.resolve())
         stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
         known = memo.get(key)
-        if not (isinstance(known, dict) and known.get("stamp") == stamp and isinstance(known.get("sha256"), str)):
+        if not (isinstance(known, dict) and known.get("stamp") == stamp
+                and isinstance(known.get("sha256"), str)):
             known = {"stamp": stamp, "sha256": data_fingerprint(f)}
             memo[key] = known
             changed = True
@@ -85,7 +87,8 @@ def _read_memo(path: Path) -> dict[str, Any]:
 
 
 def _write_memo(path: Path, memo: dict[str, Any]) -> None:
-    """Write aside and rename: stage processes of one run may do this at the same time (either copy is right)."""
+    """Write aside and rename: stage processes of one run may do this at the same time (either copy is
+    right)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:

@@ -44,8 +44,9 @@ def make_optimizer(module: nn.Module, name: str, lr: float, weight_decay: float 
     groups = param_groups(module, weight_decay, exclude)
     if not groups:
         groups = [{"params": [], "weight_decay": 0.0}]
-    # foreach=None: PyTorch's choice, the multi-tensor kernels on a GPU (a few launches per step instead of ten
-    # per parameter), the per-parameter loop on the CPU (the numbers every CPU test and golden loss records)
+    # foreach=None: PyTorch's choice, the multi-tensor kernels on a GPU (a few launches per step instead of
+    # ten per parameter), the per-parameter loop on the CPU (the numbers every CPU test and golden loss
+    # records)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=None)
     if name == "sgd":
@@ -68,7 +69,8 @@ def warmup_linear_decay(warmup_steps: int, total_steps: int) -> Callable[[int], 
 
 def squared_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """Sum of squared gradient entries, in float64, in parameter order (deterministic), as a 0-dim tensor on
-    the gradients' device (the CPU when there are none): reading it is the caller's one host synchronisation."""
+    the gradients' device (the CPU when there are none): reading it is the caller's one host
+    synchronisation."""
     total: torch.Tensor | None = None
     for p in params:
         if p.grad is not None:

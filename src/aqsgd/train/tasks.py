@@ -12,8 +12,8 @@ The data come from one of four places, in this order:
 * a task by name (``--task``): the built-in ones and those added with :func:`aqsgd.data.register_task`;
 * the default task, ``bbc``.
 
-Built-in tasks keep their default sample caps (600 training / 200 evaluation samples); the user's data are used
-whole unless ``--max-train-samples`` / ``--max-eval-samples`` cap them.
+Built-in tasks keep their default sample caps (600 training / 200 evaluation samples); the user's data are
+used whole unless ``--max-train-samples`` / ``--max-eval-samples`` cap them.
 """
 
 from __future__ import annotations
@@ -38,18 +38,23 @@ from aqsgd.pipeline.materialize import ModelRecipe, init_weights_file, save_weig
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.modelfiles import check_model_files, model_digest
 
-__all__ = ["TaskSetup", "setup_task", "task_kind", "effective_settings", "dataset_kind", "BUILTIN_SAMPLE_CAPS"]
+__all__ = ["TaskSetup", "setup_task", "task_kind", "effective_settings", "dataset_kind",
+           "BUILTIN_SAMPLE_CAPS"]
 
 log = logging.getLogger(__name__)
 
 _TINY_BLOCKS = 4  # blocks of the random tiny models unless --model-layers says otherwise
-TINY_MODELS = {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}  # random models of the given sizes (no weights file)
-DEFAULT_MODEL = {"sequence-classification": "minilm", "causal-lm": "smollm2", "image-classification": "resnet"}
+# random models of the given sizes (no weights file)
+TINY_MODELS = {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}
+DEFAULT_MODEL = {"sequence-classification": "minilm", "causal-lm": "smollm2",
+                 "image-classification": "resnet"}
 BUILTIN_SAMPLE_CAPS = (600, 200)
-"""Training and evaluation samples a built-in task uses unless --max-train-samples / --max-eval-samples say."""
+"""Training and evaluation samples a built-in task uses unless --max-train-samples / --max-eval-samples
+say."""
 _SOURCE_MODELS = ("minilm", "smollm2")
+# pretrained models prepared offline from package registries
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
-                    "spm.model", "sentencepiece.bpe.model")  # pretrained models prepared offline from package registries
+                    "spm.model", "sentencepiece.bpe.model")
 
 
 @dataclasses.dataclass
@@ -109,7 +114,8 @@ def dataset_kind(dataset: Dataset) -> str:
     except Exception as e:  # noqa: BLE001 - any failure to read is the same bad input
         raise SpecError(f"data: cannot read the first training sample ({type(e).__name__}: {e})") from None
     if not isinstance(item, Mapping) or "labels" not in item:
-        raise SpecError("data: a training sample must be a dict with 'labels' and 'input_ids' or 'pixel_values'")
+        raise SpecError("data: a training sample must be a dict with 'labels' and 'input_ids' or "
+                        "'pixel_values'")
     labels = torch.as_tensor(item["labels"])
     if "pixel_values" in item:
         return "image-classification"
@@ -183,7 +189,8 @@ def _model_folder(cfg: TrainConfig, kind: str) -> Path | None:
             raise SpecError(f"--model {model}: the folder has no config.json (save a model there with "
                             f"save_pretrained)")
         model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type")
-        _option(f"--model {model}", family_for, model_type, kind)  # an unsupported family: before anything loads
+        # an unsupported family: before anything loads
+        _option(f"--model {model}", family_for, model_type, kind)
         check_model_files(Path(model), f"--model {model}")
         return Path(model)
     if model.startswith(("/", ".", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model):
@@ -196,13 +203,14 @@ def _tokenizer(folder: Path, model: str) -> Any:
     from transformers import AutoTokenizer
 
     if not any((folder / f).is_file() for f in _TOKENIZER_FILES):  # transformers 5 would build an empty one
-        raise DataSourceError(f"--model {model}: no tokenizer in {folder} (none of {', '.join(_TOKENIZER_FILES)}); "
-                              f"save one there with tokenizer.save_pretrained(...)")
+        raise DataSourceError(f"--model {model}: no tokenizer in {folder} (none of "
+                              f"{', '.join(_TOKENIZER_FILES)}); save one there with "
+                              f"tokenizer.save_pretrained(...)")
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:  # noqa: BLE001 - a folder without a usable tokenizer: one clear line
-        raise DataSourceError(f"--model {model}: no tokenizer in {folder} ({type(e).__name__}); save one there "
-                              f"with tokenizer.save_pretrained(...)") from None
+        raise DataSourceError(f"--model {model}: no tokenizer in {folder} ({type(e).__name__}); save one "
+                              f"there with tokenizer.save_pretrained(...)") from None
 
 
 def _hf_recipe(kind: str, model_dir: Path, cfg: TrainConfig, *, num_labels: int | None, weights_dir: Path,
@@ -222,7 +230,8 @@ def _hf_recipe(kind: str, model_dir: Path, cfg: TrainConfig, *, num_labels: int 
                            "label2id": extra["label2id"]})
         if config.get("pad_token_id") is None and pad_token_id is not None:
             config["pad_token_id"] = extra["pad_token_id"] = pad_token_id
-    whole = (model_dir / "model.safetensors").exists() or (model_dir / "model.safetensors.index.json").exists()
+    whole = ((model_dir / "model.safetensors").exists()
+             or (model_dir / "model.safetensors.index.json").exists())
     if num_labels is None and cfg.model.layers is None and whole:
         return ModelRecipe(kind, config, weights=str(model_dir))  # the folder is the complete model
     family = get_family(kind)
@@ -236,13 +245,15 @@ def _hf_recipe(kind: str, model_dir: Path, cfg: TrainConfig, *, num_labels: int 
         kwargs: dict[str, Any] = {}
         if cfg.model.layers:
             kwargs[family.blocks_key or "num_hidden_layers"] = cfg.model.layers
-        if num_labels is not None:  # a classifier saved with other labels gets a new (seeded) head, as run_glue does
+        # a classifier saved with other labels gets a new (seeded) head, as run_glue does
+        if num_labels is not None:
             kwargs.update(num_labels=num_labels, ignore_mismatched_sizes=True, **extra)
         try:
             model = auto.from_pretrained(str(model_dir), **kwargs)
         except Exception as e:  # noqa: BLE001 - damaged or unreadable weights: one line naming the folder
             detail = " ".join(str(e).split())[:300] or type(e).__name__
-            raise WeightsError(f"--model {model_dir}: cannot load its weights ({type(e).__name__}: {detail})") from None
+            raise WeightsError(f"--model {model_dir}: cannot load its weights ({type(e).__name__}: "
+                               f"{detail})") from None
         save_weights(model, path)
 
     recipe = ModelRecipe(kind, config)
@@ -258,24 +269,28 @@ def _model_recipe(cfg: TrainConfig, kind: str, train: Dataset, folder: Path | No
     model = _model_name(cfg, kind)
     if model == "resnet":
         if cfg.model.layers is not None:
-            raise SpecError("--model-layers keeps the first N blocks of a transformer; the resnet has no such "
-                            "setting")
+            raise SpecError("--model-layers keeps the first N blocks of a transformer; the resnet has no "
+                            "such setting")
         if kind != "image-classification":
             raise SpecError(f"--model resnet needs an image task, not {cfg.task_name}")
         recipe = ModelRecipe("resnet", {"in_channels": int(info.get("channels", 1)),
                                         "num_classes": _num_labels(train),
                                         "widths": [16, 32, 64], "blocks_per_group": 2, "norm": "group"})
         path = weights_dir / f"resnet-{recipe.fingerprint()}-seed{cfg.optim.seed}.safetensors"
-        return recipe.with_weights(_atomic_weights(path, lambda p: init_weights_file(recipe, p, cfg.optim.seed)))
+        return recipe.with_weights(_atomic_weights(path,
+                                                   lambda p: init_weights_file(recipe, p, cfg.optim.seed)))
     if model in TINY_MODELS:
         if kind != "causal-lm":
             raise SpecError(f"--model {model} is a causal LM; the {cfg.task_name} task needs a {kind} model")
         if cfg.model.layers is not None and cfg.model.layers > _TINY_BLOCKS:
-            raise SpecError(f"--model-layers: the model has only {_TINY_BLOCKS} blocks, asked for {cfg.model.layers}")
-        recipe = tiny_recipe(TINY_MODELS[model], layers=cfg.model.layers or _TINY_BLOCKS, hidden=cfg.model.hidden_size,
-                             vocab=cfg.model.vocab_size, seq_len=cfg.task.max_length)
+            raise SpecError(f"--model-layers: the model has only {_TINY_BLOCKS} blocks, asked for "
+                            f"{cfg.model.layers}")
+        recipe = tiny_recipe(TINY_MODELS[model], layers=cfg.model.layers or _TINY_BLOCKS,
+                             hidden=cfg.model.hidden_size, vocab=cfg.model.vocab_size,
+                             seq_len=cfg.task.max_length)
         path = weights_dir / f"{model}-{recipe.fingerprint()}-seed{cfg.optim.seed}.safetensors"
-        return recipe.with_weights(_atomic_weights(path, lambda p: init_weights_file(recipe, p, cfg.optim.seed)))
+        return recipe.with_weights(_atomic_weights(path,
+                                                   lambda p: init_weights_file(recipe, p, cfg.optim.seed)))
     if kind not in ("causal-lm", "sequence-classification"):
         raise SpecError(f"--model {model} does not fit the {kind} task {cfg.task_name}")
     assert folder is not None
@@ -293,8 +308,8 @@ def _check_vocab(model: str, config: Mapping[str, Any], info: Mapping[str, Any])
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     used = info.get("vocab_size")
     if vocab and used and int(used) > int(vocab):
-        raise SpecError(f"--model {model}: its embedding has {vocab} tokens but the data's tokenizer has {used}; "
-                        f"use the model's own tokenizer")
+        raise SpecError(f"--model {model}: its embedding has {vocab} tokens but the data's tokenizer has "
+                        f"{used}; use the model's own tokenizer")
 
 
 def _hub_model(name: str, kind: str, weights_dir: Path) -> Path:
@@ -303,8 +318,8 @@ def _hub_model(name: str, kind: str, weights_dir: Path) -> Path:
     if (target / "config.json").exists():
         return target
     if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise DataSourceError(f"--model {name}: the Hugging Face hub is offline (HF_HUB_OFFLINE=1); use a local "
-                              f"folder or the offline default (--model {DEFAULT_MODEL[kind]})")
+        raise DataSourceError(f"--model {name}: the Hugging Face hub is offline (HF_HUB_OFFLINE=1); use a "
+                              f"local folder or the offline default (--model {DEFAULT_MODEL[kind]})")
     try:
         import transformers
         from transformers import AutoConfig, AutoTokenizer
@@ -317,8 +332,9 @@ def _hub_model(name: str, kind: str, weights_dir: Path) -> Path:
     except SpecError as e:
         raise SpecError(f"--model {name}: {e}") from None
     except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear message
-        raise DataSourceError(f"--model {name}: could not load it from the Hugging Face hub ({type(e).__name__}); "
-                              f"use a local folder, or offline --model {DEFAULT_MODEL[kind]}") from None
+        raise DataSourceError(f"--model {name}: could not load it from the Hugging Face hub "
+                              f"({type(e).__name__}); use a local folder, or offline --model "
+                              f"{DEFAULT_MODEL[kind]}") from None
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
@@ -330,7 +346,8 @@ def _hub_model(name: str, kind: str, weights_dir: Path) -> Path:
 
 
 def _own_data(cfg: TrainConfig) -> tuple[Dataset, Dataset, str, Path | None]:
-    """The user's files or hub dataset, tokenized with the model's tokenizer: (train, eval, kind, model folder)."""
+    """The user's files or hub dataset, tokenized with the model's tokenizer: (train, eval, kind, model
+    folder)."""
     from aqsgd.data.datasets import files
 
     t = cfg.task
@@ -343,8 +360,8 @@ def _own_data(cfg: TrainConfig) -> tuple[Dataset, Dataset, str, Path | None]:
     def tokenizer_for(kind: str) -> Any:  # the model's own tokenizer, once the data say which kind of model
         folders[kind] = folder = _model_folder(cfg, kind)
         if folder is None:
-            raise SpecError(f"--model {_model_name(cfg, kind)} has no tokenizer for your text; use a transformers "
-                            f"model (a hub name, or a folder saved with its tokenizer)")
+            raise SpecError(f"--model {_model_name(cfg, kind)} has no tokenizer for your text; use a "
+                            f"transformers model (a hub name, or a folder saved with its tokenizer)")
         return _tokenizer(folder, _model_name(cfg, kind))
 
     if t.train_file is not None:
@@ -382,10 +399,13 @@ def setup_task(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None)
     :class:`~aqsgd.data.DictDataset`)."""
     if data is not None:
         if cfg.own_data or cfg.task.name is not None:
-            raise SpecError("data given from Python replace --task / --train-file / --dataset; leave those unset")
-        train, evals = (_first(d, n) for d, n in zip(data, (cfg.task.max_train_samples, cfg.task.max_eval_samples)))
+            raise SpecError("data given from Python replace --task / --train-file / --dataset; "
+                            "leave those unset")
+        train, evals = (_first(d, n)
+                        for d, n in zip(data, (cfg.task.max_train_samples, cfg.task.max_eval_samples)))
         if len(train) == 0 or len(evals) == 0:  # type: ignore[arg-type]
-            raise SpecError(f"data: {len(train)} training and {len(evals)} evaluation samples; both need some")  # type: ignore[arg-type]
+            raise SpecError(f"data: {len(train)} training and {len(evals)} evaluation samples; "  # type: ignore[arg-type]
+                            f"both need some")
         kind = dataset_kind(train)
         folder = _model_folder(cfg, kind) if kind != "image-classification" else None
         name = str((getattr(train, "info", {}) or {}).get("task") or "data")
@@ -404,7 +424,8 @@ def setup_task(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None)
     if name == "glue-cola":
         metric = "mcc"
     data_info = {k: info[k] for k in ("label_names", "train_file", "eval_file", "dataset", "fingerprint",
-                                       "fingerprints", "text_column", "text_pair_column", "label_column", "rows_read")
+                                       "fingerprints", "text_column", "text_pair_column", "label_column",
+                                       "rows_read")
                  if info.get(k) is not None}
     return TaskSetup(name, kind, recipe, train, evals, num_labels,
                      cfg.task.max_length if kind != "image-classification" else None, metric, data_info)

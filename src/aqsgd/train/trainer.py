@@ -60,27 +60,28 @@ from aqsgd.train.rundir import (RunDirError, RunDirLock, check_run_dir, prepare_
                                 truncate_metrics)
 from aqsgd.train.tasks import TaskSetup, effective_settings, setup_task
 
-__all__ = ["Trainer", "StepHook", "check_partition", "collective_timeout", "compute_dtype", "where_to_continue",
-           "without_full_mask", "RESUME_MUST_MATCH"]
+__all__ = ["Trainer", "StepHook", "check_partition", "collective_timeout", "compute_dtype",
+           "where_to_continue", "without_full_mask", "RESUME_MUST_MATCH"]
 
 log = logging.getLogger(__name__)
-_STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute_s", "encode_s", "decode_s", "wait_s", "sync_bytes",
-              "step_s")
-# evaluation sums, reduced over the replicas: loss x samples, samples, correct predictions, binary confusion counts
+_STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute_s", "encode_s", "decode_s", "wait_s",
+              "sync_bytes", "step_s")
+# evaluation sums, reduced over the replicas: loss x samples, samples, correct predictions, binary confusion
+# counts
 _EVAL_KEYS = ("loss_sum", "count", "correct", "tp", "tn", "fp", "fn")
 
 
 # Settings that change what a checkpoint's state means (the model and its cut into stages, the data and sample
 # ids, the order of the data, the boundary schemes and their caches, the optimizer's state, the data-parallel
-# grid and its error-feedback buffers): a resumed run must use the checkpoint's values. Every other setting may
-# change on resume (lr, epochs, evaluation, ...), and the trainer warns about each one that did.
+# grid and its error-feedback buffers): a resumed run must use the checkpoint's values. Every other setting
+# may change on resume (lr, epochs, evaluation, ...), and the trainer warns about each one that did.
 RESUME_MUST_MATCH = frozenset({
     "task", "model", "max_length", "max_train_samples", "model_layers", "stages", "layers", "balance",
-    "micro_batches", "micro_batch_size", "data_parallel", "grad_sync", "grad_bucket_mb", "forward", "backward",
-    "cache", "ef_key", "optimizer", "grad_accum", "seed"})
+    "micro_batches", "micro_batch_size", "data_parallel", "grad_sync", "grad_bucket_mb", "forward",
+    "backward", "cache", "ef_key", "optimizer", "grad_accum", "seed"})
 # where and how this invocation runs and reports: not part of the training, never compared
-_RUN_ONLY = frozenset({"cache_dir", "output_dir", "run_name", "resume", "overwrite", "progress", "tensorboard",
-                       "trace", "timeout", "checksum", "keep_checkpoints"})
+_RUN_ONLY = frozenset({"cache_dir", "output_dir", "run_name", "resume", "overwrite", "progress",
+                       "tensorboard", "trace", "timeout", "checksum", "keep_checkpoints"})
 
 
 def check_partition(cfg: TrainConfig, recipe: Any) -> None:
@@ -88,16 +89,19 @@ def check_partition(cfg: TrainConfig, recipe: Any) -> None:
     from aqsgd.pipeline.partition import model_layout, stage_layer_counts
 
     try:
-        stage_layer_counts(model_layout(recipe.build("meta")), cfg.pipeline.stages, cfg.pipeline.layers, cfg.pipeline.balance)
+        stage_layer_counts(model_layout(recipe.build("meta")), cfg.pipeline.stages, cfg.pipeline.layers,
+                           cfg.pipeline.balance)
     except ValueError as e:
-        option = (f"--layers {','.join(map(str, cfg.pipeline.layers))}" if cfg.pipeline.layers is not None else f"--stages {cfg.pipeline.stages}")
+        option = (f"--layers {','.join(map(str, cfg.pipeline.layers))}" if cfg.pipeline.layers is not None
+                  else f"--stages {cfg.pipeline.stages}")
         raise SpecError(f"{option}: {e}") from None
 
 
 def collective_timeout(timeout: float) -> float:
-    """Seconds a collective of the run's groups (the gradient norm, the replicas' sync, metrics) waits for every
-    member: ``--timeout``, but at least 10 s. A collective waits for the slowest stage to end its step (the
-    pipeline's drain, a kernel compiled at its first call), where a link's ``--timeout`` bounds one message."""
+    """Seconds a collective of the run's groups (the gradient norm, the replicas' sync, metrics) waits for
+    every member: ``--timeout``, but at least 10 s. A collective waits for the slowest stage to end its step
+    (the pipeline's drain, a kernel compiled at its first call), where a link's ``--timeout`` bounds one
+    message."""
     return max(float(timeout), 10.0)
 
 
@@ -116,8 +120,9 @@ def _mcc(tp: float, tn: float, fp: float, fn: float) -> float:
 
 def without_full_mask(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``batch`` without its ``attention_mask`` where that is all ones (no padding: every LM chunk), which is
-    what a missing mask means to every model. Otherwise each stage's mask builder checks the mask for padding on
-    the stages' device, a host wait per stage and micro-batch on a GPU; one look on the host decides here."""
+    what a missing mask means to every model. Otherwise each stage's mask builder checks the mask for padding
+    on the stages' device, a host wait per stage and micro-batch on a GPU; one look on the host decides
+    here."""
     mask = batch.get("attention_mask")
     if mask is not None and mask.device.type == "cpu" and bool(mask.all()):
         return {k: v for k, v in batch.items() if k != "attention_mask"}
@@ -140,9 +145,9 @@ StepHook = Callable[["Trainer", int], None]
 
 class Trainer:
     """Builds the stages this process owns, their engine and transport, and trains them (see the module
-    docstring). ``on_step(trainer, step)`` hooks run before each optimizer step (``step`` counts from 1): a place
-    for callbacks such as the tests' fault injection. A trainer is used once; a process (group) may run several
-    in turn, each with its own run directory."""
+    docstring). ``on_step(trainer, step)`` hooks run before each optimizer step (``step`` counts from 1): a
+    place for callbacks such as the tests' fault injection. A trainer is used once; a process (group) may run
+    several in turn, each with its own run directory."""
 
     def __init__(self, cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None,
                  run_dir: str | Path | None = None, on_step: Sequence[StepHook] = ()) -> None:
@@ -152,22 +157,22 @@ class Trainer:
         self.distributed = dist.is_initialized()
         if p.runtime == "distributed" and not self.distributed:
             raise ConfigMismatchError(
-                "runtime 'distributed' needs torch.distributed initialized in every stage process (start it with "
-                "`aqsgd train --runtime distributed`, or torchrun and init_process_group); use runtime 'local' to "
-                "run all stages in this process")
+                "runtime 'distributed' needs torch.distributed initialized in every stage process (start it "
+                "with `aqsgd train --runtime distributed`, or torchrun and init_process_group); use runtime "
+                "'local' to run all stages in this process")
         self.rank = dist.get_rank() if self.distributed else 0
         if self.distributed and dist.get_world_size() != cfg.world_size:
             raise ConfigMismatchError(
                 f"{dist.get_world_size()} processes for {p.stages} stages x {p.data_parallel} data-parallel "
-                f"replicas: start exactly stages x data_parallel = {cfg.world_size} processes (one per stage and "
-                f"replica)")
+                f"replicas: start exactly stages x data_parallel = {cfg.world_size} processes (one per stage "
+                f"and replica)")
         if self.distributed:
             settings = cfg.flat()
             if cfg.compression.cache.startswith("lowbit"):
-                # each side re-encodes its cache rows: bit-identical sides need the same kind of device (an eager
-                # CUDA encode may round a code differently from the CPU's; decoding agrees everywhere)
-                settings["device kind (the low-bit cache encodes on both sides of a boundary)"] = resolve_device(
-                    p.device, distributed=True).type
+                # each side re-encodes its cache rows: bit-identical sides need the same kind of device (an
+                # eager CUDA encode may round a code differently from the CPU's; decoding agrees everywhere)
+                settings["device kind (the low-bit cache encodes on both sides of a boundary)"] = (
+                    resolve_device(p.device, distributed=True).type)
             check_same_settings(settings)
         self.grid = (ProcessGrid.build(p.stages, p.data_parallel, timeout_s=collective_timeout(p.timeout))
                      if self.distributed else None)
@@ -181,8 +186,10 @@ class Trainer:
             check_run_dir(cfg, self.run_dir)
         self.task: TaskSetup = setup_task(cfg, data=data)
         check_partition(cfg, self.task.recipe)
-        self._lock = self._prepare_run_dir()  # before anything (a disk cache, a checkpoint) writes into it
-        self.steps_per_epoch = math.ceil(self._train_batches_per_epoch(len(self.task.train)) / cfg.optim.grad_accum)
+        # before anything (a disk cache, a checkpoint) writes into it
+        self._lock = self._prepare_run_dir()
+        self.steps_per_epoch = math.ceil(self._train_batches_per_epoch(len(self.task.train))
+                                         / cfg.optim.grad_accum)
         total = self.steps_per_epoch * cfg.optim.epochs
         self.total_steps = min(total, cfg.optim.max_steps) if cfg.optim.max_steps else total
         self.engine = self._build_engine()
@@ -197,21 +204,23 @@ class Trainer:
         self._skipped_in_a_row = 0  # steps in a row not applied for a non-finite loss or gradient norm
 
     def _build_engine(self) -> PipelineEngine:
-        """The stages this process owns (all of them locally, its own one distributed), their boundary schemes,
-        optimizers and, distributed, the transport, tied-weight groups and data-parallel gradient sync."""
+        """The stages this process owns (all of them locally, its own one distributed), their boundary
+        schemes, optimizers and, distributed, the transport, tied-weight groups and data-parallel gradient
+        sync."""
         cfg, p, o = self.cfg, self.cfg.pipeline, self.cfg.optim
         # locally every stage computes on one device; distributed, each process on cuda:(LOCAL_RANK mod GPUs)
         device = self.device = resolve_device(p.device, distributed=self.distributed)
         check_backends(device, p.p2p_backend, p.dp_backend)
-        optim = OptimConfig(o.optimizer, o.lr, o.weight_decay, int(o.lr_warmup * self.total_steps), self.total_steps,
-                            o.max_grad_norm)
+        optim = OptimConfig(o.optimizer, o.lr, o.weight_decay, int(o.lr_warmup * self.total_steps),
+                            self.total_steps, o.max_grad_norm)
         cache_dir = None
-        if cfg.compression.cache.startswith("disk"):  # one disk cache per replica: each holds its own samples' rows
+        # one disk cache per replica: each holds its own samples' rows
+        if cfg.compression.cache.startswith("disk"):
             cache_path = self.run_dir / "cache"
             cache_dir = str(cache_path / f"replica{self.replica}" if p.data_parallel > 1 else cache_path)
         c = cfg.compression
-        comp = CompressionConfig.simple(c.forward, c.backward, num_samples=len(self.task.train), cache=c.cache,
-                                        cache_dir=cache_dir, ef_key=c.ef_key, seed=o.seed)
+        comp = CompressionConfig.simple(c.forward, c.backward, num_samples=len(self.task.train),
+                                        cache=c.cache, cache_dir=cache_dir, ef_key=c.ef_key, seed=o.seed)
         autocast = torch.bfloat16 if compute_dtype(o.dtype, device) == "bf16" else None
         torch.manual_seed(o.seed)
         recipe = self.task.recipe
@@ -226,13 +235,15 @@ class Trainer:
         links = LinkSpec.parse(p.link) if p.link else None
         module = materialize_stage(recipe, p.stages, self.grid.stage, layers=p.layers, balance=p.balance)
         module = module.to(device)
-        ties = shared_parameters(partition_model(recipe.build("meta"), p.stages, layers=p.layers, balance=p.balance))
+        ties = shared_parameters(partition_model(recipe.build("meta"), p.stages, layers=p.layers,
+                                                 balance=p.balance))
         grad_sync = None
         if p.data_parallel > 1:
             # NCCL replica groups of their own (collective, the same on every rank); gloo: the grid's groups,
             # with the buckets in host memory
             group, sync_device = self.grid.dp_group, torch.device("cpu")
-            if resolve_dp_backend(p.dp_backend, device, shared_gpu=self._replicas_sharing_a_gpu(device)) == "nccl":
+            if resolve_dp_backend(p.dp_backend, device,
+                                  shared_gpu=self._replicas_sharing_a_gpu(device)) == "nccl":
                 group = self.grid.new_dp_group(group_backend("nccl"), timeout_s=collective_timeout(p.timeout))
                 sync_device = device
             grad_sync = make_grad_sync(p.grad_sync, group, bucket_mb=p.grad_bucket_mb, link=links,
@@ -245,8 +256,8 @@ class Trainer:
 
     def _replicas_sharing_a_gpu(self, device: torch.device) -> str | None:
         """Where replicas of a stage would share a GPU (on any machine of the run: every process learns it, so
-        that all choose the same backend), in words; None where none would. With ``--dp-backend auto`` the sync
-        then goes over gloo, which is said once."""
+        that all choose the same backend), in words; None where none would. With ``--dp-backend auto`` the
+        sync then goes over gloo, which is said once."""
         if device.type != "cuda" or self.grid is None or self.cfg.pipeline.data_parallel < 2:
             return None
         layout = self.grid.layout
@@ -258,8 +269,8 @@ class Trainer:
             return None
         shared = here or "replicas of a stage would share a GPU on another machine of the run"
         if self.rank == 0 and self.cfg.pipeline.dp_backend == "auto":
-            log.warning("%s: the data-parallel gradient sync goes over gloo (NCCL cannot put two ranks of one group "
-                        "on one GPU; --dp-backend auto)", shared)
+            log.warning("%s: the data-parallel gradient sync goes over gloo (NCCL cannot put two ranks of "
+                        "one group on one GPU; --dp-backend auto)", shared)
         return shared
 
     def _prepare_run_dir(self) -> RunDirLock | None:
@@ -281,20 +292,24 @@ class Trainer:
 
     # -- data ----------------------------------------------------------------------------------------------
     def _train_batches_per_epoch(self, n: int) -> int:
-        """Global batches of one epoch: a trailing partial batch counts if it has a sample for every replica."""
+        """Global batches of one epoch: a trailing partial batch counts if it has a sample for every
+        replica."""
         full, rest = divmod(n, self.cfg.global_batch_size)
         return full + (1 if rest >= self.cfg.pipeline.data_parallel else 0)
 
     def _train_batches(self, epoch: int) -> list[dict[str, torch.Tensor]]:
-        """The global batches of one epoch (the same on every process), in the order fixed by (seed, epoch)."""
-        batches = epoch_batches(self.task.train, self.cfg.global_batch_size, seed=self.cfg.optim.seed, epoch=epoch)
+        """The global batches of one epoch (the same on every process), in the order fixed by (seed,
+        epoch)."""
+        batches = epoch_batches(self.task.train, self.cfg.global_batch_size, seed=self.cfg.optim.seed,
+                                epoch=epoch)
         return [b for b in batches if b["sample_ids"].numel() >= self.cfg.pipeline.data_parallel]
 
     def _shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This replica's contiguous shard of a global batch (the whole batch without data parallelism)."""
         if self.cfg.pipeline.data_parallel == 1:
             return batch
-        return {k: torch.tensor_split(v, self.cfg.pipeline.data_parallel)[self.replica] for k, v in batch.items()}
+        return {k: torch.tensor_split(v, self.cfg.pipeline.data_parallel)[self.replica]
+                for k, v in batch.items()}
 
     def _replica_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a float64 tensor over the replicas of this (last) stage; identity without data parallelism."""
@@ -305,8 +320,9 @@ class Trainer:
     # -- helpers -----------------------------------------------------------------------------------------
     def _gathered_stats(self, dt: float) -> list[list[float]]:
         """Per stage: bytes and seconds of the last step (``dt``: the step as this process timed it), gathered
-        from every process when distributed. With data parallelism each row is summed over the stage's replicas
-        (boundary bytes of all D pipelines, their seconds, and the gradient-sync bytes each rank sent)."""
+        from every process when distributed. With data parallelism each row is summed over the stage's
+        replicas (boundary bytes of all D pipelines, their seconds, and the gradient-sync bytes each rank
+        sent)."""
         rows = [[0.0] * len(_STAT_KEYS) for _ in range(self.cfg.pipeline.stages)]
         for i, st in self.engine.stats().items():
             rows[i] = [st.bytes_sent["forward"], st.bytes_sent["backward"], st.raw_bytes["forward"],
@@ -343,11 +359,12 @@ class Trainer:
         classify = self.task.kind != "causal-lm"
         for name, phase in (("compressed", Phase.EVAL), ("uncompressed", Phase.EVAL_RAW)):
             sums = torch.zeros(len(_EVAL_KEYS), dtype=torch.float64)
-            for batch in epoch_batches(self.task.eval, self.cfg.global_batch_size, seed=self.cfg.optim.seed, epoch=0,
-                                       shuffle=False):
+            for batch in epoch_batches(self.task.eval, self.cfg.global_batch_size, seed=self.cfg.optim.seed,
+                                       epoch=0, shuffle=False):
                 shard = self._shard(batch)
                 n = shard["sample_ids"].numel()
-                if n == 0:  # fewer samples than replicas in a last batch: every stage of this replica skips it
+                # fewer samples than replicas in a last batch: every stage of this replica skips it
+                if n == 0:
                     continue
                 mbs = microbatches(self._on_device(shard), self.cfg.pipeline.micro_batches)
                 loss, logits = self.engine.evaluate(mbs, phase, keep_logits=classify)
@@ -358,7 +375,8 @@ class Trainer:
                 if classify and logits is not None:
                     p, y = torch.cat(logits).argmax(-1).cpu(), shard["labels"]
                     sums[2:] += torch.tensor([float((p == y).sum()), float(((p == 1) & (y == 1)).sum()),
-                                              float(((p == 0) & (y == 0)).sum()), float(((p == 1) & (y == 0)).sum()),
+                                              float(((p == 0) & (y == 0)).sum()),
+                                              float(((p == 1) & (y == 0)).sum()),
                                               float(((p == 0) & (y == 1)).sum())], dtype=torch.float64)
             if not self.holds_loss:
                 continue
@@ -376,7 +394,8 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def _checkpoint(self) -> None:
-        pos = {**self.position, "totals": self.totals, "config": self.cfg.to_dict(), "data": self.task.data_info}
+        pos = {**self.position, "totals": self.totals, "config": self.cfg.to_dict(),
+               "data": self.task.data_info}
         step = self.position["step"]
         with naming_peer_failures(self.transport, f"the checkpoint of step {step}", self._suspects):
             path = save_checkpoint(self.run_dir, step, self.engine, pos, keep=self.cfg.run.keep_checkpoints)
@@ -384,12 +403,14 @@ class Trainer:
         log.info("checkpoint %s", path)
 
     def _resume(self) -> int:
-        """Load the newest checkpoint of ``cfg.run.resume``; returns its step. Settings that change what the saved
-        state means must equal the checkpoint's (one error naming them); others may change, with a warning."""
+        """Load the newest checkpoint of ``cfg.run.resume``; returns its step. Settings that change what the
+        saved state means must equal the checkpoint's (one error naming them); others may change, with a
+        warning."""
         path = latest_checkpoint(self.cfg.run.resume)  # type: ignore[arg-type]
         if path is None:
             raise CheckpointError(f"--resume: no complete checkpoint under {self.cfg.run.resume}")
-        # verified against the checkpoint's manifests; flat in checkpoints written before the config was nested
+        # verified against the checkpoint's manifests; flat in checkpoints written before the config was
+        # nested
         trainer_state = read_trainer_state(path)
         saved = effective_settings(flatten_config(trainer_state.get("config", {})))
         defaults = TrainConfig().flat()  # checkpoints written before a setting existed ran with its default
@@ -399,15 +420,16 @@ class Trainer:
         fixed = {k: v for k, v in differ.items() if k in RESUME_MUST_MATCH}
         if fixed:
             what = ", ".join(f"{k}={a!r} (this run: {b!r})" for k, (a, b) in fixed.items())
-            raise CheckpointError(f"--resume {path}: the checkpoint was trained with {what}; these settings must "
-                                  f"match to continue it")
+            raise CheckpointError(f"--resume {path}: the checkpoint was trained with {what}; these settings "
+                                  f"must match to continue it")
         was, now = trainer_state.get("data", {}).get("fingerprint"), self.task.data_info.get("fingerprint")
         if was is not None and was != now:
             info = self.task.data_info
-            files = ", ".join(str(info[k]) for k in ("train_file", "eval_file", "dataset") if info.get(k)) or "the data"
-            raise CheckpointError(f"--resume {path}: {files} changed since the checkpoint (sha256 {str(was)[:12]}... "
-                                  f"then, {str(now)[:12]}... now); its sample ids and cached activations would not "
-                                  f"match: restore the data or start a new run")
+            files = (", ".join(str(info[k]) for k in ("train_file", "eval_file", "dataset") if info.get(k))
+                     or "the data")
+            raise CheckpointError(f"--resume {path}: {files} changed since the checkpoint (sha256 "
+                                  f"{str(was)[:12]}... then, {str(now)[:12]}... now); its sample ids and "
+                                  f"cached activations would not match: restore the data or start a new run")
         if differ:
             log.warning("resuming %s with changed settings: %s", path,
                         ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items()))
@@ -442,12 +464,14 @@ class Trainer:
         if resumed_at is not None and self.writes_metrics:
             dropped = truncate_metrics(self.run_dir, resumed_at)
             if dropped:
-                log.info("metrics.jsonl: dropped %d rows after step %d (they are trained again)", dropped, resumed_at)
+                log.info("metrics.jsonl: dropped %d rows after step %d (they are trained again)", dropped,
+                         resumed_at)
         writer = MetricsWriter(self.run_dir, enabled=self.writes_metrics, tensorboard=cfg.run.tensorboard,
                                purge_step=None if resumed_at is None else resumed_at + 1)
         if self.writes_metrics:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-            if self.task.data_info:  # the label set, files and their fingerprints: what the model was trained on
+            # the label set, files and their fingerprints: what the model was trained on
+            if self.task.data_info:
                 (self.run_dir / "data.json").write_text(json.dumps(self.task.data_info, indent=1))
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -491,9 +515,11 @@ class Trainer:
                     loss = self._train_step(group, phase)
                     dt = time.perf_counter() - t0
                 self._check_finite(loss)
-                self.position.update(epoch=epoch, batch=b + cfg.optim.grad_accum, step=self.position["step"] + 1)
+                self.position.update(epoch=epoch, batch=b + cfg.optim.grad_accum,
+                                     step=self.position["step"] + 1)
                 with naming_peer_failures(self.transport, "the metrics all-reduce", self._suspects):
-                    self._log_step(writer, epoch, phase, loss, dt, sum(g["sample_ids"].numel() for g in group))
+                    self._log_step(writer, epoch, phase, loss, dt,
+                                   sum(g["sample_ids"].numel() for g in group))
                 progress.update(bar, advance=1, description=f"epoch {epoch} {phase.value} loss "
                                 f"{loss if loss is not None else float('nan'):.4f}")
                 step = self.position["step"]
@@ -530,18 +556,20 @@ class Trainer:
         return loss
 
     def _check_finite(self, loss: float | None) -> None:
-        """After a step the engine did not apply (a NaN or infinite loss or gradient norm): stop with one line,
-        or, with ``--skip-nonfinite N``, go on unless this is the (N+1)-th such step in a row."""
+        """After a step the engine did not apply (a NaN or infinite loss or gradient norm): stop with one
+        line, or, with ``--skip-nonfinite N``, go on unless this is the (N+1)-th such step in a row."""
         if not self.engine.skipped:
             self._skipped_in_a_row = 0
             return
         step = self.position["step"] + 1
-        what = ", ".join(([f"loss {loss}"] if loss is not None else []) + [f"gradient norm {self.engine.last_grad_norm}"])
+        what = ", ".join(([f"loss {loss}"] if loss is not None else [])
+                         + [f"gradient norm {self.engine.last_grad_norm}"])
         self._skipped_in_a_row += 1
         allowed = self.cfg.optim.skip_nonfinite
         if self._skipped_in_a_row > allowed:
             if allowed:
-                what += f" ({self._skipped_in_a_row} such steps in a row; --skip-nonfinite {allowed} allows {allowed})"
+                what += (f" ({self._skipped_in_a_row} such steps in a row; --skip-nonfinite {allowed} allows "
+                         f"{allowed})")
             raise self._diverged(step, what)
         log.warning("step %d skipped: %s (%d of at most %d in a row, --skip-nonfinite)", step, what,
                     self._skipped_in_a_row, allowed)
@@ -572,13 +600,14 @@ class Trainer:
             yield
         name = "trace"
         if self.grid is not None:
-            name += f".stage{self.grid.stage}" + (f".replica{self.replica}" if self.cfg.pipeline.data_parallel > 1
-                                                   else "")
+            name += f".stage{self.grid.stage}" + (f".replica{self.replica}"
+                                                   if self.cfg.pipeline.data_parallel > 1 else "")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.run_dir / f"{name}.json"))
 
     def _eval(self, writer: MetricsWriter, epoch: int) -> None:
-        with naming_peer_failures(self.transport, f"the evaluation at step {self.position['step']}", self._suspects):
+        with naming_peer_failures(self.transport, f"the evaluation at step {self.position['step']}",
+                                  self._suspects):
             result = self.evaluate()
         self._done["eval"] = self.position["step"]
         if self.writes_metrics:
@@ -588,8 +617,9 @@ class Trainer:
 
     def _log_step(self, writer: MetricsWriter, epoch: int, phase: Phase, loss: float | None, dt: float,
                   samples: int) -> None:
-        # Boundary bytes are summed over the D replica pipelines (each has its own boundaries); grad_sync_bytes
-        # is what every rank sent in its stage's data-parallel group, summed over all ranks (0 when D = 1).
+        # Boundary bytes are summed over the D replica pipelines (each has its own boundaries);
+        # grad_sync_bytes is what every rank sent in its stage's data-parallel group, summed over all ranks (0
+        # when D = 1).
         stats = [dict(zip(_STAT_KEYS, r)) for r in self._gathered_stats(dt)]
         sent = int(sum(s["fw_bytes"] + s["bw_bytes"] for s in stats))
         raw = int(sum(s["fw_raw"] + s["bw_raw"] for s in stats))
@@ -610,12 +640,14 @@ class Trainer:
         row = {
             "kind": "train", "step": self.position["step"], "epoch": epoch, "phase": phase.value,
             "loss": None if skipped else loss,
-            "lr": self.engine.lr, "samples_per_s": samples / dt, "tokens_per_s": samples * tokens / dt if tokens else None,
-            "bytes_sent": sent, "raw_bytes": raw, "ratio": raw / sent if sent else None, "bytes": per_boundary,
-            "grad_sync_bytes": sync,
+            "lr": self.engine.lr, "samples_per_s": samples / dt,
+            "tokens_per_s": samples * tokens / dt if tokens else None,
+            "bytes_sent": sent, "raw_bytes": raw, "ratio": raw / sent if sent else None,
+            "bytes": per_boundary, "grad_sync_bytes": sync,
             "grad_norm": None if skipped else self.engine.last_grad_norm,
             "time": {"step": dt, "compute": sum(s["compute_s"] for s in stats),
-                     "codec": sum(s["encode_s"] + s["decode_s"] for s in stats), "wait": sum(s["wait_s"] for s in stats)},
+                     "codec": sum(s["encode_s"] + s["decode_s"] for s in stats),
+                     "wait": sum(s["wait_s"] for s in stats)},
             # per stage, the mean over its replicas: what one process of that stage sent and spent this step
             "stages": [{k: v / self.cfg.pipeline.data_parallel for k, v in s.items()} for s in stats],
         }
@@ -628,8 +660,10 @@ class Trainer:
         train_rows = [r for r in self.history if r["loss"] is not None]
         t = self.totals
         return {
-            "task": self.task.name, "model": self.task.recipe.kind, "setting": f"{self.cfg.compression.forward}/{self.cfg.compression.backward}",
-            "stages": self.cfg.pipeline.stages, "data_parallel": self.cfg.pipeline.data_parallel, "grad_sync": self.cfg.pipeline.grad_sync,
+            "task": self.task.name, "model": self.task.recipe.kind,
+            "setting": f"{self.cfg.compression.forward}/{self.cfg.compression.backward}",
+            "stages": self.cfg.pipeline.stages, "data_parallel": self.cfg.pipeline.data_parallel,
+            "grad_sync": self.cfg.pipeline.grad_sync,
             "runtime": self.cfg.pipeline.runtime, "steps": self.position["step"],
             "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
             "eval": self.last_eval, "main_metric": self.task.main_metric,

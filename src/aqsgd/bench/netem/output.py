@@ -1,4 +1,5 @@
-"""What the netem benchmark writes: a markdown table, the JSON report and a plot of speed-up against bandwidth."""
+"""What the netem benchmark writes: a markdown table, the JSON report and a plot of speed-up against
+bandwidth."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def write_json(report: Mapping[str, Any], path: str | Path, *, cfg: NetemBenchCo
 
 
 def plot_speedups(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "") -> None:
-    """PNG of measured (solid) and ideal (dotted) speed-up vs fp32 against bandwidth, one colour per setting."""
+    """PNG of measured (solid) and ideal (dotted) speed-up vs fp32 against bandwidth, one colour per
+    setting."""
     import matplotlib
 
     matplotlib.use("Agg")

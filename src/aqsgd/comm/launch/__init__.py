@@ -25,16 +25,18 @@ __all__ = ["LOOPBACK", "RankOutcome", "RootCause", "find_root_cause", "free_port
            "leave_process_group", "run_as_rank", "started_as_rank"]
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, before_spawn: Callable[[], None] | None = None,
+def launch(fn: Callable[..., Any], world_size: int, *args: Any,
+           before_spawn: Callable[[], None] | None = None,
            rank_names: Callable[[int], str] | None = None) -> list[Any]:
-    """``fn(*args)`` as every rank of a job of ``world_size`` processes; the values of the ranks that ran here,
-    in rank order: all of them when they were spawned here, this process's alone when it was started as one
-    rank (see the module docstring).
+    """``fn(*args)`` as every rank of a job of ``world_size`` processes; the values of the ranks that ran
+    here, in rank order: all of them when they were spawned here, this process's alone when it was started as
+    one rank (see the module docstring).
 
     ``before_spawn`` runs once in this process before it spawns the ranks (preparing what every rank would
     otherwise prepare at the same time: downloads, weights files); it does not run where each process is
     already a rank. ``rank_names`` names a rank in messages (``stage 1``). Raises
-    :class:`~aqsgd.errors.StageFailedError` naming the process at fault, or :class:`~aqsgd.errors.Interrupted`.
+    :class:`~aqsgd.errors.StageFailedError` naming the process at fault, or
+    :class:`~aqsgd.errors.Interrupted`.
     """
     if started_as_rank():
         return [run_as_rank(fn, world_size, *args)]

@@ -81,7 +81,8 @@ log = logging.getLogger(__name__)
 # a torch.distributed RuntimeError (gloo) that says a connection was lost, without naming the peer
 _COMM_HINTS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "gloo")
 UNGUARDED = ("launch_local was called again while a spawned process imported the main module: put the "
-             "script's launch under `if __name__ == \"__main__\":` (every spawned process re-imports the script)")
+             "script's launch under `if __name__ == \"__main__\":` (every spawned process re-imports the "
+             "script)")
 
 
 def failure_report(rank: int, e: BaseException) -> dict[str, Any]:
@@ -114,7 +115,8 @@ class RankOutcome:
     detail: str | None = None
     traceback: str | None = None
     exit_code: int | None = None  # of an ``error``: the exception's exit_code, where it has one
-    signum: int | None = None  # of an ``error`` that was an interruption (aqsgd.errors.Interrupted): its signal
+    # of an ``error`` that was an interruption (aqsgd.errors.Interrupted): its signal
+    signum: int | None = None
 
 
 @dataclasses.dataclass
@@ -210,7 +212,8 @@ def _outcomes(ctl: str, nprocs: int, out: Mapping[int, Any], failure: Any, watch
         elif (r in out and out[r][0]) or os.path.exists(os.path.join(ctl, f"end-{r}")):
             outcomes[r] = RankOutcome(r, "ok")
         elif r in agent_failures and os.path.exists(os.path.join(ctl, f"unguarded-{agent_failures[r].pid}")):
-            outcomes[r] = RankOutcome(r, "error", "RuntimeError", UNGUARDED, time=agent_failures[r].timestamp or None)
+            outcomes[r] = RankOutcome(r, "error", "RuntimeError", UNGUARDED,
+                                      time=agent_failures[r].timestamp or None)
         elif r in agent_failures:
             pf = agent_failures[r]
             how = (f"was killed by signal {pf.signal_name()}" if pf.exitcode is not None and pf.exitcode < 0

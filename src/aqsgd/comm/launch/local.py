@@ -32,11 +32,11 @@ SIGINT or SIGTERM to the launching process: PyTorch's launcher forwards the sign
 to 3 s for them to end (then SIGKILL), and :func:`launch_local` raises :class:`~aqsgd.errors.Interrupted`.
 
 Where the details go: every process's outcome, the launcher's ``ChildFailedError`` and PyTorch's launcher log
-are written to a file (``failure_log``, default a new ``RUN_ID-*-failure.log`` in the temp directory) whose path
-ends the one-line message, and logged at DEBUG level on ``aqsgd.comm.launch`` (``aqsgd -v`` shows them). During
-the launch the loggers of PyTorch's launcher (``torch.distributed.elastic``, ``torch.multiprocessing``) go to
-that log instead of the terminal (at DEBUG level): on a failure they print the failed process's traceback and
-one line per process they stop.
+are written to a file (``failure_log``, default a new ``RUN_ID-*-failure.log`` in the temp directory) whose
+path ends the one-line message, and logged at DEBUG level on ``aqsgd.comm.launch`` (``aqsgd -v`` shows them).
+During the launch the loggers of PyTorch's launcher (``torch.distributed.elastic``, ``torch.multiprocessing``)
+go to that log instead of the terminal (at DEBUG level): on a failure they print the failed process's
+traceback and one line per process they stop.
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
 
     Raises :class:`~aqsgd.errors.StageFailedError` if any process fails, naming the process at fault, with
     that process's exit status (the ``exit_code`` of its exception, where it has one). Raises
-    :class:`~aqsgd.errors.Interrupted` if this process got SIGINT or SIGTERM (PyTorch's launcher forwards it to
-    every process and waits a few seconds for them to end), or if the process at fault was interrupted itself.
+    :class:`~aqsgd.errors.Interrupted` if this process got SIGINT or SIGTERM (PyTorch's launcher forwards it
+    to every process and waits a few seconds for them to end), or if the process at fault was interrupted
+    itself.
     """
     _refuse_nested_launch()
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
@@ -158,7 +159,8 @@ def _stage_entry(ctl: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> tup
     _write(ctl, f"pid-{rank}", str(os.getpid()))
     try:
         value = fn(*args)
-    except Interrupted as e:  # SIGINT/SIGTERM: reported, then gone (the launcher forwards its own, then waits)
+    except Interrupted as e:
+        # SIGINT/SIGTERM: reported, then gone (the launcher forwards its own, then waits)
         _write(ctl, f"failed-{rank}.json", json.dumps(failure_report(rank, e)))
         _write(ctl, f"end-{rank}", "")
         exit_without_finalizing(e.exit_code)

@@ -1,9 +1,9 @@
 """This process as one rank of a distributed job: whether it was started as one, running a job's function as
 it, and leaving the process group at the end.
 
-A process started by ``torchrun`` (or by :func:`~aqsgd.comm.launch.local.launch_local`, or by any launcher that
-sets ``RANK`` and ``WORLD_SIZE`` the way torchrun does, such as the network-namespace benchmark) is one rank of
-a job: it runs its own part and nothing else.
+A process started by ``torchrun`` (or by :func:`~aqsgd.comm.launch.local.launch_local`, or by any launcher
+that sets ``RANK`` and ``WORLD_SIZE`` the way torchrun does, such as the network-namespace benchmark) is one
+rank of a job: it runs its own part and nothing else.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ def run_as_rank(fn: Callable[..., Any], world_size: int, *args: Any) -> Any:
 
     A world of another size is a :class:`~aqsgd.errors.ConfigMismatchError`. If ``fn`` raises, the exception
     goes on to the caller (who reports it), and the process then ends without the interpreter's teardown,
-    with the exception's ``exit_code`` (1 for an exception without one): a transport thread may still be blocked
-    in gloo, and tearing gloo down under it would abort the process with a fatal-error dump."""
+    with the exception's ``exit_code`` (1 for an exception without one): a transport thread may still be
+    blocked in gloo, and tearing gloo down under it would abort the process with a fatal-error dump."""
     world = int(os.environ.get("WORLD_SIZE", "0"))
     if world != world_size:
-        raise ConfigMismatchError(f"{world} processes were started (WORLD_SIZE) for a job of {world_size}: start "
-                                  f"exactly stages x data_parallel = {world_size} processes (one per stage and "
-                                  "replica)")
+        raise ConfigMismatchError(f"{world} processes were started (WORLD_SIZE) for a job of {world_size}: "
+                                  f"start exactly stages x data_parallel = {world_size} processes (one per "
+                                  "stage and replica)")
     try:
         return fn(*args)
     except BaseException as e:
