@@ -39,5 +39,6 @@ def test_an_older_torch_is_refused_in_one_line():
     from aqsgd.errors import SpecError
 
     with pytest.raises(SpecError, match=r"^aqsgd bench vs-torch: the comparison needs torch.distributed"
-                                        r".pipelining's Schedule.step\(return_outputs=...\), from torch 2.8 on"):
+                                        r".pipelining's Schedule.step\(return_outputs=...\), from torch "
+                                        r"2.8 on"):
         bench_vs_torch(VsTorchConfig(stages=(2,)))

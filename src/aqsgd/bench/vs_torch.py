@@ -197,17 +197,17 @@ def check_losses(rows: Sequence[dict[str, Any]], rtol: float = LOSS_RTOL) -> Non
 
 
 def pipelining_supported() -> str | None:
-    """None where this torch's ``torch.distributed.pipelining`` runs the comparison; else why not. Its schedules
-    take ``step(return_outputs=False)`` from torch 2.8 on; before, they concatenate the last stage's outputs (the
-    micro-batches' scalar losses), which fails."""
+    """None where this torch's ``torch.distributed.pipelining`` runs the comparison; else why not. Its
+    schedules take ``step(return_outputs=False)`` from torch 2.8 on; before, they concatenate the last stage's
+    outputs (the micro-batches' scalar losses), which fails."""
     import inspect
 
     from torch.distributed.pipelining import ScheduleGPipe
 
     if "return_outputs" in inspect.signature(ScheduleGPipe.step).parameters:
         return None
-    return (f"the comparison needs torch.distributed.pipelining's Schedule.step(return_outputs=...), from torch "
-            f"2.8 on; this is torch {torch.__version__}")
+    return (f"the comparison needs torch.distributed.pipelining's Schedule.step(return_outputs=...), from "
+            f"torch 2.8 on; this is torch {torch.__version__}")
 
 
 def bench_vs_torch(cfg: VsTorchConfig, progress=None) -> list[dict[str, Any]]:
