@@ -143,9 +143,20 @@ def vs_torch(d: dict) -> list[str]:
     return out
 
 
+def overhead(d: dict) -> list[str]:
+    """``aqsgd bench overhead``: the local pipeline's step time next to a plain transformers loop."""
+    out = [f"{d['parameters'] / 1e6:.1f} M parameters, {d['dtype']}, {d['device']}", "",
+           "| system | stages | step ms | samples/s | plain / this | first-step loss |", "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        stages = "" if r["stages"] is None else r["stages"]
+        out.append(f"| {r['system']} | {stages} | {1e3 * r['step_s']:.1f} | {r['samples_per_s']:.1f} | "
+                   f"{r['ratio']:.3f} | {r['first_loss']:.6f} |")
+    return out
+
+
 RENDERERS = {"codecs": codecs, "codecs-cache-path": codecs_cache_path, "codecs-quality": codecs_quality,
              "codecs-quality-specs": codec_quality_specs, "pipeline": pipeline, "convergence": convergence,
-             "netem": netem, "boundary_errors": boundary_errors, "vs-torch": vs_torch}
+             "netem": netem, "boundary_errors": boundary_errors, "vs-torch": vs_torch, "overhead": overhead}
 
 
 def main(paths: list[str]) -> int:
