@@ -146,7 +146,8 @@ def vs_torch(d: dict) -> list[str]:
 def overhead(d: dict) -> list[str]:
     """``aqsgd bench overhead``: the local pipeline's step time next to a plain transformers loop."""
     out = [f"{d['parameters'] / 1e6:.1f} M parameters, {d['dtype']}, {d['device']}", "",
-           "| system | stages | step ms | samples/s | plain / this | first-step loss |", "|---|---|---|---|---|---|"]
+           "| system | stages | step ms | samples/s | plain / this | first-step loss |",
+           "|---|---|---|---|---|---|"]
     for r in d["rows"]:
         stages = "" if r["stages"] is None else r["stages"]
         out.append(f"| {r['system']} | {stages} | {1e3 * r['step_s']:.1f} | {r['samples_per_s']:.1f} | "
