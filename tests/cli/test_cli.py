@@ -40,15 +40,12 @@ def test_bench_codecs_json(tmp_path):
 
 
 def test_bench_codecs_without_fused_kernels_has_no_eager_columns(tmp_path):
-    from aqsgd.compress import fused
+    from aqsgd.compress import kernels
 
     path = tmp_path / "codecs.json"
-    old = fused.set_enabled(False)
-    try:
+    with kernels.defaulting_to("eager"):
         assert main(["bench", "codecs", "--codecs", "q4", "--shape", "2,8,16", "--repeats", "1", "--warmup",
                      "1", "--json", str(path)]) == 0
-    finally:
-        fused.set_enabled(old)
     (row,) = json.loads(path.read_text())["rows"]
     assert row["eager_encode_gbps"] is None and row["eager_decode_gbps"] is None
 

@@ -5,7 +5,8 @@ import warnings
 import pytest
 import torch
 
-from aqsgd.compress import fused
+from aqsgd.compress import kernels
+from aqsgd.compress.kernels import numba as fused
 from aqsgd.compress.quant import QuantCodec, dequantize_groups, quantize_groups
 from aqsgd.compress.registry import make_codec
 from aqsgd.errors import NonFiniteError
@@ -14,14 +15,11 @@ pytestmark = pytest.mark.skipif(not fused.available(), reason="numba is not inst
 
 
 def _both(fn):
-    """``fn()`` with the fused path on and off."""
-    old = fused.set_enabled(True)
-    try:
+    """``fn()`` with the numba kernels and with the eager ones (the CPU's default backend switched)."""
+    with kernels.defaulting_to("numba"):
         a = fn()
-        fused.set_enabled(False)
+    with kernels.defaulting_to("eager"):
         b = fn()
-    finally:
-        fused.set_enabled(old)
     return a, b
 
 
@@ -79,13 +77,13 @@ def test_shapes_outside_the_kernels_take_the_eager_path(shape):
 
 
 def test_plan():
-    assert fused.plan((2, 3, 16), "channel", 0) == (6, 16, True)
-    assert fused.plan((2, 3, 16), "token", 0) == (6, 16, False)
-    assert fused.plan((2, 3, 16), "tensor", 0) == (6, 16, False)
-    assert fused.plan((4, 16), "block", 32) == (2, 32, False)
-    assert fused.plan((4, 16), "block", 48) is None  # does not divide the tensor
-    assert fused.plan((4, 12), "channel", 0) is None  # rows would not end on a byte
-    assert fused.plan((0, 16), "channel", 0) is None
+    assert kernels.plan((2, 3, 16), "channel", 0) == (6, 16, True)
+    assert kernels.plan((2, 3, 16), "token", 0) == (6, 16, False)
+    assert kernels.plan((2, 3, 16), "tensor", 0) == (6, 16, False)
+    assert kernels.plan((4, 16), "block", 32) == (2, 32, False)
+    assert kernels.plan((4, 16), "block", 48) is None  # does not divide the tensor
+    assert kernels.plan((4, 12), "channel", 0) is None  # rows would not end on a byte
+    assert kernels.plan((0, 16), "channel", 0) is None
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -156,12 +154,12 @@ def test_missing_numba_warns_once_and_falls_back(monkeypatch):
     real_import = builtins.__import__
 
     def no_numba(name, *a, **k):
-        if name == "aqsgd.compress._fused_kernels" or (a and a[2] and "_fused_kernels" in a[2]):
+        if name == "aqsgd.compress.kernels._numba" or (a and a[2] and "_numba" in a[2]):
             raise ImportError("No module named 'numba'")
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_numba)
-    monkeypatch.delitem(__import__("sys").modules, "aqsgd.compress._fused_kernels", raising=False)
+    monkeypatch.delitem(__import__("sys").modules, "aqsgd.compress.kernels._numba", raising=False)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         codec = make_codec("q2")
@@ -184,11 +182,8 @@ def test_the_kernels_really_run(monkeypatch):
     codec.decode(codec.encode(_data((4, 32))))
     make_codec("q2:l2:token").encode(_data((4, 32)))
     assert calls == ["colmax", "quant_pack", "unpack_dequant", "rowmax", "quant_pack"]
-    fused.set_enabled(False)
-    try:
-        codec.decode(codec.encode(_data((4, 32))))
-    finally:
-        fused.set_enabled(True)
+    eager = make_codec("q2", backend="eager")
+    eager.decode(eager.encode(_data((4, 32))))
     assert len(calls) == 5
 
 

@@ -30,13 +30,13 @@ FAST = {"sample": 64, "min_row": 0}  # the sampled path on rows of a few hundred
 @pytest.fixture(autouse=True, params=["kernel", "numpy"])
 def selection_path(request):
     """Every test runs on both selections: the compiled per-row kernel (numba) and the numpy passes."""
-    from aqsgd.compress import fused
+    from aqsgd.compress import kernels
+    from aqsgd.compress.kernels import numba as numba_kernels
 
-    if request.param == "kernel" and not fused.available():
+    if request.param == "kernel" and not numba_kernels.available():
         pytest.skip("numba is not installed")
-    old = fused.set_enabled(request.param == "kernel")
-    yield request.param
-    fused.set_enabled(old)
+    with kernels.defaulting_to("numba" if request.param == "kernel" else "eager"):
+        yield request.param
 
 
 def canonical(x2: torch.Tensor, k: int) -> torch.Tensor:
@@ -215,9 +215,9 @@ def test_codec_packets_are_canonical_and_sorted():
                                   "topk0.1+q8"])
 @pytest.mark.parametrize("data", ["normal", "integers", "misled"])
 def test_encode_is_byte_identical_to_the_step_by_step_path(selection_path, spec, data):
-    """One kernel selects, gathers, casts and packs the indices (``fused.topk_encode``), or packs after the
-    selection (``fused.topk_pack``): the packets equal those of gather, cast and index packing in torch."""
-    from aqsgd.compress import fused
+    """One kernel selects, gathers, casts and packs the indices (the numba backend's ``topk_encode``), or
+    packs after the selection (``topk_pack``): the packets equal those of gather, cast and index packing in
+    torch."""
 
     g = torch.Generator().manual_seed(10)
     n = 70000  # above MIN_ROW: the sampled selection
@@ -230,11 +230,7 @@ def test_encode_is_byte_identical_to_the_step_by_step_path(selection_path, spec,
         x[1, pos] = 1e3 + torch.rand(pos.numel(), generator=g)
     codec = make_codec(spec)
     packet = codec.encode(x)
-    old = fused.set_enabled(False)
-    try:
-        reference = codec.encode(x)
-    finally:
-        fused.set_enabled(old)
+    reference = make_codec(spec, backend="eager").encode(x)
     assert packet.to_bytes() == reference.to_bytes()
     assert torch.equal(codec.decode(packet), codec.decode(reference))
 

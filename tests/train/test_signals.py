@@ -19,6 +19,17 @@ from aqsgd.train.rundir import RunDirLock
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and /proc")
 
+
+def _launcher_grace() -> float:
+    """Seconds a distributed run may take to stop: PyTorch's launcher forwards the signal, then kills a stage
+    that has not ended (one blocked in a collective on a peer that is gone) after its shutdown timeout: ours of
+    3 s from torch 2.12 on, its own 30 s before."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return 20.0 if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else 45.0
+
 LONG = ["--task", "synthetic-lm", "--stages", "2", "--max-train-samples", "64", "--max-eval-samples", "8",
         "--max-length", "12", "--micro-batches", "2", "--micro-batch-size", "4", "--epochs", "200",
         "--checkpoint-every", "2", "--eval-every", "0", "--no-progress", "--no-tensorboard"]
@@ -99,7 +110,7 @@ def test_ctrl_c_on_a_distributed_run(tmp_path):
     _wait_for_checkpoint(proc, tmp_path / "run")
     err, elapsed = _stop(proc, lambda: os.killpg(proc.pid, signal.SIGINT))
     _check(err, 130, proc.returncode, tmp_path / "run", "SIGINT")
-    assert elapsed < 20
+    assert elapsed < _launcher_grace()
 
 
 def test_sigterm_to_the_launcher_stops_every_stage(tmp_path):
@@ -108,7 +119,7 @@ def test_sigterm_to_the_launcher_stops_every_stage(tmp_path):
     _wait_for_checkpoint(proc, tmp_path / "run")
     err, elapsed = _stop(proc, lambda: proc.send_signal(signal.SIGTERM))
     _check(err, 143, proc.returncode, tmp_path / "run", "SIGTERM")
-    assert elapsed < 20
+    assert elapsed < _launcher_grace()
 
 
 def test_sigterm_to_one_stage_names_it(tmp_path):
@@ -119,4 +130,4 @@ def test_sigterm_to_one_stage_names_it(tmp_path):
     assert len(stages) == 2, stages
     err, elapsed = _stop(proc, lambda: os.kill(stages[1], signal.SIGTERM))  # started in rank order
     _check(err, 143, proc.returncode, tmp_path / "run", "SIGTERM", who="stage 1 was ")
-    assert elapsed < 20
+    assert elapsed < _launcher_grace()

@@ -49,8 +49,7 @@ import torch
 
 from aqsgd.bench.codecs import machine_description
 from aqsgd.bench.timing import interleaved_medians, sync
-from aqsgd.compress import fused as fused_kernels
-from aqsgd.compress import make_codec
+from aqsgd.compress import kernels, make_codec
 from aqsgd.schemes import DeltaScheme, DiskCache, Phase, make_cache, make_scheme
 
 __all__ = ["DEFAULT_CACHES", "CachePathRow", "PrefetchRow", "CachePair", "bench_cache_path", "bench_prefetch",
@@ -148,7 +147,8 @@ class CachePair:
 
     def __init__(self, cache: str, codec: str, shape: Sequence[int], *, microbatches: int = MICROBATCHES,
                  device: torch.device | str = "cpu", seed: int = 0, cache_dir: str | Path | None = None,
-                 activations: list[list[torch.Tensor]] | None = None) -> None:
+                 activations: list[list[torch.Tensor]] | None = None, backend: str | None = None) -> None:
+        """``backend``: the codec's kernel backend (:mod:`aqsgd.compress.kernels`; None: the device's)."""
         self.cache_spec = cache
         self.device = torch.device(device)
         self.shape = tuple(int(n) for n in shape)
@@ -164,7 +164,8 @@ class CachePair:
         self.schemes: dict[str, DeltaScheme] = {}
         for side in ("sender", "receiver"):
             path = None if cache_dir is None else Path(cache_dir) / f"cachepath-{cache}-{side}.bin"
-            s = make_scheme("delta", codec, side, num_samples=self.capacity, cache=cache, cache_path=path,
+            s = make_scheme("delta", make_codec(codec, backend=backend), side, num_samples=self.capacity,
+                            cache=cache, cache_path=path,
                             row_shape=self.shape[1:], dtype=torch.float32, label=f"bench {cache} {side}",
                             seed=seed, device=self.device)
             assert isinstance(s, DeltaScheme)
@@ -227,9 +228,9 @@ def bench_cache_path(codecs: Sequence[str] = (DEFAULT_CODEC,), caches: Sequence[
                 probe = CachePair(spec, codec, shape, microbatches=microbatches, device=device, seed=seed,
                                   cache_dir=Path(tmp) / "probe", activations=xs)
                 eager = None
-                if device.type == "cpu" and fused_kernels.enabled():
+                if device.type == "cpu" and kernels.for_device(device).name != "eager":
                     eager = CachePair(spec, codec, shape, microbatches=microbatches, device=device, seed=seed,
-                                      cache_dir=Path(tmp) / "eager", activations=xs)
+                                      cache_dir=Path(tmp) / "eager", activations=xs, backend="eager")
                 try:
                     rows.append(_measure(pair, probe, eager, nbytes, repeats=repeats, warmup=warmup,
                                          seed=seed))
@@ -253,17 +254,6 @@ def _sides(pair: CachePair) -> tuple[Callable[[], None], Callable[[], None]]:
         state["k"] = (state["k"] + 1) % pair.microbatches
 
     return send, recv
-
-
-def _unfused(fn: Callable[[], None]) -> Callable[[], None]:
-    def call() -> None:
-        old = fused_kernels.set_enabled(False)
-        try:
-            fn()
-        finally:
-            fused_kernels.set_enabled(old)
-
-    return call
 
 
 def _measure(pair: CachePair, probe: CachePair, eager: CachePair | None, nbytes: int, *, repeats: int,
@@ -304,7 +294,7 @@ def _measure(pair: CachePair, probe: CachePair, eager: CachePair | None, nbytes:
     }
     if eager is not None:
         eager_send, eager_recv = _sides(eager)
-        fns["eager_send"], fns["eager_recv"] = _unfused(eager_send), _unfused(eager_recv)
+        fns["eager_send"], fns["eager_recv"] = eager_send, eager_recv
     t = interleaved_medians(fns, device=device, warmup=warmup, repeats=repeats)
     codec = pair.sender.codec
     fused_steps: list[bool] = []

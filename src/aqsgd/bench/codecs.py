@@ -4,9 +4,10 @@ Throughput is bytes of the fp32 input per second. ``clone`` (a plain copy of the
 the same run, interleaved with the codecs) is the memory-bandwidth reference; ``encode_vs_clone`` is
 ``encode_gbps / clone_gbps``. Medians over repeats after warm-up.
 
-Where the fused CPU kernels are on (:mod:`aqsgd.compress.fused`), every codec is also timed with them
-switched off, in the same interleaved rounds (``eager_encode_gbps``/``eager_decode_gbps``), so the fused
-path's gain is a ratio measured side by side; a codec that never takes the fused path shows ~1.0x there.
+Where the device's kernels are compiled ones (:mod:`aqsgd.compress.kernels`: numba on the CPU), every codec
+is also timed with the ``eager`` backend, in the same interleaved rounds (``eager_encode_gbps``,
+``eager_decode_gbps``), so the kernels' gain is a ratio measured side by side; a codec that never takes a
+kernel shows ~1.0x there.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Sequence
 import torch
 
 from aqsgd.bench.timing import interleaved_medians
-from aqsgd.compress import fused, make_codec
+from aqsgd.compress import kernels, make_codec
 
 __all__ = ["DEFAULT_CODECS", "CodecRow", "bench_codecs", "machine_description"]
 
@@ -70,7 +71,7 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
     """Measure every codec on one activation-like tensor (Gaussian with a few large outlier channels); on a
     CPU with the fused kernels on, each codec with them off too (module docstring)."""
     device = torch.device(device)
-    compare_eager = device.type == "cpu" and fused.enabled()
+    compare_eager = device.type == "cpu" and kernels.for_device(device).name != "eager"
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tuple(shape), generator=g, device=device)
     x[..., :: max(1, shape[-1] // 8)] *= 8.0  # a few outlier channels, as transformer activations have
@@ -85,8 +86,9 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             "decode": lambda: codec.decode(packet),
         }
         if compare_eager:
-            calls["eager_encode"] = lambda: _eager(codec.encode, x, generator=g)
-            calls["eager_decode"] = lambda: _eager(codec.decode, packet)
+            eager = make_codec(spec, backend="eager")
+            calls["eager_encode"] = lambda: eager.encode(x, generator=g)
+            calls["eager_decode"] = lambda: eager.decode(packet)
         t = interleaved_medians(calls, device=device, warmup=warmup, repeats=repeats)
         y = codec.decode(packet)
         clone = nbytes / t["clone"] / 1e9
@@ -101,15 +103,6 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             eager_decode_gbps=nbytes / t["eager_decode"] / 1e9 if compare_eager else None,
         ))
     return rows
-
-
-def _eager(fn, *args, **kwargs):
-    """``fn`` with the fused kernels switched off for the call."""
-    old = fused.set_enabled(False)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        fused.set_enabled(old)
 
 
 def write_json(rows: list[CodecRow], path: str | Path, *, device: torch.device, command: str) -> None:

@@ -12,6 +12,7 @@ is what really crosses the wire (the header carries the payload length).
 from __future__ import annotations
 
 import abc
+import copy
 import zlib
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
@@ -21,7 +22,7 @@ from aqsgd.compress.packet import HEADER_BYTES, MAX_NDIM, Family, Packet
 from aqsgd.errors import CodecError, NonFiniteError, PacketMismatchError
 
 if TYPE_CHECKING:
-    from aqsgd.compress.fused import RowStore
+    from aqsgd.compress.kernels import RowStore
 
 __all__ = ["Codec", "FLOAT_DTYPES", "numel_of"]
 
@@ -43,6 +44,8 @@ class Codec(abc.ABC):
     fixed_size: ClassVar[bool] = True
     #: True where ``encode_delta``/``decode_delta`` can run fused (they may still decline a given tensor)
     has_fused_delta: ClassVar[bool] = False
+    #: the kernel backend this codec computes with (:mod:`aqsgd.compress.kernels`); None: the device's default
+    backend: str | None = None
 
     @property
     @abc.abstractmethod
@@ -141,6 +144,21 @@ class Codec(abc.ABC):
 
     @abc.abstractmethod
     def _decode(self, packet: Packet) -> torch.Tensor: ...
+
+    def using(self, backend: str | None) -> Codec:
+        """This codec computing with the kernel backend ``backend`` (``eager``, ``numba``, ``triton``; None: the
+        device's default), inner codecs included: a copy, this one is unchanged. The packets are the same
+        bytes whatever the backend (on the CPU; see :mod:`aqsgd.compress.kernels`)."""
+        from aqsgd.compress.kernels import BACKENDS
+
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"unknown kernel backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        clone = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, Codec):
+                setattr(clone, name, value.using(backend))
+        clone.backend = backend
+        return clone
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Codec) and other.spec == self.spec

@@ -8,8 +8,8 @@ channel, an outlier feature) is spread over the tile, and the tile looks close t
 case a uniform quantizer with an l2 or max scale handles best.
 
 The fast Walsh-Hadamard transform takes ``log2 G`` butterfly stages, ``O(G log G)`` per tile. The CPU path
-is one numba pass over the data (:mod:`aqsgd.compress.fused`); elsewhere (CUDA tensors, no numba,
-``AQSGD_FUSED=0``) each stage is one PyTorch operation over the whole tensor. Both compute every output as
+is one numba pass over the data (:mod:`aqsgd.compress.kernels.numba`); elsewhere (CUDA tensors, no numba, a
+codec using the ``eager`` backend) each stage is one PyTorch operation over the whole tensor. Both compute every output as
 the same sequence of IEEE additions, subtractions and one final multiplication, so their results are
 bit-identical (tested).
 """
@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from aqsgd.compress import fused
+from aqsgd.compress import kernels
 from aqsgd.errors import SpecError
 
 __all__ = ["signs", "rotate", "unrotate", "check_tile", "TILE_MIN", "TILE_MAX"]
@@ -68,25 +68,25 @@ def _rows(x: torch.Tensor, tile: int) -> torch.Tensor:
     return flat.view(-1, tile)
 
 
-def _transform(x: torch.Tensor, tile: int, seed: int, inverse: bool) -> torch.Tensor:
+def _transform(x: torch.Tensor, tile: int, seed: int, inverse: bool, backend: str | None = None) -> torch.Tensor:
     x2 = _rows(x, tile)
     s = signs(tile, seed, x2.device)
     c = 1.0 / math.sqrt(tile)
-    if x2.device.type == "cpu" and fused.enabled() and x2.shape[0] > 0:
-        out = torch.empty_like(x2)
-        fused.fwht(x2.contiguous().numpy(), s.numpy(), c, inverse, out.numpy())
-        return out
+    if x2.shape[0] > 0:
+        out = kernels.for_tensor(x2, backend).fwht(x2.contiguous(), s, c, inverse)
+        if out is not None:
+            return out
     if inverse:
         return _fwht_torch(x2, tile).mul_(c).mul_(s)
     return _fwht_torch(x2 * s, tile).mul_(c)
 
 
-def rotate(x: torch.Tensor, tile: int, seed: int) -> torch.Tensor:
+def rotate(x: torch.Tensor, tile: int, seed: int, backend: str | None = None) -> torch.Tensor:
     """``H D x / sqrt(tile)`` of every tile of ``x`` (numel a multiple of ``tile``): fp32
     [numel/tile, tile]."""
-    return _transform(x, tile, seed, inverse=False)
+    return _transform(x, tile, seed, inverse=False, backend=backend)
 
 
-def unrotate(y: torch.Tensor, tile: int, seed: int) -> torch.Tensor:
+def unrotate(y: torch.Tensor, tile: int, seed: int, backend: str | None = None) -> torch.Tensor:
     """Inverse of :func:`rotate`: ``D H y / sqrt(tile)`` of fp32 ``y`` [numel/tile, tile] (a new tensor)."""
-    return _transform(y, tile, seed, inverse=True)
+    return _transform(y, tile, seed, inverse=True, backend=backend)

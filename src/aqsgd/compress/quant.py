@@ -58,10 +58,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from aqsgd.compress import fused
+from aqsgd.compress import kernels
 from aqsgd.compress.base import Codec, numel_of, raise_non_finite
 from aqsgd.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
 from aqsgd.compress.packet import Family, Packet, bytes_as
@@ -191,6 +190,7 @@ class QuantCodec(Codec):
         grid: str = "midtread",
         check_finite: bool = True,
         step_rms: float | None = None,
+        backend: str | None = None,
     ) -> None:
         if not isinstance(bits, int) or not 1 <= bits <= 8:
             raise SpecError(f"quantization bits must be an integer in 1..8, got {bits!r}")
@@ -230,6 +230,9 @@ class QuantCodec(Codec):
         self.qmax = qmax(bits) if grid == "midtread" else 2**bits - 1
         self._l2_clip = (L2_CLIP if grid == "midtread" else L2_CLIP_MIDRISE)[bits]
         self.step_rms = None if step_rms is None else float(step_rms)
+        if backend is not None and backend not in kernels.BACKENDS:
+            raise SpecError(f"unknown kernel backend {backend!r}; valid: {', '.join(kernels.BACKENDS)}")
+        self.backend = backend
 
     @property
     def spec(self) -> str:
@@ -280,27 +283,29 @@ class QuantCodec(Codec):
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         if x.numel() == 0:
             return torch.empty(0, dtype=torch.uint8, device=x.device)
-        if fused.applies(x, self.rounding):
-            out = self._encode_fused(x)
+        ops = kernels.for_tensor(x, self.backend)
+        if ops.quantizes(x.dtype, self.rounding):
+            plan = kernels.plan(x.shape, self.granularity, self.block)
+            out = None if plan is None else self._encode_planned(ops, x, plan)
             if out is not None:
                 return out
         stored, codes = self.quantize(x, generator)
         return torch.cat([stored.view(torch.uint8), pack_bits(codes, self.bits)])
 
-    def _encode_fused(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The packet payload from the numba kernels (:mod:`aqsgd.compress.fused`); None where they do not
-        apply."""
-        plan = fused.plan(x.shape, self.granularity, self.block)
-        if plan is None:
-            return None
+    def _encode_planned(self, ops: kernels.Kernels, x: torch.Tensor, plan: tuple[int, int, bool]
+                        ) -> torch.Tensor | None:
+        """The payload from the kernels' operations (:mod:`aqsgd.compress.kernels`) on the fp32 ``[rows, k]``
+        view; None where the backend has no kernel for them."""
         rows, k, by_col = plan
         x2 = self._fp32_rows(x, rows, k)
-        s = self._fused_scales(x2, x.shape, by_col, lambda: fused.max_abs(x2.numpy(), by_col))
+        s = self._planned_scales(x2, x.shape, by_col, lambda: ops.max_abs(x2, by_col))
+        if s is None:
+            return None
         stored, inv, _ = self._scale_steps(s, torch.float32)
-        out, nsb = self._fused_payload(stored, rows, k)
-        fused.encode(x2.numpy(), self._per_group(inv, rows, k, by_col), by_col, self.qmax / 2.0 + 0.5,
-                     self.bits, self.qmax, out[nsb:].view(rows, -1).numpy())
-        return out
+        out, nsb = self._payload(stored, rows, k, x.device)
+        packed = ops.quantize_pack(x2, self._per_group(inv, rows, k, by_col), by_col, self.qmax / 2.0 + 0.5,
+                                   self.bits, self.qmax, out=out[nsb:].view(rows, -1))
+        return None if packed is None else out
 
     @staticmethod
     def _fp32_rows(x: torch.Tensor, rows: int, k: int) -> torch.Tensor:
@@ -310,36 +315,44 @@ class QuantCodec(Codec):
             x2 = x2.to(torch.float32).contiguous()
         return x2
 
-    def _fused_scales(self, x2: torch.Tensor, shape: Sequence[int], by_col: bool, max_abs) -> torch.Tensor:
-        """Each group's scale, as the eager path computes it, from the fp32 view ``x2`` and a kernel's max |x|
-        per column or row (``max_abs()``; exact in any order, where a mean is not: that stays torch's)."""
+    def _planned_scales(self, x2: torch.Tensor, shape: Sequence[int], by_col: bool, max_abs
+                        ) -> torch.Tensor | None:
+        """Each group's scale, as the general path computes it, from the fp32 view ``x2`` and a kernel's max
+        |x| per column or row (``max_abs()``; exact in any order, where a mean is not: that stays torch's).
+        None where the kernel is missing."""
         if self.scale_mode == "max":
-            s = torch.from_numpy(max_abs())
+            s = max_abs()
+            if s is None:
+                return None
             return s.amax().reshape(1) if self.granularity == "tensor" else s
         if self.scale_mode in ("l2", "step") and self.granularity != "tensor":
-            # the same view and reduction as the eager path's
+            m = max_abs()
+            if m is None:
+                return None
+            # the same view and reduction as the general path's
             rms = x2.square().mean(dim=0 if by_col else 1).sqrt()
-            return self._rms_capped(torch.from_numpy(max_abs()), rms)
+            return self._rms_capped(m, rms)
         return torch.cat([self._scales(v, d) for v, d in self._groups(shape).views(x2.view(-1))])
 
-    def _fused_payload(self, stored: torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor, int]:
+    def _payload(self, stored: torch.Tensor, rows: int, k: int, device: torch.device
+                 ) -> tuple[torch.Tensor, int]:
         """An uninitialized payload with the stored scales written at its head, and the scales' byte count."""
         nsb = stored.numel() * self.scale_dtype.itemsize
-        out = torch.empty(nsb + rows * k * self.bits // 8, dtype=torch.uint8)
+        out = torch.empty(nsb + rows * k * self.bits // 8, dtype=torch.uint8, device=device)
         out[:nsb] = stored.view(torch.uint8)
         return out, nsb
 
     @staticmethod
-    def _per_group(v: torch.Tensor, rows: int, k: int, by_col: bool) -> np.ndarray:
-        """One value per column (``by_col``) or per row of the kernels' view, as a contiguous fp32 array."""
+    def _per_group(v: torch.Tensor, rows: int, k: int, by_col: bool) -> torch.Tensor:
+        """One fp32 value per column (``by_col``) or per row of the kernels' view, contiguous."""
         if v.numel() != (k if by_col else rows):
             v = v.expand(rows)
-        return v.contiguous().numpy()
+        return v.to(torch.float32).contiguous()
 
-    def _delta_plan(self, shape: Sequence[int], store: fused.RowStore) -> tuple[int, int, bool, int] | None:
-        """``(rows, k, by_col, rows per sample)`` for the fused AQ-SGD step, or None (the caller goes
-        eager)."""
-        plan = fused.plan(shape, self.granularity, self.block)
+    def _delta_plan(self, shape: Sequence[int], store: kernels.RowStore) -> tuple[int, int, bool, int] | None:
+        """``(rows, k, by_col, rows per sample)`` for the fused AQ-SGD step, or None (the caller goes step by
+        step)."""
+        plan = kernels.plan(shape, self.granularity, self.block)
         if plan is None or not shape or int(shape[0]) != store.ids.shape[0]:
             return None
         rows, k, by_col = plan
@@ -348,8 +361,9 @@ class QuantCodec(Codec):
             return None
         return rows, k, by_col, n // k
 
-    def encode_delta(self, x: torch.Tensor, store: fused.RowStore) -> Packet | None:
-        if x.numel() == 0 or not fused.applies(x, self.rounding):
+    def encode_delta(self, x: torch.Tensor, store: kernels.RowStore) -> Packet | None:
+        ops = kernels.for_tensor(x, self.backend)
+        if x.numel() == 0 or not ops.quantizes(x.dtype, self.rounding) or store.device != x.device:
             return None
         plan = self._delta_plan(x.shape, store)
         if plan is None:
@@ -357,25 +371,27 @@ class QuantCodec(Codec):
         rows, k, by_col, rpb = plan
         x2 = self._fp32_rows(x, rows, k)
         if self.scale_mode == "max":
-            s = self._fused_scales(x2, x.shape, by_col,
-                                   lambda: fused.delta_max_abs(x2.numpy(), store, rpb, by_col))
+            s = self._planned_scales(x2, x.shape, by_col, lambda: ops.delta_max_abs(x2, store, rpb, by_col))
         else:  # the scale needs a mean of x - m in torch's order: materialize x - m once
-            d = torch.empty(rows, k)
-            fused.delta_into(x2.numpy(), store, rpb, d.numpy())
-            s = self._fused_scales(d, x.shape, by_col, lambda: fused.max_abs(d.numpy(), by_col))
+            d = ops.delta(x2, store, rpb)
+            s = None if d is None else self._planned_scales(d, x.shape, by_col, lambda: ops.max_abs(d, by_col))
+        if s is None:
+            return None
         stored, inv, _ = self._scale_steps(s, torch.float32)
         mul, low, step = self._levels(stored, torch.float32)
-        out, nsb = self._fused_payload(stored, rows, k)
-        fused.delta_encode_update(x2.numpy(), store, rpb, self._per_group(inv, rows, k, by_col), by_col,
-                                  self.qmax / 2.0 + 0.5, self.bits, self.qmax,
-                                  self._per_group(step, rows, k, by_col), mul, low,
-                                  out[nsb:].view(rows, -1).numpy())
+        out, nsb = self._payload(stored, rows, k, x.device)
+        packed = ops.delta_encode_update(x2, store, rpb, self._per_group(inv, rows, k, by_col), by_col,
+                                         self.qmax / 2.0 + 0.5, self.bits, self.qmax,
+                                         self._per_group(step, rows, k, by_col), mul, low,
+                                         out=out[nsb:].view(rows, -1))
+        if packed is None:
+            return None
         return Packet(self.family, torch.float32, tuple(x.shape), self.fingerprint, out)
 
-    def decode_delta(self, packet: Packet, store: fused.RowStore) -> torch.Tensor | None:
+    def decode_delta(self, packet: Packet, store: kernels.RowStore) -> torch.Tensor | None:
         self.check_packet(packet)
-        if (packet.dtype != torch.float32 or packet.payload.device.type != "cpu"
-                or packet.payload.numel() == 0 or not fused.enabled()):
+        device = packet.payload.device
+        if packet.dtype != torch.float32 or packet.payload.numel() == 0 or store.device != device:
             return None
         plan = self._delta_plan(packet.shape, store)
         if plan is None:
@@ -384,11 +400,10 @@ class QuantCodec(Codec):
         nsb = self._groups(packet.shape).nscales * self.scale_dtype.itemsize
         scales = self._checked_scales(packet.payload[:nsb])
         mul, low, step = self._levels(scales, torch.float32)
-        out = torch.empty(rows, k, dtype=torch.float32)
-        fused.delta_decode_update(packet.payload[nsb:].view(rows, -1).numpy(), store, rpb,
-                                  self._per_group(step, rows, k, by_col), by_col, self.bits, mul, low,
-                                  out.numpy())
-        return out.view(packet.shape)
+        out = kernels.for_device(device, self.backend).delta_decode_update(
+            packet.payload[nsb:].view(rows, -1), store, rpb, self._per_group(step, rows, k, by_col), by_col,
+            self.bits, mul, low)
+        return None if out is None else out.view(packet.shape)
 
     def _scale_steps(self, s: torch.Tensor, cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Checked stored scales, the reciprocal steps ``qmax / (2 * scale)`` (0 for a zero scale), max
@@ -460,19 +475,18 @@ class QuantCodec(Codec):
 
     def dequantize_packed(self, scales: torch.Tensor, packed: torch.Tensor, shape: Sequence[int],
                           out_dtype: torch.dtype) -> torch.Tensor:
-        """Stored scales and packed codes (flat uint8) to a tensor of ``shape``: fused where it applies."""
-        plan = fused.plan(shape, self.granularity, self.block)
-        if (plan is None or packed.device.type != "cpu" or out_dtype == torch.float64 or not fused.enabled()):
-            return self.dequantize(scales, unpack_bits(packed, self.bits, numel_of(shape)), shape, out_dtype)
-        rows, k, by_col = plan
-        mul, low, step = self._levels(scales, torch.float32)
-        if step.numel() != (k if by_col else rows):
-            step = step.expand(rows)
-        out = torch.empty(rows, k, dtype=torch.float32)
-        fused.decode_into(packed.view(rows, -1).numpy(), step.contiguous().numpy(), by_col, self.bits, mul,
-                          low, out.numpy())
-        out = out.view(shape)
-        return out if out_dtype == torch.float32 else out.to(out_dtype)
+        """Stored scales and packed codes (flat uint8) to a tensor of ``shape``: the kernels' operation where
+        it applies (:mod:`aqsgd.compress.kernels`), else the general path."""
+        plan = kernels.plan(shape, self.granularity, self.block) if out_dtype != torch.float64 else None
+        if plan is not None:
+            rows, k, by_col = plan
+            mul, low, step = self._levels(scales, torch.float32)
+            out = kernels.for_device(packed.device, self.backend).unpack_dequantize(
+                packed.view(rows, -1), self._per_group(step, rows, k, by_col), by_col, self.bits, mul, low)
+            if out is not None:
+                out = out.view(shape)
+                return out if out_dtype == torch.float32 else out.to(out_dtype)
+        return self.dequantize(scales, unpack_bits(packed, self.bits, numel_of(shape)), shape, out_dtype)
 
     def _levels(self, scales: torch.Tensor, cdt: torch.dtype) -> tuple[int, int, torch.Tensor]:
         """``(mul, low, step)``: code ``c`` decodes to ``(c * mul - low) * step`` of its group."""

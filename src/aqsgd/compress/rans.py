@@ -30,7 +30,7 @@ import threading
 
 import numpy as np
 
-from aqsgd.compress import fused
+from aqsgd.compress.kernels import numba as fused  # the rANS kernels are compiled loops too
 from aqsgd.compress._rans_layout import LANES, PROB_BITS, STATE_LOW
 from aqsgd.errors import PacketError, SpecError
 

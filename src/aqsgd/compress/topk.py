@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from aqsgd.compress import fused
+from aqsgd.compress import kernels
 from aqsgd.compress.base import Codec, numel_of
 from aqsgd.compress.cast import CastCodec
 from aqsgd.compress.packet import Family, Packet, bytes_as
@@ -104,19 +104,20 @@ class TopKCodec(Codec):
         if rows * k == 0:
             return torch.empty(0, dtype=torch.uint8, device=x.device)
         width = index_dtype(n).itemsize
-        packs = (isinstance(self.values, CastCodec) and x2.dtype == torch.float32 and x2.device.type == "cpu"
-                 and fused.enabled())
-        # selection, gather, cast and index packing in one kernel (byte-identical to the steps below)
+        ops = kernels.for_tensor(x2, self.backend)
+        # selection, gather, cast and index packing in one kernel (byte-identical to the steps below): the
+        # numba backend's, for values cast to fp32, fp16 or bf16
+        packs = isinstance(self.values, CastCodec) and x2.dtype == torch.float32 and x2.device.type == "cpu"
         if packs:
             plan = _sampling(rows, n, k)
             if plan is not None:
-                payload = fused.topk_encode(x2.view(torch.int32).numpy(), _MASK32, *plan, k,
-                                            self.values.wire_dtype, width)
+                payload = ops.topk_encode(x2.view(torch.int32).numpy(), _MASK32, *plan, k,
+                                          self.values.wire_dtype, width)
                 if payload is not None:
                     return torch.from_numpy(payload)
-        idx = topk_indices(x2, k)
+        idx = topk_indices(x2, k, ops=ops)
         if packs:  # gather, cast and index packing in one pass
-            payload = fused.topk_pack(x2.numpy(), idx.numpy(), self.values.wire_dtype, width)
+            payload = ops.topk_pack(x2.numpy(), idx.numpy(), self.values.wire_dtype, width)
             if payload is not None:
                 return torch.from_numpy(payload)
         kept = x2.gather(1, idx)
@@ -239,7 +240,8 @@ def _sampling(rows: int, n: int, k: int) -> tuple[np.ndarray, int, int] | None:
     return _plan(n, k) if 0 < k < n and _kernel_rows(rows) else None
 
 
-def topk_indices(x2: torch.Tensor, k: int, *, sample: int = SAMPLE, min_row: int = MIN_ROW) -> torch.Tensor:
+def topk_indices(x2: torch.Tensor, k: int, *, sample: int = SAMPLE, min_row: int = MIN_ROW,
+                 ops: kernels.Kernels | None = None) -> torch.Tensor:
     """Positions ``[rows, k]`` (int64, increasing in each row) of the ``k`` largest magnitudes of each row of
     the 2-D ``x2``; NaN counts as the largest magnitude, then Inf. The set equals that of ``torch.topk`` on
     ``x2.abs()`` up to ties; on the CPU ties at the k-th magnitude go to the lower positions.
@@ -260,13 +262,15 @@ def topk_indices(x2: torch.Tensor, k: int, *, sample: int = SAMPLE, min_row: int
     if plan is None:
         return torch.from_numpy(_exact(x2, k))
     pos, j_lo, j_hi = plan
-    if fused.enabled() and _kernel_rows(rows):
-        # one compiled pass per row, the rows split over the threads (see aqsgd.compress.fused)
+    ops = ops or kernels.for_tensor(x2)
+    if _kernel_rows(rows):
+        # one compiled pass per row, the rows split over the threads (the numba backend's; None elsewhere)
         out = np.empty((rows, k), dtype=np.int64)
-        done = fused.topk_rows(xi, int(top), pos, j_lo, j_hi, k, out)
-        for r in np.flatnonzero(~done):  # the sample misled: rank these rows in full
-            out[r] = _exact(x2[r:r + 1], k)[0]
-        return torch.from_numpy(out)
+        done = ops.topk_rows(xi, int(top), pos, j_lo, j_hi, k, out)
+        if done is not None:
+            for r in np.flatnonzero(~done):  # the sample misled: rank these rows in full
+                out[r] = _exact(x2[r:r + 1], k)[0]
+            return torch.from_numpy(out)
     steps = -(-n // _CHUNK)
     size = -(-n // steps)
     chunks = [(c, min(c + size, n)) for c in range(0, n, size)]

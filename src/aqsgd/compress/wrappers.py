@@ -84,7 +84,7 @@ class RotatedCodec(Codec):
         flat = x.reshape(-1)
         if tiles * self.tile != n:
             flat = torch.nn.functional.pad(flat.to(torch.float32), (0, tiles * self.tile - n))
-        y = hadamard.rotate(flat, self.tile, self.seed)
+        y = hadamard.rotate(flat, self.tile, self.seed, self.backend)
         try:
             return self.inner._encode(y, generator)
         except NonFiniteError:
@@ -96,7 +96,7 @@ class RotatedCodec(Codec):
         if n == 0:
             return torch.empty(packet.shape, dtype=packet.dtype, device=packet.payload.device)
         y = self.inner._decode(_inner_packet(self.inner, torch.float32, (tiles, self.tile), packet.payload))
-        out = hadamard.unrotate(y, self.tile, self.seed).view(-1)[:n].view(packet.shape)
+        out = hadamard.unrotate(y, self.tile, self.seed, self.backend).view(-1)[:n].view(packet.shape)
         return out if packet.dtype == torch.float32 else out.to(packet.dtype)
 
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from aqsgd.compress.fused import RowStore
+from aqsgd.compress.kernels import RowStore
 from aqsgd.errors import CacheError
 
 __all__ = ["ActivationCache"]
@@ -155,7 +155,7 @@ class ActivationCache(abc.ABC):
 
     def row_store(self, ids: Tensor) -> RowStore | None:
         """The rows of ``ids`` (all visited; validated as :meth:`get` validates them) as a
-        :class:`~aqsgd.compress.fused.RowStore` that a codec's fused AQ-SGD step reads and updates in place,
+        :class:`~aqsgd.compress.kernels.RowStore` that a codec's fused AQ-SGD step reads and updates in place,
         or None where this backend, device or dtype has no such storage: the caller then uses get and put.
         Writing through the store must leave exactly what ``put`` would have stored."""
         return None

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from aqsgd.compress.fused import RowStore
+from aqsgd.compress.kernels import RowStore
 from aqsgd.schemes.cache.base import (
     _DTYPE_NAMES,
     _STORAGE_DTYPES,
@@ -76,7 +76,7 @@ class MemoryCache(ActivationCache):
         return stored.to(self.dtype)
 
     def row_store(self, ids: Tensor) -> RowStore | None:
-        if self._rows is None or self.device.type != "cpu" or self.dtype != torch.float32:
+        if self._rows is None or self.dtype != torch.float32:
             return None
         ids = self._check_ids(ids)
         self._require_visited(ids)

@@ -1,4 +1,4 @@
-"""numba kernels behind :mod:`aqsgd.compress.fused` (importing this module needs numba).
+"""numba kernels behind :mod:`aqsgd.compress.kernels.numba` (importing this module needs numba).
 
 Every kernel works on a C-contiguous 2-D view ``[R, K]`` with ``K % 8 == 0``, so each row's packed codes
 start on a byte boundary and the rows can be split over threads. Rows go to threads in contiguous chunks;
@@ -663,7 +663,7 @@ def topk_encode(threads, keys, mask, pos, j_lo, j_hi, k, fmt, vals, width, ib, o
 
 
 # -------------------------------------------------------------------------------------------------- rANS
-# the :rc stage's coder (aqsgd.compress.rans), called through fused._call like the kernels above
+# the :rc stage's coder (aqsgd.compress.rans), called through kernels.numba._call like the kernels above
 from aqsgd.compress._rans_kernels import count as rans_count  # noqa: E402, F401
 from aqsgd.compress._rans_kernels import decode as rans_decode  # noqa: E402, F401
 from aqsgd.compress._rans_kernels import encode as rans_encode  # noqa: E402, F401

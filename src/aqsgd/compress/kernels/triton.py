@@ -1,0 +1,372 @@
+"""The ``triton`` backend: the quantizer's operations as Triton kernels, one read and one write each.
+
+Each kernel works on the quantizer's 2-D view ``[R, K]`` (``K % 8 == 0``), a tile of rows times a tile of
+*groups of 8 codes* per program: 8 codes of ``bits`` bits fill exactly ``bits`` bytes, so every group packs
+into a 64-bit word (code ``i`` shifted to bit ``bits * i``) whose low ``bits`` bytes are stored, the layout of
+:func:`~aqsgd.compress.bitpack.pack_bits`. Quantizing is ``trunc(clamp(fma(x, inv, offset), 0, qmax))`` with
+one rounding (``tl.fma``), as the CPU computes it, so the bytes equal the numba and eager backends' on the CPU;
+decoding is ``(code * mul - low) * step`` (exact small integers, then one rounding). There is no host
+synchronisation inside a kernel launch.
+
+On a machine without a GPU the kernels run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set
+before ``triton`` is imported): the tests compare their bytes with the other backends' that way. Triton is not a
+dependency of aqsgd: it comes with PyTorch's CUDA builds.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from aqsgd.compress.kernels import Kernels, RowStore
+
+__all__ = ["TritonKernels", "available", "interpreting"]
+
+_BLOCK_R = 16  # rows per program
+_BLOCK_G = 16  # groups of 8 codes per program (128 values of a row)
+_BLOCK_K = 128  # values per step of the max kernels
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in its interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the kernels run on ``device`` here: a CUDA device with Triton installed, or the CPU under the
+    interpreter."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _triton_importable() and torch.cuda.is_available()
+    return device.type == "cpu" and interpreting() and _triton_importable()
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """The ``@triton.jit`` kernels, defined at first use (importing triton costs a second)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rowmax(x_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < R
+        best = tl.zeros([BLOCK_R], dtype=tl.float32)
+        nans = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for start in range(0, K, BLOCK_K):
+            cols = start + tl.arange(0, BLOCK_K)
+            m = rmask[:, None] & (cols < K)[None, :]
+            x = tl.abs(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0))
+            nans += tl.sum((x != x).to(tl.int32), axis=1)
+            best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=1))
+        best = tl.where(nans > 0, float("nan"), best)
+        tl.store(out_ptr + rows, best, mask=rmask)
+
+    @triton.jit
+    def colmax(x_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        best = tl.zeros([BLOCK_K], dtype=tl.float32)
+        nans = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for start in range(0, R, BLOCK_R):
+            rows = start + tl.arange(0, BLOCK_R)
+            m = (rows < R)[:, None] & cmask[None, :]
+            x = tl.abs(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0))
+            nans += tl.sum((x != x).to(tl.int32), axis=0)
+            best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=0))
+        best = tl.where(nans > 0, float("nan"), best)
+        tl.store(out_ptr + cols, best, mask=cmask)
+
+    @triton.jit
+    def quant_pack(x_ptr, inv_ptr, out_ptr, R, K, offset, qmax, BY_COL: tl.constexpr, BITS: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        lane = tl.arange(0, 8)
+        cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
+        rmask = rows < R
+        cmask = cols < K
+        m = rmask[:, None, None] & cmask[None, :, :]
+        x = tl.load(x_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
+        if BY_COL:
+            inv = tl.load(inv_ptr + cols, mask=cmask, other=0.0)[None, :, :]
+        else:
+            inv = tl.load(inv_ptr + rows, mask=rmask, other=0.0)[:, None, None]
+        t = tl.minimum(tl.maximum(tl.fma(x, inv, offset), 0.0), qmax)
+        code = t.to(tl.int32).to(tl.int64)
+        word = tl.sum(code << (lane[None, None, :].to(tl.int64) * BITS), axis=2)  # [R, G]: disjoint bits
+        nb = K * BITS // 8
+        gm = rmask[:, None] & (groups < K // 8)[None, :]
+        for b in tl.static_range(BITS):
+            tl.store(out_ptr + rows[:, None] * nb + groups[None, :] * BITS + b,
+                     ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
+
+    @triton.jit
+    def unpack_dequant(p_ptr, step_ptr, out_ptr, R, K, mul, low, BY_COL: tl.constexpr, BITS: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        rmask = rows < R
+        gm = rmask[:, None] & (groups < K // 8)[None, :]
+        nb = K * BITS // 8
+        word = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.int64)
+        for b in tl.static_range(BITS):
+            byte = tl.load(p_ptr + rows[:, None] * nb + groups[None, :] * BITS + b, mask=gm, other=0)
+            word |= byte.to(tl.int64) << (8 * b)
+        lane = tl.arange(0, 8)
+        code = (word[:, :, None] >> (lane[None, None, :].to(tl.int64) * BITS)) & ((1 << BITS) - 1)
+        cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
+        m = rmask[:, None, None] & (cols < K)[None, :, :]
+        if BY_COL:
+            step = tl.load(step_ptr + cols, mask=cols < K, other=0.0)[None, :, :]
+        else:
+            step = tl.load(step_ptr + rows, mask=rmask, other=0.0)[:, None, None]
+        level = code.to(tl.float32) * mul - low  # a small integer: exact
+        tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], level * step, mask=m)
+
+    # -- AQ-SGD against a cache's rows: row r of x2 is segment r % rpb of sample r // rpb, whose cache row is
+    # st[ids[r // rpb]] (n = rpb * K values, in the storage's dtype)
+    @triton.jit
+    def delta_rowmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < R
+        best = tl.zeros([BLOCK_R], dtype=tl.float32)
+        nans = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for start in range(0, K, BLOCK_K):
+            cols = start + tl.arange(0, BLOCK_K)
+            m = rmask[:, None] & (cols < K)[None, :]
+            x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
+            where = ((tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K)[:, None]
+            c = tl.load(st_ptr + where + cols[None, :], mask=m, other=0)
+            c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+            d = tl.abs(x - c)
+            nans += tl.sum((d != d).to(tl.int32), axis=1)
+            best = tl.maximum(best, tl.max(tl.where(d != d, 0.0, d), axis=1))
+        tl.store(out_ptr + rows, tl.where(nans > 0, float("nan"), best), mask=rmask)
+
+    @triton.jit
+    def delta_colmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        best = tl.zeros([BLOCK_K], dtype=tl.float32)
+        nans = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for start in range(0, R, BLOCK_R):
+            rows = start + tl.arange(0, BLOCK_R)
+            rmask = rows < R
+            m = rmask[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
+            where = ((tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K)[:, None]
+            c = tl.load(st_ptr + where + cols[None, :], mask=m, other=0)
+            c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+            d = tl.abs(x - c)
+            nans += tl.sum((d != d).to(tl.int32), axis=0)
+            best = tl.maximum(best, tl.max(tl.where(d != d, 0.0, d), axis=0))
+        tl.store(out_ptr + cols, tl.where(nans > 0, float("nan"), best), mask=cmask)
+
+    @triton.jit
+    def delta_into(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        rmask = rows < R
+        m = rmask[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
+        where = ((tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K)[:, None]
+        c = tl.load(st_ptr + where + cols[None, :], mask=m, other=0)
+        c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * K + cols[None, :], x - c, mask=m)
+
+    @triton.jit
+    def delta_quant_update(x_ptr, st_ptr, ids_ptr, inv_ptr, step_ptr, out_ptr, R, K, rpb, offset, qmax, mul,
+                           low, BY_COL: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        lane = tl.arange(0, 8)
+        cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
+        rmask = rows < R
+        cmask = cols < K
+        m = rmask[:, None, None] & cmask[None, :, :]
+        x = tl.load(x_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
+        first = (tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K
+        where = first[:, None, None] + cols[None, :, :]
+        c = tl.load(st_ptr + where, mask=m, other=0)
+        c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+        if BY_COL:
+            inv = tl.load(inv_ptr + cols, mask=cmask, other=0.0)[None, :, :]
+            step = tl.load(step_ptr + cols, mask=cmask, other=0.0)[None, :, :]
+        else:
+            inv = tl.load(inv_ptr + rows, mask=rmask, other=0.0)[:, None, None]
+            step = tl.load(step_ptr + rows, mask=rmask, other=0.0)[:, None, None]
+        t = tl.minimum(tl.maximum(tl.fma(x - c, inv, offset), 0.0), qmax)
+        code = t.to(tl.int32)
+        # the row as put(m + decode(...)) leaves it: one rounding for the level times the step, one for the sum
+        # and one into the storage format
+        new = c + (code.to(tl.float32) * mul - low) * step
+        if BF16:  # to nearest even, as PyTorch rounds to bf16 (NaN to its canonical 0x7FC0)
+            u = new.to(tl.int32, bitcast=True)
+            b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+            tl.store(st_ptr + where, tl.where(new != new, 0x7FC0, b).to(tl.int16), mask=m)
+        else:
+            tl.store(st_ptr + where, new.to(st_ptr.dtype.element_ty), mask=m)
+        word = tl.sum(code.to(tl.int64) << (lane[None, None, :].to(tl.int64) * BITS), axis=2)
+        nb = K * BITS // 8
+        gm = rmask[:, None] & (groups < K // 8)[None, :]
+        for b in tl.static_range(BITS):
+            tl.store(out_ptr + rows[:, None] * nb + groups[None, :] * BITS + b,
+                     ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
+
+    @triton.jit
+    def delta_dequant_update(p_ptr, st_ptr, ids_ptr, step_ptr, out_ptr, R, K, rpb, mul, low, BY_COL: tl.constexpr,
+                             BITS: tl.constexpr, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_G: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        rmask = rows < R
+        gm = rmask[:, None] & (groups < K // 8)[None, :]
+        nb = K * BITS // 8
+        word = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.int64)
+        for b in tl.static_range(BITS):
+            byte = tl.load(p_ptr + rows[:, None] * nb + groups[None, :] * BITS + b, mask=gm, other=0)
+            word |= byte.to(tl.int64) << (8 * b)
+        lane = tl.arange(0, 8)
+        code = (word[:, :, None] >> (lane[None, None, :].to(tl.int64) * BITS)) & ((1 << BITS) - 1)
+        cols = groups[:, None] * 8 + lane[None, :]
+        cmask = cols < K
+        m = rmask[:, None, None] & cmask[None, :, :]
+        if BY_COL:
+            step = tl.load(step_ptr + cols, mask=cmask, other=0.0)[None, :, :]
+        else:
+            step = tl.load(step_ptr + rows, mask=rmask, other=0.0)[:, None, None]
+        first = (tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K
+        where = first[:, None, None] + cols[None, :, :]
+        c = tl.load(st_ptr + where, mask=m, other=0)
+        c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+        new = c + (code.to(tl.float32) * mul - low) * step
+        if BF16:  # to nearest even, as PyTorch rounds to bf16 (NaN to its canonical 0x7FC0)
+            u = new.to(tl.int32, bitcast=True)
+            b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+            b = tl.where(new != new, 0x7FC0, b)
+            tl.store(st_ptr + where, b.to(tl.int16), mask=m)
+            back = (b << 16).to(tl.float32, bitcast=True)
+        else:
+            stored = new.to(st_ptr.dtype.element_ty)
+            tl.store(st_ptr + where, stored, mask=m)
+            back = stored.to(tl.float32)
+        tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], back, mask=m)
+
+    return {"rowmax": rowmax, "colmax": colmax, "quant_pack": quant_pack, "unpack_dequant": unpack_dequant,
+            "delta_rowmax": delta_rowmax, "delta_colmax": delta_colmax, "delta_into": delta_into,
+            "delta_quant_update": delta_quant_update, "delta_dequant_update": delta_dequant_update}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _bf16(store: RowStore) -> bool:
+    return store.data.dtype == torch.bfloat16
+
+
+def _storage(store: RowStore) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache rows as the kernels address them (bf16 as its int16 bits, rounded by hand: Triton's own
+    conversion does not round to nearest even everywhere) and the ids."""
+    return (store.data.view(torch.int16) if _bf16(store) else store.data), store.ids
+
+
+class TritonKernels(Kernels):
+    """The quantizer's operations and AQ-SGD's steps of :mod:`aqsgd.compress.kernels` as Triton kernels (see
+    the module docstring); the others (TopK, the Hadamard tiles) are left to the general path."""
+
+    name = "triton"
+
+    def max_abs(self, x2: torch.Tensor, by_col: bool) -> torch.Tensor:
+        rows, k = x2.shape
+        out = torch.empty(k if by_col else rows, dtype=torch.float32, device=x2.device)
+        if by_col:
+            _kernels()["colmax"][(_cdiv(k, _BLOCK_K),)](x2, out, rows, k, BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K)
+        else:
+            _kernels()["rowmax"][(_cdiv(rows, _BLOCK_R),)](x2, out, rows, k, BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K)
+        return out
+
+    def quantize_pack(self, x2: torch.Tensor, inv: torch.Tensor, by_col: bool, offset: float, bits: int,
+                      qmax: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows, k = x2.shape
+        if out is None:
+            out = torch.empty(rows, k * bits // 8, dtype=torch.uint8, device=x2.device)
+        grid = (_cdiv(rows, _BLOCK_R), _cdiv(k // 8, _BLOCK_G))
+        _kernels()["quant_pack"][grid](x2, inv, out, rows, k, float(offset), float(qmax), BY_COL=by_col,
+                                       BITS=bits, BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
+        return out
+
+    def unpack_dequantize(self, packed: torch.Tensor, step: torch.Tensor, by_col: bool, bits: int, mul: int,
+                          low: int) -> torch.Tensor:
+        rows = packed.shape[0]
+        k = packed.shape[1] * 8 // bits
+        out = torch.empty(rows, k, dtype=torch.float32, device=packed.device)
+        grid = (_cdiv(rows, _BLOCK_R), _cdiv(k // 8, _BLOCK_G))
+        _kernels()["unpack_dequant"][grid](packed, step, out, rows, k, float(mul), float(low), BY_COL=by_col,
+                                           BITS=bits, BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
+        return out
+
+    # -- AQ-SGD against a cache's rows (the store on the tensors' device)
+    def delta_max_abs(self, x2: torch.Tensor, store: RowStore, rpb: int, by_col: bool) -> torch.Tensor | None:
+        if store.device != x2.device:
+            return None
+        rows, k = x2.shape
+        out = torch.empty(k if by_col else rows, dtype=torch.float32, device=x2.device)
+        name, grid = ("delta_colmax", (_cdiv(k, _BLOCK_K),)) if by_col else ("delta_rowmax", (_cdiv(rows, _BLOCK_R),))
+        _kernels()[name][grid](x2, *_storage(store), out, rows, k, rpb, BF16=_bf16(store), BLOCK_R=_BLOCK_R,
+                               BLOCK_K=_BLOCK_K)
+        return out
+
+    def delta(self, x2: torch.Tensor, store: RowStore, rpb: int) -> torch.Tensor | None:
+        if store.device != x2.device:
+            return None
+        rows, k = x2.shape
+        out = torch.empty_like(x2)
+        grid = (_cdiv(rows, _BLOCK_R), _cdiv(k, _BLOCK_K))
+        _kernels()["delta_into"][grid](x2, *_storage(store), out, rows, k, rpb, BF16=_bf16(store),
+                                       BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K)
+        return out
+
+    def delta_encode_update(self, x2: torch.Tensor, store: RowStore, rpb: int, inv: torch.Tensor, by_col: bool,
+                            offset: float, bits: int, qmax: int, step: torch.Tensor, mul: int, low: int,
+                            out: torch.Tensor | None = None) -> torch.Tensor | None:
+        if store.device != x2.device:
+            return None
+        rows, k = x2.shape
+        if out is None:
+            out = torch.empty(rows, k * bits // 8, dtype=torch.uint8, device=x2.device)
+        grid = (_cdiv(rows, _BLOCK_R), _cdiv(k // 8, _BLOCK_G))
+        _kernels()["delta_quant_update"][grid](x2, *_storage(store), inv, step, out, rows, k, rpb,
+                                               float(offset), float(qmax), float(mul), float(low), BY_COL=by_col,
+                                               BITS=bits, BF16=_bf16(store), BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
+        return out
+
+    def delta_decode_update(self, packed: torch.Tensor, store: RowStore, rpb: int, step: torch.Tensor,
+                            by_col: bool, bits: int, mul: int, low: int) -> torch.Tensor | None:
+        if store.device != packed.device:
+            return None
+        rows = packed.shape[0]
+        k = packed.shape[1] * 8 // bits
+        out = torch.empty(rows, k, dtype=torch.float32, device=packed.device)
+        grid = (_cdiv(rows, _BLOCK_R), _cdiv(k // 8, _BLOCK_G))
+        _kernels()["delta_dequant_update"][grid](packed, *_storage(store), step, out, rows, k, rpb,
+                                                 float(mul), float(low), BY_COL=by_col, BITS=bits,
+                                                 BF16=_bf16(store), BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
+        return out
