@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from aqsgd.compress import kernels, make_codec, rans
+from aqsgd.compress import make_codec, rans
 from aqsgd.compress.packet import Packet
 from aqsgd.compress.wrappers import RansCodec
 from aqsgd.errors import PacketError, SpecError
