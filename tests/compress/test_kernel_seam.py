@@ -1,5 +1,5 @@
-"""The kernel seam: backends chosen by the tensor's device, or named by a codec; an operation a backend lacks is
-None, and the codec then takes its general path with the same bytes."""
+"""The kernel seam: backends chosen by the tensor's device, or named by a codec; an operation a backend lacks
+is None, and the codec then takes its general path with the same bytes."""
 
 from __future__ import annotations
 

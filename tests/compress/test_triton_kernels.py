@@ -1,6 +1,6 @@
-"""The Triton kernels, run on CPU tensors under Triton's interpreter: every quantizer's packet and decode byte for
-byte equal to the numba and eager backends' (on a GPU the same kernels write the same bytes: ``tl.fma`` rounds
-once, as the CPU does)."""
+"""The Triton kernels, run on CPU tensors under Triton's interpreter: every quantizer's packet and decode byte
+for byte equal to the numba and eager backends' (on a GPU the same kernels write the same bytes: ``tl.fma``
+rounds once, as the CPU does)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def test_packets_and_decodes_equal_the_other_backends(spec):
     assert torch.equal(packets["triton"].payload, packets["eager"].payload)
     assert torch.equal(packets["triton"].payload, packets["numba"].payload)
     decoded = {b: make_codec(spec, backend=b).decode(packets["eager"]) for b in ("triton", "eager", "numba")}
-    assert torch.equal(decoded["triton"], decoded["eager"]) and torch.equal(decoded["triton"], decoded["numba"])
+    assert (torch.equal(decoded["triton"], decoded["eager"])
+            and torch.equal(decoded["triton"], decoded["numba"]))
 
 
 @pytest.mark.parametrize("shape", [(1, 8), (17, 24), (40, 136), (3, 300, 16)])
@@ -49,7 +50,8 @@ def test_ragged_tiles(shape, bits):
     for spec in (f"q{bits}", f"q{bits}:token"):
         t = make_codec(spec, backend="triton").encode(x)
         assert torch.equal(t.payload, make_codec(spec, backend="eager").encode(x).payload)
-        assert torch.equal(make_codec(spec, backend="triton").decode(t), make_codec(spec, backend="eager").decode(t))
+        assert torch.equal(make_codec(spec, backend="triton").decode(t),
+                           make_codec(spec, backend="eager").decode(t))
 
 
 @pytest.mark.parametrize("by_col", [True, False])
@@ -68,7 +70,8 @@ def test_the_kernels_really_run(monkeypatch):
     for name in ("max_abs", "quantize_pack", "unpack_dequantize"):
         real = getattr(triton_kernels.TritonKernels, name)
         monkeypatch.setattr(triton_kernels.TritonKernels, name,
-                            lambda self, *a, _real=real, _name=name, **k: calls.append(_name) or _real(self, *a, **k))
+                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
+                                                                           or _real(self, *a, **k)))
     codec = make_codec("q2", backend="triton")
     codec.decode(codec.encode(_data((4, 32))))
     assert calls == ["max_abs", "quantize_pack", "unpack_dequantize"]
@@ -82,7 +85,7 @@ def test_bf16_and_fp16_inputs():
         assert make_codec("q4", backend="triton").decode(t).dtype == dtype
 
 
-# -- AQ-SGD's steps against a memory cache ---------------------------------------------------------------------
+# -- AQ-SGD's steps against a memory cache -------------------------------------------------------------------
 def _aqsgd_steps(spec, storage, backend, *, steps=3, shape=(6, 4, 24), cap=16, seed=0):
     """Packets, receiver outputs and both caches' storage after ``steps`` micro-batches of seen and new rows,
     every codec computing with ``backend``'s kernels."""
@@ -113,7 +116,8 @@ def test_the_aqsgd_steps_equal_the_other_backends(spec, storage, monkeypatch):
     for name in ("delta_encode_update", "delta_decode_update"):
         real = getattr(triton_kernels.TritonKernels, name)
         monkeypatch.setattr(triton_kernels.TritonKernels, name,
-                            lambda self, *a, _real=real, _name=name, **k: calls.append(_name) or _real(self, *a, **k))
+                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
+                                                                           or _real(self, *a, **k)))
     tri = _aqsgd_steps(spec, storage, "triton")
     assert calls.count("delta_encode_update") >= 2 and calls.count("delta_decode_update") >= 2
     for other in ("eager", "numba"):  # eager: the step-by-step path (get, encode, decode, add, put)

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="si
 
 def _launcher_grace() -> float:
     """Seconds a distributed run may take to stop: PyTorch's launcher forwards the signal, then kills a stage
-    that has not ended (one blocked in a collective on a peer that is gone) after its shutdown timeout: ours of
-    3 s from torch 2.12 on, its own 30 s before."""
+    that has not ended (one blocked in a collective on a peer that is gone) after its shutdown timeout: ours
+    of 3 s from torch 2.12 on, its own 30 s before."""
     import dataclasses
 
     from torch.distributed.launcher.api import LaunchConfig

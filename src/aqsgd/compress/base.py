@@ -146,8 +146,8 @@ class Codec(abc.ABC):
     def _decode(self, packet: Packet) -> torch.Tensor: ...
 
     def using(self, backend: str | None) -> Codec:
-        """This codec computing with the kernel backend ``backend`` (``eager``, ``numba``, ``triton``; None: the
-        device's default), inner codecs included: a copy, this one is unchanged. The packets are the same
+        """This codec computing with the kernel backend ``backend`` (``eager``, ``numba``, ``triton``; None:
+        the device's default), inner codecs included: a copy, this one is unchanged. The packets are the same
         bytes whatever the backend (on the CPU; see :mod:`aqsgd.compress.kernels`)."""
         from aqsgd.compress.kernels import BACKENDS
 

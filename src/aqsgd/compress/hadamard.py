@@ -9,9 +9,9 @@ case a uniform quantizer with an l2 or max scale handles best.
 
 The fast Walsh-Hadamard transform takes ``log2 G`` butterfly stages, ``O(G log G)`` per tile. The CPU path
 is one numba pass over the data (:mod:`aqsgd.compress.kernels.numba`); elsewhere (CUDA tensors, no numba, a
-codec using the ``eager`` backend) each stage is one PyTorch operation over the whole tensor. Both compute every output as
-the same sequence of IEEE additions, subtractions and one final multiplication, so their results are
-bit-identical (tested).
+codec using the ``eager`` backend) each stage is one PyTorch operation over the whole tensor. Both compute
+every output as the same sequence of IEEE additions, subtractions and one final multiplication, so their
+results are bit-identical (tested).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def _rows(x: torch.Tensor, tile: int) -> torch.Tensor:
     return flat.view(-1, tile)
 
 
-def _transform(x: torch.Tensor, tile: int, seed: int, inverse: bool, backend: str | None = None) -> torch.Tensor:
+def _transform(x: torch.Tensor, tile: int, seed: int, inverse: bool,
+               backend: str | None = None) -> torch.Tensor:
     x2 = _rows(x, tile)
     s = signs(tile, seed, x2.device)
     c = 1.0 / math.sqrt(tile)

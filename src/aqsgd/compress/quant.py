@@ -374,7 +374,8 @@ class QuantCodec(Codec):
             s = self._planned_scales(x2, x.shape, by_col, lambda: ops.delta_max_abs(x2, store, rpb, by_col))
         else:  # the scale needs a mean of x - m in torch's order: materialize x - m once
             d = ops.delta(x2, store, rpb)
-            s = None if d is None else self._planned_scales(d, x.shape, by_col, lambda: ops.max_abs(d, by_col))
+            s = None if d is None else self._planned_scales(d, x.shape, by_col,
+                                                            lambda: ops.max_abs(d, by_col))
         if s is None:
             return None
         stored, inv, _ = self._scale_steps(s, torch.float32)

@@ -1,8 +1,9 @@
 """The kernel seam: the named operations codecs are built from, with one implementation per backend.
 
-A codec never branches on hardware. It asks :func:`for_tensor` for the kernels of the tensor's device and calls
-their operations; each returns its result, or None where this backend has no kernel for those arguments (the
-codec then takes its general, step-by-step PyTorch path, which every backend's result equals byte for byte).
+A codec never branches on hardware. It asks :func:`for_tensor` for the kernels of the tensor's device and
+calls their operations; each returns its result, or None where this backend has no kernel for those arguments
+(the codec then takes its general, step-by-step PyTorch path, which every backend's result equals byte for
+byte).
 
 ========== ================= ============================================================================
 backend    where             what it is
@@ -17,8 +18,8 @@ backend    where             what it is
 ========== ================= ============================================================================
 
 The default for a device is the first of its backends that is installed: numba then eager on the CPU,
-triton then eager on CUDA. A codec built with ``backend="eager"`` (``make_codec(spec, backend=...)``) uses that
-one wherever it runs: benchmarks compare backends side by side that way, and tests compare their packets.
+triton then eager on CUDA. A codec built with ``backend="eager"`` (``make_codec(spec, backend=...)``) uses
+that one wherever it runs: benchmarks compare backends side by side that way, and tests compare their packets.
 
 Operations (``x2``: a contiguous fp32 ``[R, K]`` view with ``K % 8 == 0``, whose scale groups are its columns
 (``by_col``) or its rows; per-group vectors are fp32 of length ``K`` or ``R``):
@@ -34,9 +35,9 @@ Operations (``x2``: a contiguous fp32 ``[R, K]`` view with ``K % 8 == 0``, whose
   (:class:`RowStore`): ``delta_max_abs``, ``delta``, ``delta_encode_update``, ``delta_decode_update``.
 
 Single rounding where it matters: ``fma`` in every backend that can (PyTorch's ``addcmul`` rounds once on the
-CPU), so that the packets of all backends on the CPU are byte-identical, and a Triton kernel on a GPU writes the
-CPU's bytes. PyTorch's own ``addcmul`` on CUDA rounds twice: an ``eager`` encode on a GPU may differ from the
-CPU's in about one code per million (decoding agrees everywhere).
+CPU), so that the packets of all backends on the CPU are byte-identical, and a Triton kernel on a GPU writes
+the CPU's bytes. PyTorch's own ``addcmul`` on CUDA rounds twice: an ``eager`` encode on a GPU may differ from
+the CPU's in about one code per million (decoding agrees everywhere).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKENDS", "Kernels", "RowStore", "available", "defaulting_to", "for_device", "for_tensor", "plan",
-           "STORE_FORMATS"]
+__all__ = ["BACKENDS", "Kernels", "RowStore", "available", "defaulting_to", "for_device", "for_tensor",
+           "plan", "STORE_FORMATS"]
 
 BACKENDS = ("eager", "numba", "triton")
 _DEFAULTS: dict[str, tuple[str, ...]] = {"cpu": ("numba", "eager"), "cuda": ("triton", "eager")}
@@ -81,8 +82,8 @@ class RowStore:
     """Rows of an activation cache's storage that a codec's fused AQ-SGD step reads and updates in place.
 
     ``data`` is the whole storage ``[capacity, n]`` (fp32, fp16 or bf16) on the cache's device, sharing memory
-    with the cache's tensor; ``ids`` (int64, on the same device) are the rows of the micro-batch, in its order;
-    ``fmt`` is the storage format (:data:`STORE_FORMATS`). Built by the cache
+    with the cache's tensor; ``ids`` (int64, on the same device) are the rows of the micro-batch, in its
+    order; ``fmt`` is the storage format (:data:`STORE_FORMATS`). Built by the cache
     (:meth:`~aqsgd.schemes.cache.base.ActivationCache.row_store`), which has validated the ids.
     """
 
@@ -145,9 +146,9 @@ class Kernels:
     def delta(self, x2: torch.Tensor, store: RowStore, rpb: int) -> torch.Tensor | None:
         return None
 
-    def delta_encode_update(self, x2: torch.Tensor, store: RowStore, rpb: int, inv: torch.Tensor, by_col: bool,
-                            offset: float, bits: int, qmax: int, step: torch.Tensor, mul: int, low: int,
-                            out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def delta_encode_update(self, x2: torch.Tensor, store: RowStore, rpb: int, inv: torch.Tensor,
+                            by_col: bool, offset: float, bits: int, qmax: int, step: torch.Tensor, mul: int,
+                            low: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         return None
 
     def delta_decode_update(self, packed: torch.Tensor, store: RowStore, rpb: int, step: torch.Tensor,

@@ -2,8 +2,8 @@
 
 The reference the compiled backends are tested against, and the fallback where none is installed. Each
 operation is a few passes over memory (a multiply-add, a clamp, a conversion, the shifts of
-:mod:`aqsgd.compress.bitpack`); on the CPU its bytes equal the numba and Triton kernels' (``addcmul`` rounds once
-there), on CUDA ``addcmul`` rounds twice (see :mod:`aqsgd.compress.kernels`).
+:mod:`aqsgd.compress.bitpack`); on the CPU its bytes equal the numba and Triton kernels' (``addcmul`` rounds
+once there), on CUDA ``addcmul`` rounds twice (see :mod:`aqsgd.compress.kernels`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The ``numba`` backend: the kernel operations as compiled loops over CPU tensors, one pass each.
 
 The eager quantizer is a chain of whole-tensor PyTorch operations, each a full pass over memory: scale,
-multiply-add, clamp, convert, then several shift/or passes to pack the codes. Here one pass reads the input and
-writes the packed codes (and, for the max-abs scale, one more pass finds the scales), with the rows split over
-the threads. Decoding is one pass from packed codes to the output.
+multiply-add, clamp, convert, then several shift/or passes to pack the codes. Here one pass reads the input
+and writes the packed codes (and, for the max-abs scale, one more pass finds the scales), with the rows split
+over the threads. Decoding is one pass from packed codes to the output.
 
 Why numba and not ``torch.compile``: Inductor emits scalar C++ for the byte packing on the CPU (q2 encode
 9.2 ms against 5.9 ms eager in our trial) and compiles for ~24 s on first use; numba vectorizes these loops
@@ -18,8 +18,8 @@ granularity: the scales and the reciprocal step come from the same PyTorch code,
 AQ-SGD's step against an in-memory cache has its own kernels (``delta_*``): the sender's pass reads the
 activation and the cache row, quantizes ``x - m``, packs the codes and writes ``m + decode`` back into the row
 in the cache's storage format (fp16 through LLVM's ``fptrunc``, which rounds to nearest even as PyTorch does;
-bf16 rounded the same way in integer arithmetic); the receiver's pass unpacks, adds and stores. Where the scale
-is a max, one more pass finds it from ``x - m`` without materializing it; ``l2`` and ``mean`` scales
+bf16 rounded the same way in integer arithmetic); the receiver's pass unpacks, adds and stores. Where the
+scale is a max, one more pass finds it from ``x - m`` without materializing it; ``l2`` and ``mean`` scales
 materialize ``x - m`` once so that torch computes their means. Neither side allocates ``m``, ``x - m``, the
 decoded delta or the sum, and the result is bit-identical to get, encode, decode, add, put.
 
@@ -153,10 +153,10 @@ class NumbaKernels(Kernels):
     # -- TopK
     def topk_rows(self, keys: np.ndarray, mask: int, pos: np.ndarray, j_lo: int, j_hi: int, k: int,
                   out: np.ndarray) -> np.ndarray:
-        """TopK selection of :func:`aqsgd.compress.topk.topk_indices` in one compiled pass per row: the integer
-        ``keys`` [R, n] (a float's bits), their sign ``mask``, the sampled positions and the order statistics
-        of the two thresholds; writes ``out`` [R, k] (int64, increasing positions) and returns a bool per row,
-        False where the sample misled (that row is to be ranked in full)."""
+        """TopK selection of :func:`aqsgd.compress.topk.topk_indices` in one compiled pass per row: the
+        integer ``keys`` [R, n] (a float's bits), their sign ``mask``, the sampled positions and the order
+        statistics of the two thresholds; writes ``out`` [R, k] (int64, increasing positions) and returns a
+        bool per row, False where the sample misled (that row is to be ranked in full)."""
         ok = np.empty(keys.shape[0], dtype=np.bool_)
         _call("topk_rows", keys, keys.dtype.type(mask), pos, int(j_lo), int(j_hi), int(k), out, ok,
               *_topk_scratch(keys))
@@ -165,8 +165,9 @@ class NumbaKernels(Kernels):
     def topk_pack(self, x: np.ndarray, idx: np.ndarray, wire: torch.dtype, width: int) -> np.ndarray | None:
         """TopK's payload in one pass: the values of fp32 ``x`` [R, n] at the positions ``idx`` [R, k] cast
         to ``wire`` (fp32, fp16 or bf16, rounded as ``Tensor.to`` rounds), then the positions' low ``width``
-        bytes, little-endian: byte for byte what gather, cast, index packing and concatenation make. None where
-        a kept value or its cast is not finite (the caller's step-by-step path raises the codec's error)."""
+        bytes, little-endian: byte for byte what gather, cast, index packing and concatenation make. None
+        where a kept value or its cast is not finite (the caller's step-by-step path raises the codec's
+        error)."""
         rows, k = idx.shape
         fmt, payload, vals, index_bytes = _topk_payload(rows, k, wire, width)
         bad = np.empty(rows, dtype=np.bool_)
@@ -188,8 +189,8 @@ class NumbaKernels(Kernels):
 
     # -- AQ-SGD against a cache's rows
     def delta_max_abs(self, x2: torch.Tensor, store: RowStore, rpb: int, by_col: bool) -> torch.Tensor | None:
-        """Max ``|x - m|`` of each column (``by_col``) or row of ``x2`` [R, K], ``m`` the store's rows (``rpb``
-        rows of ``x2`` per sample); NaN anywhere in a group gives NaN."""
+        """Max ``|x - m|`` of each column (``by_col``) or row of ``x2`` [R, K], ``m`` the store's rows
+        (``rpb`` rows of ``x2`` per sample); NaN anywhere in a group gives NaN."""
         if store.device.type != "cpu":
             return None
         return torch.from_numpy(_call("delta_absmax", x2.numpy(), *_store(store)[:2], rpb, store.fmt, by_col))
@@ -202,9 +203,9 @@ class NumbaKernels(Kernels):
         _call("delta_into", x2.numpy(), *_store(store)[:2], rpb, store.fmt, out.numpy())
         return out
 
-    def delta_encode_update(self, x2: torch.Tensor, store: RowStore, rpb: int, inv: torch.Tensor, by_col: bool,
-                            offset: float, bits: int, qmax: int, step: torch.Tensor, mul: int, low: int,
-                            out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def delta_encode_update(self, x2: torch.Tensor, store: RowStore, rpb: int, inv: torch.Tensor,
+                            by_col: bool, offset: float, bits: int, qmax: int, step: torch.Tensor, mul: int,
+                            low: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The sender's step: the codes of ``x - m`` packed as :meth:`quantize_pack` packs them, and each
         stored row set to ``m + (code * mul - low) * step`` rounded to the storage format, as
         ``put(m + decode(...))``."""
@@ -220,14 +221,14 @@ class NumbaKernels(Kernels):
 
     def delta_decode_update(self, packed: torch.Tensor, store: RowStore, rpb: int, step: torch.Tensor,
                             by_col: bool, bits: int, mul: int, low: int) -> torch.Tensor | None:
-        """The receiver's step: each stored row set to ``m + (code * mul - low) * step`` in the storage format,
-        and the result (fp32 [R, K]) the stored values, as ``put(m + decode(...))`` returns them."""
+        """The receiver's step: each stored row set to ``m + (code * mul - low) * step`` in the storage
+        format, and the result (fp32 [R, K]) the stored values, as ``put(m + decode(...))`` returns them."""
         if store.device.type != "cpu":
             return None
         rows = packed.shape[0]
         out = torch.empty(rows, packed.shape[1] * 8 // bits, dtype=torch.float32)
-        _call("delta_dequant_update", packed.numpy(), *_store(store)[:2], rpb, store.fmt, step.numpy(), by_col,
-              bits, np.float32(mul), np.float32(low), out.numpy())
+        _call("delta_dequant_update", packed.numpy(), *_store(store)[:2], rpb, store.fmt, step.numpy(),
+              by_col, bits, np.float32(mul), np.float32(low), out.numpy())
         return out
 
 

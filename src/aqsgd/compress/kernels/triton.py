@@ -4,13 +4,13 @@ Each kernel works on the quantizer's 2-D view ``[R, K]`` (``K % 8 == 0``), a til
 *groups of 8 codes* per program: 8 codes of ``bits`` bits fill exactly ``bits`` bytes, so every group packs
 into a 64-bit word (code ``i`` shifted to bit ``bits * i``) whose low ``bits`` bytes are stored, the layout of
 :func:`~aqsgd.compress.bitpack.pack_bits`. Quantizing is ``trunc(clamp(fma(x, inv, offset), 0, qmax))`` with
-one rounding (``tl.fma``), as the CPU computes it, so the bytes equal the numba and eager backends' on the CPU;
-decoding is ``(code * mul - low) * step`` (exact small integers, then one rounding). There is no host
+one rounding (``tl.fma``), as the CPU computes it, so the bytes equal the numba and eager backends' on the
+CPU; decoding is ``(code * mul - low) * step`` (exact small integers, then one rounding). There is no host
 synchronisation inside a kernel launch.
 
-On a machine without a GPU the kernels run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set
-before ``triton`` is imported): the tests compare their bytes with the other backends' that way. Triton is not a
-dependency of aqsgd: it comes with PyTorch's CUDA builds.
+On a machine without a GPU the kernels run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``
+set before ``triton`` is imported): the tests compare their bytes with the other backends' that way. Triton is
+not a dependency of aqsgd: it comes with PyTorch's CUDA builds.
 """
 
 from __future__ import annotations
@@ -214,8 +214,8 @@ def _kernels():
             step = tl.load(step_ptr + rows, mask=rmask, other=0.0)[:, None, None]
         t = tl.minimum(tl.maximum(tl.fma(x - c, inv, offset), 0.0), qmax)
         code = t.to(tl.int32)
-        # the row as put(m + decode(...)) leaves it: one rounding for the level times the step, one for the sum
-        # and one into the storage format
+        # the row as put(m + decode(...)) leaves it: one rounding for the level times the step, one for the
+        # sum and one into the storage format
         new = c + (code.to(tl.float32) * mul - low) * step
         if BF16:  # to nearest even, as PyTorch rounds to bf16 (NaN to its canonical 0x7FC0)
             u = new.to(tl.int32, bitcast=True)
@@ -231,9 +231,9 @@ def _kernels():
                      ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
 
     @triton.jit
-    def delta_dequant_update(p_ptr, st_ptr, ids_ptr, step_ptr, out_ptr, R, K, rpb, mul, low, BY_COL: tl.constexpr,
-                             BITS: tl.constexpr, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_G: tl.constexpr):
+    def delta_dequant_update(p_ptr, st_ptr, ids_ptr, step_ptr, out_ptr, R, K, rpb, mul, low,
+                             BY_COL: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
         rmask = rows < R
@@ -300,7 +300,8 @@ class TritonKernels(Kernels):
         if by_col:
             _kernels()["colmax"][(_cdiv(k, _BLOCK_K),)](x2, out, rows, k, BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K)
         else:
-            _kernels()["rowmax"][(_cdiv(rows, _BLOCK_R),)](x2, out, rows, k, BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K)
+            _kernels()["rowmax"][(_cdiv(rows, _BLOCK_R),)](x2, out, rows, k, BLOCK_R=_BLOCK_R,
+                                                           BLOCK_K=_BLOCK_K)
         return out
 
     def quantize_pack(self, x2: torch.Tensor, inv: torch.Tensor, by_col: bool, offset: float, bits: int,
@@ -329,7 +330,8 @@ class TritonKernels(Kernels):
             return None
         rows, k = x2.shape
         out = torch.empty(k if by_col else rows, dtype=torch.float32, device=x2.device)
-        name, grid = ("delta_colmax", (_cdiv(k, _BLOCK_K),)) if by_col else ("delta_rowmax", (_cdiv(rows, _BLOCK_R),))
+        name, grid = (("delta_colmax", (_cdiv(k, _BLOCK_K),)) if by_col
+                      else ("delta_rowmax", (_cdiv(rows, _BLOCK_R),)))
         _kernels()[name][grid](x2, *_storage(store), out, rows, k, rpb, BF16=_bf16(store), BLOCK_R=_BLOCK_R,
                                BLOCK_K=_BLOCK_K)
         return out
@@ -344,9 +346,9 @@ class TritonKernels(Kernels):
                                        BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K)
         return out
 
-    def delta_encode_update(self, x2: torch.Tensor, store: RowStore, rpb: int, inv: torch.Tensor, by_col: bool,
-                            offset: float, bits: int, qmax: int, step: torch.Tensor, mul: int, low: int,
-                            out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def delta_encode_update(self, x2: torch.Tensor, store: RowStore, rpb: int, inv: torch.Tensor,
+                            by_col: bool, offset: float, bits: int, qmax: int, step: torch.Tensor, mul: int,
+                            low: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         if store.device != x2.device:
             return None
         rows, k = x2.shape
@@ -354,8 +356,9 @@ class TritonKernels(Kernels):
             out = torch.empty(rows, k * bits // 8, dtype=torch.uint8, device=x2.device)
         grid = (_cdiv(rows, _BLOCK_R), _cdiv(k // 8, _BLOCK_G))
         _kernels()["delta_quant_update"][grid](x2, *_storage(store), inv, step, out, rows, k, rpb,
-                                               float(offset), float(qmax), float(mul), float(low), BY_COL=by_col,
-                                               BITS=bits, BF16=_bf16(store), BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
+                                               float(offset), float(qmax), float(mul), float(low),
+                                               BY_COL=by_col, BITS=bits, BF16=_bf16(store), BLOCK_R=_BLOCK_R,
+                                               BLOCK_G=_BLOCK_G)
         return out
 
     def delta_decode_update(self, packed: torch.Tensor, store: RowStore, rpb: int, step: torch.Tensor,
