@@ -18,7 +18,8 @@ SRC = ROOT / "src" / "aqsgd"
 # import name -> distribution name, where they differ
 _DIST = {"torch": "torch", "yaml": "pyyaml"}
 # imported only behind a guard that turns their absence into a one-line error naming the package
-_OPTIONAL = {"datasets", "huggingface_hub", "typing_extensions", "pyarrow"}  # pyarrow: the [parquet] extra
+# pyarrow: the [parquet] extra; triton: the GPU kernels, with PyTorch's CUDA builds (and the [test] extra)
+_OPTIONAL = {"datasets", "huggingface_hub", "typing_extensions", "pyarrow", "triton"}
 
 
 def _requirement_names(reqs: list[str]) -> set[str]:
@@ -43,8 +44,10 @@ def test_base_dependencies_cover_every_import():
     assert not missing, f"imported by aqsgd but not installed by `pip install .`: {missing}"
     # what `aqsgd train` writes and `aqsgd report` draws, and the SmolLM2 conversion, need no extra either
     assert {"tensorboard", "matplotlib", "transformers", "gguf", "accelerate"} <= base
-    # the test extra adds the test tools and pyarrow, so that the .parquet reader of --train-file is tested
-    assert _requirement_names(project["optional-dependencies"]["test"]) == {"pytest", "hypothesis", "pyarrow"}
+    # the test extra adds the test tools, pyarrow (the .parquet reader of --train-file is tested) and triton
+    # (its interpreter runs the GPU kernels on CPU tensors)
+    assert _requirement_names(project["optional-dependencies"]["test"]) == {"pytest", "hypothesis", "pyarrow",
+                                                                            "triton"}
     assert _requirement_names(project["optional-dependencies"]["parquet"]) == {"pyarrow"}
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from aqsgd.compress.bitpack import pack_bits, unpack_bits
-from aqsgd.compress.kernels import Kernels
+from aqsgd.compress.kernels.base import Kernels
 
 __all__ = ["EagerKernels"]
 

@@ -36,7 +36,7 @@ import warnings
 import numpy as np
 import torch
 
-from aqsgd.compress.kernels import STORE_FORMATS, Kernels, RowStore
+from aqsgd.compress.kernels.base import STORE_FORMATS, Kernels, RowStore
 
 log = logging.getLogger(__name__)
 

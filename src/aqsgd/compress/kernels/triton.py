@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from aqsgd.compress.kernels import Kernels, RowStore
+from aqsgd.compress.kernels.base import Kernels, RowStore
 
 __all__ = ["TritonKernels", "available", "interpreting"]
 

@@ -1,0 +1,126 @@
+"""What every kernel backend shares: the operations' base class, a cache's row store, the quantizer's 2-D plan
+(see :mod:`aqsgd.compress.kernels`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["BACKENDS", "Kernels", "RowStore", "STORE_FORMATS", "plan"]
+
+BACKENDS = ("eager", "numba", "triton")
+STORE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # a cache row's storage format
+
+
+def plan(shape: Sequence[int], granularity: str, block: int) -> tuple[int, int, bool] | None:
+    """``(rows, row_length, scale_per_column)`` of the 2-D view the quantizer's kernels work on, or None where
+    they do not apply (the general path): the last dimension (or, for ``blockN``, the block, which must divide
+    the tensor) a multiple of 8, so that every row's packed codes start on a byte."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    if numel == 0 or len(shape) == 0:
+        return None
+    cols = int(shape[-1])
+    if granularity == "block":
+        if block % 8 or numel % block:
+            return None
+        return numel // block, block, False
+    if cols % 8:
+        return None
+    return numel // cols, cols, granularity == "channel"
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStore:
+    """Rows of an activation cache's storage that a codec's fused AQ-SGD step reads and updates in place.
+
+    ``data`` is the whole storage ``[capacity, n]`` (fp32, fp16 or bf16) on the cache's device, sharing memory
+    with the cache's tensor; ``ids`` (int64, on the same device) are the rows of the micro-batch, in its
+    order; ``fmt`` is the storage format (:data:`STORE_FORMATS`). Built by the cache
+    (:meth:`~aqsgd.schemes.cache.base.ActivationCache.row_store`), which has validated the ids.
+    """
+
+    data: torch.Tensor
+    ids: torch.Tensor
+    fmt: int
+
+    @property
+    def row_numel(self) -> int:
+        return int(self.data.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @classmethod
+    def of(cls, storage: torch.Tensor, ids: torch.Tensor) -> RowStore | None:
+        """The store over ``storage`` [capacity, *row_shape]; None where no kernel could update it in place
+        (another dtype, not contiguous)."""
+        fmt = STORE_FORMATS.get(storage.dtype)
+        if fmt is None or not storage.is_contiguous():
+            return None
+        flat = storage.detach().view(storage.shape[0], -1)
+        return cls(flat, ids.to(device=storage.device, dtype=torch.int64).contiguous(), fmt)
+
+
+class Kernels:
+    """One backend's operations (see the module docstring). Every operation returns None here: a backend
+    overrides those it has kernels for."""
+
+    name = "none"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def quantizes(self, dtype: torch.dtype, rounding: str) -> bool:
+        """Whether the quantizer's operations run here for inputs of ``dtype`` computed in fp32 (fp32, bf16,
+        fp16) with ``rounding`` (nearest only: stochastic rounding stays on the general path)."""
+        return dtype in (torch.float32, torch.bfloat16, torch.float16) and rounding == "nearest"
+
+    def max_abs(self, x2: torch.Tensor, by_col: bool) -> torch.Tensor | None:
+        return None
+
+    def quantize_pack(self, x2: torch.Tensor, inv: torch.Tensor, by_col: bool, offset: float, bits: int,
+                      qmax: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The packed codes, written into ``out`` (``uint8 [R, K * bits / 8]``, contiguous) where given."""
+        return None
+
+    def unpack_dequantize(self, packed: torch.Tensor, step: torch.Tensor, by_col: bool, bits: int, mul: int,
+                          low: int) -> torch.Tensor | None:
+        return None
+
+    def fwht(self, x2: torch.Tensor, signs: torch.Tensor, c: float, inverse: bool) -> torch.Tensor | None:
+        return None
+
+    # AQ-SGD against a cache's rows
+    def delta_max_abs(self, x2: torch.Tensor, store: RowStore, rpb: int, by_col: bool) -> torch.Tensor | None:
+        return None
+
+    def delta(self, x2: torch.Tensor, store: RowStore, rpb: int) -> torch.Tensor | None:
+        return None
+
+    def delta_encode_update(self, x2: torch.Tensor, store: RowStore, rpb: int, inv: torch.Tensor,
+                            by_col: bool, offset: float, bits: int, qmax: int, step: torch.Tensor, mul: int,
+                            low: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        return None
+
+    def delta_decode_update(self, packed: torch.Tensor, store: RowStore, rpb: int, step: torch.Tensor,
+                            by_col: bool, bits: int, mul: int, low: int) -> torch.Tensor | None:
+        return None
+
+    # TopK (the numba backend's; see aqsgd.compress.topk)
+    def topk_rows(self, *args: Any) -> Any:
+        return None
+
+    def topk_pack(self, *args: Any) -> Any:
+        return None
+
+    def topk_encode(self, *args: Any) -> Any:
+        return None
+
+    def __repr__(self) -> str:
+        return f"<{self.name} kernels on {self.device}>"
