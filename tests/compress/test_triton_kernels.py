@@ -1,6 +1,6 @@
-"""The Triton kernels under Triton's interpreter, on CPU tensors (the cases: ``triton_cases.py``), in a process
-of their own: Triton reads ``TRITON_INTERPRET`` when it is first imported, which in the suite's process may
-have happened already (torch imports it)."""
+"""The Triton kernels under Triton's interpreter, on CPU tensors (the cases: ``triton_cases.py``), in a
+process of their own: Triton reads ``TRITON_INTERPRET`` when it is first imported, which in the suite's
+process may have happened already (torch imports it)."""
 
 from __future__ import annotations
 
