@@ -10,6 +10,10 @@ number (130 for SIGINT, 143 for SIGTERM).
 A second signal while the first is being handled either ends the process at once (``again="exit"``: an
 impatient Ctrl-C on the command line) or is ignored (``again="ignore"``: a stage process, whose launcher
 forwards the signal it got itself, and escalates to SIGKILL if the stage does not end in time).
+
+Work that must not be cut in half runs under :func:`signals_held`: a signal that arrives within it is raised
+when the block ends (a checkpoint being written is finished and published first; an exception raised inside
+a file writer would otherwise surface as the writer's own error, not as the interruption).
 """
 
 from __future__ import annotations
@@ -23,9 +27,35 @@ from collections.abc import Iterator
 
 from aqsgd.errors import Interrupted
 
-__all__ = ["stop_on_signals", "STOP_SIGNALS"]
+__all__ = ["stop_on_signals", "signals_held", "STOP_SIGNALS"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Held:
+    """Whether the main thread is in a :func:`signals_held` block, and the signal held back meanwhile."""
+
+    depth = 0
+    pending: int | None = None
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Within the block, a stop signal caught by :func:`stop_on_signals` is held back; it raises
+    :class:`~aqsgd.errors.Interrupted` when the (outermost) block ends, unless the block raised an error of
+    its own. A second signal is handled at once, as ``stop_on_signals`` says (an impatient Ctrl-C still
+    ends the process). Outside the main thread the block runs unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _Held.depth += 1
+    try:
+        yield
+    finally:
+        _Held.depth -= 1
+    if _Held.depth == 0 and _Held.pending is not None:
+        signum, _Held.pending = _Held.pending, None
+        raise Interrupted(signum)
 
 
 @contextlib.contextmanager
@@ -51,6 +81,9 @@ def stop_on_signals(*, again: str = "exit") -> Iterator[None]:
                 os._exit(128 + signum)
             return
         fired.set()
+        if _Held.depth:
+            _Held.pending = signum
+            return
         raise Interrupted(signum)
 
     for s in STOP_SIGNALS:

@@ -501,3 +501,32 @@ def test_distributed_ranks_agree_on_every_failure(tmp_path):
         assert ("step-00000003/stage1/replica1/schemes/" in r["load_error"]
                 and "checksum mismatch" in r["load_error"])
     assert len({r["save_error"] for r in ranks}) == len({r["load_error"] for r in ranks}) == 1
+
+
+def test_a_signal_during_the_write_is_raised_once_the_checkpoint_is_complete(tmp_path, monkeypatch):
+    """Ctrl-C that lands inside ``torch.save`` must not cut the checkpoint in half (the interruption raised
+    inside the zip writer surfaced as its own "unexpected pos" error): it is held back until the checkpoint
+    is published, then stops the run naming that checkpoint."""
+    import signal
+
+    import torch
+
+    from aqsgd.errors import Interrupted
+    from aqsgd.interrupts import stop_on_signals
+
+    real_save, sent = torch.save, []
+
+    def save(obj, f, *a, **kw):
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)  # delivered at once, within the write
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(ckpt_write.torch, "save", save)
+    with stop_on_signals(), pytest.raises(Interrupted) as excinfo:
+        Trainer(_cfg(tmp_path, run_name="sig")).run(stop_at=4)
+    assert sent and excinfo.value.signum == signal.SIGINT
+    ckpts = tmp_path / "sig" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000004"]
+    assert f"the last complete checkpoint is {ckpts / 'step-00000004'}" in str(excinfo.value)
+    load_checkpoint(ckpts / "step-00000004", Trainer(_cfg(tmp_path, run_name="fresh")).engine)

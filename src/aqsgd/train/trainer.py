@@ -45,6 +45,7 @@ from aqsgd.comm.transport import naming_peer_failures
 from aqsgd.data.datasets import epoch_batches
 from aqsgd.data.synthetic import microbatches
 from aqsgd.errors import ConfigMismatchError, DivergedError, Interrupted, NonFiniteError, SpecError
+from aqsgd.interrupts import signals_held
 from aqsgd.parallel import ProcessGrid, make_grad_sync
 from aqsgd.parallel.grid import check_same_settings
 from aqsgd.pipeline.compression import CompressionConfig
@@ -397,10 +398,13 @@ class Trainer:
         pos = {**self.position, "totals": self.totals, "config": self.cfg.to_dict(),
                "data": self.task.data_info}
         step = self.position["step"]
-        with naming_peer_failures(self.transport, f"the checkpoint of step {step}", self._suspects):
-            path = save_checkpoint(self.run_dir, step, self.engine, pos, keep=self.cfg.run.keep_checkpoints)
-        self._done["checkpoint"] = self.position["step"]
-        log.info("checkpoint %s", path)
+        # a signal while the checkpoint is written is raised once it is complete (aqsgd.interrupts)
+        with signals_held():
+            with naming_peer_failures(self.transport, f"the checkpoint of step {step}", self._suspects):
+                path = save_checkpoint(self.run_dir, step, self.engine, pos,
+                                       keep=self.cfg.run.keep_checkpoints)
+            self._done["checkpoint"] = self.position["step"]
+            log.info("checkpoint %s", path)
 
     def _resume(self) -> int:
         """Load the newest checkpoint of ``cfg.run.resume``; returns its step. Settings that change what the
