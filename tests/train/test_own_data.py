@@ -228,3 +228,44 @@ def test_builtin_text_task_uses_the_models_own_tokenizer(tmp_path, tokenizer_dir
     assert setup.train.info["vocab_size"] == len(AutoTokenizer.from_pretrained(str(folder)))
     assert len(setup.train) == 600 and len(setup.eval) == 200
     assert setup.recipe.kind == "bert-cls" and setup.recipe.config["num_labels"] == 5
+
+
+def test_resume_from_the_run_alone_continues_exactly(tmp_path, tokenizer_dir, capsys):
+    """``aqsgd train --resume RUN`` with nothing else takes the run's own settings (its model folder, its
+    file, its pipeline and compression), and continues with the losses of an uninterrupted run; an option
+    given beside it that may change (``--epochs``) is taken, one that may not is refused naming it."""
+    from aqsgd.cli import build_parser
+    from aqsgd.cli.train import build_config
+    from aqsgd.train.trainer import Trainer
+    folder = _save_model(tmp_path / "qwen2", tokenizer_dir, "qwen2", "AutoModelForCausalLM")
+    text = tmp_path / "notes.txt"
+    text.write_text("\n".join(_sentences(80, 1)) + "\n", encoding="utf-8")
+    common = ["--model", str(folder), "--train-file", str(text), "--stages", "2", "--micro-batches", "2",
+              "--micro-batch-size", "4", "--max-length", "16", "--cache-dir", str(tmp_path / "cache"),
+              "--forward", "delta:q2", "--backward", "q4", "--warmup-epochs", "0", "--epochs", "2",
+              "--checkpoint-every", "3", "--lr", "3e-3", "--no-progress", "--no-tensorboard",
+              "--output-dir", str(tmp_path / "runs")]
+    assert main(["train", *common, "--run-name", "whole"]) == 0
+    # the same command, stopped after step 3 (as by a crash: the run's checkpoint of step 3 is its last)
+    Trainer(build_config(build_parser().parse_args(["train", *common, "--run-name", "part"]))).run(stop_at=3)
+    part = tmp_path / "runs" / "part"
+    assert main(["train", "--resume", str(part)]) == 0
+
+    def losses(run):
+        rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+    whole, resumed = losses(tmp_path / "runs" / "whole"), losses(part)
+    assert len(whole) > 4 and resumed == whole
+    assert main(["train", "--resume", str(part), "--forward", "delta:q4"]) == 2  # must match the checkpoint
+    assert "forward='delta:q2' (this run: 'delta:q4')" in capsys.readouterr().err
+    # a setting that may change is taken, with a warning: two more epochs
+    assert main(["train", "--resume", str(part), "--epochs", "3"]) == 0
+    assert max(losses(part)) > max(whole)
+
+
+def test_resume_of_a_folder_without_checkpoints_is_one_line(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"aqsgd: error: --resume: no complete checkpoint under {tmp_path / 'empty'}"

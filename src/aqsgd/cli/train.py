@@ -2,8 +2,10 @@
 
 Every field of the nested :class:`~aqsgd.train.config.TrainConfig` is an option, grouped below by its section;
 ``--config PRESET.toml`` loads a preset (one table per section) first and the options given on the command
-line override it. With no arguments it runs the embedded default:
-MiniLM fine-tuned on BBC news over a 4-stage local pipeline, AQ-SGD fw2/bw4 after one uncompressed epoch.
+line override it. ``--resume RUN`` continues a run with the settings it was trained with (options given
+beside it override those that may change: ``--epochs``, ``--lr``, ``--eval-every``...). With no arguments it
+runs the embedded default: MiniLM fine-tuned on BBC news over a 4-stage local pipeline, AQ-SGD fw2/bw4
+after one uncompressed epoch.
 
 ``--runtime distributed`` starts one process per stage on this machine through PyTorch's elastic launcher;
 with ``--data-parallel D`` it starts ``stages x D`` (D replicas of the pipeline, each on its own shard of
@@ -59,22 +61,29 @@ def register(sub: argparse._SubParsersAction) -> None:
         help_text = _help_text(o.help, o.default)
         group = groups[o.section]
         if o.base is bool:
-            group.add_argument(o.flag, dest=o.flat, action=argparse.BooleanOptionalAction, default=None,
-                               help=help_text)
+            group.add_argument(o.flag, dest=o.flat, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
             continue
         conv = _parse_list if o.is_list else o.base
         conv = _optional(conv) if o.optional else conv
-        group.add_argument(o.flag, dest=o.flat, type=conv, default=None, metavar=o.flat.upper(),
+        # only the options given are set (``--max-steps none`` is a value given: it overrides a resumed run's)
+        group.add_argument(o.flag, dest=o.flat, type=conv, default=argparse.SUPPRESS, metavar=o.flat.upper(),
                            help=help_text)
     p.set_defaults(func=run)
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    values: dict[str, Any] = load_toml(args.config) if args.config else {}
+    """The run's settings: with ``--resume RUN``, the settings RUN was trained with first; then the preset of
+    ``--config``; then the options on the command line."""
+    values: dict[str, Any] = {}
+    if getattr(args, "resume", None):
+        from aqsgd.train.trainer import resume_settings
+
+        values.update(resume_settings(args.resume))
+    values.update(load_toml(args.config) if args.config else {})
     for o in options():
-        v = getattr(args, o.flat, None)
-        if v is not None:
-            values[o.flat] = v
+        if hasattr(args, o.flat):
+            values[o.flat] = getattr(args, o.flat)
     return TrainConfig.from_flat(values).validate()
 
 

@@ -217,7 +217,8 @@ class RunSection:
     keep_checkpoints: int = 2
     """how many checkpoints to keep"""
     resume: str | None = None
-    """resume from a run directory or checkpoint folder"""
+    """continue a run (its directory or a checkpoint folder) with the settings it was trained with; options
+    given beside it override those that may change"""
     progress: bool = True
     """show a progress bar"""
     tensorboard: bool = True

@@ -62,7 +62,7 @@ from aqsgd.train.rundir import (RunDirError, RunDirLock, check_run_dir, prepare_
 from aqsgd.train.tasks import TaskSetup, effective_settings, setup_task
 
 __all__ = ["Trainer", "StepHook", "check_partition", "collective_timeout", "compute_dtype",
-           "where_to_continue", "without_full_mask", "RESUME_MUST_MATCH"]
+           "where_to_continue", "without_full_mask", "resume_settings", "RESUME_MUST_MATCH"]
 
 log = logging.getLogger(__name__)
 _STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute_s", "encode_s", "decode_s", "wait_s",
@@ -128,6 +128,25 @@ def without_full_mask(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     if mask is not None and mask.device.type == "cpu" and bool(mask.all()):
         return {k: v for k, v in batch.items() if k != "attention_mask"}
     return batch
+
+
+# what ``aqsgd train --resume RUN`` does not take from the run: where this invocation writes, the resume
+_NOT_RESUMED = frozenset({"output_dir", "run_name", "resume", "overwrite"})
+
+
+def resume_settings(resume: str | Path) -> dict[str, Any]:
+    """The settings the newest complete checkpoint under ``resume`` (a run directory or a checkpoint folder)
+    was trained with, as ``{flat name: value}``, less where an invocation writes: ``aqsgd train --resume RUN``
+    starts from them, and the options given beside it override them (those that must match the checkpoint
+    are still refused when they differ). Raises :class:`CheckpointError` if there is no such checkpoint."""
+    from aqsgd.train.config import options
+
+    path = latest_checkpoint(resume)
+    if path is None:
+        raise CheckpointError(f"--resume: no complete checkpoint under {resume}")
+    saved = flatten_config(read_trainer_state(path).get("config", {}))
+    known = {o.flat for o in options()}
+    return {k: v for k, v in saved.items() if k in known and k not in _NOT_RESUMED}
 
 
 def where_to_continue(run_dir: str | Path) -> str:
