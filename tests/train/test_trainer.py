@@ -131,3 +131,19 @@ def test_hooks_run_before_every_step_and_evaluation_and_checkpoints_can_be_off(t
     assert [len(r["stages"]) for r in rows] == [3] * len(rows)
     assert all(r["stages"][0]["fw_bytes"] + r["stages"][1]["fw_bytes"] == r["bytes"]["b0.forward"]
                + r["bytes"]["b1.forward"] for r in rows)
+
+
+@pytest.mark.parametrize("kw, warned", [
+    (dict(epochs=1), True),  # the default warm-up epoch is the whole run
+    (dict(epochs=3, max_steps=6), True),  # 6 steps per epoch: all of them in the warm-up
+    (dict(epochs=3, max_steps=7), False),
+    (dict(epochs=1, warmup_epochs=0), False),
+    (dict(epochs=1, forward="none", backward="none"), False),  # nothing to compress: nothing to say
+])
+def test_a_run_that_will_never_compress_says_so(tmp_path, caplog, kw, warned):
+    with caplog.at_level("WARNING", logger="aqsgd.train.trainer"):
+        Trainer(_cfg(tmp_path, **kw))
+    lines = [r.getMessage() for r in caplog.records if "will be compressed" in r.getMessage()]
+    assert len(lines) == int(warned)
+    if warned:
+        assert "--warmup-epochs 1, 6 steps each" in lines[0] and "--forward delta:q2:stochastic" in lines[0]

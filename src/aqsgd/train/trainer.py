@@ -48,7 +48,7 @@ from aqsgd.errors import ConfigMismatchError, DivergedError, Interrupted, NonFin
 from aqsgd.interrupts import signals_held
 from aqsgd.parallel import ProcessGrid, make_grad_sync
 from aqsgd.parallel.grid import check_same_settings
-from aqsgd.pipeline.compression import CompressionConfig
+from aqsgd.pipeline.compression import CompressionConfig, DirectionSpec
 from aqsgd.pipeline.materialize import load_weights, materialize_stage
 from aqsgd.pipeline.partition import partition_model, shared_parameters
 from aqsgd.schemes import Phase
@@ -212,6 +212,7 @@ class Trainer:
                                          / cfg.optim.grad_accum)
         total = self.steps_per_epoch * cfg.optim.epochs
         self.total_steps = min(total, cfg.optim.max_steps) if cfg.optim.max_steps else total
+        self._warn_if_never_compressed()
         self.engine = self._build_engine()
         # every replica's last stage has a loss; one of them (replica 0's) writes the metrics
         self.holds_loss = self.grid is None or self.grid.stage == p.stages - 1
@@ -222,6 +223,20 @@ class Trainer:
         self.last_eval: dict[str, Any] | None = None
         self._done = {"eval": -1, "checkpoint": -1}  # the steps of the last evaluation and checkpoint
         self._skipped_in_a_row = 0  # steps in a row not applied for a non-finite loss or gradient norm
+
+    def _warn_if_never_compressed(self) -> None:
+        """Compression was asked for, but the uncompressed warm-up epochs cover every step of the run: say so
+        (once per run), since the summary would otherwise just show no saving."""
+        c = self.cfg.compression
+        asked = [f"--{name} {spec}" for name, spec in (("forward", c.forward), ("backward", c.backward))
+                 if DirectionSpec.parse(spec).codec != "none"]
+        warm = self.steps_per_epoch * c.warmup_epochs
+        if not asked or self.total_steps > warm or (self.grid is not None and self.grid.rank != 0):
+            return
+        log.warning("no step of this run will be compressed: its %d steps all fall in the %d uncompressed "
+                    "warm-up epoch(s) (--warmup-epochs %d, %d steps each), so %s will not be used; lower "
+                    "--warmup-epochs or train longer", self.total_steps, c.warmup_epochs, c.warmup_epochs,
+                    self.steps_per_epoch, " and ".join(asked))
 
     def _build_engine(self) -> PipelineEngine:
         """The stages this process owns (all of them locally, its own one distributed), their boundary
