@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from aqsgd.data import datasets as D
+from aqsgd.data import document_separator
 from aqsgd.data.datasets import (
     DictDataset,
     epoch_batches,
@@ -75,16 +76,30 @@ def test_lm_chunks_max_chunks_is_a_prefix_of_the_full_dataset(word_tokenizer):
     assert torch.equal(full.subset(3).columns["input_ids"], full.columns["input_ids"][:3])
 
 
-def test_lm_chunks_needs_an_eos(word_tokenizer):
-    class NoEos:
-        eos_token_id = None
+def test_lm_chunks_separates_documents_as_the_cli_does(word_tokenizer, caplog):
+    """``<|endoftext|>`` first, then EOS, then SEP (document_separator, which ``--train-file`` uses too); a
+    tokenizer with none of them joins the documents with a warning instead of refusing them."""
+
+    class Tok:
+        def __init__(self, vocab, eos=None, sep=None):
+            self.vocab, self.eos_token_id, self.sep_token_id = vocab, eos, sep
+
+        def get_vocab(self):
+            return self.vocab
 
         def __call__(self, batch, **kw):
             return {"input_ids": [[1, 2, 3] for _ in batch]}
 
-    with pytest.raises(SpecError, match="EOS"):
-        lm_chunks(["x"], NoEos(), 2)
-    assert len(lm_chunks(["x", "y"], NoEos(), 2, add_eos=False)) == 3
+    assert document_separator(Tok({"<|endoftext|>": 7}, eos=8, sep=9)) == 7
+    assert document_separator(Tok({}, eos=8, sep=9)) == 8
+    assert document_separator(Tok({}, sep=9)) == 9
+    assert document_separator(Tok({})) is None
+    assert lm_chunks(["x", "y"], Tok({}, sep=9), 4).columns["input_ids"].tolist() == [[1, 2, 3, 9],
+                                                                                   [1, 2, 3, 9]]
+    with caplog.at_level("WARNING"):
+        assert len(lm_chunks(["x", "y"], Tok({}), 2)) == 3
+    assert "no end-of-text, EOS or SEP token: texts are joined without a separator" in caplog.text
+    assert len(lm_chunks(["x", "y"], Tok({}), 2, add_eos=False)) == 3
 
 
 # ------------------------------------------------------------------------------ text classification

@@ -146,7 +146,6 @@ def _load(source: str, preset: BoundaryPreset, seed: int):
     import transformers
 
     from aqsgd.data.datasets import lm_chunks, load_task, load_tokenizer, read_bbc
-    from aqsgd.data.datasets.text import _document_separator
 
     folder, bbc = require_sources(source)
     n = preset.micro_batch + preset.steps * preset.batch
@@ -163,8 +162,7 @@ def _load(source: str, preset: BoundaryPreset, seed: int):
         texts = read_bbc(bbc)[0]
         order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
         tok = load_tokenizer(str(folder))
-        ds = lm_chunks([texts[i] for i in order], tok, preset.seq_len, eos_token_id=_document_separator(tok),
-                       max_chunks=n)
+        ds = lm_chunks([texts[i] for i in order], tok, preset.seq_len, max_chunks=n)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return model, [ds[i] for i in range(len(ds))]
 

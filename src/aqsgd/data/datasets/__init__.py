@@ -51,7 +51,8 @@ from aqsgd.data.datasets.tasks import (
     registered_tasks,
     task_names,
 )
-from aqsgd.data.datasets.text import lm_chunks, load_tokenizer, read_bbc, read_wiki, text_classification
+from aqsgd.data.datasets.text import (document_separator, lm_chunks, load_tokenizer, read_bbc, read_wiki,
+                                      text_classification)
 
 __all__ = [
     "SPLITS",
@@ -66,6 +67,7 @@ __all__ = [
     "epoch_batches",
     "epoch_order",
     "image_classification",
+    "document_separator",
     "lm_chunks",
     "load_hub_dataset",
     "load_task",

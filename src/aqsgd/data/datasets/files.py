@@ -50,7 +50,7 @@ from aqsgd.data.datasets.records import (
     data_fingerprint,
     read_records,
 )
-from aqsgd.data.datasets.text import _document_separator, lm_chunks, load_tokenizer, text_classification
+from aqsgd.data.datasets.text import lm_chunks, load_tokenizer, text_classification
 from aqsgd.errors import SpecError
 
 __all__ = [
@@ -289,14 +289,11 @@ def _build_lm(train: Records, evals: Records | None, tok: Any, max_length: int, 
         train_docs = docs
         eval_docs = _documents(evals, text_column)
         eval_what = f"the documents ({len(eval_docs)})"
-    separator = _document_separator(tok)
-    if separator is None:
-        separator = getattr(tok, "sep_token_id", None)
     meta = {**common, "kind": "causal-lm", "num_labels": None, "label_names": None}
     train_ds = _chunks(train, f"the training documents ({len(train_docs)})", train_docs, tok, max_length,
-                       separator, max_train, {**meta, "split": "train", "rows": len(train_docs)})
-    eval_ds = _chunks(train if evals is None else evals, eval_what, eval_docs, tok, max_length, separator,
-                      max_eval, {**meta, "split": "eval", "rows": len(eval_docs)})
+                       max_train, {**meta, "split": "train", "rows": len(train_docs)})
+    eval_ds = _chunks(train if evals is None else evals, eval_what, eval_docs, tok, max_length, max_eval,
+                      {**meta, "split": "eval", "rows": len(eval_docs)})
     return train_ds, eval_ds
 
 
@@ -307,11 +304,10 @@ def _documents(records: Records, column: str) -> list[str]:
     return docs
 
 
-def _chunks(records: Records, what: str, docs: list[str], tok: Any, max_length: int, separator: int | None,
-            max_chunks: int | None, info: dict[str, Any]) -> DictDataset:
-    try:
-        return lm_chunks(docs, tok, max_length, eos_token_id=separator, add_eos=separator is not None,
-                         max_chunks=max_chunks, info=info,
+def _chunks(records: Records, what: str, docs: list[str], tok: Any, max_length: int, max_chunks: int | None,
+            info: dict[str, Any]) -> DictDataset:
+    try:  # documents separated as from Python (lm_chunks: <|endoftext|>, else EOS, else SEP)
+        return lm_chunks(docs, tok, max_length, max_chunks=max_chunks, info=info,
                          label=f"{what} of {records.option} {records.source}")
     except SpecError as e:
         found = re.search(r"give (\d+) tokens", str(e))

@@ -23,7 +23,8 @@ from aqsgd.data.sources import SOURCES, require
 from aqsgd.errors import DataSourceError, SpecError
 from aqsgd.logs import ProgressLog
 
-__all__ = ["lm_chunks", "load_tokenizer", "read_bbc", "read_wiki", "text_classification"]
+__all__ = ["document_separator", "lm_chunks", "load_tokenizer", "read_bbc", "read_wiki",
+           "text_classification"]
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,10 @@ def lm_chunks(
 ) -> DictDataset:
     """Causal-LM samples: the tokenized texts concatenated and cut into non-overlapping chunks.
 
-    Each text is tokenized without special tokens and followed by ``eos_token_id`` (default: the
-    tokenizer's EOS) as a document separator, unless ``add_eos`` is false. Empty texts are skipped.
+    Each text is tokenized without special tokens and followed by a document separator, unless ``add_eos`` is
+    false: ``eos_token_id`` if given, else :func:`document_separator` (``<|endoftext|>``, else the EOS token,
+    else the SEP token), the same one ``aqsgd train --train-file`` puts between documents; a tokenizer with
+    none of them joins the documents without a separator, with a warning. Empty texts are skipped.
     The stream is cut into ``seq_len``-token chunks; the tokens after the last full chunk are dropped.
     ``max_chunks`` stops tokenizing once that many chunks exist; the result is then exactly the first
     ``max_chunks`` chunks of the full dataset.
@@ -61,11 +64,12 @@ def lm_chunks(
         raise SpecError(f"seq_len must be >= 1, got {seq_len}")
     if max_chunks is not None and max_chunks < 0:
         raise SpecError(f"max_chunks must be >= 0, got {max_chunks}")
-    if add_eos:
+    if add_eos and eos_token_id is None:
+        eos_token_id = document_separator(tokenizer)
         if eos_token_id is None:
-            eos_token_id = getattr(tokenizer, "eos_token_id", None)
-        if eos_token_id is None:
-            raise SpecError("the tokenizer has no EOS token: pass eos_token_id=... or add_eos=False")
+            log.warning("the tokenizer has no end-of-text, EOS or SEP token: %s are joined without a "
+                        "separator (pass eos_token_id=... to give one)", label)
+            add_eos = False
     need = None if max_chunks is None else max_chunks * seq_len
     pieces: list[np.ndarray] = []
     total = done = 0
@@ -238,13 +242,19 @@ def _load_wiki(a: _Args) -> DictDataset:
     n_eval = math.ceil(len(articles) * frac)
     texts = articles[: len(articles) - n_eval] if a.split == "train" else articles[len(articles) - n_eval:]
     tok = load_tokenizer(a.tokenizer or "smollm2", a.cache_dir)
-    return lm_chunks(texts, tok, a.seq_len, eos_token_id=_document_separator(tok), max_chunks=a.max_samples)
+    return lm_chunks(texts, tok, a.seq_len, max_chunks=a.max_samples)
 
 
-def _document_separator(tokenizer: Any) -> int | None:
-    """``<|endoftext|>`` when the vocabulary has it (GPT-2, SmolLM2), else the EOS token."""
+def document_separator(tokenizer: Any) -> int | None:
+    """The token put between documents in a causal-LM stream: ``<|endoftext|>`` when the vocabulary has it
+    (GPT-2, SmolLM2, Qwen), else the EOS token, else the SEP token (an encoder's tokenizer); None if the
+    tokenizer has none of them."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    return vocab.get("<|endoftext|>", getattr(tokenizer, "eos_token_id", None))
+    for found in (vocab.get("<|endoftext|>"), getattr(tokenizer, "eos_token_id", None),
+                  getattr(tokenizer, "sep_token_id", None)):
+        if found is not None:
+            return int(found)
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
