@@ -269,3 +269,27 @@ def test_resume_of_a_folder_without_checkpoints_is_one_line(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"aqsgd: error: --resume: no complete checkpoint under {tmp_path / 'empty'}"
+
+
+def test_token_ids_beyond_the_embedding_name_the_fix(tmp_path, tokenizer_dir, capsys):
+    """The model's own tokenizer with tokens added but no rows for them: ids the data use beyond the embedding
+    are refused naming the id, the sizes and the fix; an added token the data never use trains."""
+    from transformers import AutoTokenizer
+
+    text = tmp_path / "notes.txt"
+    text.write_text("\n".join(_sentences(80, 1)) + "\n", encoding="utf-8")
+    vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+    folder = _save_model(tmp_path / "small", tokenizer_dir, "qwen2", "AutoModelForCausalLM", vocab_size=vocab)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.add_tokens(["zebra"])  # one more token than the embedding has rows
+    tok.save_pretrained(str(folder))
+    argv = ["train", "--model", str(folder), "--train-file", str(text), "--stages", "2", "--max-length", "16",
+            "--max-steps", "1", "--cache-dir", str(tmp_path / "cache"), "--output-dir",
+            str(tmp_path / "runs"),
+            "--no-progress", "--no-tensorboard"]
+    assert main([*argv, "--run-name", "fits"]) == 0  # the data never use "zebra"
+    text.write_text("\n".join(s + " zebra" for s in _sentences(80, 1)) + "\n", encoding="utf-8")
+    assert main([*argv, "--run-name", "beyond"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"the data hold token id {vocab}, but its embedding has only {vocab} rows" in err
+    assert f"(its tokenizer has {vocab + 1})" in err and "resize_token_embeddings" in err

@@ -263,7 +263,8 @@ def _hf_recipe(kind: str, model_dir: Path, cfg: TrainConfig, *, num_labels: int 
     return recipe.with_weights(_atomic_weights(weights_dir / name, build))
 
 
-def _model_recipe(cfg: TrainConfig, kind: str, train: Dataset, folder: Path | None) -> ModelRecipe:
+def _model_recipe(cfg: TrainConfig, kind: str, train: Dataset, folder: Path | None,
+                  evals: Dataset | None = None) -> ModelRecipe:
     weights_dir = _cache(cfg) / "weights"
     info = getattr(train, "info", {}) or {}
     model = _model_name(cfg, kind)
@@ -296,20 +297,48 @@ def _model_recipe(cfg: TrainConfig, kind: str, train: Dataset, folder: Path | No
     assert folder is not None
     config = json.loads((folder / "config.json").read_text())
     family = _option(f"--model {model}", family_for, config.get("model_type"), kind)
-    _check_vocab(model, config, info)
+    _check_vocab(model, config, info, [train] if evals is None else [train, evals])
     num_labels = _num_labels(train) if kind == "sequence-classification" else None
     labels = info.get("label_names") if cfg.own_data else None
     return _hf_recipe(family, folder, cfg, num_labels=num_labels, weights_dir=weights_dir, labels=labels,
                       pad_token_id=info.get("pad_token_id"))
 
 
-def _check_vocab(model: str, config: Mapping[str, Any], info: Mapping[str, Any]) -> None:
-    """The tokenizer's ids must fit the model's embedding table."""
+def _largest_token_id(datasets: list[Dataset]) -> int | None:
+    """The largest ``input_ids`` value of datasets that hold their columns as tensors (None if any does not:
+    a dataset given from Python may compute its items)."""
+    largest = -1
+    for ds in datasets:
+        ids = (getattr(ds, "columns", None) or {}).get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            return None
+        if ids.numel():
+            largest = max(largest, int(ids.max()))
+    return largest if largest >= 0 else None
+
+
+def _check_vocab(model: str, config: Mapping[str, Any], info: Mapping[str, Any],
+                 datasets: list[Dataset]) -> None:
+    """The data's token ids must fit the model's embedding table (an id beyond it is an index error on the
+    CPU and a device-side assert on a GPU). Where the ids themselves can be read, they are checked (a
+    tokenizer may list more tokens than the data use); else the tokenizer's size."""
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    used = info.get("vocab_size")
-    if vocab and used and int(used) > int(vocab):
-        raise SpecError(f"--model {model}: its embedding has {vocab} tokens but the data's tokenizer has "
-                        f"{used}; use the model's own tokenizer")
+    if not vocab:
+        return
+    vocab, used, largest = int(vocab), info.get("vocab_size"), _largest_token_id(datasets)
+    if largest is not None:
+        if largest < vocab:
+            return
+        what = f"the data hold token id {largest}"
+    elif used and int(used) > vocab:
+        what = f"the data's tokenizer has {used} tokens"
+    else:
+        return
+    sized = f" (its tokenizer has {used})" if used and largest is not None else ""
+    raise SpecError(f"--model {model}: {what}, but its embedding has only {vocab} rows (vocab_size in "
+                    f"config.json){sized}: tokens added to the tokenizer need rows of their own; give the "
+                    "model them (model.resize_token_embeddings(len(tokenizer)), then save_pretrained) or "
+                    "tokenize without the added tokens")
 
 
 def _hub_model(name: str, kind: str, weights_dir: Path) -> Path:
@@ -416,7 +445,8 @@ def setup_task(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None)
         kind = task_kind(cfg.task_name)
         train, evals, folder = _named_task(cfg, kind)
         name = cfg.task_name
-    recipe = _option("--dropout", with_dropout, _model_recipe(cfg, kind, train, folder), cfg.model.dropout)
+    recipe = _option("--dropout", with_dropout, _model_recipe(cfg, kind, train, folder, evals),
+                     cfg.model.dropout)
     info = getattr(train, "info", {}) or {}
     num_labels = _num_labels(train) if kind != "causal-lm" else None
     metric = {"causal-lm": "perplexity", "sequence-classification": "accuracy",
