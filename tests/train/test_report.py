@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from aqsgd.cli.report import register as register_cli
 from aqsgd.errors import AqsgdError, ReportError
+from aqsgd.train.config import TrainConfig
 from aqsgd.train.report import (
+    PANELS,
     Run,
     comparison_table,
     is_uncompressed,
     load_run,
     main_metric,
     plot_runs,
+    report_figure,
     select_baseline,
 )
 
@@ -180,7 +185,7 @@ def test_plot_writes_readable_png(run_dirs, tmp_path):
     assert out == tmp_path / "figs" / "report.png"
     assert out.stat().st_size > 10_000
     img = mpimg.imread(out)
-    assert img.shape[:2] == (950, 1400)  # figsize (14, 9.5) inches at 100 dpi
+    assert img.shape[:2] == (950, 1600)  # figsize (16, 9.5) inches at 100 dpi
     assert img.std() > 0.05  # not a blank canvas
 
 
@@ -195,7 +200,8 @@ def test_plot_of_many_runs_keeps_colours_distinct_and_names_readable(run_dirs, t
     runs = [load_run(d, label=f"{d.name}-{i}") for i in range(4) for d in run_dirs]
     assert len(runs) >= 12
     plot_runs(runs, tmp_path / "many.png", dpi=60)
-    ax_loss, _, _, ax_bar = figures[0].axes[:4]
+    axes = {ax.get_label(): ax for ax in figures[0].axes}
+    ax_loss, ax_bar = axes["loss"], axes["total_bytes"]
     colours = {mcolors.to_hex(line.get_color()) for line in ax_loss.lines}
     assert len(colours) == len(runs)
     assert [t.get_text() for t in ax_bar.get_yticklabels()] == [r.name for r in runs]
@@ -324,3 +330,147 @@ def test_eval_only_in_summary(tmp_path):
     assert run.eval_rows == [] and main_metric([run]) == "accuracy"
     assert comparison_table([run])[0]["metric_on"] == pytest.approx(0.79)
     assert plot_runs([run], tmp_path / "summary-only.png").stat().st_size > 10_000
+
+
+# --- wall time and settings in the legend ----------------------------------------------------------------
+
+# run name -> (config.json as written, [(step, loss, step seconds)] in file order)
+TIMED = {
+    # nested by section, as the trainer writes it; a restart after step 3 (its first step is slow) and an eval
+    # and a checkpoint row between the train rows
+    "slow-link": ({"task": {"name": "bbc"}, "pipeline": {"stages": 2, "link": "10mbit,20ms"},
+                   "compression": {"forward": "delta:q2", "backward": "direct:q4"}},
+                  [(1, 2.0, 4.0), (2, 1.5, 4.0), (3, 1.2, 4.5), (4, 1.0, 9.0), (5, 0.9, 4.0)]),
+    # the whole config the trainer would write, no emulated link; step 3 was run twice (a resume that kept
+    # the interrupted run's rows): wall time counts both
+    "local": (TrainConfig.of(task="bbc", stages=4, forward="direct:q8", backward="none").to_dict(),
+              [(1, 2.1, 1.0), (2, 1.6, 1.5), (3, 1.4, 1.0), (3, 1.3, 2.0), (4, 1.1, 1.0)]),
+}
+
+
+def make_timed_run(root: Path, name: str, *, timed: bool = True) -> Path:
+    """A run directory written by hand from :data:`TIMED` (``timed=False``: an old run, no step times)."""
+    config, rows = TIMED[name]
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(config))
+    lines = []
+    for step, loss, seconds in rows:
+        row = {"kind": "train", "step": step, "loss": loss, "bytes_sent": 100}
+        if timed:
+            row["time"] = {"step": seconds, "compute": seconds / 2, "codec": 0.0, "wait": seconds / 2}
+        lines.append(row)
+        if step == 3:
+            lines += [{"kind": "eval", "step": 3, "compressed": {"accuracy": 0.5}},
+                      {"kind": "checkpoint", "step": 3}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return d
+
+
+def expected_times(name: str) -> list[float]:
+    return list(itertools.accumulate(seconds for _, _, seconds in TIMED[name][1]))
+
+
+def figure_panels(runs: list[Run]) -> tuple[Any, dict[str, Any]]:
+    """:func:`report_figure` of ``runs`` (closed: its artists stay readable) and its axes by panel name."""
+    import matplotlib.pyplot as plt
+
+    fig = report_figure(runs)
+    plt.close(fig)
+    return fig, {ax.get_label(): ax for ax in fig.axes}
+
+
+def test_wall_times_sum_the_step_durations(tmp_path):
+    for name in TIMED:
+        run = load_run(make_timed_run(tmp_path, name))
+        steps, times = run.wall_times()
+        assert steps == [step for step, _, _ in TIMED[name][1]]
+        assert times == pytest.approx(expected_times(name))
+        assert run.loss_vs_time() == (pytest.approx(expected_times(name)),
+                                      [loss for _, loss, _ in TIMED[name][1]])
+        assert run.has_wall_times
+    assert expected_times("slow-link")[-1] == 25.5 and expected_times("local")[-1] == 6.5
+    # an old run: no step times, nothing to plot against time
+    old = load_run(make_timed_run(tmp_path / "old", "local", timed=False))
+    assert old.wall_times() == ([], []) and old.loss_vs_time() == ([], []) and not old.has_wall_times
+    # rows every 10 steps: each duration stands for the steps since the previous row (as the bytes do)
+    d = tmp_path / "sparse"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 1.0,
+                                                         "time": {"step": 0.5}}) + "\n" for s in (0, 10, 20)))
+    assert load_run(d).wall_times() == ([0, 10, 20], [0.5, 5.5, 10.5])
+
+
+def test_settings_label_names_codecs_stages_and_link(tmp_path):
+    slow, local = (load_run(make_timed_run(tmp_path, n)) for n in TIMED)
+    assert slow.settings_label == "delta:q2/direct:q4, 2 stages, link 10mbit,20ms"
+    assert (slow.task, slow.stages, slow.link) == ("bbc", 2, "10mbit,20ms")
+    assert local.settings_label == "direct:q8/none, 4 stages"  # no link, and no word of one
+    assert (local.forward, local.backward, local.link) == ("direct:q8", "none", None)
+    # an old flat config, and none at all (the summary's setting and stages)
+    d = make_run(tmp_path, "aqsgd")
+    assert load_run(d).settings_label == "delta:q2/direct:q4, 4 stages"
+    (d / "config.json").unlink()
+    (d / "summary.json").write_text(json.dumps({"setting": "delta:q2/direct:q4", "stages": 3}))
+    assert load_run(d).settings_label == "delta:q2/direct:q4, 3 stages"
+
+
+def test_figure_has_loss_against_steps_and_wall_time(tmp_path, caplog):
+    runs = [load_run(make_timed_run(tmp_path, n)) for n in TIMED]
+    fig, axes = figure_panels(runs)
+    assert [ax.get_label() for ax in fig.axes] == list(PANELS)
+    ax_steps, ax_time = axes["loss"], axes["loss_time"]
+    for run, line_s, line_t in zip(runs, ax_steps.lines, ax_time.lines, strict=True):
+        _, rows = TIMED[run.name]
+        assert list(line_s.get_xdata()) == [step for step, _, _ in rows]
+        assert list(line_t.get_xdata()) == pytest.approx(expected_times(run.name))
+        assert list(line_t.get_ydata()) == list(line_s.get_ydata()) == [loss for _, loss, _ in rows]
+    assert ax_steps.get_xlabel() == "step" and ax_time.get_xlabel() == "wall time (s, sum of step times)"
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == ["slow-link (delta:q2/direct:q4, 2 stages, link 10mbit,20ms)",
+                      "local (direct:q8/none, 4 stages)"]
+    assert "wall time" not in caplog.text  # every run has its times: no warning
+
+    # written as a PNG of the same figure
+    import matplotlib.image as mpimg
+
+    out = plot_runs(runs, tmp_path / "timed.png", dpi=50)
+    assert mpimg.imread(out).shape[:2] == (475, 800)
+
+
+def test_run_without_step_times_is_named_in_one_warning(tmp_path, caplog, capsys):
+    new = make_timed_run(tmp_path, "slow-link")
+    old = make_timed_run(tmp_path / "before", "local", timed=False)
+    with caplog.at_level(logging.WARNING, logger="aqsgd.train.report"):
+        _, axes = figure_panels([load_run(new), load_run(old)])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["no wall times (step durations, time.step in metrics.jsonl) in run local: left out "
+                        "of the loss against wall time panel"]
+    assert len(axes["loss"].lines) == 2  # both runs against steps
+    time_line, = axes["loss_time"].lines  # only the timed one against time
+    assert list(time_line.get_xdata()) == pytest.approx(expected_times("slow-link"))
+
+    # the command goes on: table, figure, exit 0
+    caplog.clear()
+    png = tmp_path / "r.png"
+    args = _parser().parse_args(["report", str(new), str(old), "--out", str(png)])
+    with caplog.at_level(logging.WARNING, logger="aqsgd.train.report"):
+        assert args.func(args) == 0
+    assert f"wrote {png}" in capsys.readouterr().out and png.stat().st_size > 10_000
+    assert len([r for r in caplog.records if "no wall times" in r.getMessage()]) == 1
+
+    # no run with times: the panel says so
+    ax_time = figure_panels([load_run(old)])[1]["loss_time"]
+    assert not ax_time.lines and [t.get_text() for t in ax_time.texts] == ["no step times recorded"]
+
+
+def test_long_runs_show_minutes_or_hours(tmp_path):
+    d = make_timed_run(tmp_path, "slow-link")
+    rows = [{"kind": "train", "step": s, "loss": 1.0, "time": {"step": 30.0}} for s in range(1, 11)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ax_time = figure_panels([load_run(d)])[1]["loss_time"]
+    assert ax_time.get_xlabel() == "wall time (min, sum of step times)"
+    assert list(ax_time.lines[0].get_xdata()) == pytest.approx([0.5 * s for s in range(1, 11)])
+    (d / "metrics.jsonl").write_text(json.dumps({**rows[0], "time": {"step": 7201.0}}) + "\n")
+    ax_time = figure_panels([load_run(d)])[1]["loss_time"]
+    assert ax_time.get_xlabel() == "wall time (h, sum of step times)"

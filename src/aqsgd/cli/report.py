@@ -25,10 +25,12 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``report RUN_DIR... [--out PATH.png] [--json PATH] [--baseline NAME] [--labels a,b,...]
     [--metric NAME]`` to an argparse subparsers object. The parser sets ``func`` (``args.func(args)``
     returns the exit code). Returns the ``report`` parser."""
-    p = sub.add_parser("report", help="compare training runs: a table and a 4-panel figure",
+    p = sub.add_parser("report", help="compare training runs: a table and a 5-panel figure",
                        description="Compare run directories (config.json, metrics.jsonl, summary.json): "
                                    "print a table of final metrics, bytes and throughput, and write one PNG "
-                                   "with loss, eval metric, cumulative bytes and total bytes.")
+                                   "with training loss against steps and against wall time (the sum of the "
+                                   "step times), eval metric, cumulative bytes and total bytes; the legend "
+                                   "names each run's codecs, stages and emulated link.")
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories")
     p.add_argument("--out", type=Path, default=Path("report.png"), metavar="PATH.png",
                    help="where to write the figure (default: report.png)")

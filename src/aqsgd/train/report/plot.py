@@ -1,4 +1,5 @@
-"""The report figure: :func:`plot_runs` draws four panels comparing loaded runs and writes one PNG.
+"""The report figure: :func:`report_figure` draws five panels comparing loaded runs, :func:`plot_runs` writes
+them as one PNG.
 
 matplotlib is imported when a figure is drawn, not with this module, so reading and comparing runs works
 without it.
@@ -6,6 +7,7 @@ without it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,13 +16,22 @@ from aqsgd.errors import AqsgdError, ReportError
 from aqsgd.train.report.reader import (
     HIGHER_IS_BETTER,
     Run,
-    _finite,
     format_bytes,
     main_metric,
     select_baseline,
 )
 
-__all__ = ["plot_runs"]
+__all__ = ["PANELS", "plot_runs", "report_figure"]
+
+log = logging.getLogger(__name__)
+
+#: The panels of the figure, each axes labelled with its name (``ax.get_label()``), in this order in
+#: ``fig.axes``: loss against steps and against wall time side by side, then the eval metric, cumulative
+#: bytes and total bytes.
+PANELS: tuple[str, ...] = ("loss", "loss_time", "eval", "bytes", "total_bytes")
+_LAYOUT = [["loss", "loss", "loss_time", "loss_time", "eval", "eval"],
+           ["bytes", "bytes", "bytes", "total_bytes", "total_bytes", "total_bytes"]]
+_FIGSIZE = (16.0, 9.5)
 
 
 def _smooth(vals: Sequence[float], window: int) -> list[float]:
@@ -36,41 +47,57 @@ def _smooth(vals: Sequence[float], window: int) -> list[float]:
 
 def plot_runs(runs: Sequence[Run], out_png: str | Path, *, baseline: str | None = None,
               metric: str | None = None, dpi: int = 110) -> Path:
-    """Write one PNG with four panels and return its path.
+    """Write the figure of :func:`report_figure` as one PNG and return its path."""
+    plt = _pyplot()
+    fig = report_figure(runs, baseline=baseline, metric=metric)
+    try:
+        out_png = Path(out_png)
+        out_png.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out_png, dpi=dpi)
+    finally:
+        plt.close(fig)
+    return out_png
 
-    1. training loss vs step (warm-up steps shaded in the run's colour; a moving average over long runs),
-    2. the main eval metric (``metric`` or :func:`main_metric`) vs step, compression on solid, off dashed
-       (a run with eval results only in its summary shows them as one point at its last step),
-    3. cumulative bytes sent vs step (log scale),
-    4. total bytes sent per run, each bar annotated with how many times fewer bytes than the baseline (the
-       ``baseline`` run or an uncompressed one) or, without either, the run's own compression ratio.
 
-    Each run keeps its colour across panels; the legend below the panels names the runs.
+def report_figure(runs: Sequence[Run], *, baseline: str | None = None, metric: str | None = None) -> Any:
+    """The report's matplotlib figure (not written, not closed) with five panels, named in :data:`PANELS`:
+
+    1. ``loss``: training loss vs step (warm-up steps shaded in the run's colour; a moving average over long
+       runs),
+    2. ``loss_time``: training loss vs wall time since the run's start, the sum of the steps' durations
+       (:meth:`Run.wall_times`; a run whose rows record no durations is left out, with one warning naming it),
+    3. ``eval``: the main eval metric (``metric`` or :func:`main_metric`) vs step, compression on solid, off
+       dashed (a run with eval results only in its summary shows them as one point at its last step),
+    4. ``bytes``: cumulative bytes sent vs step (log scale),
+    5. ``total_bytes``: total bytes sent per run, each bar annotated with how many times fewer bytes than the
+       baseline (the ``baseline`` run or an uncompressed one) or, without either, the run's own compression
+       ratio.
+
+    Each run keeps its colour across panels; the legend below the panels names each run and its settings
+    (:attr:`Run.settings_label`: codecs, stages, emulated link).
     """
     plt = _pyplot()
     from matplotlib.ticker import FuncFormatter
 
     if not runs:
         raise ReportError("no runs to plot")
-    out_png = Path(out_png)
     metric = metric or main_metric(runs)
     colors = _run_colors(runs)
     bytes_fmt = FuncFormatter(lambda x, _pos: format_bytes(x))
 
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9.5), layout="constrained")
-    ax_loss, ax_eval, ax_cum, ax_bar = axes.flat
+    fig, ax = plt.subplot_mosaic(_LAYOUT, figsize=_FIGSIZE, layout="constrained")
+    for name in PANELS:
+        ax[name].set_label(name)
     tasks = sorted({run.task for run in runs if run.task})
     fig.suptitle(f"aqsgd report{': ' + ', '.join(tasks) if tasks else ''}", fontsize=14, fontweight="bold")
 
-    _draw_loss(ax_loss, ax_cum, runs, colors)
-    _draw_eval(ax_eval, runs, colors, metric)
-    _draw_cumulative_bytes(ax_cum, runs, colors, bytes_fmt)
-    _draw_total_bytes(ax_bar, runs, colors, bytes_fmt, baseline)
+    _draw_loss(ax["loss"], ax["bytes"], runs, colors)
+    _draw_loss_vs_time(ax["loss_time"], ax["loss"], runs, colors)
+    _draw_eval(ax["eval"], runs, colors, metric)
+    _draw_cumulative_bytes(ax["bytes"], runs, colors, bytes_fmt)
+    _draw_total_bytes(ax["total_bytes"], runs, colors, bytes_fmt, baseline)
     _draw_legend(fig, runs, colors)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=dpi)
-    plt.close(fig)
-    return out_png
+    return fig
 
 
 def _pyplot() -> Any:
@@ -96,23 +123,28 @@ def _run_colors(runs: Sequence[Run]) -> dict[str, Any]:
     return {run.name: cmap(i % 20) for i, run in enumerate(runs)}
 
 
+def _draw_curve(ax: Any, xs: Sequence[float], ys: Sequence[float], color: Any) -> None:
+    """One run's loss curve: over many points the raw values faint under a moving average, over few the
+    values themselves (with markers under 30 points)."""
+    window = max(1, len(ys) // 50)
+    if window > 1:
+        ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(xs, _smooth(ys, window), color=color, linewidth=1.6)
+    else:
+        ax.plot(xs, ys, color=color, linewidth=1.6, marker="." if len(ys) < 30 else None)
+
+
 def _draw_loss(ax_loss: Any, ax_cum: Any, runs: Sequence[Run], colors: dict[str, Any]) -> None:
-    """Panel 1: training loss vs step; warm-up spans are shaded here and on the cumulative-bytes panel."""
+    """Panel ``loss``: training loss vs step; warm-up spans are shaded here and on the cumulative-bytes
+    panel."""
     from matplotlib.patches import Patch
 
     spans: dict[tuple[int, int], list[Any]] = {}
     for run in runs:
         c = colors[run.name]
-        pts = [(int(r["step"]), float(r["loss"])) for r in run.train_rows
-               if _finite(r.get("loss")) is not None]
-        if pts:
-            steps, loss = [s for s, _ in pts], [v for _, v in pts]
-            window = max(1, len(loss) // 50)
-            if window > 1:
-                ax_loss.plot(steps, loss, color=c, alpha=0.25, linewidth=0.8)
-                ax_loss.plot(steps, _smooth(loss, window), color=c, linewidth=1.6)
-            else:
-                ax_loss.plot(steps, loss, color=c, linewidth=1.6, marker="." if len(loss) < 30 else None)
+        steps, loss = run.loss_series()
+        if steps:
+            _draw_curve(ax_loss, steps, loss, c)
         span = run.warmup_span()
         if span is not None:
             spans.setdefault(tuple(span), []).append(c)
@@ -130,8 +162,40 @@ def _draw_loss(ax_loss: Any, ax_cum: Any, runs: Sequence[Run], colors: dict[str,
     ax_loss.grid(alpha=0.3)
 
 
+def _time_unit(seconds: float) -> tuple[float, str]:
+    """The seconds in one unit, and its name, to show times up to ``seconds`` in: s up to 2 minutes, min up
+    to 2 hours, else h."""
+    if seconds > 7200:
+        return 3600.0, "h"
+    if seconds > 120:
+        return 60.0, "min"
+    return 1.0, "s"
+
+
+def _draw_loss_vs_time(ax: Any, ax_loss: Any, runs: Sequence[Run], colors: dict[str, Any]) -> None:
+    """Panel ``loss_time``: training loss vs wall time since the run's start, on the loss panel's y-axis.
+    Runs without step durations are left out and named in one warning."""
+    untimed = [run.name for run in runs if not run.has_wall_times]
+    if untimed:
+        log.warning("no wall times (step durations, time.step in metrics.jsonl) in run%s %s: left out of the "
+                    "loss against wall time panel", "s" if len(untimed) > 1 else "", ", ".join(untimed))
+    series = {run.name: run.loss_vs_time() for run in runs}
+    scale, unit = _time_unit(max((t[-1] for t, _ in series.values() if t), default=0.0))
+    for run in runs:
+        seconds, loss = series[run.name]
+        if seconds:
+            _draw_curve(ax, [t / scale for t in seconds], loss, colors[run.name])
+    if ax.lines:
+        ax.sharey(ax_loss)
+    else:
+        ax.text(0.5, 0.5, "no step times recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set(title="training loss against wall time", xlabel=f"wall time ({unit}, sum of step times)",
+           ylabel="loss")
+    ax.grid(alpha=0.3)
+
+
 def _draw_eval(ax_eval: Any, runs: Sequence[Run], colors: dict[str, Any], metric: str | None) -> None:
-    """Panel 2: the eval metric vs step, compression on (solid) and off (dashed)."""
+    """Panel ``eval``: the eval metric vs step, compression on (solid) and off (dashed)."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
@@ -166,7 +230,7 @@ def _draw_eval(ax_eval: Any, runs: Sequence[Run], colors: dict[str, Any], metric
 
 
 def _draw_cumulative_bytes(ax_cum: Any, runs: Sequence[Run], colors: dict[str, Any], bytes_fmt: Any) -> None:
-    """Panel 3: cumulative bytes sent vs step, on a log scale when any run sent bytes."""
+    """Panel ``bytes``: cumulative bytes sent vs step, on a log scale when any run sent bytes."""
     from matplotlib.ticker import LogLocator, NullFormatter
 
     for run in runs:
@@ -197,7 +261,8 @@ def _bar_note(run: Run, ref: Run, ref_bytes: float | None, total: float) -> str:
 
 def _draw_total_bytes(ax_bar: Any, runs: Sequence[Run], colors: dict[str, Any], bytes_fmt: Any,
                       baseline: str | None) -> None:
-    """Panel 4: total bytes sent per run, one bar each (horizontal bars for more than six runs)."""
+    """Panel ``total_bytes``: total bytes sent per run, one bar each (horizontal bars for more than six
+    runs)."""
     explicit = baseline is not None
     ref = select_baseline(runs, baseline)
     ref_bytes = ref.total_bytes if (explicit or ref.uncompressed) else None
@@ -235,12 +300,13 @@ def _draw_total_bytes(ax_bar: Any, runs: Sequence[Run], colors: dict[str, Any], 
 
 
 def _draw_legend(fig: Any, runs: Sequence[Run], colors: dict[str, Any]) -> None:
-    """One legend below the panels naming each run and its setting."""
+    """One legend below the panels naming each run and its settings (:attr:`Run.settings_label`)."""
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], color=colors[run.name], linewidth=3, label=f"{run.name} ({run.setting})")
+    handles = [Line2D([], [], color=colors[run.name], linewidth=3, label=f"{run.name} ({run.settings_label})")
                for run in runs]
-    # as many columns as the longest label leaves room for across the figure (~170 characters at this size)
+    # as many columns as the longest label leaves room for across the figure (~12 characters an inch)
     widest = max(len(h.get_label()) for h in handles) + 6
-    fig.legend(handles=handles, loc="outside lower center", ncol=max(1, min(len(runs), 4, 170 // widest)),
+    room = round(12 * fig.get_figwidth())
+    fig.legend(handles=handles, loc="outside lower center", ncol=max(1, min(len(runs), 4, room // widest)),
                frameon=False, fontsize=10 if len(runs) <= 10 else 9)

@@ -1,7 +1,10 @@
 """Loading run directories and comparing them: :func:`load_run`, :class:`Run`, :func:`comparison_table`.
 
 Every value a report shows comes from here: the run's ``summary.json`` when it has one, else a value
-derived from the ``metrics.jsonl`` rows (see :mod:`aqsgd.train.report` for the run directory layout).
+derived from the ``metrics.jsonl`` rows (see :mod:`aqsgd.train.report` for the run directory layout). Wall
+times are the train rows' step durations (``time.step``, seconds) summed from the run's start: a resumed run
+continues from its checkpoint's step (the interrupted run's later rows are cut away when it resumes), so the
+restart itself, evaluation and checkpoint writes do not count.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from aqsgd.errors import ReportError
+from aqsgd.train.config import flatten_config
 
 __all__ = [
     "HIGHER_IS_BETTER",
@@ -70,6 +74,26 @@ def _close(a: float, b: float, rel: float = 0.01) -> bool:
     return abs(a - b) <= rel * max(abs(b), 1.0)
 
 
+def _running_sum(points: Sequence[tuple[int, float]]) -> list[float]:
+    """Running totals of per-step values given at some steps: each value counts for every step since the
+    previous point (exact when every step has one; a step that does not advance, as in rows written twice
+    for one step, counts once)."""
+    out: list[float] = []
+    acc, prev = 0.0, None
+    for step, v in points:
+        acc += v * (1 if prev is None else max(1, step - prev))
+        prev = step
+        out.append(acc)
+    return out
+
+
+def _step_seconds(row: dict[str, Any]) -> float | None:
+    """The duration of a train row's step in seconds (``time.step``), or None where the row has none."""
+    t = row.get("time")
+    v = _finite(t.get("step")) if isinstance(t, dict) else None
+    return v if v is not None and v >= 0 else None
+
+
 def _accumulate(points: Sequence[tuple[int, float]], total: float | None) -> list[float]:
     """Running totals of a per-row byte counter that may be cumulative or per step.
 
@@ -85,13 +109,7 @@ def _accumulate(points: Sequence[tuple[int, float]], total: float | None) -> lis
         increasing = all(b > a for a, b in itertools.pairwise(vals))
         if increasing and (total is None or not _close(sum(vals), total)):
             return vals
-    out: list[float] = []
-    acc, prev = 0.0, None
-    for step, v in points:
-        acc += v * (1 if prev is None else max(1, step - prev))
-        prev = step
-        out.append(acc)
-    return out
+    return _running_sum(points)
 
 
 @dataclass
@@ -99,8 +117,9 @@ class Run:
     """One run directory, loaded.
 
     ``train_rows`` and ``eval_rows`` are the valid ``metrics.jsonl`` rows of each kind in file order;
-    ``summary`` is ``{}`` when there is no ``summary.json`` (a run still going), ``config`` likewise.
-    ``skipped_lines`` counts the lines of ``metrics.jsonl`` that were not valid rows.
+    ``summary`` is ``{}`` when there is no ``summary.json`` (a run still going), ``config`` likewise (as
+    written: nested by section, or flat in older runs; see :attr:`flat_config`). ``skipped_lines`` counts the
+    lines of ``metrics.jsonl`` that were not valid rows.
     """
 
     name: str
@@ -112,8 +131,15 @@ class Run:
     skipped_lines: int = 0
 
     # --- settings --------------------------------------------------------------------------------------
+    @property
+    def flat_config(self) -> dict[str, Any]:
+        """The config as ``{flat name: value}`` (``forward``, ``stages``, ``link``, ...), whether
+        ``config.json`` is nested by section or flat."""
+        return flatten_config(self.config)
+
     def _setting_parts(self) -> tuple[str | None, str | None]:
-        fwd, bwd = self.config.get("forward"), self.config.get("backward")
+        cfg = self.flat_config
+        fwd, bwd = cfg.get("forward"), cfg.get("backward")
         setting = self.summary.get("setting")
         known = isinstance(fwd, str) and isinstance(bwd, str)
         if isinstance(setting, str) and "/" in setting and not known:
@@ -147,8 +173,36 @@ class Run:
 
     @property
     def task(self) -> str | None:
-        task = self.config.get("task", self.summary.get("task"))
-        return task if isinstance(task, str) else None
+        """The task's name: the config's ``task``, else the summary's; None if neither names one."""
+        for task in (self.flat_config.get("task"), self.summary.get("task")):
+            if isinstance(task, str):
+                return task
+        return None
+
+    @property
+    def stages(self) -> int | None:
+        """Pipeline stages: the config's ``stages``, else the summary's; None if unknown."""
+        for n in (self.flat_config.get("stages"), self.summary.get("stages")):
+            if isinstance(n, int) and not isinstance(n, bool):
+                return n
+        return None
+
+    @property
+    def link(self) -> str | None:
+        """The emulated link between stages (``--link``, e.g. ``100mbit,5ms``), or None: no emulated link."""
+        link = self.flat_config.get("link")
+        return link if isinstance(link, str) and link else None
+
+    @property
+    def settings_label(self) -> str:
+        """The settings in a few words, for a legend: ``delta:q2/direct:q4, 4 stages, link 100mbit,5ms``
+        (the stages and the link where the run records them)."""
+        parts = [self.setting]
+        if self.stages is not None:
+            parts.append(f"{self.stages} stage{'' if self.stages == 1 else 's'}")
+        if self.link is not None:
+            parts.append(f"link {self.link}")
+        return ", ".join(parts)
 
     # --- final values ----------------------------------------------------------------------------------
     @property
@@ -188,6 +242,34 @@ class Run:
                 steps.append(int(row["step"]))
                 vals.append(v)
         return steps, vals
+
+    def loss_series(self) -> tuple[list[int], list[float]]:
+        """Steps and training losses of the train rows with a finite loss."""
+        pts = [(int(r["step"]), v) for r in self.train_rows if (v := _finite(r.get("loss"))) is not None]
+        return [s for s, _ in pts], [v for _, v in pts]
+
+    def _timed_rows(self) -> list[tuple[dict[str, Any], float]]:
+        """The train rows that record their step's duration, each with the seconds of training from the
+        run's start to the end of its step (:func:`_running_sum` of the durations)."""
+        rows = [(r, d) for r in self.train_rows if (d := _step_seconds(r)) is not None]
+        elapsed = _running_sum([(int(r["step"]), d) for r, d in rows])
+        return [(r, t) for (r, _), t in zip(rows, elapsed)]
+
+    def wall_times(self) -> tuple[list[int], list[float]]:
+        """Steps and wall time in seconds since the run's start at the end of each, summed from the rows'
+        step durations (``time.step``); both empty for a run whose rows record none (an old run)."""
+        timed = self._timed_rows()
+        return [int(r["step"]) for r, _ in timed], [t for _, t in timed]
+
+    def loss_vs_time(self) -> tuple[list[float], list[float]]:
+        """Wall times (see :meth:`wall_times`) and training losses of the timed rows with a finite loss."""
+        pts = [(t, v) for r, t in self._timed_rows() if (v := _finite(r.get("loss"))) is not None]
+        return [t for t, _ in pts], [v for _, v in pts]
+
+    @property
+    def has_wall_times(self) -> bool:
+        """Whether any train row records its step's duration."""
+        return any(_step_seconds(r) is not None for r in self.train_rows)
 
     def cumulative(self, key: ByteKey = "bytes_sent") -> tuple[list[int], list[float]]:
         """Steps and running total of a train-row byte counter (see :func:`_accumulate` for how per-step and
