@@ -16,7 +16,7 @@ from aqsgd.train.config import TrainConfig
 from aqsgd.train.modelfiles import model_digest
 from aqsgd.train.tasks import setup_task
 
-from test_own_data import _save_model, _sentences, tokenizer_dir  # noqa: F401 - a fixture
+from test_own_data import _save_model, _sentences
 
 
 def _data(tmp_path):
@@ -25,7 +25,7 @@ def _data(tmp_path):
     return path
 
 
-def _save(folder, tokenizer_dir, seed):  # noqa: F811
+def _save(folder, tokenizer_dir, seed):
     torch.manual_seed(seed)
     return _save_model(folder, tokenizer_dir, "bert", "AutoModelForSequenceClassification")
 

@@ -17,7 +17,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from aqsgd.cli import bench, codecs, data, models, report, train
+    from aqsgd.cli import bench, codecs, data, export, models, report, train
 
     parser = _Parser(
         prog="aqsgd",
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.register(sub)
     models.register(sub)
     report.register(sub)
+    export.register(sub)
     return parser
 
 

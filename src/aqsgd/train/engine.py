@@ -218,8 +218,9 @@ class PipelineEngine:
 
     def evaluate(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.EVAL, *,
                  keep_logits: bool = False) -> tuple[float | None, list[torch.Tensor] | None]:
-        """Forward-only pass in eval mode; returns the mean loss and (if asked) the last stage's logits per
-        micro-batch, where the last stage runs."""
+        """Forward-only pass in eval mode; returns the loss (the micro-batch losses weighted by their sizes:
+        the mean over the samples, also where the micro-batches are uneven) and (if asked) the last stage's
+        logits per micro-batch, where the last stage runs."""
         for m in self.stages.values():
             m.eval()
         try:
@@ -230,6 +231,10 @@ class PipelineEngine:
                 m.train()
         logits = None
         last = self.runners.get(self.num_stages - 1)
+        if last is not None and last.losses:
+            sizes = [next(iter(m.values())).shape[0] for m in microbatches]
+            losses = torch.stack([last.losses[mb].double().cpu() for mb in sorted(last.losses)])
+            loss = float((losses * torch.tensor(sizes, dtype=torch.float64)).sum() / sum(sizes))
         if keep_logits and last is not None:
             logits = [last.kept_logits[mb] for mb in sorted(last.kept_logits)]
         return loss, logits

@@ -68,6 +68,7 @@ class TaskSetup:
     tokens_per_sample: int | None  # for tokens/s (LM and text tasks)
     main_metric: str  # accuracy | perplexity | mcc
     data_info: dict[str, Any] = dataclasses.field(default_factory=dict)  # label names, files, fingerprint
+    model_folder: Path | None = None  # the transformers folder the model (and its tokenizer) came from
 
 
 def task_kind(name: str) -> str:
@@ -458,4 +459,5 @@ def setup_task(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None)
                                        "rows_read")
                  if info.get(k) is not None}
     return TaskSetup(name, kind, recipe, train, evals, num_labels,
-                     cfg.task.max_length if kind != "image-classification" else None, metric, data_info)
+                     cfg.task.max_length if kind != "image-classification" else None, metric, data_info,
+                     folder)

@@ -56,6 +56,7 @@ from aqsgd.train.checkpoint import (CheckpointError, latest_checkpoint, load_che
                                     save_checkpoint)
 from aqsgd.train.config import TrainConfig, flatten_config
 from aqsgd.train.engine import OptimConfig, PipelineEngine
+from aqsgd.train.export import MODEL_FILE, model_description
 from aqsgd.train.metrics import MetricsWriter, perplexity
 from aqsgd.train.rundir import (RunDirError, RunDirLock, check_run_dir, prepare_run_dir, resolve_run_dir,
                                 truncate_metrics)
@@ -511,6 +512,8 @@ class Trainer:
             # the label set, files and their fingerprints: what the model was trained on
             if self.task.data_info:
                 (self.run_dir / "data.json").write_text(json.dumps(self.task.data_info, indent=1))
+            # the model's architecture and where its tokenizer lives: what `aqsgd export` rebuilds
+            (self.run_dir / MODEL_FILE).write_text(json.dumps(model_description(self.task), indent=1))
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

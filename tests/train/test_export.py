@@ -1,0 +1,93 @@
+"""``aqsgd export``: a trained run becomes a Hugging Face folder that ``from_pretrained`` loads and whose
+outputs are the pipeline's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_own_data import _save_model, _sentences
+
+from aqsgd.cli import main
+
+
+def _eval_loss(run) -> float:
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "eval"][-1]["uncompressed"]["loss"]
+
+
+def _common(tmp_path, folder, text, *extra):
+    return ["train", "--model", str(folder), "--train-file", str(text), "--stages", "2", "--micro-batches",
+            "2", "--micro-batch-size", "4", "--max-length", "16", "--cache-dir", str(tmp_path / "cache"),
+            "--output-dir", str(tmp_path / "runs"), "--warmup-epochs", "0", "--epochs", "2", "--lr", "1e-2",
+            "--no-progress", "--no-tensorboard", *extra]
+
+
+@pytest.mark.parametrize("runtime", ["local", "distributed"])
+def test_export_of_a_causal_lm_loads_and_gives_the_runs_evaluation_loss(tmp_path, tokenizer_dir, runtime):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from aqsgd.data import lm_chunks
+
+    folder = _save_model(tmp_path / "qwen2", tokenizer_dir, "qwen2", "AutoModelForCausalLM")
+    text, held = tmp_path / "notes.txt", tmp_path / "held.txt"
+    text.write_text("\n".join(_sentences(80, 1)) + "\n", encoding="utf-8")
+    held.write_text("\n".join(_sentences(30, 2)) + "\n", encoding="utf-8")
+    assert main(_common(tmp_path, folder, text, "--eval-file", str(held), "--runtime", runtime,
+                        "--run-name", "r")) == 0
+    run, out = tmp_path / "runs" / "r", tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
+    tok = AutoTokenizer.from_pretrained(str(out))
+    before = AutoModelForCausalLM.from_pretrained(str(folder))
+    assert not torch.equal(model.model.embed_tokens.weight, before.model.embed_tokens.weight)  # trained
+    # the evaluation data as the run built them (its own tokenizer, 16-token chunks): every chunk has as many
+    # predicted tokens, so the mean over chunks is the run's loss
+    chunks = lm_chunks([s for s in held.read_text().splitlines() if s.strip()], tok, 16)
+    with torch.no_grad():
+        losses = [float(model(input_ids=chunks[i]["input_ids"][None], labels=chunks[i]["labels"][None]).loss)
+                  for i in range(len(chunks))]
+    # fp32 both ways; the pipeline and the full model sum in another order (stated tolerance: 1e-5 relative)
+    assert sum(losses) / len(losses) == pytest.approx(_eval_loss(run), rel=1e-5)
+
+
+def test_export_of_a_classifier_keeps_the_label_names(tmp_path, tokenizer_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    folder = _save_model(tmp_path / "bert", tokenizer_dir, "bert", "AutoModelForSequenceClassification")
+    rows = tmp_path / "reviews.csv"
+    sentences = _sentences(60, 3)
+    rows.write_text("text,label\n" + "\n".join(f"{s},{'good' if 'cat' in s else 'bad'}" for s in sentences),
+                    encoding="utf-8")
+    assert main(_common(tmp_path, folder, rows, "--run-name", "c")) == 0
+    out = tmp_path / "cls"
+    assert main(["export", str(tmp_path / "runs" / "c"), "--out", str(out), "--dtype", "bf16"]) == 0
+    model = AutoModelForSequenceClassification.from_pretrained(str(out))
+    assert model.config.id2label == {0: "bad", 1: "good"}
+    assert model.classifier.weight.dtype == torch.bfloat16
+
+
+def test_export_errors_are_one_line(tmp_path, tokenizer_dir, capsys):
+    folder = _save_model(tmp_path / "qwen2", tokenizer_dir, "qwen2", "AutoModelForCausalLM")
+    text = tmp_path / "notes.txt"
+    text.write_text("\n".join(_sentences(80, 1)) + "\n", encoding="utf-8")
+    assert main(_common(tmp_path, folder, text, "--run-name", "r", "--max-steps", "2")) == 0
+    run, out = tmp_path / "runs" / "r", tmp_path / "out"
+    (out / "mine").mkdir(parents=True)
+    capsys.readouterr()
+
+    def error(*argv) -> str:
+        assert main(["export", *argv]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        return lines[0]
+
+    assert "exists and is not empty" in error(str(run), "--out", str(out))
+    assert "replaces only an exported model folder" in error(str(run), "--out", str(out), "--overwrite")
+    assert "has no complete checkpoint of that step (it has step-00000002)" in error(
+        str(run), "--out", str(tmp_path / "x"), "--checkpoint", "7")
+    assert "no complete checkpoint to export" in error(str(tmp_path), "--out", str(tmp_path / "x"))
+    (run / "checkpoints" / "step-00000002" / "stage1" / "model.safetensors").write_bytes(b"garbage")
+    assert "stage1/model.safetensors" in error(str(run), "--out", str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
