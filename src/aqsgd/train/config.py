@@ -106,6 +106,19 @@ class ModelSection:
     """hidden size of the random tiny-llama / tiny-gpt2 models"""
     vocab_size: int = 128
     """vocabulary of the random tiny models and of the synthetic-lm task's tokens"""
+    lora: bool = False
+    """fine-tune LoRA adapters (with peft) instead of every weight: the base weights are frozen, and neither
+    optimised, checkpointed nor synchronised between replicas; a classifier's new head is trained whole"""
+    lora_rank: int = 8
+    """rank of the LoRA adapters"""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by alpha / rank)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA adapters' input (default 0, as peft's: with dropout a sample's activations differ
+    between epochs, which AQ-SGD's deltas carry)"""
+    lora_targets: str | None = None
+    """modules that get adapters, comma-separated names (e.g. q_proj,v_proj; default: the family's attention
+    projections)"""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -453,6 +466,14 @@ class TrainConfig:
         for name in ("max_train_samples", "max_eval_samples"):
             if v[name] is not None and v[name] < 0:
                 raise bad(name, f"must be >= 0 (0: all), got {v[name]}")
+        if v["lora_rank"] < 1:
+            raise bad("lora_rank", f"must be >= 1, got {v['lora_rank']}")
+        if not v["lora_alpha"] > 0:
+            raise bad("lora_alpha", f"must be > 0, got {v['lora_alpha']}")
+        if not 0 <= v["lora_dropout"] < 1:
+            raise bad("lora_dropout", f"must be in [0, 1), got {v['lora_dropout']}")
+        if v["lora_targets"] is not None and not [t for t in v["lora_targets"].split(",") if t.strip()]:
+            raise bad("lora_targets", "must name at least one module")
         if v["dropout"] is not None and not 0 <= v["dropout"] < 1:
             raise bad("dropout", f"must be in [0, 1), got {v['dropout']}")
         if v["warmup_epochs"] < 0 or v["warmup_epochs"] > v["epochs"]:

@@ -294,6 +294,8 @@ class PipelineEngine:
             for names in _shared_names(model):
                 for name in names[1:]:
                     del model[name]
+            for name in _frozen(self.stages[i]):  # frozen weights (LoRA's base) come from the model's files
+                model.pop(name, None)
             optimizer = self.optimizers[i]
             out[i] = {"model": model, "optimizer": optimizer.state_dict(),
                       "optimizer_class": type(optimizer).__name__,
@@ -349,7 +351,9 @@ class PipelineEngine:
         module = self.stages[i]
         result = module.load_state_dict(tensors, strict=False)
         tied = {name: names for names in _shared_names(module.state_dict()) for name in names}
-        missing = [n for n in result.missing_keys if not any(t in tensors for t in tied.get(n, ()))]
+        frozen = _frozen(module)
+        missing = [n for n in result.missing_keys
+                   if n not in frozen and not any(t in tensors for t in tied.get(n, ()))]
         return sorted(missing), sorted(result.unexpected_keys)
 
     # -- introspection -------------------------------------------------------------------------------
@@ -365,6 +369,11 @@ class PipelineEngine:
     @property
     def lr(self) -> float:
         return next(iter(self.schedulers.values())).get_last_lr()[0]
+
+
+def _frozen(module: torch.nn.Module) -> set[str]:
+    """Names of ``module``'s parameters that are not trained (none, unless the run trains LoRA adapters)."""
+    return {n for n, p in module.named_parameters() if not p.requires_grad}
 
 
 _STAGE_STATE = frozenset({"model", "optimizer", "optimizer_class", "scheduler", "schemes", "grad_sync"})

@@ -37,10 +37,9 @@ MODEL_FILE = "model.json"
 
 def model_description(task: Any) -> dict[str, Any]:
     """What ``RUN/model.json`` records of a run's model (``task``: its :class:`~aqsgd.train.tasks.TaskSetup`):
-    the recipe without its weights path (the prepared initial weights, which the checkpoint replaces), the
+    the recipe (its weights: the prepared initial weights, which a LoRA export needs as the frozen base), the
     task kind and the folder whose tokenizer tokenized the data (None for the bundled models)."""
-    recipe = task.recipe.to_dict()
-    recipe["weights"] = None
+    recipe = task.recipe.to_dict()  # its weights: the prepared initial weights (a LoRA run's frozen base)
     return {"format": "aqsgd-model", "version": 1, "kind": task.kind, "task": task.name, "recipe": recipe,
             "model_folder": None if task.model_folder is None else str(task.model_folder)}
 
@@ -118,14 +117,19 @@ def run_model(run: str | Path, *, checkpoint: int | None = None) -> tuple[torch.
                         f"are the stage files {path}/stage*/model.safetensors")
     _, state = head(path)
     settings = flatten_config(state.get("config", {}))
-    torch.manual_seed(0)  # the base weights are all replaced; a fixed seed keeps stray buffers reproducible
+    torch.manual_seed(0)  # the weights are all replaced; a fixed seed keeps stray buffers reproducible
     model = recipe.build("cpu")
-    if settings.get("lora"):
+    if settings.get("lora"):  # the checkpoint holds the adapters and the head: the base comes from its file
+        from aqsgd.pipeline.materialize import load_weights
         from aqsgd.train.lora import add_adapters
 
-        add_adapters(model, settings)
+        if recipe.weights is None or not Path(recipe.weights).exists():
+            raise SpecError(f"{run}: the frozen base weights of this LoRA run ({recipe.weights}) are gone (a "
+                            "cleared cache?); run `aqsgd train` with the run's model again to prepare them")
+        load_weights(model, recipe.weights)
+        described = {**described, "targets": add_adapters(model, settings)}
     load_stage_weights(model, path, settings)
-    return model.eval(), described, path
+    return model.eval(), {**described, "settings": settings}, path
 
 
 def export_run(run: str | Path, out: str | Path, *, checkpoint: int | None = None, dtype: str = "fp32",
@@ -152,29 +156,27 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: int | None = Non
     model, described, path = run_model(run, checkpoint=checkpoint)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if getattr(model, "peft_config", None) and lora == "adapter":
-        from peft import get_peft_model_state_dict
+    is_lora = bool(described["settings"].get("lora"))
+    if is_lora:
+        from aqsgd.pipeline.materialize import ModelRecipe
+        from aqsgd.train import lora as lora_
 
-        from aqsgd.train.lora import adapter_config
+        recipe = ModelRecipe.from_dict(described["recipe"])
+        if lora == "adapter":  # a PEFT folder over the model the run started from
+            from aqsgd.pipeline.materialize import load_weights
 
-        tmp.mkdir(parents=True)
-        config = adapter_config(model, described)
-        config.save_pretrained(str(tmp))
-        from safetensors.torch import save_file
-
-        tensors = {k: v.detach().to(dtypes[dtype]).contiguous()
-                   for k, v in get_peft_model_state_dict(model).items()}
-        save_file(tensors, str(tmp / "adapter_model.safetensors"))
+            base = load_weights(recipe.build("cpu"), recipe.weights)  # type: ignore[arg-type]
+            wrapped = lora_.peft_model(model, base, described["settings"], described["targets"])
+            wrapped.peft_config["default"].base_model_name_or_path = described.get("model_folder")
+            wrapped.to(dtypes[dtype]).save_pretrained(str(tmp))
+        else:
+            lora_.merged(model, recipe.build("cpu")).to(dtypes[dtype]).save_pretrained(str(tmp))
     else:
-        if getattr(model, "peft_config", None):
-            from aqsgd.train.lora import merged
-
-            model = merged(model)
         model.to(dtypes[dtype]).save_pretrained(str(tmp))
     _save_tokenizer(described, tmp)
     (tmp / "aqsgd-export.json").write_text(json.dumps(
         {"run": str(Path(run).resolve()), "checkpoint": path.name, "dtype": dtype,
-         "lora": lora if getattr(model, "peft_config", None) else None, "task": described.get("task")},
+         "lora": lora if is_lora else None, "task": described.get("task")},
         indent=1))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.replace(out)

@@ -57,6 +57,7 @@ from aqsgd.train.checkpoint import (CheckpointError, latest_checkpoint, load_che
 from aqsgd.train.config import TrainConfig, flatten_config
 from aqsgd.train.engine import OptimConfig, PipelineEngine
 from aqsgd.train.export import MODEL_FILE, model_description
+from aqsgd.train.lora import add_adapters, is_trainable
 from aqsgd.train.metrics import MetricsWriter, perplexity
 from aqsgd.train.rundir import (RunDirError, RunDirLock, check_run_dir, prepare_run_dir, resolve_run_dir,
                                 truncate_metrics)
@@ -80,7 +81,8 @@ _EVAL_KEYS = ("loss_sum", "count", "correct", "tp", "tn", "fp", "fn")
 RESUME_MUST_MATCH = frozenset({
     "task", "model", "max_length", "max_train_samples", "model_layers", "stages", "layers", "balance",
     "micro_batches", "micro_batch_size", "data_parallel", "grad_sync", "grad_bucket_mb", "forward",
-    "backward", "cache", "ef_key", "optimizer", "grad_accum", "seed"})
+    "backward", "cache", "ef_key", "optimizer", "grad_accum", "seed", "lora", "lora_rank", "lora_alpha",
+    "lora_targets"})
 # where and how this invocation runs and reports: not part of the training, never compared
 _RUN_ONLY = frozenset({"cache_dir", "output_dir", "run_name", "resume", "overwrite", "progress",
                        "tensorboard", "trace", "timeout", "checksum", "keep_checkpoints"})
@@ -263,16 +265,22 @@ class Trainer:
         # Weights are built and loaded on the CPU in both runtimes (the same numbers), then moved; Module.to
         # keeps the Parameter objects, so weights tied across local stages stay shared.
         if self.grid is None:
-            model = load_weights(recipe.build("cpu"), recipe.weights).to(device)
+            model = load_weights(recipe.build("cpu"), recipe.weights)
             parts = partition_model(model, p.stages, layers=p.layers, balance=p.balance)
+            if cfg.model.lora:
+                add_adapters(parts, cfg.flat(), model=model)
             stages = [s.to(device) for s in parts]
             return PipelineEngine(dict(enumerate(stages)), p.stages, comp, optim, schedule=p.schedule,
                                   device=device, autocast=autocast)
         links = LinkSpec.parse(p.link) if p.link else None
         module = materialize_stage(recipe, p.stages, self.grid.stage, layers=p.layers, balance=p.balance)
+        if cfg.model.lora:
+            add_adapters(module, cfg.flat(), first_stage=self.grid.stage, model=recipe.build("meta"))
         module = module.to(device)
         ties = shared_parameters(partition_model(recipe.build("meta"), p.stages, layers=p.layers,
                                                  balance=p.balance))
+        if cfg.model.lora:  # a frozen tied weight (an embedding and its LM head) gets no gradient to sum
+            ties = [t for t in ties if all(is_trainable(name) for name in t.values())]
         grad_sync = None
         if p.data_parallel > 1:
             # NCCL replica groups of their own (collective, the same on every rank); gloo: the grid's groups,

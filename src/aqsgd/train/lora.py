@@ -1,0 +1,173 @@
+"""LoRA through the compressed pipeline: adapters injected with ``peft`` into each stage.
+
+Every stage holds only its own layers, so every stage gets only its own layers' adapters:
+:func:`add_adapters` injects LoRA layers (``peft.inject_adapter_in_model``) into one stage module (or a whole
+model) and freezes everything but the adapters and a classifier's head. The adapters of stage ``s`` are drawn
+from a generator seeded by ``(seed, s)`` alone, so the local runtime (all stages in one process) and the
+distributed one (a stage per process) start from the same adapters, and so does ``aqsgd export``, which cuts
+the full model into the same stages before injecting them.
+
+Nothing else in the pipeline needs to know: the optimizer, the gradient norm, the data-parallel sync and the
+tied-parameter sync take trainable parameters only, and a checkpoint holds only the trainable tensors (the
+frozen base comes from the model's own weights on resume). The activations and gradients that cross a stage
+boundary are the same kind of tensors as in full fine-tuning, so AQ-SGD and every scheme work unchanged.
+
+Targets: ``--lora-targets`` names them; by default every linear layer whose name is an attention projection
+of a supported family (``q_proj``/``k_proj``/``v_proj``/``o_proj`` of the decoders, ``c_attn``/``c_proj`` of
+GPT-2, ``query_key_value``/``dense`` of GPT-NeoX, ``query``/``key``/``value`` of BERT and RoBERTa and so on):
+the choice of the LoRA paper (Hu et al., 2021), which adapted the attention weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from aqsgd.errors import SpecError
+
+__all__ = ["HEAD_NAMES", "add_adapters", "adapter_targets", "is_trainable", "lora_config", "merged",
+           "peft_model"]
+
+log = logging.getLogger(__name__)
+
+# attention projections by family: decoders (llama, mistral, qwen, gemma, olmo2), phi3, gpt2, gpt-neox,
+# bert/roberta, deberta-v2, distilbert
+ATTENTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "c_attn", "query_key_value", "query",
+                   "key", "value", "query_proj", "key_proj", "value_proj", "q_lin", "k_lin", "v_lin")
+# GPT-2's c_proj and GPT-NeoX's dense are the attention outputs only inside the attention module
+_ATTENTION_OUTPUTS = {"c_proj": "attn", "dense": "attention"}
+# a sequence classifier's new head: trained whole (peft's modules_to_save for sequence classification)
+HEAD_NAMES = ("classifier", "score")
+
+
+def _linear_like(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"  # GPT-2's transposed linear
+
+
+def adapter_targets(model: nn.Module, targets: str | None) -> list[str]:
+    """The module names (last components) that get adapters: ``targets`` (comma-separated, each must name a
+    linear layer of ``model``) or the model's attention projections."""
+    names: dict[str, str] = {}  # last component -> a full name, for messages
+    for full, module in model.named_modules():
+        if _linear_like(module) and full:
+            names.setdefault(full.rsplit(".", 1)[-1], full)
+    if targets is not None:
+        wanted = [t.strip() for t in targets.split(",") if t.strip()]
+        unknown = [t for t in wanted if t not in names]
+        if unknown:
+            raise SpecError(f"--lora-targets: no linear layer called {', '.join(unknown)} in the model; its "
+                            f"linear layers are {', '.join(sorted(names))}")
+        return wanted
+    found = [n for n in ATTENTION_NAMES if n in names]
+    for name, parent in _ATTENTION_OUTPUTS.items():
+        if any(full.endswith(f"{parent}.{name}") for full, m in model.named_modules() if _linear_like(m)):
+            found.append(name)
+    if not found:
+        raise SpecError(f"--lora: no attention projections found in {type(model).__name__}; name the layers "
+                        f"to adapt with --lora-targets (its linear layers: {', '.join(sorted(names))})")
+    return found
+
+
+def lora_config(settings: Mapping[str, Any], targets: list[str]) -> Any:
+    """The ``peft.LoraConfig`` of a run (``settings``: its flat options)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=int(settings.get("lora_rank", 8)), lora_alpha=float(settings.get("lora_alpha", 16.0)),
+                      lora_dropout=float(settings.get("lora_dropout", 0.0)), target_modules=targets,
+                      bias="none")
+
+
+def is_trainable(name: str) -> bool:
+    """Whether a parameter of a LoRA run is trained: an adapter's, or one of a classifier head's."""
+    parts = name.split(".")
+    return any(p.startswith("lora_") for p in parts) or any(p in HEAD_NAMES for p in parts)
+
+
+def _inject(module: nn.Module, settings: Mapping[str, Any], targets: list[str], seed: int) -> None:
+    """Adapters into ``module`` (those of ``targets`` it holds), drawn from a generator seeded by ``seed``."""
+    from peft import inject_adapter_in_model
+
+    present = {n.rsplit(".", 1)[-1] for n, m in module.named_modules() if _linear_like(m) and n}
+    mine = [t for t in targets if t in present]
+    if mine:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            # one stage's modules only: peft names no model type it would look the defaults up by
+            inject_adapter_in_model(lora_config(settings, mine), module)
+    for name, p in module.named_parameters():
+        p.requires_grad_(is_trainable(name))
+
+
+def add_adapters(stages: nn.Module | list[nn.Module], settings: Mapping[str, Any], *,
+                 first_stage: int = 0, model: nn.Module | None = None) -> list[str]:
+    """Inject the run's adapters into each stage of ``stages`` (stage ``first_stage + i``; a stage module, a
+    list of them, or a whole model cut into ``settings``' stages here) and freeze the rest; returns the
+    target names. ``model``: the full model the targets are looked up in (default: the stages)."""
+    from aqsgd.pipeline.partition import partition_model
+
+    seed = int(settings.get("seed", 0))
+    if isinstance(stages, nn.Module) and not hasattr(stages, "stage_index"):  # a whole model: cut it
+        model = stages
+        stages = list(partition_model(stages, int(settings.get("stages", 1)), layers=settings.get("layers"),
+                                      balance=settings.get("balance", "layers")))
+    parts = [stages] if isinstance(stages, nn.Module) else list(stages)
+    targets = adapter_targets(model if model is not None else nn.ModuleList(parts),
+                              settings.get("lora_targets"))
+    for i, part in enumerate(parts):
+        stage = first_stage + i
+        _inject(part, settings, targets, (seed * 1_000_003 + 7919 * (stage + 1)) % 2**63)
+        if not any(p.requires_grad for p in part.parameters()):
+            raise SpecError(f"--lora-targets: stage {stage} holds none of {', '.join(targets)}, so it would "
+                            "train nothing; name layers every stage holds")
+    return targets
+
+
+def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with every LoRA layer merged into its base layer, named as without adapters."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.merge()
+    out = {}
+    for key, value in model.state_dict().items():
+        if ".lora_" in key:
+            continue
+        out[key.replace(".base_layer.", ".")] = value
+    return out
+
+
+def merged(model: nn.Module, fresh: nn.Module) -> nn.Module:
+    """``fresh`` (the same architecture, without adapters) holding ``model``'s weights with the adapters
+    merged in."""
+    fresh.load_state_dict(_base_state(model), strict=True)
+    return fresh
+
+
+def peft_model(model: nn.Module, base: nn.Module, settings: Mapping[str, Any], targets: Iterable[str]) -> Any:
+    """A ``peft.PeftModel`` over ``base`` (the untrained base model) carrying ``model``'s trained adapters and
+    head: what ``PeftModel.save_pretrained`` writes as an adapter folder."""
+    from peft import get_peft_model
+
+    config = lora_config(settings, list(targets))
+    heads = sorted({n.split(".")[-1] for n, _ in base.named_modules() if n.split(".")[-1] in HEAD_NAMES})
+    if heads:
+        config.modules_to_save = heads
+    wrapped = get_peft_model(base, config)
+    trained = dict(model.named_parameters())
+    copied = 0
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if not p.requires_grad:
+                continue
+            key = name.removeprefix("base_model.model.").replace(".modules_to_save.default.", ".")
+            if key not in trained:
+                raise SpecError(f"the adapter's {name} has no trained counterpart ({key})")
+            p.copy_(trained[key])
+            copied += 1
+    log.debug("adapter: %d trained tensors", copied)
+    return wrapped
