@@ -69,9 +69,14 @@ FEWER_BITS_SETTINGS: dict[str, list[str]] = {
     "minilm-bbc": _FEWER_BITS, "smollm2-wiki": _FEWER_BITS,
     "synthetic-lm": ["fp32", "aqsgd fw2/bw4 rot zstd", "tah-quant"],
 }
+# the `lora` study: LoRA in fp32 and with AQ-SGD (max-abs l2 scales; rotated tiles with zstd) against full
+# fine-tuning in fp32
+_LORA = ["fp32", "lora fp32", "lora aqsgd fw2/bw4 l2", "lora aqsgd fw2/bw4 rot zstd"]
+LORA_SETTINGS: dict[str, list[str]] = {"minilm-bbc": _LORA, "smollm2-wiki": _LORA,
+                                       "synthetic-lm": ["fp32", "lora fp32", "lora aqsgd fw2/bw4 l2"]}
 #: the studies there are: their default settings per task (their result files are named ``<study>-<task>``)
 STUDIES: dict[str, dict[str, list[str]]] = {"convergence": DEFAULT_SETTINGS,
-                                            "fewer-bits": FEWER_BITS_SETTINGS}
+                                            "fewer-bits": FEWER_BITS_SETTINGS, "lora": LORA_SETTINGS}
 
 
 def _slug(name: str) -> str:
@@ -113,7 +118,8 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
             run_name = _slug(name) + (f"-seed{seed}" if seed else "")
             # a run directory of a setting the study has not recorded is what an interrupted study left
             # behind: that run starts afresh
-            cfg = TrainConfig.of(**{**base, **setting.overrides}, forward=fw, backward=bw,
+            lr = {"lr": base["lr"] * setting.lr_factor} if setting.lr_factor != 1.0 else {}
+            cfg = TrainConfig.of(**{**base, **setting.overrides, **lr}, forward=fw, backward=bw,
                                  output_dir=str(out), run_name=run_name, progress=False, tensorboard=False,
                                  seed=seed, overwrite=True)
             if progress:

@@ -14,11 +14,13 @@ __all__ = ["Setting", "SETTINGS", "setting"]
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """The boundary codecs of one setting (``--forward`` / ``--backward``), plus ``overrides``: more training
-    options by their flat names (as on the command line, e.g. ``{"cache": "lowbit4"}``)."""
+    options by their flat names (as on the command line, e.g. ``{"cache": "lowbit4"}``), and ``lr_factor``:
+    the task's learning rate times this (LoRA trains a few weights and takes larger steps)."""
 
     forward: str
     backward: str
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    lr_factor: float = 1.0
 
 
 SETTINGS: dict[str, Setting] = {
@@ -78,6 +80,13 @@ SETTINGS: dict[str, Setting] = {
     "aqsgd fw1/bw4 rot zstd": Setting("delta:q1:rot64:zstd", "direct:q4:rot64:l2:zstd"),
     "direct fw3/bw6 rot zstd": Setting("direct:q3:rot64:l2:midrise:zstd", "direct:q6:rot32:zstd"),
     "direct fw4/bw6 rot zstd": Setting("direct:q4:rot128:l2:zstd", "direct:q6:rot32:zstd"),
+    # -- LoRA (the `lora` study): adapters on the attention projections, rank 8, the frozen base; 10x the
+    # full fine-tuning learning rate (Hu et al. 2021 trained RoBERTa-base's adapters on GLUE at 4e-4 to 5e-4,
+    # where full fine-tuning of RoBERTa uses 1e-5 to 3e-5)
+    "lora fp32": Setting("none", "none", {"lora": True}, lr_factor=10.0),
+    "lora aqsgd fw2/bw4 l2": Setting("delta:q2:l2", "direct:q4", {"lora": True}, lr_factor=10.0),
+    "lora aqsgd fw2/bw4 rot zstd": Setting("delta:q2:rot64:l2:midrise:zstd", "direct:q4:rot64:l2:zstd",
+                                           {"lora": True}, lr_factor=10.0),
     "tah-quant zstd": Setting("direct:tah:zstd", "direct:tah6:zstd"),
     # the rotated AQ-SGD row with 3-bit deltas: what one more bit does to its training-loss gap
     "aqsgd fw3/bw4 rot zstd": Setting("delta:q3:rot64:l2:midrise:zstd", "direct:q4:rot64:l2:zstd"),

@@ -165,7 +165,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cv.add_argument("--study", choices=list(CONV_STUDIES), default="convergence",
                     help="which study: its default settings and the name of its result files, "
                          "<study>-TASK.json (default: convergence; fewer-bits: rotated tiles, outlier rows, "
-                         "zstd, 1-bit AQ-SGD, TAH-Quant)")
+                         "zstd, 1-bit AQ-SGD, TAH-Quant; lora: LoRA in fp32 and with AQ-SGD against full "
+                         "fine-tuning)")
     cv.add_argument("--settings", nargs="+", choices=list(CONV_SETTINGS), default=None, metavar="SETTING",
                     help="settings (default: the study's)")
     cv.add_argument("--runs-dir", default="runs/convergence", help="run directories (default: "
