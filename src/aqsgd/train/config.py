@@ -137,6 +137,9 @@ class PipelineSection:
     """micro-batches per pipeline pass"""
     micro_batch_size: int = 8
     """samples per micro-batch"""
+    activation_checkpointing: bool = False
+    """recompute each block's activations in the backward pass instead of keeping them (less memory per stage,
+    about one more forward of compute; the same numbers)"""
     runtime: str = "local"
     """local: all stages in this process; distributed: one process per stage (started here with PyTorch's
     launcher, or by torchrun)"""

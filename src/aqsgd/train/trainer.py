@@ -48,6 +48,7 @@ from aqsgd.errors import ConfigMismatchError, DivergedError, Interrupted, NonFin
 from aqsgd.interrupts import signals_held
 from aqsgd.parallel import ProcessGrid, make_grad_sync
 from aqsgd.parallel.grid import check_same_settings
+from aqsgd.pipeline.checkpointing import checkpoint_blocks
 from aqsgd.pipeline.compression import CompressionConfig, DirectionSpec
 from aqsgd.pipeline.materialize import load_weights, materialize_stage
 from aqsgd.pipeline.partition import partition_model, shared_parameters
@@ -269,6 +270,9 @@ class Trainer:
             parts = partition_model(model, p.stages, layers=p.layers, balance=p.balance)
             if cfg.model.lora:
                 add_adapters(parts, cfg.flat(), model=model)
+            if p.activation_checkpointing:
+                for part in parts:
+                    checkpoint_blocks(part)
             stages = [s.to(device) for s in parts]
             return PipelineEngine(dict(enumerate(stages)), p.stages, comp, optim, schedule=p.schedule,
                                   device=device, autocast=autocast)
@@ -276,6 +280,8 @@ class Trainer:
         module = materialize_stage(recipe, p.stages, self.grid.stage, layers=p.layers, balance=p.balance)
         if cfg.model.lora:
             add_adapters(module, cfg.flat(), first_stage=self.grid.stage, model=recipe.build("meta"))
+        if p.activation_checkpointing:
+            checkpoint_blocks(module)
         module = module.to(device)
         ties = shared_parameters(partition_model(recipe.build("meta"), p.stages, layers=p.layers,
                                                  balance=p.balance))
