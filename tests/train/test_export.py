@@ -91,3 +91,29 @@ def test_export_errors_are_one_line(tmp_path, tokenizer_dir, capsys):
     (run / "checkpoints" / "step-00000002" / "stage1" / "model.safetensors").write_bytes(b"garbage")
     assert "stage1/model.safetensors" in error(str(run), "--out", str(tmp_path / "x"))
     assert not (tmp_path / "x").exists()
+
+
+def test_eval_of_a_checkpoint_gives_the_runs_numbers_and_takes_another_file(tmp_path, tokenizer_dir, capsys):
+    """``aqsgd eval RUN`` rebuilds the run's pipeline in this process and gives its final evaluation (both
+    ways, the same numbers, whichever runtime trained it); ``--eval-file`` evaluates other text; the run
+    directory is left as it was."""
+    folder = _save_model(tmp_path / "qwen2", tokenizer_dir, "qwen2", "AutoModelForCausalLM")
+    text, held, other = (tmp_path / f"{n}.txt" for n in ("notes", "held", "other"))
+    text.write_text("\n".join(_sentences(80, 1)) + "\n", encoding="utf-8")
+    held.write_text("\n".join(_sentences(30, 2)) + "\n", encoding="utf-8")
+    other.write_text("\n".join(_sentences(30, 5)) + "\n", encoding="utf-8")
+    assert main(_common(tmp_path, folder, text, "--eval-file", str(held), "--runtime", "distributed",
+                        "--forward", "delta:q2:l2", "--run-name", "r")) == 0
+    run = tmp_path / "runs" / "r"
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in rows if r["kind"] == "eval"][-1]
+    assert main(["eval", str(run), "--out", str(tmp_path / "e.json")]) == 0
+    got = json.loads((tmp_path / "e.json").read_text())
+    for way in ("compressed", "uncompressed"):
+        assert got["eval"][way]["loss"] == pytest.approx(final[way]["loss"], rel=1e-6), way
+    assert got["eval"]["compressed"]["loss"] != got["eval"]["uncompressed"]["loss"]
+    assert main(["eval", str(run), "--eval-file", str(other), "--out", str(tmp_path / "o.json")]) == 0
+    assert json.loads((tmp_path / "o.json").read_text())["eval"]["uncompressed"]["loss"] != pytest.approx(
+        final["uncompressed"]["loss"], rel=1e-3)
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before

@@ -17,7 +17,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from aqsgd.cli import bench, codecs, data, export, models, report, train
+    from aqsgd.cli import bench, codecs, data, evaluate, export, models, report, train
 
     parser = _Parser(
         prog="aqsgd",
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.register(sub)
     report.register(sub)
     export.register(sub)
+    evaluate.register(sub)
     return parser
 
 
