@@ -28,7 +28,7 @@ from aqsgd.models import (
 from aqsgd.models.family import ModelLayout
 from aqsgd.pipeline.materialize import ModelRecipe
 from aqsgd.pipeline.partition import model_layout, partition_model
-from aqsgd.pipeline.stage import PipelineStage
+from aqsgd.models.stage import PipelineStage
 
 pytest.importorskip("transformers")
 

@@ -28,7 +28,7 @@ from aqsgd.pipeline.materialize import (
     stage_nbytes,
 )
 from aqsgd.pipeline.partition import partition_model, shared_parameters
-from aqsgd.pipeline.stage import PipelineStage
+from aqsgd.models.stage import PipelineStage
 
 transformers = pytest.importorskip("transformers")
 

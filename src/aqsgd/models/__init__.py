@@ -37,7 +37,7 @@ from aqsgd.models.registry import (
 )
 
 if TYPE_CHECKING:
-    from aqsgd.pipeline.materialize import ModelRecipe
+    from aqsgd.models.recipe import ModelRecipe
 
 __all__ = [
     "MODEL_KINDS",
@@ -76,7 +76,7 @@ def tiny_recipe(
     kind: str = "llama", *, layers: int = 4, hidden: int = 64, vocab: int = 128, seq_len: int = 32
 ) -> ModelRecipe:
     """A small randomly initialized model of family ``kind`` (a recipe without weights file)."""
-    from aqsgd.pipeline.materialize import ModelRecipe
+    from aqsgd.models.recipe import ModelRecipe
 
     config = get_family(kind).tiny_config(layers=layers, hidden=hidden, vocab=vocab, seq_len=seq_len)
     return ModelRecipe(kind, config)

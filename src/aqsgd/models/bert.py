@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from aqsgd.models.family import ModelFamily, ModelLayout
 from aqsgd.models.hf import build_transformers_model, no_cache, set_dropout
-from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
+from aqsgd.models.stage import Batch, LossFn, PipelineStage
 
 KIND = "bert-cls"
 MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")

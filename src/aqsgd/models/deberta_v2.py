@@ -29,7 +29,7 @@ from aqsgd.errors import SpecError
 from aqsgd.models.bert import embedding_index_buffers, sequence_classification_loss
 from aqsgd.models.family import ModelFamily, ModelLayout
 from aqsgd.models.hf import build_transformers_model, is_transformers_instance, set_dropout
-from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
+from aqsgd.models.stage import Batch, LossFn, PipelineStage
 
 KIND = "deberta-v2-cls"
 MODEL_TYPE = "deberta-v2"

@@ -44,7 +44,7 @@ from aqsgd.models.hf import (
     position_ids,
     set_dropout,
 )
-from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
+from aqsgd.models.stage import Batch, LossFn, PipelineStage
 
 MASK_MODES = ("causal", "sliding-window", "layer-types")
 FULL_ATTENTION = "full_attention"

@@ -19,7 +19,7 @@ from torch import nn
 from aqsgd.models.bert import embedding_index_buffers, sequence_classification_loss
 from aqsgd.models.family import ModelFamily, ModelLayout
 from aqsgd.models.hf import build_transformers_model, is_transformers_instance, set_dropout
-from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
+from aqsgd.models.stage import Batch, LossFn, PipelineStage
 
 KIND = "distilbert-cls"
 MODEL_TYPE = "distilbert"

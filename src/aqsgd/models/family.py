@@ -1,6 +1,6 @@
 """What the library asks of a model family: :class:`ModelFamily`, and the :class:`ModelLayout` it reports.
 
-A family is one :class:`~aqsgd.pipeline.materialize.ModelRecipe` kind.  Its module under
+A family is one :class:`~aqsgd.models.recipe.ModelRecipe` kind.  Its module under
 :mod:`aqsgd.models` defines a ``FAMILY`` object that says how to build the model from a recipe, how to
 recognise a built model, how to cut it into pipeline stages, how to shorten its config to fewer blocks,
 how to set its dropout, which non-persistent buffers it must recompute after loading weights, and a tiny
@@ -20,7 +20,7 @@ from torch import nn
 from aqsgd.errors import SpecError
 
 if TYPE_CHECKING:
-    from aqsgd.pipeline.stage import LossFn, PipelineStage
+    from aqsgd.models.stage import LossFn, PipelineStage
 
 StageFactory = Callable[[int, int, int, int], "PipelineStage"]
 """``make_stage(index, num_stages, start, end)``: the stage holding blocks ``[start, end)``."""
@@ -51,10 +51,10 @@ class ModelFamily:
     """Everything the library knows about one model family.
 
     Attributes:
-        kind: the :class:`~aqsgd.pipeline.materialize.ModelRecipe` kind.
+        kind: the :class:`~aqsgd.models.recipe.ModelRecipe` kind.
         description: the models of this family that :func:`~aqsgd.pipeline.partition.partition_model`
             accepts, as listed in error messages.
-        stage: the :class:`~aqsgd.pipeline.stage.PipelineStage` subclass of the family.
+        stage: the :class:`~aqsgd.models.stage.PipelineStage` subclass of the family.
         build: ``build(config, attn_implementation) -> model``, the full model from a recipe's config dict,
             created on the current default device (:meth:`ModelRecipe.build` sets it); bad configs raise
             :class:`SpecError`.  ``attn_implementation`` is the attention kernel of transformers models.

@@ -17,7 +17,7 @@ from torch import nn
 from aqsgd.models.family import ModelFamily, ModelLayout
 from aqsgd.models.hf import (build_transformers_model, is_transformers_instance, no_cache, position_ids,
                              set_dropout)
-from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
+from aqsgd.models.stage import Batch, LossFn, PipelineStage
 
 KIND = "gpt2"
 

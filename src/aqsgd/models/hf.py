@@ -19,7 +19,7 @@ from torch import nn
 from aqsgd.errors import SpecError
 
 if TYPE_CHECKING:
-    from aqsgd.pipeline.stage import Batch
+    from aqsgd.models.stage import Batch
 
 _DROPOUT_KEY = re.compile(r"dropout|pdrop")
 

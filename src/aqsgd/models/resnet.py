@@ -17,7 +17,7 @@ from torch import nn
 
 from aqsgd.errors import SpecError
 from aqsgd.models.family import ModelFamily, ModelLayout
-from aqsgd.pipeline.stage import Batch, LossFn, PipelineStage
+from aqsgd.models.stage import Batch, LossFn, PipelineStage
 
 KIND = "resnet"
 

@@ -23,7 +23,7 @@ from aqsgd.pipeline.schedule import (
     one_f_one_b,
     validate,
 )
-from aqsgd.pipeline.stage import PipelineStage
+from aqsgd.models.stage import PipelineStage
 
 __all__ = [
     "SUPPORTED_MODELS",

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from aqsgd.models.family import ModelLayout
 from aqsgd.models.registry import families, family_of_model, supported_models
-from aqsgd.pipeline.stage import LossFn, PipelineStage
+from aqsgd.models.stage import LossFn, PipelineStage
 
 BALANCE_MODES = ("layers", "params")
 

@@ -57,7 +57,7 @@ from aqsgd.pipeline.schedule import (
     execution_order,
     get_schedule,
 )
-from aqsgd.pipeline.stage import Batch
+from aqsgd.models.stage import Batch
 from aqsgd.schemes import BoundaryScheme, DeltaScheme, Phase
 
 _UNLABELLED = contextlib.nullcontext()

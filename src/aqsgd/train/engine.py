@@ -35,7 +35,7 @@ from aqsgd.parallel.grid import new_group
 from aqsgd.pipeline.compression import CompressionConfig
 from aqsgd.pipeline.partition import shared_parameters
 from aqsgd.pipeline.runner import LocalPipeline, StageRunner, StepStats, Transport
-from aqsgd.pipeline.stage import Batch
+from aqsgd.models.stage import Batch
 from aqsgd.schemes import BoundaryScheme, Phase
 from aqsgd.train.optim import clip_coefficient, make_optimizer, squared_grad_norm, warmup_linear_decay
 
