@@ -85,3 +85,12 @@ def test_no_production_module_imports_test_helpers():
     graph = _graph()
     offenders = sorted(m for m, deps in graph.items() if deps & TEST_HELPERS and m not in TEST_HELPERS)
     assert offenders == []
+
+
+def test_models_sit_below_the_pipeline():
+    """What a model is (its families, stages and recipes) is known without the pipeline: no module of
+    aqsgd.models imports aqsgd.pipeline, at any level (the pipeline imports the models, not the reverse)."""
+    graph = _graph()
+    up = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("aqsgd.models")
+                for d in deps if d.startswith("aqsgd.pipeline"))
+    assert up == []
