@@ -120,3 +120,33 @@ def test_unlimited_link_adds_nothing_and_pacer_is_thread_safe():
     assert sorted(departs) == pytest.approx([(i + 1) * 1e-4 for i in range(800)])
     with pytest.raises(ValueError):
         pacer.schedule(-1)
+
+
+def test_one_link_setting_per_boundary():
+    from aqsgd.comm.link import boundary_links, parse_links
+
+    one = parse_links("100mbit,5ms", 3)
+    assert one == [LinkSpec(100e6, 0.005)] * 3
+    each = parse_links("1gbit / 50mbit,20ms/200mbit", 3)
+    assert each == [LinkSpec(1e9, 0.0), LinkSpec(50e6, 0.02), LinkSpec(200e6, 0.0)]
+    ranks = [10, 11, 12, 13]  # a replica's pipeline ranks, by stage
+    assert boundary_links(each, 0, ranks.__getitem__) == {11: each[0]}
+    assert boundary_links(each, 1, ranks.__getitem__) == {10: each[0], 12: each[1]}
+    assert boundary_links(each, 3, ranks.__getitem__) == {12: each[2]}
+    with pytest.raises(ValueError, match="2 link settings for 3 stage boundaries"):
+        parse_links("1gbit/50mbit", 3)
+    with pytest.raises(ValueError, match="invalid bandwidth 'fast'"):
+        parse_links("1gbit/fast", 2)
+
+
+def test_link_option_per_boundary_is_checked_with_the_other_options():
+    from aqsgd.errors import SpecError
+    from aqsgd.train.config import TrainConfig
+
+    base = dict(runtime="distributed", stages=3)
+    TrainConfig.of(**base, link="1gbit/50mbit,20ms").validate()
+    with pytest.raises(SpecError, match="--link: 3 link settings for 2 stage boundaries"):
+        TrainConfig.of(**base, link="1gbit/1gbit/1gbit").validate()
+    with pytest.raises(SpecError, match="--link: one setting per boundary is for a single pipeline"):
+        TrainConfig.of(**base, link="1gbit/50mbit", data_parallel=2).validate()
+    TrainConfig.of(**base, link="1gbit", data_parallel=2).validate()

@@ -132,6 +132,33 @@ class LinkSpec:
         return f"{bw},{self.latency_s * 1e3:g}ms"
 
 
+def parse_links(text: str, boundaries: int) -> list[LinkSpec]:
+    """One :class:`LinkSpec` per stage boundary from ``--link``: one setting for all of them
+    (``"100mbit,5ms"``), or one per boundary separated by ``/`` (``"1gbit/50mbit,20ms/200mbit"``: boundary 0
+    is the link between stages 0 and 1, and so on). Both directions of a boundary share its setting."""
+    parts = [p.strip() for p in str(text).split("/")]
+    specs = [LinkSpec.parse(p) for p in parts]
+    if len(specs) == 1:
+        return specs * boundaries
+    if len(specs) != boundaries:
+        raise ValueError(f"{len(specs)} link settings for {boundaries} stage boundar"
+                         f"{'y' if boundaries == 1 else 'ies'}: give one for all, or one per boundary "
+                         "separated by /")
+    return specs
+
+
+def boundary_links(specs: list[LinkSpec], stage: int, rank_of_stage: Callable[[int], int]
+                   ) -> dict[int, LinkSpec]:
+    """The links of the process running ``stage``, by the rank at their other end: boundary ``stage - 1``
+    to the stage before, boundary ``stage`` to the stage after."""
+    out = {}
+    if stage > 0:
+        out[rank_of_stage(stage - 1)] = specs[stage - 1]
+    if stage < len(specs):
+        out[rank_of_stage(stage + 1)] = specs[stage]
+    return out
+
+
 class Transmission(NamedTuple):
     """A message's schedule on a link, in the pacer's clock."""
 

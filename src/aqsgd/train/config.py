@@ -158,7 +158,8 @@ class PipelineSection:
     carries none); --no-checksum skips it on trusted links (TCP still checks its segments); the same on every
     stage, free to change on --resume"""
     link: str | None = None
-    """emulated link between stages, e.g. 100mbit,5ms (distributed)"""
+    """emulated links between stages (distributed): one setting for every boundary (100mbit,5ms) or one per
+    boundary separated by / (1gbit/50mbit,20ms/200mbit: stages 0-1, 1-2, 2-3)"""
     data_parallel: int = 1
     """replicas of the pipeline (distributed runtime); world size = stages x data_parallel"""
     grad_sync: str = "allreduce"
@@ -431,7 +432,7 @@ class TrainConfig:
     # -- checks --------------------------------------------------------------------------------------------
     def validate(self) -> Self:
         """Check every value; raise SpecError naming the option (as it is spelled on the command line)."""
-        from aqsgd.comm import LinkSpec
+        from aqsgd.comm.link import parse_links
         from aqsgd.parallel.sync import parse_grad_sync
         from aqsgd.pipeline.compression import DirectionSpec
         from aqsgd.pipeline.schedule import get_schedule
@@ -519,7 +520,10 @@ class TrainConfig:
         if v["run_name"] is not None:
             check_run_name(v["run_name"])
         if v["link"] is not None:
-            parsed("link", LinkSpec.parse)
+            parsed("link", lambda text: parse_links(text, v["stages"] - 1))
+            if v["data_parallel"] > 1 and len(set(parse_links(v["link"], v["stages"] - 1))) > 1:
+                raise bad("link", "one setting per boundary is for a single pipeline; with --data-parallel "
+                          "the replicas' links are no boundary of it: give one setting")
         if v["p2p_backend"] != "gloo" and v["runtime"] != "distributed":
             raise bad("p2p_backend", "carries packets between stage processes: it needs --runtime "
                       "distributed (the local runtime passes tensors in memory)")

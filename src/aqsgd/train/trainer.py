@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 from aqsgd.comm import LinkSpec, Transport
+from aqsgd.comm.link import boundary_links, parse_links
 from aqsgd.comm.device import check_backends, gpu_sharing, group_backend, resolve_device, resolve_dp_backend
 from aqsgd.comm.transport import naming_peer_failures
 from aqsgd.data.datasets import epoch_batches
@@ -276,7 +277,12 @@ class Trainer:
             stages = [s.to(device) for s in parts]
             return PipelineEngine(dict(enumerate(stages)), p.stages, comp, optim, schedule=p.schedule,
                                   device=device, autocast=autocast)
-        links = LinkSpec.parse(p.link) if p.link else None
+        # this process's links by the rank at their other end (its boundaries' settings); the replicas' sync
+        # takes the one setting --link then has
+        specs = parse_links(p.link, p.stages - 1) if p.link else []
+        links = (boundary_links(specs, self.grid.stage, lambda s: self.grid.rank_of_stage[s])
+                 if specs else None)
+        sync_link = LinkSpec.parse(p.link.split("/")[0]) if p.link else None
         module = materialize_stage(recipe, p.stages, self.grid.stage, layers=p.layers, balance=p.balance)
         if cfg.model.lora:
             add_adapters(module, cfg.flat(), first_stage=self.grid.stage, model=recipe.build("meta"))
@@ -296,7 +302,7 @@ class Trainer:
                                   shared_gpu=self._replicas_sharing_a_gpu(device)) == "nccl":
                 group = self.grid.new_dp_group(group_backend("nccl"), timeout_s=collective_timeout(p.timeout))
                 sync_device = device
-            grad_sync = make_grad_sync(p.grad_sync, group, bucket_mb=p.grad_bucket_mb, link=links,
+            grad_sync = make_grad_sync(p.grad_sync, group, bucket_mb=p.grad_bucket_mb, link=sync_link,
                                        seed=o.seed, device=sync_device)
         self.transport = Transport(timeout_s=p.timeout, links=links, peer_labels=self.grid.peer_labels(),
                                    device=device, backend=p.p2p_backend, checksum=p.checksum)
