@@ -133,6 +133,7 @@ import dataclasses
 import logging
 import queue
 import struct
+import math
 import threading
 import time
 import zlib
@@ -215,7 +216,9 @@ class LinkStats:
 
     ``packet_bytes`` is the sum of ``packet.nbytes`` (headers + payloads), ``overhead_bytes`` the rest of
     the preambles; their sum is what crossed the wire. ``wait_s`` is the time the caller spent blocked in
-    ``wait()`` on handles of this link.
+    ``wait()`` on handles of this link. ``busy_s`` (sends): the time the link was carrying this process's
+    messages, each from when it was handed over (or the previous one was done, if later) to its completion,
+    so ``wire_bytes / busy_s`` is the throughput the link achieved while in use.
     """
 
     messages: int = 0
@@ -223,6 +226,7 @@ class LinkStats:
     packet_bytes: int = 0
     overhead_bytes: int = 0
     wait_s: float = 0.0
+    busy_s: float = 0.0
 
     @property
     def wire_bytes(self) -> int:
@@ -453,6 +457,7 @@ class _Sender(_Worker):
         self._post_lock = threading.Lock()
         self._layouts: dict[tuple, tuple[Family, tuple[bytes, bytes, bytes]]] = {}
         self._free: dict[int, collections.deque] = {}  # message size -> free buffers (see _buffer)
+        self._last_done = -math.inf  # when the link's previous message completed (see _busy)
 
     def post(self, item: _SendItem) -> None:
         """Start ``item`` on the calling thread (a direct link), then queue it for completion."""
@@ -483,7 +488,7 @@ class _Sender(_Worker):
                         w.wait()
                     item.wire = []
                     self._give_back(item)
-                    self.transport._account(self.stats_key, item.packets)
+                    self.transport._account(self.stats_key, item.packets, self._busy(item))
             except BaseException as e:  # noqa: BLE001 - surfaces in the caller's wait()
                 t = self.transport
                 if t._closing.is_set():
@@ -503,9 +508,17 @@ class _Sender(_Worker):
         for m in messages:
             self._isend(m).wait()
         self._give_back(item)
-        self.transport._account(self.stats_key, item.packets)
         if departure is not None:
             self._sleep_until_wall(departure)
+        self.transport._account(self.stats_key, item.packets, self._busy(item))
+
+    def _busy(self, item: _SendItem) -> float:
+        """Seconds the link carried ``item``: from its hand-over (or the previous message's end, if later) to
+        now, its completion (this sender thread completes its link's messages in order)."""
+        now = time.monotonic()
+        start = max(item.enqueued, self._last_done)
+        self._last_done = now
+        return max(0.0, now - start)
 
     def _buffer(self, size: int) -> tuple[torch.Tensor, memoryview, int]:
         """A host message buffer of ``size`` bytes, its memoryview and its address: a free one of this link's
@@ -949,6 +962,7 @@ class Transport:
                 total.packet_bytes += s.packet_bytes
                 total.overhead_bytes += s.overhead_bytes
                 total.wait_s += s.wait_s
+                total.busy_s += s.busy_s
         return total
 
     def reset_stats(self) -> None:
@@ -1051,14 +1065,15 @@ class Transport:
         sender, receiver = (self.rank, peer) if direction == "send" else (peer, self.rank)
         return self._subgroups[(channel, sender < receiver)], 0
 
-    def _account(self, key: StatsKey, packets: Sequence[Packet]) -> None:
-        self._count(key, len(packets), sum(p.payload.numel() for p in packets))
+    def _account(self, key: StatsKey, packets: Sequence[Packet], busy_s: float = 0.0) -> None:
+        self._count(key, len(packets), sum(p.payload.numel() for p in packets), busy_s)
 
-    def _count(self, key: StatsKey, packets: int, payload_bytes: int) -> None:
+    def _count(self, key: StatsKey, packets: int, payload_bytes: int, busy_s: float = 0.0) -> None:
         with self._stats_lock:
             s = self._stats.get(key)
             if s is None:
                 s = self._stats[key] = LinkStats()
+            s.busy_s += busy_s
             s.messages += 1
             s.packets += packets
             s.packet_bytes += payload_bytes + HEADER_BYTES * packets

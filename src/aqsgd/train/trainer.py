@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 from aqsgd.comm import LinkSpec, Transport
 from aqsgd.comm.link import boundary_links, parse_links
 from aqsgd.comm.device import check_backends, gpu_sharing, group_backend, resolve_device, resolve_dp_backend
-from aqsgd.comm.transport import naming_peer_failures
+from aqsgd.comm.transport import StatsKey, naming_peer_failures
 from aqsgd.data.datasets import epoch_batches
 from aqsgd.data.synthetic import microbatches
 from aqsgd.errors import ConfigMismatchError, DivergedError, Interrupted, NonFiniteError, SpecError
@@ -50,7 +50,7 @@ from aqsgd.interrupts import signals_held
 from aqsgd.parallel import ProcessGrid, make_grad_sync
 from aqsgd.parallel.grid import check_same_settings
 from aqsgd.pipeline.checkpointing import checkpoint_blocks
-from aqsgd.pipeline.compression import CompressionConfig, DirectionSpec
+from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig, DirectionSpec
 from aqsgd.pipeline.materialize import load_weights, materialize_stage
 from aqsgd.pipeline.partition import partition_model, shared_parameters
 from aqsgd.schemes import Phase
@@ -70,7 +70,7 @@ __all__ = ["Trainer", "StepHook", "check_partition", "collective_timeout", "comp
 
 log = logging.getLogger(__name__)
 _STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute_s", "encode_s", "decode_s", "wait_s",
-              "sync_bytes", "step_s")
+              "sync_bytes", "step_s", "fw_wire_bytes", "fw_busy_s", "bw_wire_bytes", "bw_busy_s")
 # evaluation sums, reduced over the replicas: loss x samples, samples, correct predictions, binary confusion
 # counts
 _EVAL_KEYS = ("loss_sum", "count", "correct", "tp", "tn", "fp", "fn")
@@ -228,6 +228,7 @@ class Trainer:
         self.last_eval: dict[str, Any] | None = None
         self._done = {"eval": -1, "checkpoint": -1}  # the steps of the last evaluation and checkpoint
         self._skipped_in_a_row = 0  # steps in a row not applied for a non-finite loss or gradient norm
+        self._links_seen: dict[Any, Any] = {}  # the transport's counters at the last step (see _link_deltas)
 
     def _warn_if_never_compressed(self) -> None:
         """Compression was asked for, but the uncompressed warm-up epochs cover every step of the run: say so
@@ -380,15 +381,37 @@ class Trainer:
         replicas (boundary bytes of all D pipelines, their seconds, and the gradient-sync bytes each rank
         sent)."""
         rows = [[0.0] * len(_STAT_KEYS) for _ in range(self.cfg.pipeline.stages)]
+        links = self._link_deltas()
         for i, st in self.engine.stats().items():
             rows[i] = [st.bytes_sent["forward"], st.bytes_sent["backward"], st.raw_bytes["forward"],
                        st.raw_bytes["backward"], st.compute_s, st.encode_s, st.decode_s, st.wait_s,
-                       self.engine.last_sync_bytes, dt]
+                       self.engine.last_sync_bytes, dt, *links]
         if self.distributed:
             t = torch.tensor(rows, dtype=torch.float64)
             dist.all_reduce(t)  # row i: one contributor per replica of stage i
             rows = t.tolist()
         return rows
+
+    def _link_deltas(self) -> tuple[float, float, float, float]:
+        """What this process's links to the next stage (forward) and the previous one (backward) carried since
+        the last call: wire bytes and busy seconds of each (see :class:`~aqsgd.comm.transport.LinkStats`);
+        zeros in the local runtime, which has no links."""
+        if self.transport is None or self.grid is None:
+            return (0.0, 0.0, 0.0, 0.0)
+        now = self.transport.stats
+        stage, ranks = self.grid.stage, self.grid.rank_of_stage
+        out = []
+        for peer, channel in ((stage + 1, FORWARD_CHANNEL), (stage - 1, BACKWARD_CHANNEL)):
+            if not 0 <= peer < len(ranks):
+                out += [0.0, 0.0]
+                continue
+            key = StatsKey(ranks[peer], channel, "send")
+            cur, before = now.get(key), self._links_seen.get(key)
+            wire = (cur.wire_bytes if cur else 0) - (before.wire_bytes if before else 0)
+            busy = (cur.busy_s if cur else 0.0) - (before.busy_s if before else 0.0)
+            out += [float(wire), busy]
+        self._links_seen = now
+        return tuple(out)  # type: ignore[return-value]
 
     def _phase(self, epoch: int) -> Phase:
         return Phase.WARMUP if epoch < self.cfg.compression.warmup_epochs else Phase.TRAIN
@@ -692,10 +715,16 @@ class Trainer:
         self.totals["train_s"] += dt
         if not self.writes_metrics:
             return
-        per_boundary = {}
+        per_boundary, links = {}, {}
         for b in range(self.cfg.pipeline.stages - 1):
             per_boundary[f"b{b}.forward"] = int(stats[b]["fw_bytes"])
             per_boundary[f"b{b}.backward"] = int(stats[b + 1]["bw_bytes"])
+            if self.transport is not None:  # what each link carried and how long it was busy doing it
+                for name, st, d in ((f"b{b}.forward", stats[b], "fw"),
+                                     (f"b{b}.backward", stats[b + 1], "bw")):
+                    wire, busy = st[f"{d}_wire_bytes"], st[f"{d}_busy_s"]
+                    links[name] = {"wire_bytes": int(wire), "busy_s": busy,
+                                   "mbit_s": 8e-6 * wire / busy if busy > 0 else None}
         tokens = self.task.tokens_per_sample
         skipped = self.engine.skipped
         row = {
@@ -705,6 +734,8 @@ class Trainer:
             "tokens_per_s": samples * tokens / dt if tokens else None,
             "bytes_sent": sent, "raw_bytes": raw, "ratio": raw / sent if sent else None,
             "bytes": per_boundary, "grad_sync_bytes": sync,
+            # distributed: each boundary's link as measured (bytes on the wire, busy seconds, Mbit/s achieved)
+            **({"links": links} if links else {}),
             "grad_norm": None if skipped else self.engine.last_grad_norm,
             "time": {"step": dt, "compute": sum(s["compute_s"] for s in stats),
                      "codec": sum(s["encode_s"] + s["decode_s"] for s in stats),
