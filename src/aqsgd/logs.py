@@ -1,12 +1,15 @@
-"""Logging set-up shared by the command line and the stage processes it starts, and progress lines for long
-work."""
+"""Logging set-up shared by the command line and the stage processes it starts, a prefix that tells the log
+lines of interleaved processes apart, and progress lines for long work."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import time
+from collections.abc import Iterator
 
-__all__ = ["configure", "ProgressLog"]
+__all__ = ["configure", "prefixed", "ProgressLog"]
 
 
 def configure(level: int = logging.INFO,
@@ -19,6 +22,38 @@ def configure(level: int = logging.INFO,
     twice: its records stay with its own handler."""
     logging.basicConfig(level=level, format=fmt)
     logging.getLogger("huggingface_hub").propagate = False
+
+
+class _Prefixed(logging.Formatter):
+    """A handler's formatter with ``prefix`` put before every message (on a copy of the record: other handlers
+    see it unchanged)."""
+
+    def __init__(self, inner: logging.Formatter, prefix: str) -> None:
+        super().__init__()
+        self.inner, self.prefix = inner, prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        record = copy.copy(record)
+        record.msg, record.args = f"{self.prefix} {record.getMessage()}", None
+        return self.inner.format(record)
+
+
+@contextlib.contextmanager
+def prefixed(prefix: str) -> Iterator[None]:
+    """Within the block, every message that reaches the root logger's handlers starts with ``prefix`` (a
+    stage process's ``[stage 1/4 replica 0]``), whatever their format: the formatter of each handler is
+    wrapped, and restored at the end. A prefix inside another replaces it; handlers added within the block
+    and loggers that do not propagate to the root (huggingface_hub's) are left as they are."""
+    handlers = list(logging.getLogger().handlers)
+    saved = [h.formatter for h in handlers]
+    for h, formatter in zip(handlers, saved):
+        inner = formatter.inner if isinstance(formatter, _Prefixed) else formatter
+        h.setFormatter(_Prefixed(inner or logging.Formatter(), prefix))
+    try:
+        yield
+    finally:
+        for h, formatter in zip(handlers, saved):
+            h.setFormatter(formatter)
 
 
 class ProgressLog:

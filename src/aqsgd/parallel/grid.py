@@ -8,6 +8,11 @@ Layout
 The data-parallel group of stage ``s`` is ``[s, S + s, 2S + s, ...]`` (one rank per replica, in replica
 order, so the group rank of a process equals its replica index).
 
+A rank is a position in this grid. Under torchrun it is not necessarily the rank torchrun gave the process:
+a job's processes first agree on who takes which rank, following the node rank each machine asks for
+(``AQSGD_NODE_RANK``, see :mod:`aqsgd.comm.launch.placement`), and join the default group with it; so
+everything here (and every user of ``dist.get_rank()``) sees the placed rank.
+
 Groups
 ------
 :meth:`ProcessGrid.build` creates, with ``torch.distributed.new_group``, first the ``S`` data-parallel
@@ -85,6 +90,12 @@ class GridLayout:
     def label(self, rank: int) -> str:
         stage, replica = self.coords(rank)
         return f"stage {stage}" if self.data_parallel == 1 else f"stage {stage} replica {replica}"
+
+    def log_prefix(self, rank: int) -> str:
+        """What every log message of ``rank``'s process starts with: ``[stage 1/4 replica 0]`` (the stage's
+        index of the number of stages, the replica's index)."""
+        stage, replica = self.coords(rank)
+        return f"[stage {stage}/{self.num_stages} replica {replica}]"
 
 
 class ProcessGrid:

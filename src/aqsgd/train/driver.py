@@ -7,9 +7,9 @@ elastic launcher or already started by ``torchrun`` (then this process trains it
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
+import os
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,10 +22,11 @@ from torch.utils.data import Dataset
 from aqsgd.comm.device import (check_backends, check_p2p_sharing, gpu_sharing, resolve_device,
                                resolve_dp_backend, world_backend)
 from aqsgd.comm.launch import launch, leave_process_group
+from aqsgd.comm.launch.placement import NODE_RANK_ENV, Seat, take_seat
 from aqsgd.data.datasets import TaskSpec, register_task, registered_tasks
 from aqsgd.errors import Interrupted, SpecError
 from aqsgd.interrupts import stop_on_signals
-from aqsgd.logs import configure
+from aqsgd.logs import configure, prefixed
 from aqsgd.parallel.grid import GridLayout
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.rundir import check_run_dir, last_logged_step, resolve_run_dir
@@ -34,11 +35,15 @@ from aqsgd.train.trainer import Trainer, check_partition, collective_timeout, wh
 
 __all__ = ["run_training", "worker"]
 
+log = logging.getLogger(__name__)
+
 
 def worker(cfg_json: str, data: tuple[Dataset, Dataset] | None = None,
            tasks: Sequence[TaskSpec] = ()) -> dict[str, Any] | None:
-    """One stage process: join the process group (from the environment), train this rank, leave the group. The
-    process that writes the metrics (last stage of replica 0) returns the run's summary, the others None.
+    """One stage process: join the process group (from the environment, with the rank its machine's node rank
+    places it at: :mod:`aqsgd.comm.launch.placement`), train that rank's stage, leave the group; every log
+    line it writes names its stage and replica. The process that writes the metrics (last stage of replica
+    0) returns the run's summary, the others None.
 
     ``data`` are datasets given from Python and ``tasks`` the tasks registered in the launching process (a
     spawned process starts with neither)."""
@@ -52,21 +57,39 @@ def _stage(cfg_json: str, data: tuple[Dataset, Dataset] | None,
     for spec in tasks:
         register_task(spec, replace=True)
     cfg = TrainConfig.from_dict(json.loads(cfg_json))
-    if not dist.is_initialized():
-        # the process's GPU is current before the group exists (NCCL binds to it); see aqsgd.comm.device
-        device = resolve_device(cfg.pipeline.device, distributed=True)
-        check_backends(device, cfg.pipeline.p2p_backend, cfg.pipeline.dp_backend)
-        check_p2p_sharing(cfg.pipeline.p2p_backend, device, _layout(cfg).label, world_size=cfg.world_size)
-        dist.init_process_group(world_backend(device, cfg.pipeline.p2p_backend),
-                                timeout=datetime.timedelta(seconds=collective_timeout(cfg.pipeline.timeout)))
-    clean = False
-    try:
-        trainer = Trainer(cfg, data=data)
-        summary = trainer.run()
-        clean = True
-    finally:
-        leave_process_group(clean=clean, timeout_s=cfg.pipeline.timeout)
+    seat = _take_seat(cfg)
+    rank = dist.get_rank() if seat is None else seat.rank
+    with prefixed(_layout(cfg).log_prefix(rank)):  # this process's stage and replica on each of its log lines
+        if seat is not None:
+            if (placed := seat.describe()) is not None:
+                log.info("%s", placed)
+            # the process's GPU is current before the group exists (NCCL binds to it); see aqsgd.comm.device
+            device = resolve_device(cfg.pipeline.device, distributed=True)
+            check_backends(device, cfg.pipeline.p2p_backend, cfg.pipeline.dp_backend)
+            check_p2p_sharing(cfg.pipeline.p2p_backend, device, _layout(cfg).label, world_size=cfg.world_size)
+            seat.init_process_group(world_backend(device, cfg.pipeline.p2p_backend),
+                                    collective_timeout(cfg.pipeline.timeout))
+        clean = False
+        try:
+            trainer = Trainer(cfg, data=data)
+            summary = trainer.run()
+            clean = True
+        finally:
+            leave_process_group(clean=clean, timeout_s=cfg.pipeline.timeout)
     return summary if trainer.writes_metrics else None
+
+
+def _take_seat(cfg: TrainConfig) -> Seat | None:
+    """This process's rank in the job, agreed with the others from the node rank each machine asks for
+    (:mod:`aqsgd.comm.launch.placement`); None where ``torch.distributed`` was initialized already (a script
+    that called ``init_process_group`` keeps its ranks, and a node rank set here is said to be ignored)."""
+    if not dist.is_initialized():
+        return take_seat(collective_timeout(cfg.pipeline.timeout))
+    if os.environ.get(NODE_RANK_ENV) is not None:
+        log.warning("%s is ignored: torch.distributed was initialized before the run (rank %d keeps its "
+                    "stage); let aqsgd initialize it to place the stages by node rank", NODE_RANK_ENV,
+                    dist.get_rank())
+    return None
 
 
 def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None) -> dict[str, Any] | None:

@@ -4,7 +4,8 @@
 
 * **started as one rank already** (by ``torchrun`` across machines, or by a launcher that sets ``RANK`` and
   ``WORLD_SIZE`` as torchrun does, such as the network-namespace benchmark's): this process runs its own rank
-  (:mod:`aqsgd.comm.launch.rank`);
+  (:mod:`aqsgd.comm.launch.rank`), which its machine's node rank may place
+  (:mod:`aqsgd.comm.launch.placement`);
 * **otherwise** N processes are spawned on this machine through PyTorch's elastic launcher, bound to the
   loopback interface (:mod:`aqsgd.comm.launch.local`).
 
