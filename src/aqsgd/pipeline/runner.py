@@ -43,7 +43,7 @@ from torch.profiler import record_function
 
 from aqsgd.compress import Packet
 from aqsgd.errors import NonFiniteError
-from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig
+from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig, DirectionSpec
 from aqsgd.pipeline.schedule import (
     BACKWARD,
     FORWARD,
@@ -218,6 +218,19 @@ class StageRunner:
                dtype: torch.dtype) -> BoundaryScheme:
         """The scheme for this stage's side of a direction, built on first use for tensors like ``like``."""
         return self._scheme(self.scheme_key(channel, side), tuple(like), dtype)
+
+    def set_codec(self, b: int, channel: int, spec: str) -> None:
+        """One direction of boundary ``b`` sends with ``spec`` (the same scheme, another codec) from the next
+        step on: its schemes already built switch, and those built later take it."""
+        d = DirectionSpec.parse(spec)
+        current = self.compression.for_boundary(b)
+        if (current.forward if channel == FORWARD_CHANNEL else current.backward).scheme != d.scheme:
+            raise ValueError(f"boundary {b}: {spec} changes the scheme; only the codec may change")
+        which = "forward" if channel == FORWARD_CHANNEL else "backward"
+        self.compression.per_boundary[b] = dataclasses.replace(current, **{which: d})
+        for (kb, kc, _), scheme in self.schemes.items():
+            if kb == b and kc == channel:
+                scheme.set_codec(d.codec)
 
     def _scheme(self, key: SchemeKey, shape: tuple[int, ...], dtype: torch.dtype) -> BoundaryScheme:
         if key not in self.schemes:

@@ -211,6 +211,12 @@ class BoundaryScheme(abc.ABC):
         """The tensors :meth:`save` writes to ``state.safetensors``."""
         return self.state_dict()
 
+    def set_codec(self, codec: Codec | str) -> None:
+        """Encode (sender) or decode (receiver) with ``codec`` from now on. Both sides of a link must switch
+        between the same two packets (at a step boundary); a scheme's state (AQ-SGD's cache of activations)
+        does not depend on the codec, so it stays valid."""
+        self.codec = make_codec(codec) if isinstance(codec, str) else codec
+
     def describe(self) -> dict[str, Any]:
         """Settings that both sides (and a checkpoint) must agree on."""
         return {"scheme": self.name, "codec": self.codec.spec, "side": self.side.value}

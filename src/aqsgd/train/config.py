@@ -174,10 +174,11 @@ class CompressionSection:
     """What crosses each stage boundary."""
 
     forward: str = "delta:q2:l2"
-    """activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`); the default is AQ-SGD at
-    2 bits with MSE-clipped per-channel scales"""
+    """activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`), or auto[:FLOOR]: AQ-SGD
+    with the bits of each boundary chosen from its measured link (fp16, q8, q4, q3, q2:l2; distributed); the
+    default is AQ-SGD at 2 bits with MSE-clipped per-channel scales"""
     backward: str = "direct:q4"
-    """activation gradients: [SCHEME:]CODEC"""
+    """activation gradients: [SCHEME:]CODEC, or auto[:FLOOR] (fp16, q8, q6, q4 chosen per link)"""
     cache: str = "memory"
     """AQ-SGD cache: memory[:fp16|bf16|fp32], disk[:dtype], lowbit<b>[:block<N>]"""
     ef_key: str = "slot"
@@ -433,6 +434,7 @@ class TrainConfig:
     def validate(self) -> Self:
         """Check every value; raise SpecError naming the option (as it is spelled on the command line)."""
         from aqsgd.comm.link import parse_links
+        from aqsgd.train.adaptive import is_auto, parse_auto
         from aqsgd.parallel.sync import parse_grad_sync
         from aqsgd.pipeline.compression import DirectionSpec
         from aqsgd.pipeline.schedule import get_schedule
@@ -505,8 +507,14 @@ class TrainConfig:
         if not v["grad_bucket_mb"] > 0:
             raise bad("grad_bucket_mb", f"must be > 0, got {v['grad_bucket_mb']}")
         parsed("schedule", get_schedule)
-        parsed("forward", DirectionSpec.parse)
-        parsed("backward", DirectionSpec.parse)
+        for direction in ("forward", "backward"):
+            if is_auto(v[direction]):  # bits chosen per link (aqsgd.train.adaptive): measured links needed
+                parsed(direction, lambda text, d=direction: parse_auto(text, d))
+                if v["runtime"] != "distributed":
+                    raise bad(direction, "auto chooses the bits of each link from its measured speed: it "
+                              "needs --runtime distributed (the local runtime has no links)")
+            else:
+                parsed(direction, DirectionSpec.parse)
         if not v["cache"].startswith("disk"):
             parsed("cache", lambda spec: make_cache(spec, 1, row_shape=(1,), path="/dev/null"))
         if v["layers"] is not None and len(v["layers"]) != v["stages"]:

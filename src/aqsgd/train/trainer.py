@@ -31,7 +31,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from aqsgd.pipeline.partition import partition_model, shared_parameters
 from aqsgd.schemes import Phase
 from aqsgd.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
                                     save_checkpoint)
+from aqsgd.train.adaptive import LinkPolicy, is_auto, parse_auto
 from aqsgd.train.config import TrainConfig, flatten_config
 from aqsgd.train.engine import OptimConfig, PipelineEngine
 from aqsgd.train.export import MODEL_FILE, model_description
@@ -235,7 +236,7 @@ class Trainer:
         (once per run), since the summary would otherwise just show no saving."""
         c = self.cfg.compression
         asked = [f"--{name} {spec}" for name, spec in (("forward", c.forward), ("backward", c.backward))
-                 if DirectionSpec.parse(spec).codec != "none"]
+                 if is_auto(spec) or DirectionSpec.parse(spec).codec != "none"]
         warm = self.steps_per_epoch * c.warmup_epochs
         if not asked or self.total_steps > warm or (self.grid is not None and self.grid.rank != 0):
             return
@@ -260,7 +261,14 @@ class Trainer:
             cache_path = self.run_dir / "cache"
             cache_dir = str(cache_path / f"replica{self.replica}" if p.data_parallel > 1 else cache_path)
         c = cfg.compression
-        comp = CompressionConfig.simple(c.forward, c.backward, num_samples=len(self.task.train),
+        autos = {d: parse_auto(spec, d) if is_auto(spec) else None
+                 for d, spec in (("forward", c.forward), ("backward", c.backward))}
+        # bits chosen per link (aqsgd.train.adaptive): every link starts at the top of its ladder
+        self.policy = (LinkPolicy(p.stages - 1, autos["forward"], autos["backward"])
+                       if any(autos.values()) else None)
+        fw, bw = (a.spec(0) if a else spec for a, spec in ((autos["forward"], c.forward),
+                                                            (autos["backward"], c.backward)))
+        comp = CompressionConfig.simple(fw, bw, num_samples=len(self.task.train),
                                         cache=c.cache, cache_dir=cache_dir, ef_key=c.ef_key, seed=o.seed)
         autocast = torch.bfloat16 if compute_dtype(o.dtype, device) == "bf16" else None
         torch.manual_seed(o.seed)
@@ -392,6 +400,14 @@ class Trainer:
             rows = t.tolist()
         return rows
 
+    def _set_link_codecs(self, specs: Mapping[str, str]) -> None:
+        """Apply ``{"b0.forward": spec}`` to this process's schemes of those links (before the next step)."""
+        for name, spec in specs.items():
+            b, direction = name[1:].split(".")
+            channel = FORWARD_CHANNEL if direction == "forward" else BACKWARD_CHANNEL
+            for runner in self.engine.runners.values():
+                runner.set_codec(int(b), channel, spec)
+
     def _link_deltas(self) -> tuple[float, float, float, float]:
         """What this process's links to the next stage (forward) and the previous one (backward) carried since
         the last call: wire bytes and busy seconds of each (see :class:`~aqsgd.comm.transport.LinkStats`);
@@ -475,6 +491,8 @@ class Trainer:
     def _checkpoint(self) -> None:
         pos = {**self.position, "totals": self.totals, "config": self.cfg.to_dict(),
                "data": self.task.data_info}
+        if self.policy is not None:  # --forward/--backward auto: the links' levels continue on resume
+            pos["link_levels"] = self.policy.levels()
         step = self.position["step"]
         # a signal while the checkpoint is written is raised once it is complete (aqsgd.interrupts)
         with signals_held():
@@ -515,6 +533,9 @@ class Trainer:
         if differ:
             log.warning("resuming %s with changed settings: %s", path,
                         ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items()))
+        if self.policy is not None and trainer_state.get("link_levels"):  # before the schemes are loaded
+            self.policy.restore(trainer_state["link_levels"])
+            self._set_link_codecs(self.policy.specs())
         with naming_peer_failures(self.transport, f"loading {path}", self._suspects):
             state = load_checkpoint(path, self.engine)
         self.position = {k: state[k] for k in ("epoch", "batch", "step")}
@@ -705,6 +726,15 @@ class Trainer:
         # grad_sync_bytes is what every rank sent in its stage's data-parallel group, summed over all ranks (0
         # when D = 1).
         stats = [dict(zip(_STAT_KEYS, r)) for r in self._gathered_stats(dt)]
+        codecs = None
+        if self.policy is not None:  # the same statistics on every process: the same choice everywhere
+            codecs = self.policy.specs()  # what this step sent with
+            passes = self.cfg.pipeline.micro_batches * self.cfg.optim.grad_accum
+            changes = self.policy.step(stats, passes, compressed=phase != Phase.WARMUP)
+            self._set_link_codecs(changes)
+            if changes and self.writes_metrics:
+                log.info("step %d: links now %s", self.position["step"],
+                         ", ".join(f"{k} {v}" for k, v in changes.items()))
         sent = int(sum(s["fw_bytes"] + s["bw_bytes"] for s in stats))
         raw = int(sum(s["fw_raw"] + s["bw_raw"] for s in stats))
         sync = int(sum(s["sync_bytes"] for s in stats))
@@ -736,6 +766,8 @@ class Trainer:
             "bytes": per_boundary, "grad_sync_bytes": sync,
             # distributed: each boundary's link as measured (bytes on the wire, busy seconds, Mbit/s achieved)
             **({"links": links} if links else {}),
+            # --forward/--backward auto: the spec each link sent this step with
+            **({"codecs": codecs} if codecs else {}),
             "grad_norm": None if skipped else self.engine.last_grad_norm,
             "time": {"step": dt, "compute": sum(s["compute_s"] for s in stats),
                      "codec": sum(s["encode_s"] + s["decode_s"] for s in stats),
@@ -756,6 +788,7 @@ class Trainer:
             "setting": f"{self.cfg.compression.forward}/{self.cfg.compression.backward}",
             "stages": self.cfg.pipeline.stages, "data_parallel": self.cfg.pipeline.data_parallel,
             "grad_sync": self.cfg.pipeline.grad_sync,
+            **({"links": self.policy.describe()} if self.policy is not None else {}),
             "runtime": self.cfg.pipeline.runtime, "steps": self.position["step"],
             "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
             "eval": self.last_eval, "main_metric": self.task.main_metric,

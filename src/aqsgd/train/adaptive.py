@@ -1,0 +1,172 @@
+"""Bits chosen per link: ``--forward auto`` / ``--backward auto`` pick, for every boundary and direction, the
+least compression that keeps the link's time per micro-batch within the pipeline's compute time per
+micro-batch, from the links as they are measured while training.
+
+The ladders (one scheme per direction, so a change of bits never invalidates state: AQ-SGD's caches hold
+activations, not codes):
+
+* activations, AQ-SGD (``delta``): fp16 -> q8 -> q4 -> q3 -> q2:l2;
+* activation gradients, ``direct``: fp16 -> q8 -> q6 -> q4.
+
+``auto:q3`` stops the ladder at q3 (the quality floor: never fewer bits than that).
+
+The rule, after every step, for each link (boundary and direction), with ``t(L)`` the time one micro-batch's
+tensor takes on the link at level ``L``::
+
+    t(L) = 8 * (fixed + payload * bits(L) / bits(current)) / throughput
+    budget = max over stages of compute seconds per micro-batch
+
+``payload`` is what the current codec sent per micro-batch, ``fixed`` what the wire carried besides it
+(preambles, headers: it does not shrink with the bits), ``throughput`` the link's wire bits per busy second
+(:class:`~aqsgd.comm.transport.LinkStats`); these and the budget are exponential means over steps
+(:data:`SMOOTHING`). The level goes at once to the least compressed ``L`` with ``t(L) <= budget`` when the
+current one no longer fits (the floor if none does), and back up to less compression only after
+:data:`PATIENCE` steps in a row in which a level fits with margin, ``t(L) <= UP_MARGIN * budget``
+(hysteresis: a link near the edge, or a noisy measurement, does not make it flip every step).
+
+Every input is a sum all-reduced over the run's processes (the trainer's per-step statistics), so every
+process computes the same levels at the same step, and the sender and the receiver of a link switch together
+at a step boundary, before the next step's first packet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "is_auto", "parse_auto"]
+
+LADDERS: dict[str, tuple[str, ...]] = {
+    "forward": ("fp16", "q8", "q4", "q3", "q2:l2"),
+    "backward": ("fp16", "q8", "q6", "q4"),
+}
+SCHEMES = {"forward": "delta", "backward": "direct"}
+BITS = {"fp16": 16.0, "q8": 8.0, "q6": 6.0, "q4": 4.0, "q3": 3.0, "q2:l2": 2.0}
+UP_MARGIN = 0.7
+PATIENCE = 3  # steps in a row that must leave room before a link takes fewer compression
+SMOOTHING = 0.3  # weight of the newest step in the exponential means
+
+
+def is_auto(spec: str) -> bool:
+    return spec == "auto" or spec.startswith("auto:")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoSpec:
+    """One direction's ladder, from ``auto`` or ``auto:FLOOR``."""
+
+    direction: str
+    ladder: tuple[str, ...]
+
+    @property
+    def scheme(self) -> str:
+        return SCHEMES[self.direction]
+
+    def spec(self, level: int) -> str:
+        """The ``--forward``/``--backward`` spec of ``level``."""
+        return f"{self.scheme}:{self.ladder[level]}"
+
+
+def parse_auto(text: str, direction: str) -> AutoSpec:
+    """``auto`` or ``auto:FLOOR`` (FLOOR one of the direction's ladder); ValueError naming the choices."""
+    ladder = LADDERS[direction]
+    _, _, floor = text.partition(":")
+    if not floor:
+        return AutoSpec(direction, ladder)
+    if floor not in ladder:
+        raise ValueError(f"auto:{floor}: the floor must be one of the {direction} ladder "
+                         f"{', '.join(ladder)}")
+    return AutoSpec(direction, ladder[: ladder.index(floor) + 1])
+
+
+@dataclasses.dataclass
+class _Link:
+    auto: AutoSpec
+    level: int = 0
+    throughput_bps: float | None = None  # wire bits per busy second
+    fixed: float | None = None  # wire bytes per micro-batch besides the codec's payload
+    payload: float | None = None  # the codec's bytes per micro-batch at the current level
+    roomy: int = 0  # steps in a row in which a less compressed level fitted with margin
+
+
+class LinkPolicy:
+    """The levels of every link of a run (``boundaries`` stage boundaries, the directions given as
+    :class:`AutoSpec`), updated by :meth:`step` from one step's statistics."""
+
+    def __init__(self, boundaries: int, forward: AutoSpec | None, backward: AutoSpec | None) -> None:
+        self.links: dict[str, _Link] = {}
+        self.budget: float | None = None  # compute seconds per micro-batch of the slowest stage
+        self.steps = 0
+        for b in range(boundaries):
+            for auto in (forward, backward):
+                if auto is not None:
+                    self.links[f"b{b}.{auto.direction}"] = _Link(auto)
+
+    def specs(self) -> dict[str, str]:
+        """Every link's current spec, by name (``b0.forward``)."""
+        return {name: link.auto.spec(link.level) for name, link in self.links.items()}
+
+    def levels(self) -> dict[str, int]:
+        return {name: link.level for name, link in self.links.items()}
+
+    def restore(self, levels: Mapping[str, int]) -> None:
+        """The levels of a checkpoint (``{name: level}``), for a resumed run."""
+        for name, level in levels.items():
+            if name in self.links:
+                self.links[name].level = min(int(level), len(self.links[name].auto.ladder) - 1)
+
+    def step(self, stages: Sequence[Mapping[str, float]], micro_batches: int, *, compressed: bool
+             ) -> dict[str, str]:
+        """Take one step's per-stage statistics (the trainer's gathered rows: ``fw_raw``, ``fw_bytes``,
+        ``fw_wire_bytes``, ``fw_busy_s``, the same for ``bw``, and ``compute_s``) and return the links whose
+        spec changes, with their new spec. ``compressed``: whether the step sent the links' codecs (in the
+        uncompressed warm-up only the throughput is learnt; the payload then follows from the raw bytes)."""
+        self.steps += 1
+        if self.steps == 1:  # one-time work (kernels built, buffers allocated): not a sample of the link
+            return {}
+        n = max(micro_batches, 1)
+        self.budget = _smooth(self.budget, max(float(s["compute_s"]) for s in stages) / n)
+        changes = {}
+        for name, link in self.links.items():
+            b = int(name[1:].split(".")[0])
+            forward = link.auto.direction == "forward"
+            st, d = (stages[b], "fw") if forward else (stages[b + 1], "bw")
+            wire, busy, raw, sent = (float(st[f"{d}_wire_bytes"]), float(st[f"{d}_busy_s"]),
+                                     float(st[f"{d}_raw"]), float(st[f"{d}_bytes"]))
+            if wire <= 0 or busy <= 0 or raw <= 0 or sent <= 0:
+                continue
+            bits = BITS[link.auto.ladder[link.level]]
+            link.throughput_bps = _smooth(link.throughput_bps, 8.0 * wire / busy)
+            link.fixed = _smooth(link.fixed, max(wire - sent, 0.0) / n)
+            link.payload = _smooth(link.payload, (sent if compressed else raw * bits / 32.0) / n)
+            new = self._choose(link, bits)
+            if new != link.level:
+                # the payload scales with the bits: what the new level will send, until it is measured
+                link.payload *= BITS[link.auto.ladder[new]] / bits
+                link.level, link.roomy = new, 0
+                changes[name] = link.auto.spec(new)
+        return changes
+
+    def _choose(self, link: _Link, bits: float) -> int:
+        def seconds(level: int) -> float:
+            nbytes = link.fixed + link.payload * BITS[link.auto.ladder[level]] / bits  # type: ignore[operator]
+            return 8.0 * nbytes / link.throughput_bps  # type: ignore[operator]
+
+        levels = range(len(link.auto.ladder))
+        budget = self.budget or 0.0
+        if seconds(link.level) > budget:  # too slow now: the least compression that fits, or the floor
+            return next((lv for lv in levels if seconds(lv) <= budget), levels[-1])
+        roomy = next((lv for lv in range(link.level) if seconds(lv) <= UP_MARGIN * budget), None)
+        link.roomy = link.roomy + 1 if roomy is not None else 0
+        return roomy if roomy is not None and link.roomy >= PATIENCE else link.level
+
+    def describe(self) -> dict[str, Any]:
+        """What the policy knows of each link, for the metrics: its spec, throughput (Mbit/s) and level."""
+        return {name: {"spec": link.auto.spec(link.level), "level": link.level,
+                       "mbit_s": None if link.throughput_bps is None else link.throughput_bps / 1e6}
+                for name, link in self.links.items()}
+
+
+def _smooth(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new

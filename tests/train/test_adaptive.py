@@ -1,0 +1,112 @@
+"""Bits chosen per link (``--forward auto`` / ``--backward auto``): the policy alone on made-up measurements,
+then a distributed run over one fast and one slow emulated link."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from aqsgd.cli import main
+from aqsgd.errors import SpecError
+from aqsgd.train.adaptive import BITS, PATIENCE, LinkPolicy, parse_auto
+from aqsgd.train.config import TrainConfig
+
+RAW = 40_000.0  # fp32 bytes per step of each direction (one micro-batch)
+
+
+def _stats(sent: list[float], mbit: list[float], compute_s: float, overhead: float = 100.0
+           ) -> list[dict[str, float]]:
+    """One step of a 2-stage pipeline (one boundary): the codec bytes ``sent`` of each direction, its forward
+    link at ``mbit[0]`` Mbit/s and its backward one at ``mbit[1]``, ``overhead`` wire bytes besides them."""
+    rows = []
+    for stage, key in ((0, "fw"), (1, "bw")):
+        wire = sent[stage] + overhead
+        row = {f"{k}_{f}": 0.0 for k in ("fw", "bw") for f in ("raw", "bytes", "wire_bytes", "busy_s")}
+        row.update({"compute_s": compute_s, f"{key}_raw": RAW, f"{key}_bytes": sent[stage],
+                    f"{key}_wire_bytes": wire, f"{key}_busy_s": 8 * wire / (1e6 * mbit[stage])})
+        rows.append(row)
+    return rows
+
+
+def _run(policy: LinkPolicy, steps: int, mbit: list[float], compute_s: float) -> list[dict[str, str]]:
+    out = []
+    for _ in range(steps):
+        specs = policy.specs()
+        sent = [RAW * BITS[specs[n].split(":", 1)[1]] / 32 if n in specs else RAW / 2
+                for n in ("b0.forward", "b0.backward")]
+        policy.step(_stats(sent, mbit, compute_s), 1, compressed=True)
+        out.append(policy.specs())
+    return out
+
+
+def test_a_slow_link_gets_the_least_compression_that_fits_and_a_fast_one_none():
+    # 20 KB of fp16 per micro-batch: 0.16 s at 1 Mbit/s, 1.6 ms at 100 Mbit/s; 0.05 s of compute carries
+    # 6.25 KB at 1 Mbit/s: q4 (5 KB) fits, q8 (10 KB) does not
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
+    history = _run(policy, 5, mbit=[1.0, 100.0], compute_s=0.05)
+    assert history[-1] == {"b0.forward": "delta:q4", "b0.backward": "direct:fp16"}
+
+
+def test_the_floor_is_never_passed():
+    policy = LinkPolicy(1, parse_auto("auto:q8", "forward"), None)
+    assert _run(policy, 5, mbit=[0.1, 100.0], compute_s=0.05)[-1] == {"b0.forward": "delta:q8"}
+
+
+def test_less_compression_only_after_room_for_several_steps_and_no_flapping_on_noise():
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
+    assert _run(policy, 4, mbit=[1.0, 100.0], compute_s=0.05)[-1]["b0.forward"] == "delta:q4"
+    # the link gets 20x faster: fp16 fits with room, taken after PATIENCE steps (and the smoothing)
+    levels = [h["b0.forward"] for h in _run(policy, 12, mbit=[20.0, 100.0], compute_s=0.05)]
+    assert levels[PATIENCE - 2] == "delta:q4" and levels[-1] == "delta:fp16"
+    # a link at the edge of q8 with +-20 % noise in compute and throughput: a handful of changes at most
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
+    rng = random.Random(0)
+    history = []
+    for _ in range(60):
+        history += _run(policy, 1, mbit=[2.0 * rng.uniform(0.8, 1.2), 100.0],
+                        compute_s=0.042 * rng.uniform(0.8, 1.2))
+    changes = sum(a != b for a, b in zip(history, history[1:]))
+    assert changes <= 4, [h["b0.forward"] for h in history]
+
+
+def test_levels_survive_a_restore():
+    policy = LinkPolicy(2, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
+    policy.restore({"b1.forward": 3, "b0.backward": 9})  # past the end: the floor
+    assert policy.specs()["b1.forward"] == "delta:q3" and policy.specs()["b0.backward"] == "direct:q4"
+
+
+def test_auto_options_are_checked():
+    with pytest.raises(SpecError, match="--forward: auto chooses the bits of each link"):
+        TrainConfig.of(forward="auto").validate()
+    with pytest.raises(SpecError, match="--backward: auto:q2: the floor must be one of the backward ladder"):
+        TrainConfig.of(runtime="distributed", backward="auto:q2").validate()
+    TrainConfig.of(runtime="distributed", forward="auto:q3", backward="auto").validate()
+
+
+def test_a_distributed_run_compresses_its_slow_link_more_and_resumes_with_its_choices(tmp_path):
+    argv = ["train", "--task", "synthetic-lm", "--runtime", "distributed", "--stages", "3", "--link",
+            "inf/1mbit", "--forward", "auto", "--backward", "auto", "--max-train-samples", "64",
+            "--max-eval-samples", "2",  # its fp32 evaluation crosses the 1 Mbit/s link too
+            # 64 tokens of hidden 256: 64 KB of fp16 per micro-batch, a few ms on loopback, 0.5 s at 1 Mbit/s
+            "--max-length", "64", "--hidden-size", "256", "--micro-batches", "2", "--micro-batch-size", "4",
+            "--warmup-epochs", "0",
+            "--checkpoint-every", "3", "--output-dir", str(tmp_path), "--run-name", "r", "--no-progress",
+            "--no-tensorboard"]
+    assert main([*argv, "--max-steps", "6"]) == 0
+    run = tmp_path / "r"
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    last = train[-1]["codecs"]
+    order = ("delta:fp16", "delta:q8", "delta:q4", "delta:q3", "delta:q2:l2")
+    assert order.index(last["b1.forward"]) > order.index(last["b0.forward"]), last
+    assert last["b1.forward"] == "delta:q2:l2" and last["b1.backward"] == "direct:q4"  # the floors
+    assert all(r["loss"] == r["loss"] for r in train)  # every step decoded what was sent: finite losses
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["links"]["b1.forward"]["mbit_s"] < 1.05  # what the policy measured of the 1 Mbit/s link
+    # the saved levels are restored before the schemes load (their codecs are checked against the saved ones)
+    assert main(["train", "--resume", str(run), "--max-steps", "7"]) == 0
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 8)) and train[-1]["codecs"] == last
