@@ -13,8 +13,11 @@ every global batch, gradients averaged per stage with ``--grad-sync``). Across m
 command under ``torchrun`` (it sets RANK/WORLD_SIZE/MASTER_ADDR) with a world size of exactly ``stages x D``:
 every process then runs its own stage of its own replica (rank = replica x stages + stage), e.g.::
 
-    torchrun --nnodes 4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m aqsgd train --runtime distributed --stages 4 --run-name bbc-aqsgd
+    AQSGD_NODE_RANK=$NODE torchrun --nnodes 4 --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 -m aqsgd train --runtime distributed --stages 4 --run-name bbc-aqsgd
+
+``AQSGD_NODE_RANK`` (0..M-1, one per machine) says which machine holds which stages (torchrun's c10d
+rendezvous orders them arbitrarily otherwise).
 """
 
 from __future__ import annotations

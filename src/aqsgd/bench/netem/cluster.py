@@ -647,7 +647,9 @@ class NetemCluster:
               **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` inside ``node``'s namespace (tracked: killed on close). ``ip netns exec`` execs
         the command, so the Popen's pid is the command's own."""
-        full_env = {**os.environ, **(env or {})}
+        # the emulated nodes place their ranks themselves: a node rank exported in this shell is not theirs
+        full_env = {k: v for k, v in os.environ.items() if k != "AQSGD_NODE_RANK"}
+        full_env.update(env or {})
         proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv], env=full_env, **kwargs)
         self._procs.append(proc)
         return proc
