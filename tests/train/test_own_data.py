@@ -139,6 +139,27 @@ def test_deberta_distributed_equals_local(tmp_path, tokenizer_dir):
     assert losses("dist") == pytest.approx(losses("local"), rel=1e-4)
 
 
+def _exported_loss_matches(run, auto_class: str) -> None:
+    """``aqsgd export`` of the run loads with ``from_pretrained`` and its loss on the run's evaluation data
+    (as the run built them) equals the run's final uncompressed evaluation loss."""
+    import torch
+    import transformers
+
+    from aqsgd.train.config import TrainConfig, flatten_config
+    from aqsgd.train.tasks import setup_task
+
+    out = run.parent / f"{run.name}-exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    model = getattr(transformers, auto_class).from_pretrained(str(out), attn_implementation="eager").eval()
+    settings = flatten_config(json.loads((run / "config.json").read_text()))
+    evals = setup_task(TrainConfig.from_flat(settings)).eval
+    batch = {k: torch.stack([evals[i][k] for i in range(len(evals))]) for k in evals[0] if k != "sample_id"}
+    with torch.no_grad():
+        loss = float(model(**batch).loss)
+    expected = json.loads((run / "summary.json").read_text())["eval"]["uncompressed"]["loss"]
+    assert loss == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
 def _all_types(task_kind: str) -> list[str]:
     from aqsgd.models import supported_model_types
 
@@ -147,13 +168,15 @@ def _all_types(task_kind: str) -> list[str]:
 
 @pytest.mark.parametrize("model_type", _all_types("causal-lm"))
 def test_every_causal_lm_family_trains_from_a_folder(tmp_path, tokenizer_dir, model_type):
-    """A short `aqsgd train` over a tiny random model of each family, saved as a folder, on a .jsonl file."""
+    """A short `aqsgd train` over a tiny random model of each family, saved as a folder, on a .jsonl file; its
+    export is the model the run evaluated."""
     folder = _save_model(tmp_path / "m", tokenizer_dir, model_type, "AutoModelForCausalLM")
     data = tmp_path / "docs.jsonl"
     data.write_text("\n".join(json.dumps({"text": s}) for s in _sentences(60, 4)) + "\n", encoding="utf-8")
     summary = _train(tmp_path, "--model", str(folder), "--train-file", str(data), "--max-steps", "3")
     assert summary["steps"] == 3 and summary["main_metric"] == "perplexity"
     assert 1 < summary["eval"]["compressed"]["perplexity"] < 1e4
+    _exported_loss_matches(tmp_path / "runs" / "run", "AutoModelForCausalLM")
 
 
 @pytest.mark.parametrize("model_type", _all_types("sequence-classification"))
@@ -168,6 +191,7 @@ def test_every_classifier_family_trains_from_a_folder(tmp_path, tokenizer_dir, m
                      "--text-pair-column", "second", "--max-steps", "3")
     assert summary["steps"] == 3 and summary["main_metric"] == "accuracy"
     assert 0 <= summary["eval"]["compressed"]["accuracy"] <= 1
+    _exported_loss_matches(tmp_path / "runs" / "run", "AutoModelForSequenceClassification")
 
 
 def test_data_option_errors_are_one_line(tmp_path, capsys, monkeypatch):
