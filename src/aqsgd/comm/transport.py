@@ -466,6 +466,8 @@ class _Sender(_Worker):
                 try:
                     item.wire, _ = self._messages(item)
                     item.works = [self._isend(m) for m in item.wire]
+                except KeyboardInterrupt:  # Ctrl-C or SIGTERM (aqsgd.interrupts) on the caller's thread:
+                    raise  # the process is stopping; it is no failure of the link to blame on the peer
                 except BaseException as e:  # noqa: BLE001 - surfaces in the caller's wait()
                     item.error = e
             self.requests.put(item)
