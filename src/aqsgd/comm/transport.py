@@ -121,6 +121,8 @@ training thread is not blocked); the message's arrival time was fixed when it wa
 timing is that of a buffered network as long as receivers post early. Each message also costs one or two real
 rendezvous (~1-4 ms on a loaded machine); since the schedule runs from hand-over times these costs do not
 accumulate, but a link is only emulated faithfully while the real path is faster than the emulated one.
+:meth:`Transport.set_link` changes a link's setting from its next message on (a schedule such as a link that
+drops from 200 to 20 Mbit/s halfway; the trainer applies it at step boundaries).
 """
 
 from __future__ import annotations
@@ -1036,6 +1038,22 @@ class Transport:
             raise TransportError(
                 f"channel {channel} was not declared in channels=... (NCCL needs its sub-groups up front)"
             )
+
+    def set_link(self, dst: int, spec: LinkSpec) -> None:
+        """Emulate ``spec`` on the link to ``dst`` from its next message on (a link schedule's change, at a step
+        boundary). Called before the link's first message it gives the link a pacer even where ``spec`` is
+        unlimited, so that a later call can slow it down; a link that has started without emulation cannot be
+        paced later (a :class:`TransportError`)."""
+        self._check_peer(dst)
+        with self._lock:
+            pacer = self._pacers.get(dst)
+            if pacer is not None:
+                pacer.retune(spec)
+            elif any(d == dst for d, _ in self._senders):
+                raise TransportError(f"the link to {self.describe_peer(dst)} started without emulation; "
+                                     "set_link before its first message to change it later")
+            else:
+                self._pacers[dst] = Pacer(spec)
 
     def _pacer(self, dst: int) -> Pacer | None:
         if dst not in self._pacers:
