@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(not triton_kernels.available("cpu"), reason="Tri
 
 SPECS = ([f"q{b}" for b in range(1, 9)] + [f"q{b}:token" for b in (1, 2, 3, 5, 8)]
          + [f"q{b}:block64" for b in (2, 4, 7)] + ["q2:midrise", "q3:token:midrise", "q2:l2", "q4:token:l2",
-                                                    "q4:token:step1.1", "q2:tensor", "q4:scale32", "q1:max"])
+                                                    "q4:token:step1.1", "q2:tensor", "q4:scale32", "q1:max",
+                                                    "q3:rot64:l2", "q4:rot8", "q2:rot32:channel:midrise"])
 
 
 def _data(shape, seed=0):
@@ -128,3 +129,33 @@ def test_the_aqsgd_steps_equal_the_other_backends(spec, storage, monkeypatch):
                            ref[2].view(torch.int16) if storage != torch.float32 else ref[2]), other
         assert torch.equal(tri[3].view(torch.int16) if storage != torch.float32 else tri[3],
                            ref[3].view(torch.int16) if storage != torch.float32 else ref[3]), other
+
+
+# -- the Hadamard tiles --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tile", [2, 16, 128, 1024])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_fwht_bit_identical(tile, inverse):
+    import math
+
+    from aqsgd.compress import hadamard
+
+    x = _data((max(1, 2048 // tile) + 3, tile), seed=tile)
+    x[0, 1] = -0.0
+    s, c = hadamard.signs(tile, 7), 1.0 / math.sqrt(tile)
+    got = kernels.for_device("cpu", "triton").fwht(x, s, c, inverse).view(torch.int32)
+    assert torch.equal(got, kernels.for_device("cpu", "numba").fwht(x, s, c, inverse).view(torch.int32))
+    ref = (hadamard._fwht_torch(x, tile).mul_(c).mul_(s) if inverse
+           else hadamard._fwht_torch(x * s, tile).mul_(c))
+    assert torch.equal(got, ref.view(torch.int32))
+
+
+def test_rotated_codecs_take_the_hadamard_kernel(monkeypatch):
+    calls = []
+    real = triton_kernels.TritonKernels.fwht
+    monkeypatch.setattr(triton_kernels.TritonKernels, "fwht",
+                        lambda self, *a, **k: calls.append(a[3]) or real(self, *a, **k))
+    codec = make_codec("q4:rot16", backend="triton")
+    x = _data((4, 48))
+    y = codec.decode(codec.encode(x))
+    assert calls == [False, True]
+    assert torch.equal(y, make_codec("q4:rot16", backend="numba").decode(codec.encode(x)))

@@ -27,6 +27,7 @@ __all__ = ["TritonKernels", "available", "interpreting"]
 _BLOCK_R = 16  # rows per program
 _BLOCK_G = 16  # groups of 8 codes per program (128 values of a row)
 _BLOCK_K = 128  # values per step of the max kernels
+_FWHT_VALUES = 4096  # values per program of the Hadamard kernel (rows of a tile each)
 
 
 def interpreting() -> bool:
@@ -269,9 +270,32 @@ def _kernels():
             back = stored.to(tl.float32)
         tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], back, mask=m)
 
+    # -- Walsh-Hadamard transform of rows of G values (G a power of two), in registers: stage h pairs value j
+    # with value j + h of each block of 2h (the butterflies of aqsgd.compress.hadamard, in the same order)
+    @triton.jit
+    def fwht_rows(x_ptr, s_ptr, out_ptr, c, R, G: tl.constexpr, LOG_G: tl.constexpr, INVERSE: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, G)
+        m = (rows < R)[:, None] & (cols < G)[None, :]
+        y = tl.load(x_ptr + rows[:, None] * G + cols[None, :], mask=m, other=0.0)
+        s = tl.load(s_ptr + cols)[None, :]
+        if not INVERSE:
+            y = y * s
+        for i in tl.static_range(LOG_G):
+            # [R, blocks, 2, h] -> [R, blocks, h, 2]: the pair (j, j + h) on the last axis
+            v = tl.permute(tl.reshape(y, (BLOCK_R, G // (2 << i), 2, 1 << i)), (0, 1, 3, 2))
+            a, b = tl.split(v)
+            y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK_R, G))
+        y = y * c
+        if INVERSE:
+            y = y * s
+        tl.store(out_ptr + rows[:, None] * G + cols[None, :], y, mask=m)
+
     return {"rowmax": rowmax, "colmax": colmax, "quant_pack": quant_pack, "unpack_dequant": unpack_dequant,
             "delta_rowmax": delta_rowmax, "delta_colmax": delta_colmax, "delta_into": delta_into,
-            "delta_quant_update": delta_quant_update, "delta_dequant_update": delta_dequant_update}
+            "delta_quant_update": delta_quant_update, "delta_dequant_update": delta_dequant_update,
+            "fwht_rows": fwht_rows}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -322,6 +346,19 @@ class TritonKernels(Kernels):
         grid = (_cdiv(rows, _BLOCK_R), _cdiv(k // 8, _BLOCK_G))
         _kernels()["unpack_dequant"][grid](packed, step, out, rows, k, float(mul), float(low), BY_COL=by_col,
                                            BITS=bits, BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
+        return out
+
+    def fwht(self, x2: torch.Tensor, signs: torch.Tensor, c: float, inverse: bool) -> torch.Tensor:
+        """Walsh-Hadamard transform of each row: ``H (s * x) * c`` or, with ``inverse``, ``(H x * c) * s``
+        (see :mod:`aqsgd.compress.hadamard`), one program per ``_FWHT_VALUES / G`` rows held in registers.
+        Every output is the same sequence of IEEE additions and subtractions as the PyTorch and numba paths
+        compute, then the same multiplications: the results are bit-identical."""
+        rows, g = x2.shape
+        out = torch.empty_like(x2)
+        block_r = max(1, min(_FWHT_VALUES // g, 1 << max(0, rows - 1).bit_length()))
+        _kernels()["fwht_rows"][(_cdiv(rows, block_r),)](x2, signs, out, float(c), rows, G=g,
+                                                         LOG_G=g.bit_length() - 1, INVERSE=inverse,
+                                                         BLOCK_R=block_r)
         return out
 
     # -- AQ-SGD against a cache's rows (the store on the tensors' device)
