@@ -12,7 +12,7 @@ Where the blocks, embeddings and head of a model are is its family's business
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -22,7 +22,9 @@ from aqsgd.models.family import ModelLayout
 from aqsgd.models.registry import families, family_of_model, supported_models
 from aqsgd.models.stage import LossFn, PipelineStage
 
-BALANCE_MODES = ("layers", "params")
+BALANCE_MODES = ("layers", "params", "measured")
+"""``measured`` splits by the stages' compute time profiled while training (:mod:`aqsgd.pipeline.balance`,
+chosen by the trainer); here it needs that split as explicit ``layers``."""
 
 
 def __getattr__(name: str) -> str:
@@ -77,8 +79,6 @@ def balanced_counts(
 
     Ties are broken towards putting blocks in earlier stages.
     """
-    n = len(costs)
-    _check_stage_count(n, num_stages)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -87,6 +87,20 @@ def balanced_counts(
         extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == num_stages - 1 else 0.0)
         return prefix[end] - prefix[start] + extra
 
+    return min_max_split(len(costs), num_stages, stage_cost)
+
+
+def min_max_split(
+    num_layers: int, num_stages: int, stage_cost: Callable[[int, int, int], float]
+) -> list[int]:
+    """Blocks per stage of the contiguous split of ``num_layers`` blocks into ``num_stages`` non-empty
+    stages whose largest ``stage_cost(stage, start, end)`` (stage ``stage`` holding blocks
+    ``[start, end)``) is smallest: exact dynamic programming, O(stages x blocks^2) calls of ``stage_cost``.
+    Stages may differ (a stage's cost is its own function of its blocks). Ties are broken towards putting
+    blocks in earlier stages.
+    """
+    n = num_layers
+    _check_stage_count(n, num_stages)
     inf = float("inf")
     # best[s][e]: minimal max cost of splitting blocks [0, e) into stages 0..s; cut[s][e]: start of stage s.
     best = [[inf] * (n + 1) for _ in range(num_stages)]
@@ -149,6 +163,9 @@ def stage_layer_counts(
             first_extra=count_parameters(layout.pre),
             last_extra=count_parameters(layout.post),
         )
+    if balance == "measured":
+        raise ValueError("balance 'measured' is the split chosen by profiling the running stages (aqsgd "
+                         "train --balance measured); pass that split as layers")
     raise ValueError(f"unknown balance {balance!r}; expected one of {', '.join(BALANCE_MODES)}")
 
 
@@ -182,7 +199,8 @@ def partition_model(
         layers: explicit number of blocks per stage (overrides ``balance``).
         balance: ``"layers"`` (even number of blocks per stage) or ``"params"`` (minimise the largest
             per-stage parameter count; embeddings / stem count toward the first stage, final norm and
-            head toward the last; a tied embedding/head counts for both, since both stages hold it).
+            head toward the last; a tied embedding/head counts for both, since both stages hold it);
+            ``"measured"`` takes the split a profile chose, given as ``layers``.
         loss_fn: loss ``(output, labels) -> scalar`` for the families that take one (``nn.Sequential``,
             ResNet; default: cross-entropy against ``batch["labels"]``); transformers models use their
             own loss.

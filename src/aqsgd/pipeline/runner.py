@@ -195,6 +195,12 @@ class StageRunner:
         self._built_for: dict[SchemeKey, dict[str, Any]] = {}  # the shape and dtype each scheme was built for
         self.stats = StepStats()
         self.kept_logits: dict[int, torch.Tensor] = {}
+        # an emulated slower stage (benchmarks and tests, --emulate-slow-stage): after each forward and
+        # backward it sleeps (slowdown - 1) times what the computation took
+        self.slowdown = 1.0
+        # wait for the device at the end of each forward and backward, so that compute_s is the device's time
+        # (a GPU computes asynchronously; profiling sets it)
+        self.synchronize = False
 
     @property
     def is_first(self) -> bool:
@@ -366,7 +372,7 @@ class StageRunner:
                     self.kept_logits[mb] = self.module.last_logits
             if grad or not self.is_last:
                 self.outputs[mb] = out
-            self.stats.compute_s += time.perf_counter() - t0
+            self._computed(t0)
             return
         if kind is SEND_F:
             out = self.outputs[mb] if self.phase in (Phase.TRAIN, Phase.WARMUP) else self.outputs.pop(mb)
@@ -390,7 +396,7 @@ class StageRunner:
             else:
                 grad = self.out_grads.pop(mb).to(out.dtype)
             torch.autograd.backward(out, grad_tensors=grad)
-            self.stats.compute_s += time.perf_counter() - t0
+            self._computed(t0)
             return
         if kind is SEND_B:
             x = self.inputs.pop(mb)
@@ -400,6 +406,15 @@ class StageRunner:
             self._send(x.grad, BACKWARD_CHANNEL, self.ranks[self.stage - 1], mb, "backward", t0)
             return
         raise ValueError(f"unknown action {action}")
+
+    def _computed(self, t0: float) -> None:
+        """A forward or backward that started at ``t0`` ended: count its time (stretched by the emulated
+        :attr:`slowdown`, with a sleep that leaves the cores to the other stages)."""
+        if self.synchronize and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
+        self.stats.compute_s += time.perf_counter() - t0
 
     def _send(self, x: torch.Tensor, channel: int, dst: int, mb: int, name: str, t0: float) -> None:
         with self._label(f"encode {name[0].upper()}", mb):
