@@ -159,3 +159,67 @@ def test_rotated_codecs_take_the_hadamard_kernel(monkeypatch):
     y = codec.decode(codec.encode(x))
     assert calls == [False, True]
     assert torch.equal(y, make_codec("q4:rot16", backend="numba").decode(codec.encode(x)))
+
+
+# -- TopK ----------------------------------------------------------------------------------------------------
+def _ties(shape, seed):
+    """Data with many equal magnitudes (so ties at the k-th magnitude are common), a -0.0 and a denormal."""
+    x = _data(shape, seed=seed)
+    x.view(-1)[::3] = x.view(-1)[::3].round()
+    x.view(-1)[1] = -0.0
+    x.view(-1)[2] = 1e-40
+    return x
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 96 values in steps of 32, so that small rows span several programs."""
+    monkeypatch.setattr(triton_kernels, "_TOPK_CHUNK", 96)
+    monkeypatch.setattr(triton_kernels, "_TOPK_BLOCK", 32)
+    monkeypatch.setattr(triton_kernels, "_TOPK_CBLOCK", 2)
+
+
+@pytest.mark.parametrize("rows,n,k", [(3, 700, 70), (1, 1000, 1), (2, 300, 299), (4, 64, 16)])
+def test_topk_selection_equals_the_cpu_rule(rows, n, k, small_chunks):
+    from aqsgd.compress.topk import topk_indices
+
+    x = _ties((rows, n), seed=n)
+    got = kernels.for_device("cpu", "triton").topk_select(x, k)
+    assert torch.equal(got, topk_indices(x, k, ops=kernels.for_device("cpu", "numba")))
+    assert torch.equal(got, topk_indices(x, k, ops=kernels.for_device("cpu", "eager")))
+
+
+@pytest.mark.parametrize("spec", ["topk0.1", "topk0.05+fp32", "topk0.2+bf16", "topk0.1:tensor", "topk0.1+q8",
+                                  "topk0.3+q3:token"])
+def test_topk_packets_equal_the_other_backends(spec, small_chunks, monkeypatch):
+    calls = []
+    for name in ("topk_payload", "topk_select"):
+        real = getattr(triton_kernels.TritonKernels, name)
+        monkeypatch.setattr(triton_kernels.TritonKernels, name,
+                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
+                                                                           or _real(self, *a, **k)))
+    x = _ties((3, 4, 80), seed=1)
+    x[1, 2, 5] = -1e4  # beyond bf16's fine steps, within fp16's range
+    packets = {b: make_codec(spec, backend=b).encode(x) for b in ("triton", "eager", "numba")}
+    assert calls and calls[0] == ("topk_select" if "+q" in spec else "topk_payload")
+    assert torch.equal(packets["triton"].payload, packets["eager"].payload)
+    assert torch.equal(packets["triton"].payload, packets["numba"].payload)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy, at 7e4 -> fp16
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 7e4])
+def test_topk_non_finite_values_raise_as_on_the_cpu(bad):
+    from aqsgd.errors import NonFiniteError
+
+    x = _data((2, 64))
+    x[1, 9] = bad  # 7e4: finite, but Inf in fp16
+    for b in ("triton", "eager"):
+        with pytest.raises(NonFiniteError):
+            make_codec("topk0.25", backend=b).encode(x)
+
+
+def test_topk_values_beyond_fp16_pass_in_fp32():
+    x = _data((2, 64))
+    x[1, 9] = 7e4
+    got = make_codec("topk0.25+fp32", backend="triton").encode(x).payload
+    assert torch.equal(got, make_codec("topk0.25+fp32", backend="eager").encode(x).payload)

@@ -14,8 +14,14 @@ Decoding scatters the values into zeros. NaN/Inf have the largest magnitudes, so
 and the values codec rejects them.
 
 The kept positions of a row are written in increasing order (the format needs no order, as decoding
-scatters; a fixed one makes packets canonical). On the CPU a tie at the k-th largest magnitude is broken
-toward the lower positions, so equal inputs give equal bytes; elsewhere ``torch.topk`` breaks it.
+scatters; a fixed one makes packets canonical). On the CPU, and wherever the Triton kernels select (fp32
+input), a tie at the k-th largest magnitude is broken toward the lower positions, so equal inputs give equal
+bytes; elsewhere ``torch.topk`` breaks it.
+
+Selection with the Triton kernels (:mod:`aqsgd.compress.kernels.triton`, on CUDA) finds each row's k-th
+largest key by radix selection, three histogram passes over the keys, then writes the kept positions (and,
+for a cast of the values, the whole payload) in one more pass after a pass that counts them per chunk: exact,
+on the device, no host synchronisation but the check that the kept values are finite.
 
 Selection on the CPU (:func:`topk_indices`) avoids a full ``torch.topk``. Magnitudes are compared as
 integers: a float's bits without the sign bit order like its magnitude, with NaN above Inf. Two
@@ -105,6 +111,11 @@ class TopKCodec(Codec):
             return torch.empty(0, dtype=torch.uint8, device=x.device)
         width = index_dtype(n).itemsize
         ops = kernels.for_tensor(x2, self.backend)
+        if isinstance(self.values, CastCodec) and x2.dtype == torch.float32 and 0 < k < n:
+            # selection, gather, cast and index packing on the device (the Triton backend's)
+            done = ops.topk_payload(x2.contiguous(), k, self.values.wire_dtype, width)
+            if done is not None and not bool(done[1]):  # else a value is not finite: the steps below raise
+                return done[0]
         # selection, gather, cast and index packing in one kernel (byte-identical to the steps below): the
         # numba backend's, for values cast to fp32, fp16 or bf16
         packs = isinstance(self.values, CastCodec) and x2.dtype == torch.float32 and x2.device.type == "cpu"
@@ -249,10 +260,16 @@ def topk_indices(x2: torch.Tensor, k: int, *, sample: int = SAMPLE, min_row: int
     On the CPU, rows of at least ``min_row`` values (and more than ``4 * sample``) with ``k`` below about
     45 % of the row are selected through a sample of ``sample`` positions (see the module docstring); other
     rows are ranked by ``torch.topk`` and put in canonical form, as on other devices (there without the
-    tie rule)."""
+    tie rule). A backend with a selection kernel (Triton's, for fp32) selects every row itself, with the
+    CPU's tie rule."""
     rows, n = x2.shape
     if k <= 0 or k >= n:
         return torch.arange(max(0, min(k, n)), device=x2.device).expand(rows, -1).contiguous()
+    ops = ops or kernels.for_tensor(x2)
+    if x2.dtype == torch.float32:
+        idx = ops.topk_select(x2.contiguous(), k)  # the Triton backend's; None elsewhere
+        if idx is not None:
+            return idx
     if x2.device.type != "cpu" or x2.dtype not in _KEYS:
         return x2.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
     tdt, ndt = _KEYS[x2.dtype]
@@ -262,7 +279,6 @@ def topk_indices(x2: torch.Tensor, k: int, *, sample: int = SAMPLE, min_row: int
     if plan is None:
         return torch.from_numpy(_exact(x2, k))
     pos, j_lo, j_hi = plan
-    ops = ops or kernels.for_tensor(x2)
     if _kernel_rows(rows):
         # one compiled pass per row, the rows split over the threads (the numba backend's; None elsewhere)
         out = np.empty((rows, k), dtype=np.int64)

@@ -112,7 +112,19 @@ class Kernels:
                             by_col: bool, bits: int, mul: int, low: int) -> torch.Tensor | None:
         return None
 
-    # TopK (the numba backend's; see aqsgd.compress.topk)
+    # TopK on torch tensors (see aqsgd.compress.topk)
+    def topk_select(self, x2: torch.Tensor, k: int) -> torch.Tensor | None:
+        """Positions ``[R, k]`` (int64, increasing in each row) of the ``k`` largest magnitudes of each row of
+        ``x2``, ties at the k-th magnitude to the lower positions, NaN above Inf."""
+        return None
+
+    def topk_payload(self, x2: torch.Tensor, k: int, wire: torch.dtype,
+                     width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """TopK's payload (the kept values cast to ``wire``, then the positions' low ``width`` bytes) and a
+        flag tensor, non-zero where a kept value or its cast is not finite."""
+        return None
+
+    # TopK on numpy arrays (the numba backend's; see aqsgd.compress.topk)
     def topk_rows(self, *args: Any) -> Any:
         return None
 

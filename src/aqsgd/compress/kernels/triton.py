@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from aqsgd.compress.kernels.base import Kernels, RowStore
+from aqsgd.compress.kernels.base import STORE_FORMATS, Kernels, RowStore
 
 __all__ = ["TritonKernels", "available", "interpreting"]
 
@@ -28,6 +28,12 @@ _BLOCK_R = 16  # rows per program
 _BLOCK_G = 16  # groups of 8 codes per program (128 values of a row)
 _BLOCK_K = 128  # values per step of the max kernels
 _FWHT_VALUES = 4096  # values per program of the Hadamard kernel (rows of a tile each)
+_TOPK_CHUNK = 16384  # values of a row per program of the TopK kernels
+_TOPK_BLOCK = 1024  # values per step within a chunk
+_TOPK_CBLOCK = 128  # chunk counts summed per step
+_TOPK_BINS = 2048
+# the radix digits of the 31-bit magnitude key: (shift, bits, mask of the digits above it)
+_TOPK_DIGITS = ((20, 11, 0), (9, 11, 0x7FF00000), (0, 9, 0x7FFFFE00))
 
 
 def interpreting() -> bool:
@@ -292,10 +298,124 @@ def _kernels():
             y = y * s
         tl.store(out_ptr + rows[:, None] * G + cols[None, :], y, mask=m)
 
+    # -- TopK: the k-th largest magnitude key of each row by radix selection (three digits of the 31-bit key,
+    # each a histogram over the row's keys that share the digits found so far), then the exact selection
+    @triton.jit
+    def topk_hist(x_ptr, state_ptr, hist_ptr, n, chunk, SHIFT: tl.constexpr, NB: tl.constexpr,
+                  HIGH: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        start = tl.program_id(1) * chunk
+        base = x_ptr + row.to(tl.int64) * n
+        prefix = tl.load(state_ptr + row * 2) & HIGH  # the digits found so far (none in the first pass)
+        acc = tl.zeros([NB], dtype=tl.int32)
+        bins = tl.arange(0, NB)
+        for off in range(0, chunk, BLOCK):
+            at = start + off + tl.arange(0, BLOCK)
+            m = (at < n) & (off + tl.arange(0, BLOCK) < chunk)
+            key = tl.load(base + at, mask=m, other=0) & 0x7FFFFFFF
+            match = m & ((key & HIGH) == prefix)
+            digit = tl.where(match, (key >> SHIFT) & (NB - 1), 0)
+            # the keys that do not match were counted in bin 0: take them out again
+            acc += tl.histogram(digit, NB) - tl.where(bins == 0, BLOCK - tl.sum(match.to(tl.int32)), 0)
+        tl.atomic_add(hist_ptr + row * NB + bins, acc)
+
+    @triton.jit
+    def topk_pick(hist_ptr, state_ptr, k, SHIFT: tl.constexpr, NB: tl.constexpr, FIRST: tl.constexpr):
+        row = tl.program_id(0)
+        bins = tl.arange(0, NB)
+        h = tl.load(hist_ptr + row * NB + bins)
+        if FIRST:
+            prefix = 0
+            need = k
+        else:
+            prefix = tl.load(state_ptr + row * 2)
+            need = tl.load(state_ptr + row * 2 + 1)
+        above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # keys in the bins above each bin
+        hit = (above < need) & (above + h >= need)  # the bin of the need-th largest key
+        digit = tl.sum(tl.where(hit, bins, 0), axis=0)
+        tl.store(state_ptr + row * 2, prefix | (digit << SHIFT))
+        tl.store(state_ptr + row * 2 + 1, need - tl.sum(tl.where(hit, above, 0), axis=0))
+
+    @triton.jit
+    def topk_count(x_ptr, state_ptr, counts_ptr, n, chunk, nchunk, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        start = c * chunk
+        base = x_ptr + row.to(tl.int64) * n
+        kth = tl.load(state_ptr + row * 2)
+        gt = 0
+        eq = 0
+        for off in range(0, chunk, BLOCK):
+            at = start + off + tl.arange(0, BLOCK)
+            m = (at < n) & (off + tl.arange(0, BLOCK) < chunk)
+            key = tl.load(base + at, mask=m, other=0) & 0x7FFFFFFF
+            gt += tl.sum((m & (key > kth)).to(tl.int32), axis=0)
+            eq += tl.sum((m & (key == kth)).to(tl.int32), axis=0)
+        tl.store(counts_ptr + (row * nchunk + c) * 2, gt)
+        tl.store(counts_ptr + (row * nchunk + c) * 2 + 1, eq)
+
+    @triton.jit
+    def topk_write(x_ptr, state_ptr, counts_ptr, idx_ptr, vals_ptr, ib_ptr, bad_ptr, n, k, chunk, nchunk,
+                   PACK: tl.constexpr, FMT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+                   CBLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        start = c * chunk
+        base = x_ptr + row.to(tl.int64) * n
+        kth = tl.load(state_ptr + row * 2)
+        ties = tl.load(state_ptr + row * 2 + 1)  # how many keys equal to the k-th are kept: the first ones
+        gt = 0
+        eq = 0
+        for c0 in range(0, c, CBLOCK):  # the chunks before this one
+            cc = c0 + tl.arange(0, CBLOCK)
+            cm = cc < c
+            gt += tl.sum(tl.load(counts_ptr + (row * nchunk + cc) * 2, mask=cm, other=0), axis=0)
+            eq += tl.sum(tl.load(counts_ptr + (row * nchunk + cc) * 2 + 1, mask=cm, other=0), axis=0)
+        slot = gt + tl.minimum(eq, ties)  # kept values before this chunk
+        worst = 0
+        for off in range(0, chunk, BLOCK):
+            lanes = tl.arange(0, BLOCK)
+            at = start + off + lanes
+            m = (at < n) & (off + lanes < chunk)
+            bits = tl.load(base + at, mask=m, other=0)
+            key = bits & 0x7FFFFFFF
+            same = m & (key == kth)
+            rank = eq + tl.cumsum(same.to(tl.int32), axis=0) - 1  # among the row's keys equal to the k-th
+            take = (m & (key > kth)) | (same & (rank < ties))
+            where = slot + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            take = take & (where < k)  # never past the row's k slots, whatever the counts say
+            out = row.to(tl.int64) * k + where
+            if PACK:  # the kept values cast to the wire format, then the positions' low WIDTH bytes
+                v = bits.to(tl.float32, bitcast=True)
+                if FMT == 0:
+                    tl.store(vals_ptr + out, v, mask=take)
+                    back = bits
+                elif FMT == 1:
+                    h = v.to(tl.float16)
+                    tl.store(vals_ptr + out, h.to(tl.int16, bitcast=True), mask=take)
+                    back = h.to(tl.float32).to(tl.int32, bitcast=True)
+                else:  # bf16, to nearest even as PyTorch rounds (NaN to its canonical 0x7FC0)
+                    b = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+                    b = tl.where(v != v, 0x7FC0, b)
+                    tl.store(vals_ptr + out, b.to(tl.int16), mask=take)
+                    back = b << 16
+                # a kept value, or its cast, is Inf or NaN: the magnitude's bits at or above Inf's
+                worst = tl.maximum(worst, tl.max(tl.where(take, back & 0x7FFFFFFF, 0), axis=0))
+                pos = at.to(tl.int64)
+                for b in tl.static_range(WIDTH):
+                    tl.store(ib_ptr + out * WIDTH + b, ((pos >> (8 * b)) & 0xFF).to(tl.uint8), mask=take)
+            else:
+                tl.store(idx_ptr + out, at.to(tl.int64), mask=take)
+            slot += tl.sum(take.to(tl.int32), axis=0)
+            eq += tl.sum(same.to(tl.int32), axis=0)
+        if PACK:
+            tl.atomic_max(bad_ptr, (worst >= 0x7F800000).to(tl.int32))
+
     return {"rowmax": rowmax, "colmax": colmax, "quant_pack": quant_pack, "unpack_dequant": unpack_dequant,
             "delta_rowmax": delta_rowmax, "delta_colmax": delta_colmax, "delta_into": delta_into,
             "delta_quant_update": delta_quant_update, "delta_dequant_update": delta_dequant_update,
-            "fwht_rows": fwht_rows}
+            "fwht_rows": fwht_rows, "topk_hist": topk_hist, "topk_pick": topk_pick, "topk_count": topk_count,
+            "topk_write": topk_write}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -360,6 +480,67 @@ class TritonKernels(Kernels):
                                                          LOG_G=g.bit_length() - 1, INVERSE=inverse,
                                                          BLOCK_R=block_r)
         return out
+
+    # -- TopK (aqsgd.compress.topk): exact selection on the device, no host synchronisation
+    def _topk_kth(self, xi: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The k-th largest key of each row of the int32 view ``xi`` [R, n] and how many keys equal to it
+        are kept (``state`` [R, 2] int32), each chunk's count of keys above and equal to it (``counts``),
+        and the number of chunks."""
+        rows, n = xi.shape
+        k = int(k)
+        nchunk = _cdiv(n, _TOPK_CHUNK)
+        hist = torch.zeros(len(_TOPK_DIGITS), rows, _TOPK_BINS, dtype=torch.int32, device=xi.device)
+        state = torch.empty(rows, 2, dtype=torch.int32, device=xi.device)
+        ks = _kernels()
+        for p, (shift, nbits, high) in enumerate(_TOPK_DIGITS):
+            ks["topk_hist"][(rows, nchunk)](xi, state, hist[p], n, _TOPK_CHUNK, SHIFT=shift, NB=1 << nbits,
+                                            HIGH=high, BLOCK=_TOPK_BLOCK)
+            ks["topk_pick"][(rows,)](hist[p], state, k, SHIFT=shift, NB=1 << nbits, FIRST=p == 0)
+        counts = torch.empty(rows, nchunk, 2, dtype=torch.int32, device=xi.device)
+        ks["topk_count"][(rows, nchunk)](xi, state, counts, n, _TOPK_CHUNK, nchunk, BLOCK=_TOPK_BLOCK)
+        return state, counts, nchunk
+
+    def _topk_supported(self, x2: torch.Tensor, k: int) -> bool:
+        rows, n = x2.shape
+        return (x2.dtype == torch.float32 and x2.is_contiguous() and 0 < k < n < 2**31
+                and rows * max(n, 2 * _TOPK_BINS) < 2**31)
+
+    def topk_select(self, x2: torch.Tensor, k: int) -> torch.Tensor | None:
+        """Positions ``[R, k]`` (int64, increasing) of the ``k`` largest magnitudes of each row of fp32
+        ``x2``, ties at the k-th magnitude to the lower positions and NaN above Inf: the CPU's selection
+        (:func:`aqsgd.compress.topk.topk_indices`). None where ``k`` is not in ``(0, n)``."""
+        if not self._topk_supported(x2, k):
+            return None
+        rows, n = x2.shape
+        xi = x2.view(torch.int32)
+        state, counts, nchunk = self._topk_kth(xi, k)
+        idx = torch.empty(rows, k, dtype=torch.int64, device=x2.device)
+        _kernels()["topk_write"][(rows, nchunk)](xi, state, counts, idx, idx, idx, idx, n, k, _TOPK_CHUNK,
+                                                 nchunk, PACK=False, FMT=0, WIDTH=1, BLOCK=_TOPK_BLOCK,
+                                                 CBLOCK=_TOPK_CBLOCK)
+        return idx
+
+    def topk_payload(self, x2: torch.Tensor, k: int, wire: torch.dtype,
+                     width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """TopK's payload for fp32 ``x2`` [R, n] with the kept values cast to ``wire`` (fp32, fp16 or bf16):
+        the values ``[R, k]`` of :meth:`topk_select`'s positions, then the positions' low ``width`` bytes,
+        little-endian, byte for byte what the numba kernel and the step-by-step path write; and a device flag
+        (int32 [1]), non-zero where a kept value or its cast is Inf or NaN (the packet is then invalid: the
+        caller takes the step-by-step path, which raises)."""
+        fmt = STORE_FORMATS.get(wire)
+        if fmt is None or not self._topk_supported(x2, k):
+            return None
+        rows, n = x2.shape
+        xi = x2.view(torch.int32)
+        state, counts, nchunk = self._topk_kth(xi, k)
+        vbytes = rows * k * wire.itemsize
+        payload = torch.empty(vbytes + rows * k * width, dtype=torch.uint8, device=x2.device)
+        vals = payload[:vbytes].view(torch.float32 if fmt == 0 else torch.int16)
+        bad = torch.zeros(1, dtype=torch.int32, device=x2.device)
+        _kernels()["topk_write"][(rows, nchunk)](xi, state, counts, vals, vals, payload[vbytes:], bad, n, k,
+                                                 _TOPK_CHUNK, nchunk, PACK=True, FMT=fmt, WIDTH=width,
+                                                 BLOCK=_TOPK_BLOCK, CBLOCK=_TOPK_CBLOCK)
+        return payload, bad
 
     # -- AQ-SGD against a cache's rows (the store on the tensors' device)
     def delta_max_abs(self, x2: torch.Tensor, store: RowStore, rpb: int, by_col: bool) -> torch.Tensor | None:
