@@ -126,9 +126,9 @@ def test_one_link_setting_per_boundary():
     from aqsgd.comm.link import boundary_links, parse_links
 
     one = parse_links("100mbit,5ms", 3)
-    assert one == [LinkSpec(100e6, 0.005)] * 3
+    assert [s.initial for s in one] == [LinkSpec(100e6, 0.005)] * 3 and not any(s.varies for s in one)
     each = parse_links("1gbit / 50mbit,20ms/200mbit", 3)
-    assert each == [LinkSpec(1e9, 0.0), LinkSpec(50e6, 0.02), LinkSpec(200e6, 0.0)]
+    assert [s.initial for s in each] == [LinkSpec(1e9, 0.0), LinkSpec(50e6, 0.02), LinkSpec(200e6, 0.0)]
     ranks = [10, 11, 12, 13]  # a replica's pipeline ranks, by stage
     assert boundary_links(each, 0, ranks.__getitem__) == {11: each[0]}
     assert boundary_links(each, 1, ranks.__getitem__) == {10: each[0], 12: each[1]}
@@ -137,6 +137,34 @@ def test_one_link_setting_per_boundary():
         parse_links("1gbit/50mbit", 3)
     with pytest.raises(ValueError, match="invalid bandwidth 'fast'"):
         parse_links("1gbit/fast", 2)
+
+
+def test_a_link_schedule_gives_each_step_its_setting():
+    from aqsgd.comm.link import LinkSchedule, parse_links
+
+    drop = LinkSchedule.parse("200mbit~20mbit,10ms@50~200mbit@80")
+    assert drop.varies and drop.initial == LinkSpec(200e6, 0.0)
+    assert [drop.at(s) for s in (1, 49, 50, 79, 80, 1000)] == [
+        LinkSpec(200e6, 0.0), LinkSpec(200e6, 0.0), LinkSpec(20e6, 0.01), LinkSpec(20e6, 0.01),
+        LinkSpec(200e6, 0.0), LinkSpec(200e6, 0.0)]
+    assert LinkSchedule.parse(str(drop)) == drop  # written back as it reads
+    links = parse_links("1gbit/200mbit~20mbit@5/1gbit", 3)
+    assert [s.varies for s in links] == [False, True, False] and links[1].at(5).bandwidth_bps == 20e6
+    for bad, why in (("200mbit~20mbit", "write ~SPEC@STEP"), ("200mbit~20mbit@1", "write ~SPEC@STEP"),
+                     ("200mbit~20mbit@x", "write ~SPEC@STEP"),
+                     ("1gbit~20mbit@9~5mbit@9", "the steps of its changes must increase"),
+                     ("1gbit~fast@9", "invalid bandwidth 'fast'")):
+        with pytest.raises(ValueError, match=why):
+            LinkSchedule.parse(bad)
+
+
+def test_a_retuned_pacer_gives_the_next_message_the_new_setting():
+    now = [0.0]
+    pacer = Pacer(LinkSpec(8e6), clock=lambda: now[0])  # 1 MB/s
+    assert pacer.schedule(1000).depart == pytest.approx(1e-3)
+    pacer.retune(LinkSpec(8e5, 0.5))  # 10x slower, with latency: from the next message on
+    t = pacer.schedule(1000)
+    assert (t.start, t.depart, t.arrive) == pytest.approx((1e-3, 11e-3, 0.511))
 
 
 def test_link_option_per_boundary_is_checked_with_the_other_options():
@@ -150,3 +178,8 @@ def test_link_option_per_boundary_is_checked_with_the_other_options():
     with pytest.raises(SpecError, match="--link: one setting per boundary is for a single pipeline"):
         TrainConfig.of(**base, link="1gbit/50mbit", data_parallel=2).validate()
     TrainConfig.of(**base, link="1gbit", data_parallel=2).validate()
+    TrainConfig.of(**base, link="1gbit/200mbit~20mbit@9").validate()
+    with pytest.raises(SpecError, match="--link: a setting that changes during the run"):
+        TrainConfig.of(**base, link="1gbit~20mbit@9", data_parallel=2).validate()
+    with pytest.raises(SpecError, match="--link: invalid link change '20mbit'"):
+        TrainConfig.of(**base, link="1gbit~20mbit").validate()

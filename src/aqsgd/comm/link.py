@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-__all__ = ["LinkSpec", "Pacer", "Transmission", "parse_bandwidth", "parse_latency"]
+__all__ = ["LinkSchedule", "LinkSpec", "Pacer", "Transmission", "boundary_links", "parse_bandwidth",
+           "parse_latency", "parse_links"]
 
 _BANDWIDTH_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _LATENCY_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
@@ -132,12 +133,55 @@ class LinkSpec:
         return f"{bw},{self.latency_s * 1e3:g}ms"
 
 
-def parse_links(text: str, boundaries: int) -> list[LinkSpec]:
-    """One :class:`LinkSpec` per stage boundary from ``--link``: one setting for all of them
+@dataclasses.dataclass(frozen=True)
+class LinkSchedule:
+    """One boundary's link over a run: ``initial`` from the first step, then each ``(step, spec)`` of
+    ``changes`` from that (1-based) optimizer step on, in increasing order of steps.
+
+    Written ``SPEC[~SPEC@STEP]...``: ``"200mbit~20mbit@50~200mbit@80"`` is 200 Mbit/s, 20 Mbit/s from step 50
+    on, 200 Mbit/s again from step 80 on (each ``SPEC`` as :meth:`LinkSpec.parse` reads it, latency included:
+    ``"1gbit,5ms~50mbit,40ms@10"``)."""
+
+    initial: LinkSpec
+    changes: tuple[tuple[int, LinkSpec], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> LinkSchedule:
+        first, *rest = str(text).split("~")
+        changes: list[tuple[int, LinkSpec]] = []
+        for part in rest:
+            spec, at, step = part.rpartition("@")
+            if not at or not step.strip().isdigit() or int(step) < 2:
+                raise ValueError(f"invalid link change {part!r} in {text!r}: write ~SPEC@STEP with STEP the "
+                                 "optimizer step (2 or more) from which SPEC holds, e.g. 200mbit~20mbit@50")
+            if changes and int(step) <= changes[-1][0]:
+                raise ValueError(f"invalid link schedule {text!r}: the steps of its changes must increase")
+            changes.append((int(step), LinkSpec.parse(spec)))
+        return cls(LinkSpec.parse(first), tuple(changes))
+
+    def at(self, step: int) -> LinkSpec:
+        """The setting in force at (1-based) optimizer step ``step``."""
+        spec = self.initial
+        for start, change in self.changes:
+            if step >= start:
+                spec = change
+        return spec
+
+    @property
+    def varies(self) -> bool:
+        return bool(self.changes)
+
+    def __str__(self) -> str:
+        return "~".join([str(self.initial)] + [f"{spec}@{step}" for step, spec in self.changes])
+
+
+def parse_links(text: str, boundaries: int) -> list[LinkSchedule]:
+    """One :class:`LinkSchedule` per stage boundary from ``--link``: one setting for all of them
     (``"100mbit,5ms"``), or one per boundary separated by ``/`` (``"1gbit/50mbit,20ms/200mbit"``: boundary 0
-    is the link between stages 0 and 1, and so on). Both directions of a boundary share its setting."""
+    is the link between stages 0 and 1, and so on). Both directions of a boundary share its setting. Any
+    setting may change during the run (``"1gbit/200mbit~20mbit@50/1gbit"``, see :class:`LinkSchedule`)."""
     parts = [p.strip() for p in str(text).split("/")]
-    specs = [LinkSpec.parse(p) for p in parts]
+    specs = [LinkSchedule.parse(p) for p in parts]
     if len(specs) == 1:
         return specs * boundaries
     if len(specs) != boundaries:
@@ -147,8 +191,8 @@ def parse_links(text: str, boundaries: int) -> list[LinkSpec]:
     return specs
 
 
-def boundary_links(specs: list[LinkSpec], stage: int, rank_of_stage: Callable[[int], int]
-                   ) -> dict[int, LinkSpec]:
+def boundary_links(specs: list[LinkSchedule], stage: int, rank_of_stage: Callable[[int], int]
+                   ) -> dict[int, LinkSchedule]:
     """The links of the process running ``stage``, by the rank at their other end: boundary ``stage - 1``
     to the stage before, boundary ``stage`` to the stage after."""
     out = {}
@@ -186,6 +230,11 @@ class Pacer:
             depart = start + self.spec.tx_time(nbytes)
             self._line_free = depart
             return Transmission(start, depart, depart + self.spec.latency_s)
+
+    def retune(self, spec: LinkSpec) -> None:
+        """From the next message on, the line has ``spec`` (a message already on it keeps its schedule)."""
+        with self._lock:
+            self.spec = spec
 
     def reset(self) -> None:
         """Forget the line's backlog (the next message starts at once)."""

@@ -19,8 +19,11 @@ tensor takes on the link at level ``L``::
 ``payload`` is what the current codec sent per micro-batch, ``fixed`` what the wire carried besides it
 (preambles, headers: it does not shrink with the bits), ``throughput`` the link's wire bits per busy second
 (:class:`~aqsgd.comm.transport.LinkStats`); these and the budget are exponential means over steps
-(:data:`SMOOTHING`). The level goes at once to the least compressed ``L`` with ``t(L) <= budget`` when the
-current one no longer fits (the floor if none does), and back up to less compression only after
+(:data:`SMOOTHING`). The throughput is averaged as its inverse, seconds per bit (the quantity ``t(L)`` is
+linear in): a link that becomes 100 times slower weighs at once (one slow step makes the mean at least
+``SMOOTHING`` times the slow one's), while a link that becomes faster is believed over a few steps.
+
+The level goes at once to the least compressed ``L`` with ``t(L) <= budget`` when the current one no longer fits (the floor if none does), and back up to less compression only after
 :data:`PATIENCE` steps in a row in which a level fits with margin, ``t(L) <= UP_MARGIN * budget``
 (hysteresis: a link near the edge, or a noisy measurement, does not make it flip every step).
 
@@ -84,7 +87,7 @@ def parse_auto(text: str, direction: str) -> AutoSpec:
 class _Link:
     auto: AutoSpec
     level: int = 0
-    throughput_bps: float | None = None  # wire bits per busy second
+    seconds_per_bit: float | None = None  # busy seconds per wire bit (the inverse of the throughput)
     fixed: float | None = None  # wire bytes per micro-batch besides the codec's payload
     payload: float | None = None  # the codec's bytes per micro-batch at the current level
     roomy: int = 0  # steps in a row in which a less compressed level fitted with margin
@@ -137,7 +140,7 @@ class LinkPolicy:
             if wire <= 0 or busy <= 0 or raw <= 0 or sent <= 0:
                 continue
             bits = BITS[link.auto.ladder[link.level]]
-            link.throughput_bps = _smooth(link.throughput_bps, 8.0 * wire / busy)
+            link.seconds_per_bit = _smooth(link.seconds_per_bit, busy / (8.0 * wire))
             link.fixed = _smooth(link.fixed, max(wire - sent, 0.0) / n)
             link.payload = _smooth(link.payload, (sent if compressed else raw * bits / 32.0) / n)
             new = self._choose(link, bits)
@@ -151,7 +154,7 @@ class LinkPolicy:
     def _choose(self, link: _Link, bits: float) -> int:
         def seconds(level: int) -> float:
             nbytes = link.fixed + link.payload * BITS[link.auto.ladder[level]] / bits  # type: ignore[operator]
-            return 8.0 * nbytes / link.throughput_bps  # type: ignore[operator]
+            return 8.0 * nbytes * link.seconds_per_bit  # type: ignore[operator]
 
         levels = range(len(link.auto.ladder))
         budget = self.budget or 0.0
@@ -164,7 +167,7 @@ class LinkPolicy:
     def describe(self) -> dict[str, Any]:
         """What the policy knows of each link, for the metrics: its spec, throughput (Mbit/s) and level."""
         return {name: {"spec": link.auto.spec(link.level), "level": link.level,
-                       "mbit_s": None if link.throughput_bps is None else link.throughput_bps / 1e6}
+                       "mbit_s": None if link.seconds_per_bit is None else 1e-6 / link.seconds_per_bit}
                 for name, link in self.links.items()}
 
 

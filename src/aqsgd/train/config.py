@@ -159,7 +159,8 @@ class PipelineSection:
     stage, free to change on --resume"""
     link: str | None = None
     """emulated links between stages (distributed): one setting for every boundary (100mbit,5ms) or one per
-    boundary separated by / (1gbit/50mbit,20ms/200mbit: stages 0-1, 1-2, 2-3)"""
+    boundary separated by / (1gbit/50mbit,20ms/200mbit: stages 0-1, 1-2, 2-3); a setting may change during
+    the run: 200mbit~20mbit@50 is 20mbit from step 50 on"""
     data_parallel: int = 1
     """replicas of the pipeline (distributed runtime); world size = stages x data_parallel"""
     grad_sync: str = "allreduce"
@@ -529,9 +530,13 @@ class TrainConfig:
             check_run_name(v["run_name"])
         if v["link"] is not None:
             parsed("link", lambda text: parse_links(text, v["stages"] - 1))
-            if v["data_parallel"] > 1 and len(set(parse_links(v["link"], v["stages"] - 1))) > 1:
+            schedules = parse_links(v["link"], v["stages"] - 1)
+            if v["data_parallel"] > 1 and len(set(schedules)) > 1:
                 raise bad("link", "one setting per boundary is for a single pipeline; with --data-parallel "
                           "the replicas' links are no boundary of it: give one setting")
+            if v["data_parallel"] > 1 and any(s.varies for s in schedules):
+                raise bad("link", "a setting that changes during the run (~SPEC@STEP) is for a single "
+                          "pipeline; with --data-parallel give one fixed setting")
         if v["p2p_backend"] != "gloo" and v["runtime"] != "distributed":
             raise bad("p2p_backend", "carries packets between stage processes: it needs --runtime "
                       "distributed (the local runtime passes tensors in memory)")

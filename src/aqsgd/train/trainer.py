@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from aqsgd.comm import LinkSpec, Transport
-from aqsgd.comm.link import boundary_links, parse_links
+from aqsgd.comm import Transport
+from aqsgd.comm.link import LinkSchedule, boundary_links, parse_links
 from aqsgd.comm.device import check_backends, gpu_sharing, group_backend, resolve_device, resolve_dp_backend
 from aqsgd.comm.transport import StatsKey, naming_peer_failures
 from aqsgd.data.datasets import epoch_batches
@@ -204,6 +204,7 @@ class Trainer:
                      if self.distributed else None)
         self.replica = self.grid.replica if self.grid is not None else 0
         self.transport: Transport | None = None  # distributed: created with the engine
+        self._link_schedules: dict[int, LinkSchedule] = {}  # this process's links that change during the run
         # the other stages of this pipeline: who a failed collective may have lost (see naming_peer_failures)
         self._suspects = [f"stage {s}" for s in range(p.stages) if self.grid is None or s != self.grid.stage]
         data_name = None if data is None else str((getattr(data[0], "info", {}) or {}).get("task") or "data")
@@ -289,9 +290,10 @@ class Trainer:
         # this process's links by the rank at their other end (its boundaries' settings); the replicas' sync
         # takes the one setting --link then has
         specs = parse_links(p.link, p.stages - 1) if p.link else []
-        links = (boundary_links(specs, self.grid.stage, lambda s: self.grid.rank_of_stage[s])
-                 if specs else None)
-        sync_link = LinkSpec.parse(p.link.split("/")[0]) if p.link else None
+        schedules = (boundary_links(specs, self.grid.stage, lambda s: self.grid.rank_of_stage[s])
+                     if specs else {})
+        links = {dst: schedule.initial for dst, schedule in schedules.items()} if specs else None
+        sync_link = specs[0].initial if specs else None  # (a schedule that varies is refused with replicas)
         module = materialize_stage(recipe, p.stages, self.grid.stage, layers=p.layers, balance=p.balance)
         if cfg.model.lora:
             add_adapters(module, cfg.flat(), first_stage=self.grid.stage, model=recipe.build("meta"))
@@ -315,6 +317,11 @@ class Trainer:
                                        seed=o.seed, device=sync_device)
         self.transport = Transport(timeout_s=p.timeout, links=links, peer_labels=self.grid.peer_labels(),
                                    device=device, backend=p.p2p_backend, checksum=p.checksum)
+        # links whose setting changes during the run (--link ...~SPEC@STEP): paced from the start, changed at
+        # the step boundaries of their schedule (_follow_link_schedules)
+        self._link_schedules = {dst: schedule for dst, schedule in schedules.items() if schedule.varies}
+        for dst, schedule in self._link_schedules.items():
+            self.transport.set_link(dst, schedule.initial)
         return PipelineEngine({self.grid.stage: module}, p.stages, comp, optim, schedule=p.schedule,
                               device=device, transport=self.transport, ties=ties, autocast=autocast,
                               grid=self.grid, grad_sync=grad_sync)
@@ -651,6 +658,7 @@ class Trainer:
         mean over the replicas with data parallelism)."""
         d = self.cfg.pipeline.data_parallel
         step = self.position["step"] + 1
+        self._follow_link_schedules(step)
         with naming_peer_failures(self.transport, f"training step {step}", self._suspects):
             try:
                 loss = self.engine.train_step(self._passes([self._shard(g) for g in group]), phase)
@@ -659,6 +667,18 @@ class Trainer:
             if loss is not None and d > 1:
                 loss = float(self._replica_sum(torch.tensor([loss], dtype=torch.float64))) / d
         return loss
+
+    def _follow_link_schedules(self, step: int) -> None:
+        """Give this process's emulated links the setting their schedule has at ``step``, before its first
+        packet (the two ends of a link read the same schedule, so they change at the same step boundary)."""
+        if not self._link_schedules or self.transport is None:
+            return
+        for dst, schedule in self._link_schedules.items():
+            self.transport.set_link(dst, schedule.at(step))
+        if self.writes_metrics and step > 1:
+            for b, schedule in enumerate(parse_links(self.cfg.pipeline.link, self.cfg.pipeline.stages - 1)):
+                if schedule.at(step) != schedule.at(step - 1):
+                    log.info("step %d: emulated link of boundary %d now %s", step, b, schedule.at(step))
 
     def _check_finite(self, loss: float | None) -> None:
         """After a step the engine did not apply (a NaN or infinite loss or gradient norm): stop with one
@@ -746,6 +766,8 @@ class Trainer:
         if not self.writes_metrics:
             return
         per_boundary, links = {}, {}
+        emulated = (parse_links(self.cfg.pipeline.link, self.cfg.pipeline.stages - 1)
+                    if self.cfg.pipeline.link else None)
         for b in range(self.cfg.pipeline.stages - 1):
             per_boundary[f"b{b}.forward"] = int(stats[b]["fw_bytes"])
             per_boundary[f"b{b}.backward"] = int(stats[b + 1]["bw_bytes"])
