@@ -91,6 +91,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
     pp.set_defaults(func=run_pipeline)
 
+    from aqsgd.bench.adaptive import SCENARIOS, AdaptiveBenchConfig, all_settings
+
+    da = AdaptiveBenchConfig()
+    ad = bsub.add_parser("adaptive", help="bits chosen per link (auto) vs every fixed rung, uneven links",
+                         description="Stage processes over uneven emulated links (one setting per boundary; "
+                                     "'drop': the middle link falls from 200 to 20 Mbit/s halfway) train the "
+                                     "same model with fp32, with --forward/--backward auto and with every "
+                                     "fixed rung of auto's ladders: time to a target training loss (fp32's "
+                                     "at 75 %% of its steps), final perplexity against fp32, and the bits "
+                                     "auto gave each link over time (a plot).")
+    ad.add_argument("--scenarios", type=lambda t: t.split(","), default=list(da.scenarios),
+                    help=f"of {', '.join(f'{k} ({v})' for k, v in SCENARIOS.items())} (default: all)")
+    ad.add_argument("--settings", nargs="+", choices=list(all_settings()), default=list(da.settings),
+                    metavar="SETTING", help=f"of {', '.join(all_settings())} (default: all; fp32 is needed)")
+    ad.add_argument("--stages", type=positive_int, default=da.stages, help="2 to 4 (default: 4)")
+    ad.add_argument("--steps", type=positive_int, default=da.steps, help="training steps (default: 40)")
+    ad.add_argument("--hidden", type=positive_int, default=da.hidden, help="model width (default: 256)")
+    ad.add_argument("--seq-len", type=positive_int, default=da.seq_len,
+                    help="tokens per sample (default: 128)")
+    ad.add_argument("--micro-batches", type=positive_int, default=da.num_microbatches, help="(default: 4)")
+    ad.add_argument("--latency-ms", type=float, default=da.latency_ms, help="one-way latency of every link "
+                    "(default: 0)")
+    ad.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON to PATH")
+    ad.add_argument("--png", metavar="PATH", default=None, help="plot loss against time and auto's bits per "
+                    "link over time to PATH")
+    ad.set_defaults(func=run_adaptive)
+
     from aqsgd.bench.vs_torch import LatencyConfig, VsTorchConfig
 
     dv, dl = VsTorchConfig(), LatencyConfig()
@@ -286,6 +313,38 @@ def run_pipeline(args: argparse.Namespace) -> int:
     if args.json:
         write_json(rows, args.json, cfg=cfg, command=args.command_line, machine=machine)
         console.print(f"wrote {args.json}")
+    return 0
+
+
+def run_adaptive(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from aqsgd.bench.adaptive import AdaptiveBenchConfig, bench_adaptive, plot
+    from aqsgd.bench.codecs import machine_description
+
+    cfg = AdaptiveBenchConfig(stages=args.stages, scenarios=args.scenarios, settings=args.settings,
+                              steps=args.steps, hidden=args.hidden, seq_len=args.seq_len,
+                              num_microbatches=args.micro_batches, latency_ms=args.latency_ms)
+    console = Console(width=max(Console().width, 150))
+    machine = machine_description(torch.device("cpu"))
+    console.print(f"[bold]bits chosen per link[/] on {machine}: {cfg.stages} stages, Llama-style model "
+                  f"{cfg.layers} blocks x {cfg.hidden}, {cfg.seq_len} tokens, {cfg.num_microbatches} "
+                  f"micro-batches of {cfg.microbatch_size}, {cfg.steps} steps")
+    try:
+        results = bench_adaptive(cfg, progress=lambda m: console.print(m, highlight=False, markup=False))
+    except ValueError as e:
+        console.print(f"aqsgd bench adaptive: {e}")
+        return 2
+    if args.json:  # (each scenario's figures were printed as it ended)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"benchmark": "adaptive", "command": args.command_line,
+                                               "machine": machine, "config": dataclasses.asdict(cfg),
+                                               "scenarios": results}, indent=1, default=list))
+        console.print(f"wrote {args.json}")
+    if args.png:
+        plot(results, args.png, title=f"{args.command_line} ({machine})")
+        console.print(f"wrote {args.png}")
     return 0
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from aqsgd.errors import SpecError
 from aqsgd.train.config import SECTION_TITLES, TrainConfig, load_toml, options
 
 
@@ -83,10 +84,15 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         from aqsgd.train.trainer import resume_settings
 
         values.update(resume_settings(args.resume))
-    values.update(load_toml(args.config) if args.config else {})
+    given = load_toml(args.config) if args.config else {}
     for o in options():
         if hasattr(args, o.flat):
-            values[o.flat] = getattr(args, o.flat)
+            given[o.flat] = getattr(args, o.flat)
+    values.update(given)
+    if values.get("balance") == "measured" and given.get("layers") is not None:
+        # (a measured run's saved settings hold the split it chose as --layers: --resume reuses it)
+        raise SpecError("--balance measured chooses the blocks per stage itself: give it or --layers, not "
+                        "both")
     return TrainConfig.from_flat(values).validate()
 
 

@@ -128,9 +128,18 @@ class PipelineSection:
     stages: int = 4
     """number of pipeline stages"""
     layers: list[int] | None = None
-    """blocks per stage, comma-separated (default: balanced)"""
+    """blocks per stage, comma-separated (default: split as --balance says)"""
     balance: str = "layers"
-    """default balance: layers or params"""
+    """how blocks are split without --layers: layers (as many per stage), params (the fewest parameters on
+    the largest stage) or measured (for stages of unequal speed: time every stage's forward and backward for
+    --balance-passes pipeline passes with the layers split, then train with the split whose slowest stage is
+    predicted fastest; the split is recorded as the run's --layers, which --resume, export and eval reuse)"""
+    balance_passes: int = 4
+    """pipeline passes --balance measured times (after one that warms up) before it chooses the split"""
+    emulate_slow_stage: str | None = None
+    """an emulation for benchmarks and tests (as --link): STAGE:FACTOR[,STAGE:FACTOR...] makes a stage FACTOR
+    times slower, sleeping FACTOR-1 times each forward's and backward's duration after it (1:2: stage 1
+    twice as slow, as if it shared its cores)"""
     schedule: str = "1f1b"
     """pipeline schedule: gpipe or 1f1b"""
     micro_batches: int = 4
@@ -437,6 +446,7 @@ class TrainConfig:
         from aqsgd.comm.link import parse_links
         from aqsgd.train.adaptive import is_auto, parse_auto
         from aqsgd.parallel.sync import parse_grad_sync
+        from aqsgd.pipeline.balance import parse_slow_stages
         from aqsgd.pipeline.compression import DirectionSpec
         from aqsgd.pipeline.schedule import get_schedule
         from aqsgd.schemes.factory import make_cache
@@ -456,7 +466,7 @@ class TrainConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 raise bad(name, f"must be a finite number, got {value}")
         for name in ("stages", "micro_batches", "micro_batch_size", "epochs", "grad_accum", "max_length",
-                     "keep_checkpoints", "data_parallel", "hidden_size", "vocab_size"):
+                     "keep_checkpoints", "data_parallel", "hidden_size", "vocab_size", "balance_passes"):
             if v[name] < 1:
                 raise bad(name, f"must be >= 1, got {v[name]}")
         if not 0 <= v["seed"] <= MAX_SEED:
@@ -497,7 +507,8 @@ class TrainConfig:
         for name, valid in (("runtime", ("local", "distributed")), ("optimizer", ("adamw", "sgd")),
                             ("device", ("auto", "cpu", "cuda")), ("p2p_backend", ("gloo", "nccl")),
                             ("dp_backend", ("auto", "gloo", "nccl")),
-                            ("dtype", ("auto", "fp32", "bf16")), ("balance", ("layers", "params")),
+                            ("dtype", ("auto", "fp32", "bf16")),
+                            ("balance", ("layers", "params", "measured")),
                             ("ef_key", ("slot", "sample"))):
             if v[name] not in valid:
                 raise bad(name, f"{v[name]!r} is not one of {', '.join(valid)}")
@@ -523,6 +534,8 @@ class TrainConfig:
         if v["layers"] is not None and min(v["layers"]) < 1:
             raise bad("layers",
                       f"every stage needs at least one block, got {','.join(map(str, v['layers']))}")
+        if v["emulate_slow_stage"] is not None:
+            parsed("emulate_slow_stage", lambda text: parse_slow_stages(text, v["stages"]))
         if v["link"] is not None and v["runtime"] != "distributed":
             raise bad("link", "emulates the links between stage processes: it needs --runtime distributed "
                       "(the local runtime passes tensors in memory)")

@@ -57,6 +57,7 @@ from aqsgd.schemes import Phase
 from aqsgd.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
                                     save_checkpoint)
 from aqsgd.train.adaptive import LinkPolicy, is_auto, parse_auto
+from aqsgd.train.balance import emulate_slow_stages, measure_split
 from aqsgd.train.config import TrainConfig, flatten_config
 from aqsgd.train.engine import OptimConfig, PipelineEngine
 from aqsgd.train.export import MODEL_FILE, model_description
@@ -95,9 +96,10 @@ def check_partition(cfg: TrainConfig, recipe: Any) -> None:
     """The model can be cut as ``--stages`` / ``--layers`` ask (one line naming the option if not)."""
     from aqsgd.pipeline.partition import model_layout, stage_layer_counts
 
-    try:
+    balance = cfg.pipeline.balance
+    try:  # measured: profiled with the layers split, then chosen while the run starts
         stage_layer_counts(model_layout(recipe.build("meta")), cfg.pipeline.stages, cfg.pipeline.layers,
-                           cfg.pipeline.balance)
+                           "layers" if balance == "measured" else balance)
     except ValueError as e:
         option = (f"--layers {','.join(map(str, cfg.pipeline.layers))}" if cfg.pipeline.layers is not None
                   else f"--stages {cfg.pipeline.stages}")
@@ -220,7 +222,14 @@ class Trainer:
         total = self.steps_per_epoch * cfg.optim.epochs
         self.total_steps = min(total, cfg.optim.max_steps) if cfg.optim.max_steps else total
         self._warn_if_never_compressed()
+        # --balance measured: the stages are profiled with the layers split, and the run trains with the split
+        # chosen, recorded as its --layers (aqsgd.train.balance)
+        self.balance: dict[str, Any] | None = None
+        if p.balance == "measured" and p.layers is None:
+            self.balance = measure_split(self)
+            self.cfg = self.cfg.replace(layers=self.balance["layers"])
         self.engine = self._build_engine()
+        emulate_slow_stages(self.engine, self.cfg)
         # every replica's last stage has a loss; one of them (replica 0's) writes the metrics
         self.holds_loss = self.grid is None or self.grid.stage == p.stages - 1
         self.writes_metrics = self.holds_loss and self.replica == 0
@@ -246,10 +255,11 @@ class Trainer:
                     "--warmup-epochs or train longer", self.total_steps, c.warmup_epochs, c.warmup_epochs,
                     self.steps_per_epoch, " and ".join(asked))
 
-    def _build_engine(self) -> PipelineEngine:
+    def _build_engine(self, profiling: bool = False) -> PipelineEngine:
         """The stages this process owns (all of them locally, its own one distributed), their boundary
         schemes, optimizers and, distributed, the transport, tied-weight groups and data-parallel gradient
-        sync."""
+        sync. ``profiling`` (--balance measured): stages whose compute is timed, with uncompressed
+        boundaries."""
         cfg, p, o = self.cfg, self.cfg.pipeline, self.cfg.optim
         # locally every stage computes on one device; distributed, each process on cuda:(LOCAL_RANK mod GPUs)
         device = self.device = resolve_device(p.device, distributed=self.distributed)
@@ -271,6 +281,8 @@ class Trainer:
                                                             (autos["backward"], c.backward)))
         comp = CompressionConfig.simple(fw, bw, num_samples=len(self.task.train),
                                         cache=c.cache, cache_dir=cache_dir, ef_key=c.ef_key, seed=o.seed)
+        if profiling:  # no codec and no cache: neither takes time nor writes files while stages are timed
+            comp = CompressionConfig.simple("none", "none")
         autocast = torch.bfloat16 if compute_dtype(o.dtype, device) == "bf16" else None
         torch.manual_seed(o.seed)
         recipe = self.task.recipe
@@ -585,6 +597,8 @@ class Trainer:
                 (self.run_dir / "data.json").write_text(json.dumps(self.task.data_info, indent=1))
             # the model's architecture and where its tokenizer lives: what `aqsgd export` rebuilds
             (self.run_dir / MODEL_FILE).write_text(json.dumps(model_description(self.task), indent=1))
+            if self.balance is not None and resumed_at is None:  # the profile that chose the split
+                writer.write({"kind": "balance", "step": 0, **self.balance})
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -811,6 +825,7 @@ class Trainer:
             "stages": self.cfg.pipeline.stages, "data_parallel": self.cfg.pipeline.data_parallel,
             "grad_sync": self.cfg.pipeline.grad_sync,
             **({"links": self.policy.describe()} if self.policy is not None else {}),
+            **({"balance": self.balance} if self.balance is not None else {}),
             "runtime": self.cfg.pipeline.runtime, "steps": self.position["step"],
             "final_train_loss": train_rows[-1]["loss"] if train_rows else None,
             "eval": self.last_eval, "main_metric": self.task.main_metric,

@@ -1,0 +1,268 @@
+"""``aqsgd bench adaptive``: bits chosen per link (``--forward auto`` / ``--backward auto``) against every
+fixed rung of the ladder, over uneven emulated links.
+
+Every scenario is a pipeline of ``stages`` processes whose boundaries have links of their own (``--link``, one
+setting per boundary, possibly changing during the run: ``drop`` is a middle link that falls from 200 to 20
+Mbit/s halfway). In each scenario every setting trains the same random tiny Llama on the same synthetic data
+(:class:`~aqsgd.data.synthetic.SyntheticLM`), same seed and steps:
+
+* ``fp32``: nothing compressed;
+* ``auto``: AQ-SGD with the bits of each link chosen while training (:mod:`aqsgd.train.adaptive`);
+* ``fixed <rung>``: every link at one rung of the same ladders (activations ``delta:<rung>``, gradients the
+  gradient ladder's rung of the same index, its last one past its end), the choices ``auto`` picks from.
+
+All settings start with the same uncompressed warm-up epoch (AQ-SGD fills its cache there). Per run:
+
+* ``time_to_target_s``: training seconds (the sum of the step times, warm-up included) until the training
+  loss, as a mean over :data:`SMOOTH` steps, is at or below the *target*: the loss ``fp32`` reaches (the same
+  mean) at :data:`TARGET_AT` of its steps; None if never;
+* ``final``: the evaluation at the end, compression off (the model as it is exported), and its perplexity
+  relative to fp32's;
+* the spec every link sent with at every step (``auto``), for the plot of bits per link over time.
+
+The processes of a scenario are started once and run every setting in turn (short copies of the runs go
+first and are dropped: a codec's kernels are compiled at its first use, and a fresh process pays one-off
+costs). Links are emulated in the transport (sleeps), so
+the compute is real and shares this machine's cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from aqsgd.bench.pipeline import _bench_entry
+from aqsgd.comm.launch import launch_local
+from aqsgd.train.adaptive import BITS, LADDERS
+from aqsgd.train.config import TrainConfig
+
+__all__ = ["AdaptiveBenchConfig", "SCENARIOS", "bench_adaptive", "fixed_settings", "plot", "summarize",
+           "time_to_target"]
+
+SMOOTH = 3  # steps in the running mean of the training loss
+TARGET_AT = 0.75  # the target loss: fp32's at this fraction of its steps
+
+# scenario -> --link, with {half} the step from which a link changes and {lat} the links' latency
+SCENARIOS: dict[str, str] = {
+    "uneven": "1gbit{lat}/50mbit{lat}/200mbit{lat}",
+    "drop": "1gbit{lat}/200mbit{lat}~20mbit{lat}@{half}/200mbit{lat}",
+}
+
+
+def fixed_settings() -> dict[str, tuple[str, str]]:
+    """``fixed <rung>`` -> (forward, backward) for every rung of the activation ladder."""
+    fw, bw = LADDERS["forward"], LADDERS["backward"]
+    return {f"fixed {rung}": (f"delta:{rung}", f"direct:{bw[min(i, len(bw) - 1)]}")
+            for i, rung in enumerate(fw)}
+
+
+def all_settings() -> dict[str, tuple[str, str]]:
+    return {"fp32": ("none", "none"), "auto": ("auto", "auto"), **fixed_settings()}
+
+
+@dataclasses.dataclass
+class AdaptiveBenchConfig:
+    stages: int = 4
+    scenarios: Sequence[str] = tuple(SCENARIOS)
+    settings: Sequence[str] = tuple(all_settings())
+    hidden: int = 256
+    layers: int = 4
+    seq_len: int = 128
+    vocab: int = 512
+    microbatch_size: int = 4
+    num_microbatches: int = 4
+    train_samples: int = 64  # 4 steps per epoch
+    steps: int = 40
+    eval_samples: int = 32
+    lr: float = 3e-3
+    latency_ms: float = 0.0
+    seed: int = 0
+
+    def link(self, scenario: str) -> str:
+        """The scenario's ``--link``: 4 stages' links; 3 stages take the first two, 2 stages the middle one
+        (the slow or changing link)."""
+        lat = f",{self.latency_ms:g}ms" if self.latency_ms else ""
+        parts = SCENARIOS[scenario].format(half=self.steps // 2 + 1, lat=lat).split("/")
+        return "/".join(parts[1:2] if self.stages == 2 else parts[: self.stages - 1])
+
+
+def train_config(cfg: AdaptiveBenchConfig, scenario: str, setting: str, output_dir: str) -> TrainConfig:
+    forward, backward = all_settings()[setting]
+    batch = cfg.microbatch_size * cfg.num_microbatches
+    return TrainConfig.of(
+        task="synthetic-lm", model="tiny-llama", model_layers=cfg.layers, hidden_size=cfg.hidden,
+        vocab_size=cfg.vocab, max_length=cfg.seq_len, max_train_samples=cfg.train_samples,
+        max_eval_samples=cfg.eval_samples, stages=cfg.stages, micro_batches=cfg.num_microbatches,
+        micro_batch_size=cfg.microbatch_size, forward=forward, backward=backward, warmup_epochs=1,
+        epochs=-(-cfg.steps * batch // cfg.train_samples), max_steps=cfg.steps, lr=cfg.lr, lr_warmup=0.0,
+        seed=cfg.seed, eval_every=cfg.steps, checkpoint_every=0, progress=False, tensorboard=False,
+        runtime="distributed", link=cfg.link(scenario), timeout=300.0, output_dir=output_dir,
+        run_name=setting.replace(" ", "-").replace(":", "-"), overwrite=True)
+
+
+def _epoch(cfg: AdaptiveBenchConfig) -> int:
+    """Steps per epoch (the uncompressed warm-up's length)."""
+    return -(-cfg.train_samples // (cfg.microbatch_size * cfg.num_microbatches))
+
+
+def smoothed(losses: Sequence[float]) -> list[float]:
+    """The running mean of the last :data:`SMOOTH` losses at every step."""
+    return [statistics.fmean(losses[max(0, i + 1 - SMOOTH): i + 1]) for i in range(len(losses))]
+
+
+def time_to_target(losses: Sequence[float], step_s: Sequence[float], target: float) -> float | None:
+    """Seconds of training (the steps' times summed) until the smoothed loss is at or below ``target``."""
+    elapsed = 0.0
+    for loss, dt in zip(smoothed(losses), step_s):
+        elapsed += dt
+        if loss <= target:
+            return elapsed
+    return None
+
+
+def _run_record(setting: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    final = evals[-1]["uncompressed"] if evals else None
+    return {
+        "setting": setting, "forward": all_settings()[setting][0], "backward": all_settings()[setting][1],
+        "loss": [r["loss"] for r in train], "step_s": [r["time"]["step"] for r in train],
+        "codecs": [r.get("codecs") for r in train],
+        "emulated": [{k: v.get("emulated") for k, v in r.get("links", {}).items()} for r in train],
+        "mbit_s": [{k: v.get("mbit_s") for k, v in r.get("links", {}).items()} for r in train],
+        "bytes_sent": sum(r["bytes_sent"] for r in train), "train_s": sum(r["time"]["step"] for r in train),
+        "final": final,
+    }
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The target loss, and every run's time to it, median step time and final perplexity relative to fp32's
+    (added to the runs in place); ``best_fixed``: the fixed setting that reached the target first."""
+    fp32 = next(r for r in runs if r["setting"] == "fp32")
+    at = max(0, round(TARGET_AT * len(fp32["loss"])) - 1)
+    target = smoothed(fp32["loss"])[at]
+    ref = fp32["final"]["perplexity"] if fp32["final"] else None
+    for r in runs:
+        r["time_to_target_s"] = time_to_target(r["loss"], r["step_s"], target)
+        r["median_step_s"] = statistics.median(r["step_s"])
+        ppl = r["final"]["perplexity"] if r["final"] else None
+        r["final_perplexity"] = ppl
+        r["perplexity_vs_fp32"] = None if ppl is None or ref is None else ppl / ref - 1
+    fixed = [r for r in runs if r["setting"].startswith("fixed") and r["time_to_target_s"] is not None]
+    best = min(fixed, key=lambda r: r["time_to_target_s"])["setting"] if fixed else None
+    return {"target_loss": target, "target_at_step": at + 1, "best_fixed": best}
+
+
+def bench_adaptive(cfg: AdaptiveBenchConfig, work_dir: str | None = None,
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every scenario of ``cfg`` with every setting; ``{scenario: {"link", "runs", "target_loss", ...}}``."""
+    unknown = [s for s in cfg.settings if s not in all_settings()]
+    if unknown or "fp32" not in cfg.settings:
+        raise ValueError(f"settings: {', '.join(unknown) or 'fp32 is needed (the target loss is its)'}; "
+                         f"valid: {', '.join(all_settings())}")
+    if not 2 <= cfg.stages <= 4:
+        raise ValueError(f"stages: {cfg.stages}; the scenarios have links for 2 to 4 stages")
+    bad = [s for s in cfg.scenarios if s not in SCENARIOS]
+    if bad:
+        raise ValueError(f"scenarios: unknown {', '.join(bad)}; valid: {', '.join(SCENARIOS)}")
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="aqsgd-bench-adaptive-") as tmp:
+        for scenario in cfg.scenarios:
+            root = str(Path(work_dir or tmp) / scenario)
+            plan = [(s, train_config(cfg, scenario, s, root)) for s in cfg.settings]
+            if progress:
+                progress(f"{scenario}: links {cfg.link(scenario)}, {len(plan)} settings x {cfg.steps} steps")
+            # one-off costs (kernels compiled at a codec's first use, allocator growth, first connections) are
+            # paid by short copies of the runs first, dropped
+            warm = [c.replace(run_name=f"warm-up-{c.run.run_name}", max_steps=min(cfg.steps, _epoch(cfg) + 2),
+                              eval_every=0).to_json() for _, c in plan]
+            runs_json = warm + [c.to_json() for _, c in plan]
+            per_rank = launch_local(_bench_entry, cfg.stages, json.dumps(runs_json),
+                                    run_id="aqsgd-bench-adaptive")
+            histories = [next(r[j] for r in per_rank if r[j] is not None)
+                         for j in range(len(warm), len(runs_json))]
+            runs = []
+            for (setting, c), history in zip(plan, histories):
+                metrics = Path(root) / c.run.run_name / "metrics.jsonl"
+                rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() \
+                    else history
+                runs.append(_run_record(setting, rows))
+            out[scenario] = {"link": cfg.link(scenario), "runs": runs, **summarize(runs)}
+            if progress:
+                progress(format_scenario(scenario, out[scenario]))
+    return out
+
+
+def format_scenario(name: str, result: dict[str, Any]) -> str:
+    lines = [f"{name} ({result['link']}): target loss {result['target_loss']:.4f} (fp32 at step "
+             f"{result['target_at_step']}); best fixed: {result['best_fixed']}"]
+    for r in result["runs"]:
+        t, rel, ppl = r["time_to_target_s"], r["perplexity_vs_fp32"], r["final_perplexity"]
+        lines.append(f"  {r['setting']:<14} to target {'never' if t is None else f'{t:7.2f} s'}   "
+                     f"median step {r['median_step_s']:.3f} s   final perplexity "
+                     f"{'-' if ppl is None else f'{ppl:.4f}'}"
+                     f" ({'-' if rel is None else f'{100 * rel:+.2f} %'} vs fp32)")
+    return "\n".join(lines)
+
+
+def bits_over_steps(run: dict[str, Any]) -> dict[str, list[float | None]]:
+    """Bits per value each link sent with at every step (from an ``auto`` run's codecs)."""
+    names = sorted({k for c in run["codecs"] if c for k in c})
+    return {n: [None if not c or n not in c else BITS[c[n].partition(":")[2]] for c in run["codecs"]]
+            for n in names}
+
+
+def plot(results: dict[str, Any], path: str | Path, title: str) -> None:
+    """Per scenario: training loss against training time for every setting (top), and the bits each link of
+    ``auto`` sent with at every step next to its emulated bandwidth (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(results), figsize=(6.5 * len(results), 8), squeeze=False)
+    for col, (scenario, res) in enumerate(results.items()):
+        top, bottom = axes[0][col], axes[1][col]
+        for r in res["runs"]:
+            elapsed, t = [], 0.0
+            for dt in r["step_s"]:
+                t += dt
+                elapsed.append(t)
+            style = dict(lw=2.2, color="black") if r["setting"] == "auto" else dict(lw=1.0, alpha=0.8)
+            top.plot(elapsed, smoothed(r["loss"]), label=r["setting"], **style)
+        top.axhline(res["target_loss"], color="grey", ls=":", lw=1)
+        top.set(title=f"{scenario}: {res['link']}", xlabel="training time (s)",
+                ylabel=f"training loss (mean of {SMOOTH} steps)")
+        top.legend(fontsize=7)
+        auto = next((r for r in res["runs"] if r["setting"] == "auto"), None)
+        if auto is None:
+            continue
+        steps = range(1, len(auto["loss"]) + 1)
+        for name, bits in bits_over_steps(auto).items():
+            bottom.plot(steps, [b if b is not None else float("nan") for b in bits], drawstyle="steps-post",
+                        ls="-" if name.endswith("forward") else "--", label=f"{name} bits")
+        bottom.set(xlabel="step", ylabel="bits per value (auto)", ylim=(0, 17))
+        twin = bottom.twinx()
+        for name in sorted({k for e in auto["emulated"] for k in e if k.endswith("forward")}):
+            mbit = [_mbit(e.get(name)) for e in auto["emulated"]]
+            twin.plot(steps, mbit, color="grey", lw=0.8, ls=":")
+            twin.annotate(name.split(".")[0], (steps[-1], mbit[-1]), fontsize=7, color="grey")
+        twin.set(yscale="log", ylabel="emulated link (Mbit/s, dotted)")
+        bottom.legend(fontsize=7, loc="lower left")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _mbit(spec: str | None) -> float:
+    if not spec:
+        return float("nan")
+    bw = spec.split(",")[0]
+    return float("nan") if bw == "inf" else float(bw.removesuffix("mbit"))

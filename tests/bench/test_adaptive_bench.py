@@ -1,0 +1,84 @@
+"""``aqsgd bench adaptive``: its measures on made-up runs, then the command end to end on a tiny pipeline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aqsgd.bench.adaptive import (AdaptiveBenchConfig, bench_adaptive, bits_over_steps, fixed_settings,
+                                  smoothed, summarize, time_to_target)
+
+
+def test_the_fixed_settings_are_the_rungs_of_autos_ladders():
+    assert fixed_settings() == {
+        "fixed fp16": ("delta:fp16", "direct:fp16"), "fixed q8": ("delta:q8", "direct:q8"),
+        "fixed q4": ("delta:q4", "direct:q6"), "fixed q3": ("delta:q3", "direct:q4"),
+        "fixed q2:l2": ("delta:q2:l2", "direct:q4")}
+
+
+def test_time_to_target_sums_step_times_until_the_smoothed_loss_reaches_it():
+    losses = [4.0, 3.0, 2.0, 1.0, 1.0]
+    assert smoothed(losses) == [4.0, 3.5, 3.0, 2.0, 4 / 3]
+    assert time_to_target(losses, [1.0, 2.0, 3.0, 4.0, 5.0], 2.0) == 10.0
+    assert time_to_target(losses, [1.0] * 5, 0.5) is None  # never reached
+
+
+def _run(setting, losses, step_s, ppl, codecs=None):
+    return {"setting": setting, "loss": losses, "step_s": step_s, "codecs": codecs or [None] * len(losses),
+            "final": {"perplexity": ppl}}
+
+
+def test_summary_target_from_fp32_and_the_best_fixed_setting_in_hindsight():
+    runs = [_run("fp32", [4.0, 3.0, 2.0, 1.0], [2.0] * 4, 10.0),
+            _run("fixed q8", [4.0, 3.0, 2.0, 1.0], [1.0] * 4, 10.1),
+            _run("fixed q2:l2", [4.0, 3.5, 3.0, 3.0], [0.5] * 4, 12.0),
+            _run("auto", [4.0, 3.0, 2.0, 1.0], [0.9] * 4, 10.05)]
+    s = summarize(runs)
+    assert s["target_at_step"] == 3 and s["target_loss"] == 3.0  # fp32's mean of 3 steps at 3 of its 4
+    assert s["best_fixed"] == "fixed q8"  # q2:l2 is faster per step but never gets there
+    by = {r["setting"]: r for r in runs}
+    assert by["auto"]["time_to_target_s"] == pytest.approx(2.7)
+    assert by["fixed q2:l2"]["time_to_target_s"] is None
+    assert by["auto"]["perplexity_vs_fp32"] == pytest.approx(0.005)
+
+
+def test_bits_over_steps_reads_the_spec_each_link_sent_with():
+    run = _run("auto", [1.0] * 3, [1.0] * 3, 1.0,
+               codecs=[{"b0.forward": "delta:fp16", "b0.backward": "direct:fp16"},
+                       {"b0.forward": "delta:q2:l2", "b0.backward": "direct:q6"},
+                       {"b0.forward": "delta:q3", "b0.backward": "direct:q6"}])
+    assert bits_over_steps(run) == {"b0.backward": [16.0, 6.0, 6.0], "b0.forward": [16.0, 2.0, 3.0]}
+
+
+def test_bad_settings_and_scenarios_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="fp32 is needed"):
+        bench_adaptive(AdaptiveBenchConfig(settings=("auto",)))
+    with pytest.raises(ValueError, match="unknown flat; valid: uneven, drop"):
+        bench_adaptive(AdaptiveBenchConfig(scenarios=("flat",)))
+    with pytest.raises(ValueError, match="2 to 4 stages"):
+        bench_adaptive(AdaptiveBenchConfig(stages=5))
+
+
+def test_the_link_of_each_scenario_by_stages_and_steps():
+    cfg = AdaptiveBenchConfig(stages=3, steps=20, latency_ms=5)
+    assert cfg.link("uneven") == "1gbit,5ms/50mbit,5ms"
+    assert cfg.link("drop") == "1gbit,5ms/200mbit,5ms~20mbit,5ms@11"
+    assert AdaptiveBenchConfig(stages=2, steps=8).link("drop") == "200mbit~20mbit@5"
+
+
+def test_the_command_end_to_end_on_a_tiny_pipeline(tmp_path):
+    from aqsgd.cli import main
+
+    out = tmp_path / "adaptive.json"
+    assert main(["bench", "adaptive", "--stages", "2", "--scenarios", "drop", "--settings", "fp32", "auto",
+                 "--steps", "6", "--hidden", "64", "--seq-len", "32", "--json", str(out),
+                 "--png", str(tmp_path / "adaptive.png")]) == 0
+    result = json.loads(out.read_text())
+    drop = result["scenarios"]["drop"]
+    assert drop["link"] == "200mbit~20mbit@4"
+    auto = next(r for r in drop["runs"] if r["setting"] == "auto")
+    assert [e["b0.forward"] for e in auto["emulated"]] == ["200mbit,0ms"] * 3 + ["20mbit,0ms"] * 3
+    assert all(c["b0.forward"].startswith("delta:") for c in auto["codecs"])
+    assert len(auto["loss"]) == 6 and auto["final_perplexity"] > 1
+    assert (tmp_path / "adaptive.png").stat().st_size > 10_000
