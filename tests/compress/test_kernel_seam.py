@@ -69,3 +69,22 @@ def test_row_store_holds_the_cache_storage_as_torch_tensors():
     assert store.ids.dtype == torch.int64 and store.device == rows.device and store.fmt == 1
     assert kernels.RowStore.of(torch.zeros(3, 4, dtype=torch.int32), torch.tensor([0])) is None
     assert kernels.RowStore.of(torch.zeros(4, 3).t(), torch.tensor([0])) is None  # not contiguous
+
+
+@pytest.mark.parametrize("spec", ["q2:stochastic", "q3:token:stochastic", "q1:block16:stochastic"])
+def test_stochastic_rounding_through_a_kernel_reads_the_general_paths_draw(spec):
+    """The eager backend's quantize_pack takes the noise (as Triton's does); the numba backend leaves
+    stochastic rounding to the general path. Same generator, same bytes; a generator on another device is
+    refused."""
+    from aqsgd.errors import CodecError
+
+    x = torch.randn(4, 3, 32, generator=torch.Generator().manual_seed(1))
+    assert kernels.for_device("cpu", "eager").quantizes(torch.float32, "stochastic")
+    assert not kernels.Kernels(torch.device("cpu")).quantizes(torch.float32, "stochastic")
+    got = make_codec(spec, backend="eager").encode(x, generator=torch.Generator().manual_seed(3)).payload
+    ref = make_codec(spec).quantize(x, torch.Generator().manual_seed(3))
+    want = make_codec(spec).encode(x, generator=torch.Generator().manual_seed(3)).payload
+    assert torch.equal(got, want) and torch.equal(got[: ref[0].numel() * 2], ref[0].view(torch.uint8))
+    if torch.cuda.is_available():
+        with pytest.raises(CodecError, match="needs a generator on that device"):
+            make_codec(spec, backend="eager").encode(x, generator=torch.Generator("cuda"))

@@ -223,3 +223,26 @@ def test_topk_values_beyond_fp16_pass_in_fp32():
     x[1, 9] = 7e4
     got = make_codec("topk0.25+fp32", backend="triton").encode(x).payload
     assert torch.equal(got, make_codec("topk0.25+fp32", backend="eager").encode(x).payload)
+
+
+# -- stochastic rounding -------------------------------------------------------------------------------------
+STOCHASTIC = ["q2:stochastic", "q4:token:stochastic", "q1:stochastic", "q3:block64:stochastic",
+              "q2:stochastic:l2:midrise", "q8:stochastic:tensor"]
+
+
+@pytest.mark.parametrize("spec", STOCHASTIC)
+def test_stochastic_rounding_reads_the_general_paths_draw(spec, monkeypatch):
+    noises = []
+    real = triton_kernels.TritonKernels.quantize_pack
+    monkeypatch.setattr(triton_kernels.TritonKernels, "quantize_pack",
+                        lambda self, *a, **k: noises.append(k.get("noise")) or real(self, *a, **k))
+    x = _data((3, 5, 64), seed=2)
+    packets = {}
+    for b in ("triton", "eager", "numba"):  # numba: the general path (its kernel takes no noise)
+        g = torch.Generator().manual_seed(5)
+        packets[b] = make_codec(spec, backend=b).encode(x, generator=g).payload
+    assert len(noises) == 1 and noises[0] is not None and noises[0].numel() == x.numel()
+    assert torch.equal(packets["triton"], packets["eager"])
+    assert torch.equal(packets["triton"], packets["numba"])
+    again = make_codec(spec, backend="triton").encode(x, generator=torch.Generator().manual_seed(6)).payload
+    assert not torch.equal(again, packets["triton"])  # the noise is read, not ignored

@@ -286,16 +286,17 @@ class QuantCodec(Codec):
         ops = kernels.for_tensor(x, self.backend)
         if ops.quantizes(x.dtype, self.rounding):
             plan = kernels.plan(x.shape, self.granularity, self.block)
-            out = None if plan is None else self._encode_planned(ops, x, plan)
+            out = None if plan is None else self._encode_planned(ops, x, plan, generator)
             if out is not None:
                 return out
         stored, codes = self.quantize(x, generator)
         return torch.cat([stored.view(torch.uint8), pack_bits(codes, self.bits)])
 
-    def _encode_planned(self, ops: kernels.Kernels, x: torch.Tensor, plan: tuple[int, int, bool]
-                        ) -> torch.Tensor | None:
+    def _encode_planned(self, ops: kernels.Kernels, x: torch.Tensor, plan: tuple[int, int, bool],
+                        generator: torch.Generator | None = None) -> torch.Tensor | None:
         """The payload from the kernels' operations (:mod:`aqsgd.compress.kernels`) on the fp32 ``[rows, k]``
-        view; None where the backend has no kernel for them."""
+        view; None where the backend has no kernel for them. Stochastic rounding (where the backend takes it)
+        draws its noise as the general path does, after the scales, so the bytes are the same."""
         rows, k, by_col = plan
         x2 = self._fp32_rows(x, rows, k)
         s = self._planned_scales(x2, x.shape, by_col, lambda: ops.max_abs(x2, by_col))
@@ -303,9 +304,22 @@ class QuantCodec(Codec):
             return None
         stored, inv, _ = self._scale_steps(s, torch.float32)
         out, nsb = self._payload(stored, rows, k, x.device)
-        packed = ops.quantize_pack(x2, self._per_group(inv, rows, k, by_col), by_col, self.qmax / 2.0 + 0.5,
-                                   self.bits, self.qmax, out=out[nsb:].view(rows, -1))
+        noise = None
+        if self.rounding == "stochastic":  # the general path's draw: the same generator, shape and order
+            noise = self._noise((x2.numel(),), torch.float32, x.device, generator).view(rows, k)
+        # codes at t = x / step + qmax / 2, plus 0.5 (nearest) or the noise (stochastic), then truncated
+        packed = ops.quantize_pack(x2, self._per_group(inv, rows, k, by_col), by_col,
+                                   self.qmax / 2.0 + (0.5 if noise is None else 0.0), self.bits, self.qmax,
+                                   out=out[nsb:].view(rows, -1), noise=noise)
         return None if packed is None else out
+
+    def _noise(self, shape: Sequence[int], cdt: torch.dtype, device: torch.device,
+               generator: torch.Generator | None) -> torch.Tensor:
+        """Stochastic rounding's uniform noise in ``[0, 1)``, one value per element in the flat order."""
+        if generator is not None and generator.device.type != device.type:
+            raise CodecError(f"{self.spec}: stochastic rounding of a tensor on {device} needs a "
+                             f"generator on that device, got one on {generator.device}")
+        return torch.rand(tuple(shape), dtype=cdt, device=device, generator=generator)
 
     @staticmethod
     def _fp32_rows(x: torch.Tensor, rows: int, k: int) -> torch.Tensor:
@@ -363,7 +377,8 @@ class QuantCodec(Codec):
 
     def encode_delta(self, x: torch.Tensor, store: kernels.RowStore) -> Packet | None:
         ops = kernels.for_tensor(x, self.backend)
-        if x.numel() == 0 or not ops.quantizes(x.dtype, self.rounding) or store.device != x.device:
+        if (x.numel() == 0 or self.rounding != "nearest" or not ops.quantizes(x.dtype, self.rounding)
+                or store.device != x.device):
             return None
         plan = self._delta_plan(x.shape, store)
         if plan is None:
@@ -446,10 +461,7 @@ class QuantCodec(Codec):
             torch.addcmul(offset, v, _Groups.bcast(inv[start : start + n], d), out=tv)
             start += n
         if self.rounding == "stochastic":
-            if generator is not None and generator.device.type != t.device.type:
-                raise CodecError(f"{self.spec}: stochastic rounding of a tensor on {t.device} needs a "
-                                 f"generator on that device, got one on {generator.device}")
-            t.add_(torch.rand(t.shape, dtype=cdt, device=t.device, generator=generator))
+            t.add_(self._noise(t.shape, cdt, t.device, generator))
         if clip or self.rounding == "stochastic":
             t.clamp_(0.0, float(self.qmax))
         # t is in [0, qmax + 1): truncation is floor. float -> int8/int16 conversions are vectorized on CPU

@@ -76,17 +76,25 @@ class Kernels:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    #: whether :meth:`quantize_pack` takes stochastic rounding's noise
+    stochastic = False
+
     def quantizes(self, dtype: torch.dtype, rounding: str) -> bool:
         """Whether the quantizer's operations run here for inputs of ``dtype`` computed in fp32 (fp32, bf16,
-        fp16) with ``rounding`` (nearest only: stochastic rounding stays on the general path)."""
-        return dtype in (torch.float32, torch.bfloat16, torch.float16) and rounding == "nearest"
+        fp16) with ``rounding`` (nearest, or stochastic where the backend's :meth:`quantize_pack` takes the
+        noise; elsewhere stochastic rounding stays on the general path)."""
+        return (dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and (rounding == "nearest" or (rounding == "stochastic" and self.stochastic)))
 
     def max_abs(self, x2: torch.Tensor, by_col: bool) -> torch.Tensor | None:
         return None
 
     def quantize_pack(self, x2: torch.Tensor, inv: torch.Tensor, by_col: bool, offset: float, bits: int,
-                      qmax: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The packed codes, written into ``out`` (``uint8 [R, K * bits / 8]``, contiguous) where given."""
+                      qmax: int, out: torch.Tensor | None = None,
+                      noise: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The packed codes, written into ``out`` (``uint8 [R, K * bits / 8]``, contiguous) where given. With
+        ``noise`` (fp32 ``[R, K]`` in ``[0, 1)``, the uniform draw of the general path, only where
+        :attr:`stochastic`), the codes are ``trunc(clamp(fma(x, inv, offset) + noise, 0, qmax))``."""
         return None
 
     def unpack_dequantize(self, packed: torch.Tensor, step: torch.Tensor, by_col: bool, bits: int, mul: int,

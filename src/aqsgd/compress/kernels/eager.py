@@ -26,11 +26,17 @@ class EagerKernels(Kernels):
     def max_abs(self, x2: torch.Tensor, by_col: bool) -> torch.Tensor:
         return x2.abs().amax(dim=0 if by_col else 1)
 
+    stochastic = True
+
     def quantize_pack(self, x2: torch.Tensor, inv: torch.Tensor, by_col: bool, offset: float, bits: int,
-                      qmax: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                      qmax: int, out: torch.Tensor | None = None,
+                      noise: torch.Tensor | None = None) -> torch.Tensor:
         rows, k = x2.shape
         off = torch.tensor(offset, dtype=torch.float32, device=x2.device)
-        t = torch.addcmul(off, x2, _per_group(inv, by_col)).clamp_(0.0, float(qmax))
+        t = torch.addcmul(off, x2, _per_group(inv, by_col))
+        if noise is not None:
+            t.add_(noise)
+        t.clamp_(0.0, float(qmax))
         # float -> int8 is vectorized on the CPU where float -> uint8 is not: through a signed type
         codes = t.to(torch.int8).view(torch.uint8) if qmax <= 127 else t.to(torch.int16).to(torch.uint8)
         packed = pack_bits(codes.view(-1), bits).view(rows, k * bits // 8)

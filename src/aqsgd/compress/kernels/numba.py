@@ -127,7 +127,10 @@ class NumbaKernels(Kernels):
         return torch.from_numpy(_call("colmax" if by_col else "rowmax", x2.numpy()))
 
     def quantize_pack(self, x2: torch.Tensor, inv: torch.Tensor, by_col: bool, offset: float, bits: int,
-                      qmax: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                      qmax: int, out: torch.Tensor | None = None,
+                      noise: torch.Tensor | None = None) -> torch.Tensor | None:
+        if noise is not None:  # stochastic rounding: the general path's
+            return None
         rows, k = x2.shape
         if out is None:
             out = torch.empty(rows, k * bits // 8, dtype=torch.uint8)

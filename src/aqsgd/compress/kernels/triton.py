@@ -97,8 +97,8 @@ def _kernels():
         tl.store(out_ptr + cols, best, mask=cmask)
 
     @triton.jit
-    def quant_pack(x_ptr, inv_ptr, out_ptr, R, K, offset, qmax, BY_COL: tl.constexpr, BITS: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    def quant_pack(x_ptr, inv_ptr, noise_ptr, out_ptr, R, K, offset, qmax, BY_COL: tl.constexpr,
+                   BITS: tl.constexpr, NOISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
         lane = tl.arange(0, 8)
@@ -111,7 +111,10 @@ def _kernels():
             inv = tl.load(inv_ptr + cols, mask=cmask, other=0.0)[None, :, :]
         else:
             inv = tl.load(inv_ptr + rows, mask=rmask, other=0.0)[:, None, None]
-        t = tl.minimum(tl.maximum(tl.fma(x, inv, offset), 0.0), qmax)
+        t = tl.fma(x, inv, offset)
+        if NOISE:  # stochastic rounding: the general path's uniform draw, added after the fma's rounding
+            t = t + tl.load(noise_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
+        t = tl.minimum(tl.maximum(t, 0.0), qmax)
         code = t.to(tl.int32).to(tl.int64)
         word = tl.sum(code << (lane[None, None, :].to(tl.int64) * BITS), axis=2)  # [R, G]: disjoint bits
         nb = K * BITS // 8
@@ -448,14 +451,22 @@ class TritonKernels(Kernels):
                                                            BLOCK_K=_BLOCK_K)
         return out
 
+    stochastic = True
+
     def quantize_pack(self, x2: torch.Tensor, inv: torch.Tensor, by_col: bool, offset: float, bits: int,
-                      qmax: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                      qmax: int, out: torch.Tensor | None = None,
+                      noise: torch.Tensor | None = None) -> torch.Tensor:
+        """The packed codes (see :class:`~aqsgd.compress.kernels.Kernels`). Stochastic rounding reads the
+        caller's ``noise``, the very tensor the general path draws (same generator, shape and order) and adds
+        to the fma's result before clamping and truncating, as that path does: the bytes are the general
+        path's. The kernel draws no random numbers of its own."""
         rows, k = x2.shape
         if out is None:
             out = torch.empty(rows, k * bits // 8, dtype=torch.uint8, device=x2.device)
         grid = (_cdiv(rows, _BLOCK_R), _cdiv(k // 8, _BLOCK_G))
-        _kernels()["quant_pack"][grid](x2, inv, out, rows, k, float(offset), float(qmax), BY_COL=by_col,
-                                       BITS=bits, BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
+        _kernels()["quant_pack"][grid](x2, inv, x2 if noise is None else noise, out, rows, k, float(offset),
+                                       float(qmax), BY_COL=by_col, BITS=bits, NOISE=noise is not None,
+                                       BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
         return out
 
     def unpack_dequantize(self, packed: torch.Tensor, step: torch.Tensor, by_col: bool, bits: int, mul: int,
