@@ -1,6 +1,6 @@
-"""``--balance measured`` in the trainer: a stage made four times slower (``--emulate-slow-stage``) gets fewer
-blocks; the split is recorded where ``--resume``, ``export`` and ``eval`` read it; the run trains exactly as one
-given that split with ``--layers``; both runtimes; one-line errors for bad inputs."""
+"""``--balance measured`` in the trainer: a stage made four times slower (``--emulate-slow-stage``) gets
+fewer blocks; the split is recorded where ``--resume``, ``export`` and ``eval`` read it; the run trains
+exactly as one given that split with ``--layers``; both runtimes; one-line errors for bad inputs."""
 
 from __future__ import annotations
 
@@ -82,9 +82,9 @@ def test_a_distributed_run_balances_and_records_the_split(tmp_path):
     # timings, which other processes on this machine disturb: the slow benchmark checks the choice)
     argv = ["train", "--task", "synthetic-lm", "--runtime", "distributed", "--stages", "2", "--balance",
             "measured", "--emulate-slow-stage", "1:4", "--balance-passes", "2", "--max-train-samples", "32",
-            "--max-eval-samples", "4", "--max-length", "16", "--micro-batches", "2", "--micro-batch-size", "4",
-            "--warmup-epochs", "0", "--max-steps", "2", "--eval-every", "0", "--output-dir", str(tmp_path),
-            "--run-name", "d", "--no-progress", "--no-tensorboard"]
+            "--max-eval-samples", "4", "--max-length", "16", "--micro-batches", "2", "--micro-batch-size",
+            "4", "--warmup-epochs", "0", "--max-steps", "2", "--eval-every", "0", "--output-dir",
+            str(tmp_path), "--run-name", "d", "--no-progress", "--no-tensorboard"]
     assert main(argv) == 0
     run = tmp_path / "d"
     balance = json.loads((run / "summary.json").read_text())["balance"]
@@ -101,7 +101,7 @@ def test_a_distributed_run_balances_and_records_the_split(tmp_path):
 @pytest.mark.parametrize("argv, needle", [
     (["--balance", "measured", "--layers", "2,2"], "--balance measured chooses the blocks per stage itself"),
     (["--emulate-slow-stage", "2:2"], "--emulate-slow-stage: stage 2 is not a stage of the 2-stage pipeline"),
-    (["--emulate-slow-stage", "1:0.5"], "--emulate-slow-stage: stage 1: the factor must be a finite number >= 1"),
+    (["--emulate-slow-stage", "1:0.5"], "stage 1: the factor must be a finite number >= 1"),
     (["--emulate-slow-stage", "one"], "--emulate-slow-stage: 'one' is not STAGE:FACTOR"),
     (["--balance", "speed"], "--balance: 'speed' is not one of layers, params, measured"),
     (["--balance-passes", "0"], "--balance-passes: must be >= 1"),
