@@ -246,3 +246,39 @@ def test_stochastic_rounding_reads_the_general_paths_draw(spec, monkeypatch):
     assert torch.equal(packets["triton"], packets["numba"])
     again = make_codec(spec, backend="triton").encode(x, generator=torch.Generator().manual_seed(6)).payload
     assert not torch.equal(again, packets["triton"])  # the noise is read, not ignored
+
+
+# -- outlier rows --------------------------------------------------------------------------------------------
+def test_row_sums_of_squares_agree_to_rounding():
+    """The kernel sums in its own order: equal to PyTorch's sum to float rounding (relative error at most the
+    row length times fp32's epsilon), not to the bit."""
+    x = _data((37, 300), seed=4)
+    got = kernels.for_device("cpu", "triton").row_sumsq(x)
+    want = x.double().square().sum(dim=1)
+    assert torch.all((got.double() - want).abs() <= want * 300 * torch.finfo(torch.float32).eps)
+    half = kernels.for_device("cpu", "triton").row_sumsq(x.to(torch.bfloat16))
+    assert torch.allclose(half, x.to(torch.bfloat16).float().square().sum(dim=1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("loud", [(), (5,), (1, 9, 30), (0, 3, 8, 12, 20, 33, 40)])
+def test_outlier_packets_equal_the_other_backends(loud, dtype, monkeypatch):
+    """Rows far from the threshold (norms 20x and more against a factor of 4, or plain), so that the
+    selection cannot depend on the summation order; up to the cap of 48 // 16 rows, and beyond it."""
+    calls = []
+    for name in ("row_sumsq", "split_rows"):
+        real = getattr(triton_kernels.TritonKernels, name)
+        monkeypatch.setattr(triton_kernels.TritonKernels, name,
+                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
+                                                                           or _real(self, *a, **k)))
+    x = torch.randn(3, 16, 40, generator=torch.Generator().manual_seed(len(loud)))
+    for i, r in enumerate(loud):
+        x.view(48, 40)[r] *= 20 + 10 * i
+    x = x.to(dtype)
+    for spec in ("q2:outlier4", "fp16:outlier4", "q3:rot8:token:outlier4"):
+        packets = {b: make_codec(spec, backend=b).encode(x) for b in ("triton", "eager", "numba")}
+        assert torch.equal(packets["triton"].payload, packets["eager"].payload), spec
+        assert torch.equal(packets["triton"].payload, packets["numba"].payload), spec
+        assert torch.equal(make_codec(spec, backend="triton").decode(packets["triton"]),
+                           make_codec(spec, backend="eager").decode(packets["eager"]))
+    assert calls.count("row_sumsq") == 3 and calls.count("split_rows") == (3 if loud else 0)

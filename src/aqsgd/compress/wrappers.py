@@ -16,6 +16,10 @@ Spec options (any order, after the inner codec's own options; see :mod:`aqsgd.co
     no longer sets every per-channel scale. At most ``max(1, rows // 16)`` rows (the largest) go apart.
     Chosen from the data of each tensor, no fixed position. Payload: ``uint32`` count, ``uint32`` row
     indices (ascending), bf16 rows, then the inner payload of the remaining rows. Size depends on the data.
+    With the Triton kernels the squared row norms are summed in the kernel's order, equal to PyTorch's to
+    float rounding: a row whose norm lies within rounding of the threshold (or tied for the cap) may be
+    chosen where the CPU would not, and the packet differs from the CPU's; it decodes the same way either
+    way, as the receiver reads the indices. The split into the rows apart and the rest is exact.
 ``zstd`` / ``zstd<L>``
     A lossless zstandard stage over the inner payload (level ``L``, default 1): AQ-SGD deltas late in
     training are mostly the zero code. Payload: one mode byte (0 = stored as is when zstd would not
@@ -33,7 +37,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from aqsgd.compress import hadamard, rans
+from aqsgd.compress import hadamard, kernels, rans
 from aqsgd.compress.base import Codec, numel_of, raise_non_finite
 from aqsgd.compress.packet import Family, Packet, bytes_as
 from aqsgd.compress.quant import QuantCodec
@@ -134,7 +138,9 @@ class OutlierCodec(Codec):
     def select(self, x2: torch.Tensor) -> torch.Tensor:
         """Ascending int64 indices of the outlier rows of ``x2`` [R, D]."""
         rows = x2.shape[0]
-        sq = x2.float().square().sum(dim=1)
+        sq = kernels.for_tensor(x2, self.backend).row_sumsq(x2) if x2.is_contiguous() else None
+        if sq is None:
+            sq = x2.float().square().sum(dim=1)
         if not bool(torch.isfinite(sq).all()):
             raise_non_finite(self.spec)
         if rows < 2:
@@ -152,10 +158,14 @@ class OutlierCodec(Codec):
         idx = self.select(x2) if x2.numel() else torch.empty(0, dtype=torch.int64, device=x.device)
         k = idx.numel()
         if k:
-            keep = torch.ones(rows, dtype=torch.bool, device=x.device)
-            keep[idx] = False
-            rest = x2[keep]
-            apart = x2.index_select(0, idx).to(torch.bfloat16).contiguous()
+            apart = x2.new_empty((k, d), dtype=torch.bfloat16)
+            rest = (kernels.for_tensor(x2, self.backend).split_rows(x2, idx, apart.view(torch.int16))
+                    if x2.is_contiguous() else None)  # one pass (the Triton backend's)
+            if rest is None:
+                keep = torch.ones(rows, dtype=torch.bool, device=x.device)
+                keep[idx] = False
+                rest = x2[keep]
+                apart = x2.index_select(0, idx).to(torch.bfloat16).contiguous()
         else:
             rest, apart = x2, x2.new_empty((0, d), dtype=torch.bfloat16)
         inner = self.inner._encode(rest.contiguous(), generator)

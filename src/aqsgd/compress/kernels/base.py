@@ -120,6 +120,18 @@ class Kernels:
                             by_col: bool, bits: int, mul: int, low: int) -> torch.Tensor | None:
         return None
 
+    # outlier rows (see aqsgd.compress.wrappers.OutlierCodec)
+    def row_sumsq(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """Each row's sum of squares, fp32 ``[R]``: within float rounding of ``x2.float().square().sum(1)``
+        (a kernel sums in its own order), so a row whose norm lies within rounding of the outlier threshold
+        may be chosen differently."""
+        return None
+
+    def split_rows(self, x2: torch.Tensor, idx: torch.Tensor, apart: torch.Tensor) -> torch.Tensor | None:
+        """The rows of ``x2`` not in ``idx`` (a new tensor), and those in ``idx`` as bf16 bits into
+        ``apart``."""
+        return None
+
     # TopK on torch tensors (see aqsgd.compress.topk)
     def topk_select(self, x2: torch.Tensor, k: int) -> torch.Tensor | None:
         """Positions ``[R, k]`` (int64, increasing in each row) of the ``k`` largest magnitudes of each row of

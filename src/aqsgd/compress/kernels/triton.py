@@ -414,7 +414,43 @@ def _kernels():
         if PACK:
             tl.atomic_max(bad_ptr, (worst >= 0x7F800000).to(tl.int32))
 
+    # -- outlier rows (aqsgd.compress.wrappers.OutlierCodec)
+    @triton.jit
+    def row_sumsq(x_ptr, out_ptr, R, D, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < R
+        acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        for start in range(0, D, BLOCK_K):
+            cols = start + tl.arange(0, BLOCK_K)
+            m = rmask[:, None] & (cols < D)[None, :]
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=m, other=0.0)
+            x = x.to(tl.float32)
+            acc += x * x
+        tl.store(out_ptr + rows, tl.sum(acc, axis=1), mask=rmask)
+
+    @triton.jit
+    def split_rows(x_ptr, idx_ptr, rest_ptr, apart_ptr, D, k, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr):
+        r = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        cm = cols < D
+        before = 0  # outlier rows above this one
+        hit = 0
+        for i0 in range(0, k, BLOCK_I):
+            ii = i0 + tl.arange(0, BLOCK_I)
+            im = ii < k
+            v = tl.load(idx_ptr + ii, mask=im, other=-1)
+            before += tl.sum((im & (v < r)).to(tl.int32), axis=0)
+            hit += tl.sum((im & (v == r)).to(tl.int32), axis=0)
+        x = tl.load(x_ptr + r.to(tl.int64) * D + cols, mask=cm, other=0.0)
+        out = (tl.zeros([BLOCK_D], dtype=tl.int32) + hit) > 0  # this row goes apart
+        tl.store(rest_ptr + (r - before).to(tl.int64) * D + cols, x, mask=cm & ~out)
+        u = x.to(tl.float32).to(tl.int32, bitcast=True)  # bf16 to nearest even, as PyTorch rounds
+        b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+        b = tl.where(x != x, 0x7FC0, b)
+        tl.store(apart_ptr + before.to(tl.int64) * D + cols, b.to(tl.int16), mask=cm & out)
+
     return {"rowmax": rowmax, "colmax": colmax, "quant_pack": quant_pack, "unpack_dequant": unpack_dequant,
+            "row_sumsq": row_sumsq, "split_rows": split_rows,
             "delta_rowmax": delta_rowmax, "delta_colmax": delta_colmax, "delta_into": delta_into,
             "delta_quant_update": delta_quant_update, "delta_dequant_update": delta_dequant_update,
             "fwht_rows": fwht_rows, "topk_hist": topk_hist, "topk_pick": topk_pick, "topk_count": topk_count,
@@ -552,6 +588,34 @@ class TritonKernels(Kernels):
                                                  _TOPK_CHUNK, nchunk, PACK=True, FMT=fmt, WIDTH=width,
                                                  BLOCK=_TOPK_BLOCK, CBLOCK=_TOPK_CBLOCK)
         return payload, bad
+
+    # -- outlier rows
+    def row_sumsq(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """Each row's sum of squares (fp32 ``[R]``) of ``x2`` [R, D] (fp32, bf16 or fp16), one read. The sum
+        runs in another order than PyTorch's ``square().sum(1)``: the values agree to float rounding, not to
+        the bit (see :meth:`~aqsgd.compress.kernels.Kernels.row_sumsq`)."""
+        if x2.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not x2.is_contiguous():
+            return None
+        rows, d = x2.shape
+        out = torch.empty(rows, dtype=torch.float32, device=x2.device)
+        _kernels()["row_sumsq"][(_cdiv(rows, _BLOCK_R),)](x2, out, rows, d, BLOCK_R=_BLOCK_R,
+                                                          BLOCK_K=_BLOCK_K)
+        return out
+
+    def split_rows(self, x2: torch.Tensor, idx: torch.Tensor,
+                   apart: torch.Tensor) -> torch.Tensor | None:
+        """The rows of ``x2`` [R, D] not in ``idx`` (ascending int64 on the device), in order, as a new
+        tensor of ``x2``'s dtype; the rows in ``idx`` rounded to bf16 into ``apart`` (int16 ``[k, D]``, the
+        bf16 bits), in one pass: the bytes of ``x2[keep]`` and ``x2[idx].to(torch.bfloat16)``."""
+        if x2.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not x2.is_contiguous():
+            return None
+        rows, d = x2.shape
+        k = idx.numel()
+        rest = torch.empty(rows - k, d, dtype=x2.dtype, device=x2.device)
+        if rows * d:
+            _kernels()["split_rows"][(rows, _cdiv(d, _BLOCK_K))](x2, idx, rest, apart, d, k, BLOCK_D=_BLOCK_K,
+                                                                 BLOCK_I=_BLOCK_K)
+        return rest
 
     # -- AQ-SGD against a cache's rows (the store on the tensors' device)
     def delta_max_abs(self, x2: torch.Tensor, store: RowStore, rpb: int, by_col: bool) -> torch.Tensor | None:
