@@ -12,7 +12,8 @@ backend    where             what it is
                              fallback (:mod:`aqsgd.compress.kernels.eager`)
 ``numba``  the CPU           compiled loops, one pass per operation (:mod:`aqsgd.compress.kernels.numba`)
 ``triton`` CUDA              Triton kernels, one read of the input and one write of the output per
-                             operation; they also run on CPU tensors under Triton's interpreter
+                             operation (TopK: radix selection, five reads); they also run on CPU
+                             tensors under Triton's interpreter
                              (``TRITON_INTERPRET=1``), which is how the tests check them without a GPU
                              (:mod:`aqsgd.compress.kernels.triton`)
 ========== ================= ============================================================================
@@ -28,11 +29,26 @@ Operations (``x2``: a contiguous fp32 ``[R, K]`` view with ``K % 8 == 0``, whose
 * ``quantize_pack(x2, inv, by_col, offset, bits, qmax)``: the codes ``trunc(clamp(fma(x, inv, offset), 0,
   qmax))``, each row packed into ``K * bits / 8`` bytes as :func:`~aqsgd.compress.bitpack.pack_bits` packs
   (code ``j`` at bits ``[j * bits, (j + 1) * bits)`` of a little-endian stream): ``uint8 [R, K * bits / 8]``;
+  with ``noise=`` (backends whose ``stochastic`` is True: triton, eager) stochastic rounding adds the noise
+  the codec drew exactly as its general path draws it (same generator, shape, order) after the fma, so the
+  bytes are the general path's;
 * ``unpack_dequantize(packed, step, by_col, bits, mul, low)``: ``(code * mul - low) * step`` of each code,
   fp32 ``[R, K]``;
 * ``fwht(x2, signs, c, inverse)``: the Walsh-Hadamard transform of each row (:mod:`aqsgd.compress.hadamard`);
-* TopK's selection and packing, and AQ-SGD's sender and receiver steps against a cache's rows
-  (:class:`RowStore`): ``delta_max_abs``, ``delta``, ``delta_encode_update``, ``delta_decode_update``.
+* TopK's selection and packing: on torch tensors ``topk_select(x2, k)`` (positions) and ``topk_payload(x2,
+  k, wire, width)`` (the whole payload of a cast, and a device flag for non-finite kept values), the Triton
+  backend's; on numpy arrays ``topk_rows``, ``topk_pack``, ``topk_encode``, the numba backend's
+  (:mod:`aqsgd.compress.topk`);
+* outlier rows (:class:`~aqsgd.compress.wrappers.OutlierCodec`): ``row_sumsq(x2)`` (equal to PyTorch's sum
+  to float rounding only) and ``split_rows(x2, idx, apart)``;
+* AQ-SGD's sender and receiver steps against a cache's rows (:class:`RowStore`): ``delta_max_abs``,
+  ``delta``, ``delta_encode_update``, ``delta_decode_update``.
+
+What runs where (an operation a backend lacks takes the general path): the numba backend has every
+operation but stochastic rounding, ``topk_select``/``topk_payload`` and the outlier rows; the Triton backend
+has every operation but the numpy TopK ones (its TopK works on torch tensors, so on the GPU); entropy stages
+(``:rc``, ``:zstd``) and the means of the ``l2``/``step``/``mean`` scales stay PyTorch's (or the host's)
+everywhere.
 
 Single rounding where it matters: ``fma`` in every backend that can (PyTorch's ``addcmul`` rounds once on the
 CPU), so that the packets of all backends on the CPU are byte-identical, and a Triton kernel on a GPU writes

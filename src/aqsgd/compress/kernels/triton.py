@@ -1,4 +1,12 @@
-"""The ``triton`` backend: the quantizer's operations as Triton kernels, one read and one write each.
+"""The ``triton`` backend: the codecs' operations as Triton kernels, one read and one write each (TopK: five).
+
+What runs here: max-abs per group, quantize-and-pack (nearest and stochastic rounding, every bit width 1-8,
+channel/token/block groups, ``midrise``), unpack-and-dequantize, the Hadamard tiles of ``rot<G>``, TopK's
+exact selection and its cast payload (fp32 input), the outlier rows' norms and split, and AQ-SGD's fused
+sender and receiver steps against fp32/fp16/bf16 cache rows. What does not: the means of the
+``l2``/``step``/``mean`` scales (PyTorch's reductions, whose order a kernel would not reproduce), entropy
+stages (host), the fused AQ-SGD step with stochastic rounding (step by step); and the host decisions inside
+encode and decode (the finite-scale checks, TopK's finite-value check, the outlier count) still synchronise.
 
 Each kernel works on the quantizer's 2-D view ``[R, K]`` (``K % 8 == 0``), a tile of rows times a tile of
 *groups of 8 codes* per program: 8 codes of ``bits`` bits fill exactly ``bits`` bytes, so every group packs
@@ -7,6 +15,13 @@ into a 64-bit word (code ``i`` shifted to bit ``bits * i``) whose low ``bits`` b
 one rounding (``tl.fma``), as the CPU computes it, so the bytes equal the numba and eager backends' on the
 CPU; decoding is ``(code * mul - low) * step`` (exact small integers, then one rounding). There is no host
 synchronisation inside a kernel launch.
+
+Bit for bit: the Hadamard butterflies are the PyTorch path's additions in the same order (the products by
+the +-1 signs are exact, so contracting one into an fma changes nothing); stochastic rounding adds the
+codec's noise, drawn as the general path draws it, after the fma's single rounding; TopK compares the
+magnitudes' bits as integers (the CPU's tie rule: the lowest positions); bf16 and fp16 casts round to nearest
+even as PyTorch does. One exception: the outlier rows' sums of squares run in the kernel's order, equal to
+PyTorch's to rounding only (see :class:`~aqsgd.compress.wrappers.OutlierCodec`).
 
 On a machine without a GPU the kernels run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``
 set before ``triton`` is imported): the tests compare their bytes with the other backends' that way. Triton is
@@ -472,8 +487,9 @@ def _storage(store: RowStore) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TritonKernels(Kernels):
-    """The quantizer's operations and AQ-SGD's steps of :mod:`aqsgd.compress.kernels` as Triton kernels (see
-    the module docstring); the others (TopK, the Hadamard tiles) are left to the general path."""
+    """The operations of :mod:`aqsgd.compress.kernels` as Triton kernels (see the module docstring); the
+    numpy TopK operations (the numba backend's) are left out: TopK runs through :meth:`topk_select` and
+    :meth:`topk_payload` here."""
 
     name = "triton"
 
