@@ -20,3 +20,13 @@ def device(request) -> torch.device:
     if request.param == "cpu":
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run only where a ``-m`` expression names them (``-m slow``)."""
+    if "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
