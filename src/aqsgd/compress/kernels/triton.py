@@ -457,12 +457,12 @@ def _kernels():
             before += tl.sum((im & (v < r)).to(tl.int32), axis=0)
             hit += tl.sum((im & (v == r)).to(tl.int32), axis=0)
         x = tl.load(x_ptr + r.to(tl.int64) * D + cols, mask=cm, other=0.0)
-        out = (tl.zeros([BLOCK_D], dtype=tl.int32) + hit) > 0  # this row goes apart
-        tl.store(rest_ptr + (r - before).to(tl.int64) * D + cols, x, mask=cm & ~out)
+        hits = tl.zeros([BLOCK_D], dtype=tl.int32) + hit  # > 0: this row goes apart
+        tl.store(rest_ptr + (r - before).to(tl.int64) * D + cols, x, mask=cm & (hits == 0))
         u = x.to(tl.float32).to(tl.int32, bitcast=True)  # bf16 to nearest even, as PyTorch rounds
         b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
         b = tl.where(x != x, 0x7FC0, b)
-        tl.store(apart_ptr + before.to(tl.int64) * D + cols, b.to(tl.int16), mask=cm & out)
+        tl.store(apart_ptr + before.to(tl.int64) * D + cols, b.to(tl.int16), mask=cm & (hits > 0))
 
     return {"rowmax": rowmax, "colmax": colmax, "quant_pack": quant_pack, "unpack_dequant": unpack_dequant,
             "row_sumsq": row_sumsq, "split_rows": split_rows,
