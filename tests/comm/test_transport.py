@@ -139,6 +139,8 @@ def _emulation_rank(rank: int, world_size: int) -> dict:
             for h in burst:
                 h.wait()
             out["burst_t1"] = time.time()
+            held = t.stats[StatsKey(0, FORWARD, "recv")]
+            out["held_back"] = (held.backlog_bytes, held.backlog_s)
     return out
 
 
@@ -421,6 +423,14 @@ def test_bandwidth_emulation(emulation):
     assert 0.3 <= emulation["big_sender_s"] <= 0.5, emulation["big_sender_s"]
     spread = emulation["chunks_t1"] - emulation["chunks_t0"]  # 2 MB on two channels sharing one line
     assert 0.3 <= spread <= 0.5, spread
+
+
+def test_the_receiver_sees_a_burst_held_back_at_the_links_rate(emulation):
+    # 10 x 20 kB handed over at once to a 40 Mbit/s line: each arrives one transmission time (4.1 ms) after
+    # the one before, though the sender handed them over together
+    nbytes, seconds = emulation["held_back"]
+    assert nbytes >= 9 * (20_000 + PREAMBLE_BYTES), nbytes
+    assert 8 * nbytes / seconds / 1e6 == pytest.approx(40, rel=0.15)
 
 
 def test_latency_emulation_overlaps(emulation):

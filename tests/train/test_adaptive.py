@@ -24,6 +24,7 @@ def _stats(sent: list[float], mbit: list[float], compute_s: float, overhead: flo
     for stage, key in ((0, "fw"), (1, "bw")):
         wire = sent[stage] + overhead
         row = {f"{k}_{f}": 0.0 for k in ("fw", "bw") for f in ("raw", "bytes", "wire_bytes", "busy_s")}
+        row.update(in_fw_held_s=0.0, in_bw_held_s=0.0)
         row.update({"compute_s": compute_s, f"{key}_raw": RAW, f"{key}_bytes": sent[stage],
                     f"{key}_wire_bytes": wire, f"{key}_busy_s": 8 * wire / (1e6 * mbit[stage])})
         rows.append(row)
@@ -83,6 +84,18 @@ def test_auto_options_are_checked():
     with pytest.raises(SpecError, match="--backward: auto:q2: the floor must be one of the backward ladder"):
         TrainConfig.of(runtime="distributed", backward="auto:q2").validate()
     TrainConfig.of(runtime="distributed", forward="auto:q3", backward="auto").validate()
+
+
+def test_a_link_that_only_its_receiver_sees_slow_is_compressed_too():
+    # a real network: the sender's kernel takes each message at once (a send looks like 1000 Mbit/s), while
+    # the receiver sees the messages arrive held back, spaced by their time on a 1 Mbit/s line
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
+    for _ in range(3):
+        stats = _stats([RAW / 2, 0.0], [1000.0, 1000.0], compute_s=0.05)
+        stats[1]["in_fw_held_s"] = 8 * (RAW / 2 + 100.0) / 1e6  # the forward bytes at 1 Mbit/s
+        policy.step(stats, 1, compressed=True)
+    assert policy.specs()["b0.forward"] == "delta:q2:l2"  # 0.16 s of fp16 per micro-batch: to the floor
+    assert policy.describe()["b0.forward"]["mbit_s"] == pytest.approx(1.0)
 
 
 def test_a_distributed_run_compresses_its_slow_link_more_and_resumes_with_its_choices(tmp_path):

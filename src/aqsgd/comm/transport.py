@@ -421,12 +421,16 @@ class Transport:
     def _account(self, key: StatsKey, packets: Sequence[Packet], busy_s: float = 0.0) -> None:
         self._count(key, len(packets), sum(p.payload.numel() for p in packets), busy_s)
 
-    def _count(self, key: StatsKey, packets: int, payload_bytes: int, busy_s: float = 0.0) -> None:
+    def _count(self, key: StatsKey, packets: int, payload_bytes: int, busy_s: float = 0.0,
+               backlog_s: float = 0.0) -> None:
         with self._stats_lock:
             s = self._stats.get(key)
             if s is None:
                 s = self._stats[key] = LinkStats()
             s.busy_s += busy_s
+            if backlog_s:  # a received message the link held back (see LinkStats)
+                s.backlog_s += backlog_s
+                s.backlog_bytes += PREAMBLE_BYTES + payload_bytes
             s.messages += 1
             s.packets += packets
             s.packet_bytes += payload_bytes + HEADER_BYTES * packets

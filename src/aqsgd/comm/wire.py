@@ -8,7 +8,7 @@ convention). It is a *preamble* and the packets' payloads, sent with the same ta
 
        offset bytes field
        0      4     magic b"AQTP"
-       4      1     protocol version (2)
+       4      1     protocol version (3)
        5      1     number of packets n (0..8)
        6      2     channel
        8      8     sequence number of the message on its (sender, receiver, channel)
@@ -16,7 +16,10 @@ convention). It is a *preamble* and the packets' payloads, sent with the same ta
        24     8     arrival time, float64 wall-clock seconds (0 = deliver at once); see link emulation
        32     1     flags: 0x01 = the payload follows in the same gloo message; 0x02 = the sender checksums
                     CPU payloads (its ``checksum`` setting, which the receiver's must equal)
-       33     27    reserved (zero)
+       33     8     gap, float64 seconds: from the sender's hand-over of its previous message on this link to
+                    this one's (0 for the first); the receiver compares it with the gap between their
+                    arrivals to see whether the link held them back (:class:`~aqsgd.comm.handles.LinkStats`)
+       41     19    reserved (zero)
        60     4     CRC-32 of bytes 0..59 and 64..575
        64     512   the n packets' 64-byte headers, then zeros
 
@@ -71,12 +74,13 @@ FORWARD = 0
 BACKWARD = 1
 MAX_PACKETS = 8
 MAX_CHANNEL = 255
-_PREFIX = struct.Struct("<4sBBHQQdB27sI")
+_PREFIX = struct.Struct("<4sBBHQQdBd19sI")
 _PREFIX_BYTES = _PREFIX.size
 _U32 = struct.Struct("<I")
+_GAP = struct.Struct("<d")
 PREAMBLE_BYTES = _PREFIX_BYTES + MAX_PACKETS * HEADER_BYTES
 _MAGIC = b"AQTP"
-_VERSION = 2
+_VERSION = 3
 _FLAG_INLINE = 0x01  # the payload follows the preamble in the same gloo message
 _FLAG_CHECKSUM = 0x02  # the sender's checksum setting: its CPU payloads carry a CRC-32
 _FLAGS = _FLAG_INLINE | _FLAG_CHECKSUM
@@ -87,9 +91,9 @@ assert _PREFIX_BYTES == 64
 
 
 def _build_preamble(n: int, channel: int, seq: int, total: int, arrival: float, headers: bytes,
-                    flags: int = 0) -> bytes:
+                    flags: int = 0, gap: float = 0.0) -> bytes:
     region = headers.ljust(MAX_PACKETS * HEADER_BYTES, b"\0")
-    head = _PREFIX.pack(_MAGIC, _VERSION, n, channel, seq, total, arrival, flags, b"", 0)[:60]
+    head = _PREFIX.pack(_MAGIC, _VERSION, n, channel, seq, total, arrival, flags, gap, b"", 0)[:60]
     return head + _U32.pack(zlib.crc32(region, zlib.crc32(head))) + region
 
 
@@ -97,7 +101,7 @@ def _parse_preamble(buf: bytes) -> tuple[int, int, int, int, float]:
     """(n, channel, seq, total, arrival) of a preamble; raises :class:`PacketError` when malformed."""
     if len(buf) != PREAMBLE_BYTES:
         raise PacketError(f"preamble of {len(buf)} bytes, expected {PREAMBLE_BYTES}")
-    magic, version, n, channel, seq, total, arrival, flags, reserved, crc = _PREFIX.unpack(
+    magic, version, n, channel, seq, total, arrival, flags, _gap, reserved, crc = _PREFIX.unpack(
         buf[:_PREFIX_BYTES])
     if magic != _MAGIC:
         raise PacketError(f"not an aqsgd transport message (magic {magic!r}, expected {_MAGIC!r})")
@@ -108,6 +112,11 @@ def _parse_preamble(buf: bytes) -> tuple[int, int, int, int, float]:
     if n > MAX_PACKETS or any(reserved) or flags & ~_FLAGS:
         raise PacketError(f"malformed message preamble ({n} packets, at most {MAX_PACKETS})")
     return n, channel, seq, total, arrival
+
+
+def _preamble_gap(buf: bytes) -> float:
+    """The sender's gap between hand-overs that a (checked) preamble carries."""
+    return _GAP.unpack_from(buf, 33)[0]
 
 
 def _next_capacity(capacity: int, need: int, nccl: bool) -> int:

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aqsgd.comm.handles import RecvHandle, SendHandle, StatsKey, _Handle
+from aqsgd.comm.handles import BACKLOG_FACTOR, BACKLOG_SLACK_S, RecvHandle, SendHandle, StatsKey, _Handle
 from aqsgd.comm.link import Pacer
 from aqsgd.comm.wire import (
     _FLAG_CHECKSUM,
@@ -65,6 +65,7 @@ from aqsgd.comm.wire import (
     _Layout,
     _next_capacity,
     _parse_preamble,
+    _preamble_gap,
 )
 from aqsgd.compress.packet import (
     HEADER_BYTES,
@@ -195,6 +196,7 @@ class _Sender(_Worker):
         self._layouts: dict[tuple, tuple[Family, tuple[bytes, bytes, bytes]]] = {}
         self._free: dict[int, collections.deque] = {}  # message size -> free buffers (see _buffer)
         self._last_done = -math.inf  # when the link's previous message completed (see _busy)
+        self._last_enqueued: float | None = None  # when the previous message was handed over (the gap)
 
     def post(self, item: _SendItem) -> None:
         """Start ``item`` on the calling thread (a direct link), then queue it for completion."""
@@ -318,6 +320,8 @@ class _Sender(_Worker):
             total += size
         arrival = 0.0
         departure = None
+        gap = 0.0 if self._last_enqueued is None else max(item.enqueued - self._last_enqueued, 0.0)
+        self._last_enqueued = item.enqueued
         if self.pacer is not None:
             # Scheduled from the hand-over time, not from when this thread got to it: real per-message
             # costs (gloo rendezvous) then do not accumulate into the emulated schedule.
@@ -349,7 +353,7 @@ class _Sender(_Worker):
             headers = b"".join(fill_header(self._layout_key(p, size), p.tag, crc)
                                for p, size, crc in zip(packets, sizes, crcs))
             view[:PREAMBLE_BYTES] = _build_preamble(len(packets), self.channel, self.seq, total, arrival,
-                                                    headers, flags)
+                                                    headers, flags, gap)
             self.seq += 1
             return [msg], departure
         if host:
@@ -361,7 +365,7 @@ class _Sender(_Worker):
         else:
             checksum = None if t.checksum else False  # None: a payload CRC for host bytes
             headers = b"".join(p.header_bytes(checksum=checksum) for p in packets)
-        preamble = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers, flags)
+        preamble = _build_preamble(len(packets), self.channel, self.seq, total, arrival, headers, flags, gap)
         pre = torch.frombuffer(bytearray(preamble), dtype=torch.uint8)
         if inline:
             if total:
@@ -394,6 +398,7 @@ class _Receiver(_Worker):
         self._moved = wire != transport.device
         self._layout: _Layout | None = None
         self._spent: tuple | None = None  # the last message's receive buffer and views (see _recv)
+        self._last_arrival: float | None = None  # wall-clock arrival of the previous message (_held_back)
 
     def _serve(self) -> None:
         while True:
@@ -501,9 +506,21 @@ class _Receiver(_Worker):
             packets.append(packet)
         if staged and total:
             torch.cuda.current_stream(t.device).synchronize()
-        t._count(self.stats_key, n, total)
+        t._count(self.stats_key, n, total, backlog_s=self._held_back(arrival, _preamble_gap(buf)))
         self._spent = first, host, head, cut  # not freed on return: the caller is waiting for these packets
         return packets, arrival
+
+
+    def _held_back(self, arrival: float, gap: float) -> float:
+        """Seconds since the previous message's arrival if the link held this message back (it arrived later
+        after that one than the sender had handed it over: the link was carrying it meanwhile), else 0. The
+        arrival is now, or the emulated arrival time where that is later."""
+        now = max(time.time(), arrival)
+        last, self._last_arrival = self._last_arrival, now
+        if last is None or gap <= 0.0:
+            return 0.0
+        spacing = now - last
+        return spacing if spacing > gap * BACKLOG_FACTOR + BACKLOG_SLACK_S else 0.0
 
 
 def _first_line(e: BaseException) -> str:

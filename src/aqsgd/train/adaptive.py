@@ -18,14 +18,16 @@ tensor takes on the link at level ``L``::
 
 ``payload`` is what the current codec sent per micro-batch, ``fixed`` what the wire carried besides it
 (preambles, headers: it does not shrink with the bits), ``throughput`` the link's wire bits per busy second
-(:class:`~aqsgd.comm.transport.LinkStats`); these and the budget are exponential means over steps
+(:class:`~aqsgd.comm.transport.LinkStats`), the link busy for the longer of what its sender and its receiver
+saw (:func:`link_seconds`); these and the budget are exponential means over steps
 (:data:`SMOOTHING`). The throughput is averaged as its inverse, seconds per bit (the quantity ``t(L)`` is
 linear in): a link that becomes 100 times slower weighs at once (one slow step makes the mean at least
 ``SMOOTHING`` times the slow one's), while a link that becomes faster is believed over a few steps.
 
-The level goes at once to the least compressed ``L`` with ``t(L) <= budget`` when the current one no longer fits (the floor if none does), and back up to less compression only after
-:data:`PATIENCE` steps in a row in which a level fits with margin, ``t(L) <= UP_MARGIN * budget``
-(hysteresis: a link near the edge, or a noisy measurement, does not make it flip every step).
+The level goes at once to the least compressed ``L`` with ``t(L) <= budget`` when the current one no longer
+fits (the floor if none does), and back up to less compression only after :data:`PATIENCE` steps in a row in
+which a level fits with margin, ``t(L) <= UP_MARGIN * budget`` (hysteresis: a link near the edge, or a noisy
+measurement, does not make it flip every step).
 
 Every input is a sum all-reduced over the run's processes (the trainer's per-step statistics), so every
 process computes the same levels at the same step, and the sender and the receiver of a link switch together
@@ -38,7 +40,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "is_auto", "parse_auto"]
+__all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "is_auto", "link_seconds", "parse_auto"]
 
 LADDERS: dict[str, tuple[str, ...]] = {
     "forward": ("fp16", "q8", "q4", "q3", "q2:l2"),
@@ -49,6 +51,15 @@ BITS = {"fp16": 16.0, "q8": 8.0, "q6": 6.0, "q4": 4.0, "q3": 3.0, "q2:l2": 2.0}
 UP_MARGIN = 0.7
 PATIENCE = 3  # steps in a row that must leave room before a link takes fewer compression
 SMOOTHING = 0.3  # weight of the newest step in the exponential means
+
+
+def link_seconds(sent_busy_s: float, held_back_s: float) -> float:
+    """The seconds a link was busy in a step: the sender's view (from each message's hand-over to its send's
+    completion) or the receiver's (the spacing of the messages the link held back), whichever is longer. On an
+    emulated link they agree; on a real one a send completes once the kernel has taken the bytes, so a slow
+    link whose backlog fits the socket buffers only shows at the receiver, where its messages arrive spaced
+    by their time on the line."""
+    return max(sent_busy_s, held_back_s)
 
 
 def is_auto(spec: str) -> bool:
@@ -122,7 +133,8 @@ class LinkPolicy:
     def step(self, stages: Sequence[Mapping[str, float]], micro_batches: int, *, compressed: bool
              ) -> dict[str, str]:
         """Take one step's per-stage statistics (the trainer's gathered rows: ``fw_raw``, ``fw_bytes``,
-        ``fw_wire_bytes``, ``fw_busy_s``, the same for ``bw``, and ``compute_s``) and return the links whose
+        ``fw_wire_bytes``, ``fw_busy_s``, the same for ``bw``, ``compute_s``, and what a stage's receivers saw
+        held back, ``in_fw_held_s`` and ``in_bw_held_s``) and return the links whose
         spec changes, with their new spec. ``compressed``: whether the step sent the links' codecs (in the
         uncompressed warm-up only the throughput is learnt; the payload then follows from the raw bytes)."""
         self.steps += 1
@@ -135,8 +147,10 @@ class LinkPolicy:
             b = int(name[1:].split(".")[0])
             forward = link.auto.direction == "forward"
             st, d = (stages[b], "fw") if forward else (stages[b + 1], "bw")
-            wire, busy, raw, sent = (float(st[f"{d}_wire_bytes"]), float(st[f"{d}_busy_s"]),
-                                     float(st[f"{d}_raw"]), float(st[f"{d}_bytes"]))
+            # what the receiving end saw held back: the stage after (forward) or before (backward)
+            held = float(stages[b + 1]["in_fw_held_s"] if forward else stages[b]["in_bw_held_s"])
+            busy = link_seconds(float(st[f"{d}_busy_s"]), held)
+            wire, raw, sent = float(st[f"{d}_wire_bytes"]), float(st[f"{d}_raw"]), float(st[f"{d}_bytes"])
             if wire <= 0 or busy <= 0 or raw <= 0 or sent <= 0:
                 continue
             bits = BITS[link.auto.ladder[link.level]]

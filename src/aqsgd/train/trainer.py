@@ -56,7 +56,7 @@ from aqsgd.pipeline.partition import partition_model, shared_parameters
 from aqsgd.schemes import Phase
 from aqsgd.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
                                     save_checkpoint)
-from aqsgd.train.adaptive import LinkPolicy, is_auto, parse_auto
+from aqsgd.train.adaptive import LinkPolicy, is_auto, link_seconds, parse_auto
 from aqsgd.train.balance import emulate_slow_stages, measure_split
 from aqsgd.train.config import TrainConfig, flatten_config
 from aqsgd.train.engine import OptimConfig, PipelineEngine
@@ -72,7 +72,8 @@ __all__ = ["Trainer", "StepHook", "check_partition", "collective_timeout", "comp
 
 log = logging.getLogger(__name__)
 _STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute_s", "encode_s", "decode_s", "wait_s",
-              "sync_bytes", "step_s", "fw_wire_bytes", "fw_busy_s", "bw_wire_bytes", "bw_busy_s")
+              "sync_bytes", "step_s", "fw_wire_bytes", "fw_busy_s", "bw_wire_bytes", "bw_busy_s",
+              "in_fw_held_s", "in_bw_held_s")
 # evaluation sums, reduced over the replicas: loss x samples, samples, correct predictions, binary confusion
 # counts
 _EVAL_KEYS = ("loss_sum", "count", "correct", "tp", "tn", "fp", "fn")
@@ -427,26 +428,32 @@ class Trainer:
             for runner in self.engine.runners.values():
                 runner.set_codec(int(b), channel, spec)
 
-    def _link_deltas(self) -> tuple[float, float, float, float]:
-        """What this process's links to the next stage (forward) and the previous one (backward) carried since
-        the last call: wire bytes and busy seconds of each (see :class:`~aqsgd.comm.transport.LinkStats`);
-        zeros in the local runtime, which has no links."""
+    def _link_deltas(self) -> tuple[float, ...]:
+        """What this process's links carried since the last call (see
+        :class:`~aqsgd.comm.transport.LinkStats`): to the next stage (forward) and the previous one
+        (backward), wire bytes and busy seconds; from the previous stage (forward) and the next one
+        (backward), the seconds their messages arrived held back by the link. Zeros in the local runtime,
+        which has no links."""
         if self.transport is None or self.grid is None:
-            return (0.0, 0.0, 0.0, 0.0)
+            return (0.0,) * 6
         now = self.transport.stats
         stage, ranks = self.grid.stage, self.grid.rank_of_stage
-        out = []
-        for peer, channel in ((stage + 1, FORWARD_CHANNEL), (stage - 1, BACKWARD_CHANNEL)):
+
+        def delta(peer: int, channel: int, direction: str, field: str) -> float:
             if not 0 <= peer < len(ranks):
-                out += [0.0, 0.0]
-                continue
-            key = StatsKey(ranks[peer], channel, "send")
+                return 0.0
+            key = StatsKey(ranks[peer], channel, direction)
             cur, before = now.get(key), self._links_seen.get(key)
-            wire = (cur.wire_bytes if cur else 0) - (before.wire_bytes if before else 0)
-            busy = (cur.busy_s if cur else 0.0) - (before.busy_s if before else 0.0)
-            out += [float(wire), busy]
+            return float((getattr(cur, field) if cur else 0) - (getattr(before, field) if before else 0))
+
+        out = (delta(stage + 1, FORWARD_CHANNEL, "send", "wire_bytes"),
+               delta(stage + 1, FORWARD_CHANNEL, "send", "busy_s"),
+               delta(stage - 1, BACKWARD_CHANNEL, "send", "wire_bytes"),
+               delta(stage - 1, BACKWARD_CHANNEL, "send", "busy_s"),
+               delta(stage - 1, FORWARD_CHANNEL, "recv", "backlog_s"),
+               delta(stage + 1, BACKWARD_CHANNEL, "recv", "backlog_s"))
         self._links_seen = now
-        return tuple(out)  # type: ignore[return-value]
+        return out
 
     def _phase(self, epoch: int) -> Phase:
         return Phase.WARMUP if epoch < self.cfg.compression.warmup_epochs else Phase.TRAIN
@@ -786,11 +793,13 @@ class Trainer:
             per_boundary[f"b{b}.forward"] = int(stats[b]["fw_bytes"])
             per_boundary[f"b{b}.backward"] = int(stats[b + 1]["bw_bytes"])
             if self.transport is not None:  # what each link carried and how long it was busy doing it
-                for name, st, d in ((f"b{b}.forward", stats[b], "fw"),
-                                     (f"b{b}.backward", stats[b + 1], "bw")):
-                    wire, busy = st[f"{d}_wire_bytes"], st[f"{d}_busy_s"]
-                    links[name] = {"wire_bytes": int(wire), "busy_s": busy,
-                                   "mbit_s": 8e-6 * wire / busy if busy > 0 else None}
+                for name, st, d, rx in ((f"b{b}.forward", stats[b], "fw", stats[b + 1]["in_fw_held_s"]),
+                                         (f"b{b}.backward", stats[b + 1], "bw", stats[b]["in_bw_held_s"])):
+                    wire, busy = st[f"{d}_wire_bytes"], link_seconds(st[f"{d}_busy_s"], rx)
+                    links[name] = {"wire_bytes": int(wire), "busy_s": st[f"{d}_busy_s"], "held_back_s": rx,
+                                   "mbit_s": 8e-6 * wire / busy if busy > 0 else None,
+                                   **({"emulated": str(emulated[b].at(self.position["step"]))}
+                                      if emulated else {})}
         tokens = self.task.tokens_per_sample
         skipped = self.engine.skipped
         row = {
