@@ -26,6 +26,9 @@ class Setting:
 SETTINGS: dict[str, Setting] = {
     "fp32": Setting("none", "none"),
     "fp16": Setting("fp16", "fp16"),
+    # the bits of each link chosen from its measured speed (aqsgd.train.adaptive): distributed runs only
+    # (bench pipeline, bench netem), not the local runtime of the convergence studies
+    "auto": Setting("auto", "auto"),
     "aqsgd fw2/bw4": Setting("delta:q2", "direct:q4"),
     "direct fw2/bw4": Setting("direct:q2", "direct:q4"),
     "aqsgd fw3/bw6": Setting("delta:q3", "direct:q6"),

@@ -14,6 +14,7 @@ from aqsgd.bench.netem import (
     DEFAULT_SETTINGS,
     NetemBenchConfig,
     bench_netem,
+    bench_netem_links,
     markdown_table,
     plot_speedups,
     variant_label,
@@ -53,6 +54,11 @@ def register(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(DEFAULT_SETTINGS),
                    metavar="SETTING", help=f"settings to run, from the named settings (default: "
                                            f"{', '.join(DEFAULT_SETTINGS)})")
+    p.add_argument("--link", default=None, metavar="LINKS",
+                   help="instead of the bandwidth sweep: every setting once over one tc setting per "
+                        "boundary, as aqsgd train --link reads it (1gbit/50mbit,20ms/200mbit with --stages "
+                        "4; 200mbit~20mbit@4 changes a link from step 4 on, re-shaped with tc as the run "
+                        "gets there); the setting auto chooses the bits of each link")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per link (default: 0)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: 6; 3 with --quick)")
     p.add_argument("--runs", type=int, default=1, help="runs per (bandwidth, setting); median (default: 1)")
@@ -91,6 +97,8 @@ def config_from_args(args: argparse.Namespace) -> NetemBenchConfig:
 def run(args: argparse.Namespace) -> int:
     """Run the sweep, print the table, write JSON/PNG when asked."""
     cfg = config_from_args(args)
+    if args.link:
+        return _run_links(args, cfg)
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="aqsgd-netem-"))
         report = bench_netem(cfg, workdir, progress=print)
@@ -109,4 +117,30 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         plot_speedups(rows, args.png, title=f"{cfg.stages} stages over shaped veth links (dotted: ideal)")
         print(f"wrote {args.png}")
+    return 0
+
+
+def _run_links(args: argparse.Namespace, cfg: NetemBenchConfig) -> int:
+    """``--link``: every setting over one tc setting per boundary."""
+    import json
+    from pathlib import Path
+
+    with contextlib.ExitStack() as stack:
+        workdir = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="aqsgd-netem-"))
+        report = bench_netem_links(cfg, args.link, workdir, progress=print)
+    print("| setting | samples/s | vs fp32 | step (ms) | ideal (ms) | last codecs |")
+    print("|---|---|---|---|---|---|")
+    for r in report["rows"]:
+        ideal = r.get("ideal_step_s")
+        last = r["codecs"][-1] if r["codecs"] and r["codecs"][-1] else {}
+        print(f"| {r['setting']} | {r['samples_per_s']:.1f} | {r['speedup_vs_fp32']:.2f}x | "
+              f"{r['step_s'] * 1e3:.0f} | {'-' if ideal is None else f'{ideal * 1e3:.0f}'} | "
+              f"{', '.join(f'{k} {v}' for k, v in last.items()) or '-'} |")
+    if args.json:
+        machine = (f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Linux "
+                   f"{platform.release()}")
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"benchmark": "netem-links", "command": args.command_line,
+                                               "machine": machine, **report}, indent=1))
+        print(f"wrote {args.json}")
     return 0

@@ -8,7 +8,8 @@ is missing):
   shaped with ``tc``, which runs ``aqsgd train`` in them one process per rank, the way torchrun starts it,
   and the helpers that inject faults from outside (link cuts and impairments, killing or stopping a rank);
 * :mod:`~aqsgd.bench.netem.sweep`: the benchmark (:func:`bench_netem`, ``aqsgd bench netem``), pipeline
-  throughput against bandwidth for named settings, next to the ideal speed-up;
+  throughput against bandwidth for named settings, next to the ideal speed-up, or every setting over one tc
+  setting per boundary, which may change during the run (:func:`bench_netem_links`);
 * :mod:`~aqsgd.bench.netem.output`: its markdown table, JSON report and plot.
 
 The user-space wire that delays and drops frames where the kernel has no ``sch_netem`` is
@@ -36,6 +37,7 @@ from aqsgd.bench.netem.sweep import (
     NetemBenchConfig,
     bandwidth_grid,
     bench_netem,
+    bench_netem_links,
     train_options,
     variant_label,
 )
@@ -51,6 +53,7 @@ __all__ = [
     "StageOutcome",
     "bandwidth_grid",
     "bench_netem",
+    "bench_netem_links",
     "check_netem",
     "cleanup_stale",
     "markdown_table",

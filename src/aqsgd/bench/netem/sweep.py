@@ -47,12 +47,15 @@ from aqsgd.bench.netem.cluster import (
     LinkShape,
     NetemCluster,
     NetemError,
+    NetemRun,
     check_netem,
     sync_link_load,
     train_rows,
 )
+from aqsgd.bench import speedmodel
 from aqsgd.bench.pipeline import measure, run_options, summarize
 from aqsgd.bench.settings import SETTINGS
+from aqsgd.comm.link import LinkSchedule, LinkSpec, parse_links
 from aqsgd.parallel import parse_grad_sync
 
 __all__ = [
@@ -60,6 +63,7 @@ __all__ = [
     "NetemBenchConfig",
     "bandwidth_grid",
     "bench_netem",
+    "bench_netem_links",
     "train_options",
     "variant_label",
 ]
@@ -274,3 +278,79 @@ def bench_netem(cfg: NetemBenchConfig, workdir: str | Path,
             rows.append(_row(cfg, name, replicas, sync, bw, link_mbps, results[(bw, name, replicas, sync)]))
     return {"calibration": calibration, "links": {f"{bw:g}": v for bw, v in links.items()},
             "rows": _summarize_with_link_rate(rows)}
+
+
+def _shape_of(spec: LinkSpec) -> LinkShape:
+    return LinkShape(rate_mbit=None if spec.bandwidth_bps is None else spec.bandwidth_bps / 1e6,
+                     delay_ms=spec.latency_s * 1e3)
+
+
+def _shape_boundaries(cluster: NetemCluster, schedules: Sequence[LinkSchedule], step: int) -> None:
+    """Give every boundary's link (both directions) its setting at ``step``."""
+    for b, schedule in enumerate(schedules):
+        cluster.shape_link(b, b + 1, _shape_of(schedule.at(step)))
+
+
+def bench_netem_links(cfg: NetemBenchConfig, links: str, workdir: str | Path,
+                      progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every setting of ``cfg`` once per run over one tc setting per boundary (``links`` as ``--link`` reads
+    it: ``"1gbit/50mbit/200mbit"``, and ``~SPEC@STEP`` for a link that changes during the run: the harness
+    re-shapes it with tc as soon as the run's metrics show step ``STEP - 1`` done, so the change lands at the
+    step boundary or within the step that follows). Returns ``{"links": ..., "goodput": ..., "rows": ...}``:
+    per boundary the measured TCP goodput of its initial setting, and per setting the median step of the
+    timed steps, samples/s, the speed-up against fp32, the codecs every link sent with at every step (those
+    ``auto`` chose) and, for links that do not change, the step the speed model allows over the measured
+    goodputs (``ideal_step_s``) and the efficiency."""
+    check_netem()
+    _check(cfg)
+    if cfg.data_parallel > 1:
+        raise ValueError("one tc setting per boundary is for a single pipeline: no --data-parallel with "
+                         "--link")
+    schedules = parse_links(links, cfg.stages - 1)
+    say = progress or (lambda msg: log.info("%s", msg))
+    workdir = Path(workdir)
+    varies = any(s.varies for s in schedules)
+    rows = []
+    with NetemCluster(cfg.stages) as cluster:
+        _shape_boundaries(cluster, schedules, 1)
+        goodput = [min(cluster.measure_goodput(b, b + 1), cluster.measure_goodput(b + 1, b))
+                   for b in range(cfg.stages - 1)]
+        say(f"links {links}: TCP goodput per boundary {', '.join(f'{g:.1f}' for g in goodput)} Mbit/s")
+
+        def follow(run: NetemRun) -> None:  # the schedule's changes, from outside, as the run reaches them
+            for step in sorted({step for s in schedules for step, _ in s.changes}):
+                if run.wait_for_step(step - 1, timeout_s=900) < step - 1:
+                    return  # the run ended first
+                _shape_boundaries(cluster, schedules, step)
+
+        for name in cfg.settings:
+            _shape_boundaries(cluster, schedules, 1)
+            run_name = _run_name(0, name, 1, "links", 0)
+            opts = train_options(cfg, name, output_dir=workdir / "runs", run_name=run_name,
+                                 cache_dir=workdir / "cache")
+            t0 = time.monotonic()
+            outcomes = cluster.run_train(opts, workdir / "logs" / run_name, deadline_s=900,
+                                         threads=cfg.threads, during=follow if varies else None)
+            bad = [o for o in outcomes if not o.ok]
+            if bad:
+                raise NetemError(f"{name} over {links}: rank {bad[0].stage} failed "
+                                 f"({bad[0].error or bad[0].returncode}):\n{bad[0].log_tail}")
+            train = train_rows(workdir / "runs" / run_name)
+            m = _measure(cfg, 1, train)
+            row = {"setting": name, "links": links, "stages": cfg.stages, **m,
+                   "codecs": [r.get("codecs") for r in train], "schedule": cfg.schedule}
+            if not varies:
+                bps = [g * 1e6 for g in goodput]
+                row["ideal_step_s"] = speedmodel.step_time(
+                    cfg.schedule, cfg.stages, cfg.num_microbatches, m["stage_compute_per_mb_s"],
+                    [speedmodel.transfer_time(n, b) for n, b in zip(m["fw_bytes_per_mb"], bps)],
+                    [speedmodel.transfer_time(n, b) for n, b in zip(m["bw_bytes_per_mb"], bps)],
+                    latency_s=max(s.initial.latency_s for s in schedules))
+                row["efficiency"] = row["ideal_step_s"] / row["step_s"]
+            rows.append(row)
+            say(f"  {name:<20} {m['samples_per_s']:8.1f} samples/s (step {m['step_s'] * 1e3:.0f} ms, run "
+                f"{time.monotonic() - t0:.1f} s)")
+    fp32 = next(r for r in rows if r["setting"] == "fp32")
+    for r in rows:
+        r["speedup_vs_fp32"] = r["samples_per_s"] / fp32["samples_per_s"]
+    return {"links": links, "goodput_mbps": goodput, "rows": rows}
