@@ -18,6 +18,7 @@ split's (the target: at most 1.10); ``--json PATH`` writes them with the command
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -66,6 +67,7 @@ def _worker(rank: int, world: int, cfg_json: str, plan: list[tuple[str, list[int
     cfg = TrainConfig.from_dict(json.loads(cfg_json))
     out: dict[str, Any] = {}
     for i, (name, layers) in enumerate(plan):
+        gc.collect()  # the previous runs' trainers: no collection of theirs during this run's steps
         run = cfg.replace(run_name=f"{i:03d}-{name.replace(',', '-')}", layers=layers,
                           balance="measured" if layers is None else "layers")
         trainer = Trainer(run)
@@ -75,6 +77,7 @@ def _worker(rank: int, world: int, cfg_json: str, plan: list[tuple[str, list[int
             out.setdefault(name, []).append({"median_s": statistics.median(times),
                                              "layers": trainer.cfg.pipeline.layers,
                                              "balance": trainer.balance})
+        del trainer
     return out or None
 
 
@@ -129,6 +132,16 @@ def measure(*, blocks: int = 8, stages: int = 2, slow_stage: int = 1, factor: fl
     }
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.balance_measured",
                                 description=__doc__.splitlines()[0])
@@ -161,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         out["command"] = "python -m benchmarks.balance_measured " + shlex.join(argv or sys.argv[1:])
-        out["machine"] = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                          f"torch {torch.__version__}")
+        out["machine"] = f"{_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
 

@@ -63,6 +63,8 @@ def measure_split(trainer: Trainer) -> dict[str, Any]:
             return {"balance": "measured", "layers": list(saved), "from": str(cfg.run.resume)}
     params = [float(count_parameters([b])) for b in model_layout(trainer.task.recipe.build("meta")).blocks]
     profiled = even_counts(len(params), p.stages)
+    if p.stages == 1:  # one split only: nothing to measure
+        return {"balance": "measured", "layers": profiled}
     trainer.cfg = cfg.replace(layers=profiled)
     failed = True
     try:
