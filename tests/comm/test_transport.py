@@ -27,6 +27,7 @@ from aqsgd.comm.testing import ProcessFailure, run_processes
 from aqsgd.comm.transport import (
     _FLAG_CHECKSUM,
     _FLAG_INLINE,
+    _FLAG_REFUSED,
     _INLINE_START,
     _TAG_BASE,
     _build_preamble,
@@ -562,11 +563,12 @@ def test_message_buffers_are_reused_only_after_their_send_completed(options):
 
 
 def test_preamble_flags():
-    for flags in (0, _FLAG_INLINE, _FLAG_CHECKSUM, _FLAG_INLINE | _FLAG_CHECKSUM):
+    for flags in (0, _FLAG_INLINE, _FLAG_CHECKSUM, _FLAG_INLINE | _FLAG_CHECKSUM, _FLAG_REFUSED,
+                  _FLAG_INLINE | _FLAG_REFUSED):
         buf = _build_preamble(0, 0, 0, 0, 0.0, b"", flags)
         assert _parse_preamble(buf) == (0, 0, 0, 0, 0.0) and buf[32] == flags
     with pytest.raises(PacketError, match="malformed"):
-        _parse_preamble(_build_preamble(0, 0, 0, 0, 0.0, b"", 0x04))
+        _parse_preamble(_build_preamble(0, 0, 0, 0, 0.0, b"", 0x08))
 
 
 class _FakeTransport:

@@ -282,3 +282,24 @@ def test_outlier_packets_equal_the_other_backends(loud, dtype, monkeypatch):
         assert torch.equal(make_codec(spec, backend="triton").decode(packets["triton"]),
                            make_codec(spec, backend="eager").decode(packets["eager"]))
     assert calls.count("row_sumsq") == 3 and calls.count("split_rows") == (3 if loud else 0)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+@pytest.mark.parametrize("bad", [float("nan"), 7e4])
+def test_topk_deferred_check_reads_the_kernels_flag(bad):
+    """With the checks deferred (as on a GPU) TopK's kernel flag travels with the packet: the encode does not
+    raise, the packet's check raises the error the immediate path raises; finite input: the same bytes."""
+    from aqsgd.compress.base import deferring_checks
+    from aqsgd.errors import NonFiniteError
+
+    codec = make_codec("topk0.25", backend="triton")
+    x = _data((2, 64))
+    good = codec.encode(x)
+    x[1, 9] = bad
+    with pytest.raises(NonFiniteError) as immediate:
+        codec.encode(x)
+    with deferring_checks():
+        packet = codec.encode(x)
+        fine = codec.encode(_data((2, 64)))
+    assert packet.refusal() == str(immediate.value)
+    assert fine.refusal() is None and torch.equal(fine.payload, good.payload)

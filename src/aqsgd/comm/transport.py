@@ -87,6 +87,7 @@ from aqsgd.comm.link import LinkSpec, Pacer
 from aqsgd.comm.wire import (  # noqa: F401 - re-exported
     _FLAG_CHECKSUM,
     _FLAG_INLINE,
+    _FLAG_REFUSED,
     _FLAGS,
     _INLINE_MAX,
     _INLINE_START,
@@ -154,7 +155,15 @@ class Transport:
     group without gloo builds a gloo group of the same ranks (collectively). ``channels``: the channels used
     (only needed for NCCL, which builds sub-groups for them at construction, collectively). ``checksum``:
     send a CRC-32 of every CPU payload and check it on receipt (default); False skips both (trusted links).
+
+    Packets whose encode deferred its checks (:class:`~aqsgd.compress.packet.DeferredCheck`, on a GPU) are
+    checked by the sender thread once their bytes are complete; a failed check sends a *refusal* instead
+    (:mod:`aqsgd.comm.wire`): ``SendHandle.wait`` raises the codec's :class:`~aqsgd.errors.NonFiniteError`,
+    the peer's ``RecvHandle.wait`` a NonFiniteError naming this rank, and the link stays usable.
     """
+
+    #: the transport reads the packets' deferred checks itself (callers need not, see above)
+    reads_deferred_checks = True
 
     def __init__(
         self,

@@ -15,7 +15,8 @@ convention). It is a *preamble* and the packets' payloads, sent with the same ta
        16     8     total payload bytes (sum of the packets' payload lengths)
        24     8     arrival time, float64 wall-clock seconds (0 = deliver at once); see link emulation
        32     1     flags: 0x01 = the payload follows in the same gloo message; 0x02 = the sender checksums
-                    CPU payloads (its ``checksum`` setting, which the receiver's must equal)
+                    CPU payloads (its ``checksum`` setting, which the receiver's must equal); 0x04 = the
+                    sender's codec refused the message's tensor (a *refusal*, below)
        33     8     gap, float64 seconds: from the sender's hand-over of its previous message on this link to
                     this one's (0 for the first); the receiver compares it with the gap between their
                     arrivals to see whether the link held them back (:class:`~aqsgd.comm.handles.LinkStats`)
@@ -47,6 +48,15 @@ Both ends of a link must agree: every preamble carries the sender's setting, and
 other one fails the link with a :class:`~aqsgd.errors.PeerFailure` naming the peer (not a silently unchecked
 or wrongly checked stream).
 
+A *refusal* stands in for a message whose packets carry a deferred check that failed (a codec on a GPU
+does not read NaN/Inf to the host inside its encode: :class:`~aqsgd.compress.packet.DeferredCheck`; the
+sender thread reads the flag after the payloads' device-to-host copy, or where it takes the payloads for
+the wire). It has flag 0x04, no packets (n = 0), and as its payload the UTF-8 text of the sender's
+:class:`~aqsgd.errors.NonFiniteError` (at most :data:`REFUSAL_MAX_BYTES`); it is sized, numbered and split
+by the same rules as any message, so both ends stay in step. The sender's ``SendHandle.wait`` raises that
+error, the receiver's ``RecvHandle.wait`` a NonFiniteError naming the peer; neither marks the link failed
+(it is not a failure of the network), and the next message on the link goes through as usual.
+
 Channels are separated by tags: gloo matches a send to a receive by (peer, tag), and every channel has its
 own tag (``_TAG_BASE + channel``), so forward and backward traffic between the same two ranks never mix.
 NCCL ignores tags; there the transport instead builds one sub-group per (channel, direction) at
@@ -68,7 +78,7 @@ import torch
 from aqsgd.compress.packet import HEADER_BYTES, Header
 from aqsgd.errors import PacketError
 
-__all__ = ["BACKWARD", "FORWARD", "MAX_CHANNEL", "MAX_PACKETS", "PREAMBLE_BYTES"]
+__all__ = ["BACKWARD", "FORWARD", "MAX_CHANNEL", "MAX_PACKETS", "PREAMBLE_BYTES", "REFUSAL_MAX_BYTES"]
 
 FORWARD = 0
 BACKWARD = 1
@@ -83,7 +93,9 @@ _MAGIC = b"AQTP"
 _VERSION = 3
 _FLAG_INLINE = 0x01  # the payload follows the preamble in the same gloo message
 _FLAG_CHECKSUM = 0x02  # the sender's checksum setting: its CPU payloads carry a CRC-32
-_FLAGS = _FLAG_INLINE | _FLAG_CHECKSUM
+_FLAG_REFUSED = 0x04  # a refusal: the sender's codec refused the tensor; the payload is its error's text
+_FLAGS = _FLAG_INLINE | _FLAG_CHECKSUM | _FLAG_REFUSED
+REFUSAL_MAX_BYTES = 4096  # the longest error text a refusal carries (cut there)
 _INLINE_START = 64 * 1024  # payload bytes a receive can take in one message before any larger one came
 _INLINE_MAX = 64 * 1024 * 1024  # beyond this, messages always travel as preamble + payload
 _TAG_BASE = 0x7100

@@ -57,6 +57,7 @@ from aqsgd.comm.link import Pacer
 from aqsgd.comm.wire import (
     _FLAG_CHECKSUM,
     _FLAG_INLINE,
+    _FLAG_REFUSED,
     _INLINE_START,
     _PREFIX_BYTES,
     _TAG_BASE,
@@ -66,6 +67,7 @@ from aqsgd.comm.wire import (
     _next_capacity,
     _parse_preamble,
     _preamble_gap,
+    REFUSAL_MAX_BYTES,
 )
 from aqsgd.compress.packet import (
     HEADER_BYTES,
@@ -78,7 +80,7 @@ from aqsgd.compress.packet import (
     message_fields,
     parse_header,
 )
-from aqsgd.errors import ConfigMismatchError, PacketError, PeerFailure, TransportError
+from aqsgd.errors import ConfigMismatchError, NonFiniteError, PacketError, PeerFailure, TransportError
 
 log = logging.getLogger("aqsgd.comm.transport")  # the transport's logger, for the threads' warnings too
 
@@ -104,6 +106,7 @@ class _SendItem:
     error: BaseException | None = None  # starting them failed
     # the link's pooled message buffer it was built in
     buffer: tuple[torch.Tensor, memoryview, int] | None = None
+    refused: NonFiniteError | None = None  # a packet's deferred check failed: a refusal went instead
 
 
 class _Worker(threading.Thread):
@@ -229,7 +232,8 @@ class _Sender(_Worker):
                         w.wait()
                     item.wire = []
                     self._give_back(item)
-                    self.transport._account(self.stats_key, item.packets, self._busy(item))
+                    self.transport._account(self.stats_key, () if item.refused else item.packets,
+                                            self._busy(item))
             except BaseException as e:  # noqa: BLE001 - surfaces in the caller's wait()
                 t = self.transport
                 if t._closing.is_set():
@@ -242,7 +246,7 @@ class _Sender(_Worker):
                 )
                 self._reject(item.handle)
             else:
-                item.handle._finish()
+                item.handle._finish(error=item.refused)  # a refusal is the codec's error, not the link's
 
     def _send(self, item: _SendItem) -> None:
         messages, departure = self._messages(item)
@@ -251,7 +255,7 @@ class _Sender(_Worker):
         self._give_back(item)
         if departure is not None:
             self._sleep_until_wall(departure)
-        self.transport._account(self.stats_key, item.packets, self._busy(item))
+        self.transport._account(self.stats_key, () if item.refused else item.packets, self._busy(item))
 
     def _busy(self, item: _SendItem) -> float:
         """Seconds the link carried ``item``: from its hand-over (or the previous message's end, if later) to
@@ -322,6 +326,12 @@ class _Sender(_Worker):
         departure = None
         gap = 0.0 if self._last_enqueued is None else max(item.enqueued - self._last_enqueued, 0.0)
         self._last_enqueued = item.enqueued
+        for p in packets:  # deferred checks: read here, where the payloads are complete (see DeferredCheck)
+            if p.check is not None:
+                refused = p.refusal()
+                if refused is not None:
+                    item.refused = NonFiniteError(refused)
+                    return self._refusal(refused, gap), None
         if self.pacer is not None:
             # Scheduled from the hand-over time, not from when this thread got to it: real per-message
             # costs (gloo rendezvous) then do not accumulate into the emulated schedule.
@@ -388,6 +398,27 @@ class _Sender(_Worker):
         self.seq += 1
         return messages, departure
 
+    def _refusal(self, text: str, gap: float) -> list[torch.Tensor]:
+        """The messages of a refusal (see :mod:`aqsgd.comm.wire`): no packets, the error's text as payload,
+        sized and numbered as any message."""
+        t = self.transport
+        body = text.encode("utf-8", "replace")[:REFUSAL_MAX_BYTES]
+        need = PREAMBLE_BYTES + len(body)
+        inline = need <= self.capacity
+        flags = (_FLAG_INLINE if inline else 0) | (_FLAG_CHECKSUM if t.checksum else 0) | _FLAG_REFUSED
+        preamble = _build_preamble(0, self.channel, self.seq, len(body), 0.0, b"", flags, gap)
+        self.seq += 1
+        wire = t._wire_device
+        if inline:
+            return [torch.frombuffer(bytearray(preamble + body), dtype=torch.uint8).to(wire)]
+        self.capacity = _next_capacity(self.capacity, need, t._nccl)
+        return [torch.frombuffer(bytearray(preamble), dtype=torch.uint8).to(wire),
+                torch.frombuffer(bytearray(body), dtype=torch.uint8).to(wire)]
+
+
+class _Refusal(Exception):
+    """A refusal arrived (see :mod:`aqsgd.comm.wire`): the text of the sender's error."""
+
 
 class _Receiver(_Worker):
     def __init__(self, transport: _Transport, src: int, channel: int) -> None:
@@ -411,6 +442,12 @@ class _Receiver(_Worker):
             t = self.transport
             try:
                 packets, arrival = self._recv()
+            except _Refusal as e:  # the sender's codec refused the tensor: this request fails, the link not
+                err = NonFiniteError(f"{t.describe_peer(self.peer)} sent no {t.channel_name(self.channel)}, "
+                                     f"its codec refused them: {e}")
+                err.sender_message = str(e)  # type: ignore[attr-defined]
+                handle._finish(error=err)
+                continue
             except ConfigMismatchError as e:
                 self._fail_link(str(e), e)
                 self._reject(handle)
@@ -459,6 +496,8 @@ class _Receiver(_Worker):
             raise PacketError(f"message for channel {channel} arrived on channel {self.channel}")
         if seq != self.seq:
             raise PacketError(f"message number {seq} arrived where number {self.seq} was due (out of step)")
+        if flags & _FLAG_REFUSED:
+            self._refused(first, host, need, total, inline)
         region = buf[_PREFIX_BYTES:_PREFIX_BYTES + n * HEADER_BYTES]
         key = layout_keys(region, n)  # the headers without their per-message fields (tag and CRCs)
         if layout is None or key != layout.key:
@@ -510,6 +549,19 @@ class _Receiver(_Worker):
         self._spent = first, host, head, cut  # not freed on return: the caller is waiting for these packets
         return packets, arrival
 
+
+    def _refused(self, first: torch.Tensor, host, need: int, total: int, inline: bool) -> None:
+        """Take the rest of a refusal and raise :class:`_Refusal` with the sender's error text."""
+        t = self.transport
+        if inline:
+            body = first[PREAMBLE_BYTES:need]
+        else:
+            body = torch.empty(total, dtype=torch.uint8, device=t._wire_device)
+            self._recv_into(body)
+            self.capacity = _next_capacity(self.capacity, need, t._nccl)
+        self.seq += 1
+        t._count(self.stats_key, 0, 0)
+        raise _Refusal(body.cpu().numpy().tobytes().decode("utf-8", "replace"))
 
     def _held_back(self, arrival: float, gap: float) -> float:
         """Seconds since the previous message's arrival if the link held this message back (it arrived later

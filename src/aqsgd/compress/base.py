@@ -12,19 +12,22 @@ is what really crosses the wire (the header carries the payload length).
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
+import threading
 import zlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import torch
 
-from aqsgd.compress.packet import HEADER_BYTES, MAX_NDIM, Family, Packet
+from aqsgd.compress.packet import HEADER_BYTES, MAX_NDIM, DeferredCheck, Family, Packet
 from aqsgd.errors import CodecError, NonFiniteError, PacketMismatchError
 
 if TYPE_CHECKING:
     from aqsgd.compress.kernels import RowStore
 
-__all__ = ["Codec", "FLOAT_DTYPES", "numel_of"]
+__all__ = ["Codec", "FLOAT_DTYPES", "deferring_checks", "numel_of"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -87,19 +90,28 @@ class Codec(abc.ABC):
             raise CodecError(f"{self.spec}: tensors of at most {MAX_NDIM} dims, got shape {tuple(x.shape)}")
         # encoding is not differentiable: without detach, in-place and out= ops fail on tensors requiring grad
         try:
-            payload = self._encode(x.detach().contiguous(), generator)
+            with collecting_checks(self._named) as checks:
+                payload = self._encode(x.detach().contiguous(), generator)
         except NonFiniteError as e:  # an inner codec's (TopK's values, a wrapper's): named by this spec
-            inner, _, rest = str(e).partition(": ")
-            if inner == self.spec or not rest:
+            message = self._named(str(e))
+            if message == str(e):
                 raise
-            where = self.spec if self.spec.startswith(inner) else f"{self.spec} (its {inner} part)"
-            raise NonFiniteError(f"{where}: {rest}") from None
+            raise NonFiniteError(message) from None
         expected = self.payload_bytes(x.shape, x.dtype)
         if self.fixed_size:
             assert payload.numel() == expected, (self.spec, payload.numel(), expected)
         else:
             assert payload.numel() <= expected, (self.spec, payload.numel(), expected)
-        return Packet(self.family, x.dtype, tuple(x.shape), self.fingerprint, payload)
+        return Packet(self.family, x.dtype, tuple(x.shape), self.fingerprint, payload,
+                      check=DeferredCheck.of(checks))
+
+    def _named(self, message: str) -> str:
+        """An inner codec's NonFiniteError text (``inner-spec: what``) as this codec reports it."""
+        inner, _, rest = message.partition(": ")
+        if inner == self.spec or not rest:
+            return message
+        where = self.spec if self.spec.startswith(inner) else f"{self.spec} (its {inner} part)"
+        return f"{where}: {rest}"
 
     def decode(self, packet: Packet) -> torch.Tensor:
         """Decompress a packet produced by an equal codec; :class:`PacketMismatchError` otherwise."""
@@ -170,7 +182,69 @@ class Codec(abc.ABC):
         return f"{type(self).__name__}({self.spec!r})"
 
 
+def non_finite_message(spec: str, what: str = "input") -> str:
+    """The text of the :class:`NonFiniteError` of a codec refusing its input."""
+    return f"{spec}: {what} holds NaN or Inf; refusing to encode (a diverged step should be caught, not sent)"
+
+
 def raise_non_finite(spec: str, what: str = "input") -> None:
-    raise NonFiniteError(
-        f"{spec}: {what} holds NaN or Inf; refusing to encode (a diverged step should be caught, not sent)"
-    )
+    raise NonFiniteError(non_finite_message(spec, what))
+
+
+# -- deferred checks (no host synchronisation inside an encode on a GPU) ----------------------------------
+_DEFER: dict[str, bool | None] = {"on": None}  # None: on CUDA tensors; True/False: everywhere/nowhere
+_COLLECTING = threading.local()  # .stack: the open collectors of this thread's encodes, innermost last
+
+
+@contextlib.contextmanager
+def deferring_checks(on: bool | None = True) -> Iterator[None]:
+    """Within the block, codecs defer (True) or make at once (False) the checks of their input that need a
+    value on the host (NaN/Inf, a scale beyond its storage dtype); None restores the default: deferred on
+    CUDA tensors, immediate elsewhere (a host read costs nothing on the CPU).
+
+    A deferred check is a device flag carried by the packet (:class:`~aqsgd.compress.packet.DeferredCheck`):
+    the encode does not raise, :meth:`Packet.raise_deferred <aqsgd.compress.packet.Packet.raise_deferred>`
+    raises the same :class:`NonFiniteError` later, where the caller synchronises anyway (the transport, the
+    local runtime's hand-over). Tests force deferral on the CPU with this; it applies to every thread."""
+    saved = _DEFER["on"]
+    _DEFER["on"] = on
+    try:
+        yield
+    finally:
+        _DEFER["on"] = saved
+
+
+def defers_checks(device: torch.device) -> bool:
+    """Whether an encode running now on ``device`` defers its checks: inside an encode (something collects
+    them) and, by default, on CUDA (see :func:`deferring_checks`)."""
+    if not getattr(_COLLECTING, "stack", None):
+        return False
+    on = _DEFER["on"]
+    return device.type == "cuda" if on is None else on
+
+
+def defer_check(flag: torch.Tensor, message: str) -> None:
+    """Record a deferred check of the encode running now: ``flag`` (a 0-d or 1-element bool tensor) is True
+    where the check failed, ``message`` the NonFiniteError text. Only where :func:`defers_checks`."""
+    _COLLECTING.stack[-1].append((flag, message))
+
+
+@contextlib.contextmanager
+def collecting_checks(rename: Callable[[str], str] | None = None
+                      ) -> Iterator[list[tuple[torch.Tensor, str]]]:
+    """Collect the checks deferred inside the block (by this thread), their messages passed through
+    ``rename`` as the codec would rename the error of an inner codec; they are also handed on to the
+    enclosing collector, if any (an outer codec's encode)."""
+    stack = getattr(_COLLECTING, "stack", None)
+    if stack is None:
+        stack = _COLLECTING.stack = []
+    checks: list[tuple[torch.Tensor, str]] = []
+    stack.append(checks)
+    try:
+        yield checks
+    finally:
+        stack.pop()
+        if rename is not None:
+            checks[:] = [(f, rename(m)) for f, m in checks]
+        if stack:
+            stack[-1].extend(checks)

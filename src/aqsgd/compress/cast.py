@@ -7,11 +7,20 @@ from typing import Sequence
 
 import torch
 
-from aqsgd.compress.base import Codec, numel_of, raise_non_finite
+from aqsgd.compress.base import (
+    Codec,
+    defer_check,
+    defers_checks,
+    non_finite_message,
+    numel_of,
+    raise_non_finite,
+)
 from aqsgd.compress.packet import Family, Packet, bytes_as
 from aqsgd.errors import SpecError
 
 __all__ = ["RawCodec", "CastCodec"]
+
+CAST_WHAT = "input (or its cast to the wire dtype)"  # what a cast codec's NonFiniteError says it refused
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -67,8 +76,10 @@ class CastCodec(Codec):
         y = x.to(self.wire_dtype)
         # max |y| is NaN or Inf exactly when some element is (amax propagates NaN); one fast reduction, where
         # torch.isfinite(...).all() is ~40x slower on half tensors
-        if y.numel() and not math.isfinite(float(y.abs().amax())):
-            raise_non_finite(self.spec, "input (or its cast to the wire dtype)")
+        if y.numel() and defers_checks(y.device):  # the same test as a device flag, read later
+            defer_check(~torch.isfinite(y.abs().amax()), non_finite_message(self.spec, CAST_WHAT))
+        elif y.numel() and not math.isfinite(float(y.abs().amax())):
+            raise_non_finite(self.spec, CAST_WHAT)
         return _as_bytes(y)
 
     def _decode(self, packet: Packet) -> torch.Tensor:

@@ -44,10 +44,11 @@ try:  # ISA-L's CRC-32 (carry-less multiply): the same value as zlib's, about 13
 except ImportError:  # a platform without an isal wheel: zlib's (identical results)
     from zlib import crc32 as _crc32
 
-from aqsgd.errors import PacketError, PacketMismatchError
+from aqsgd.errors import NonFiniteError, PacketError, PacketMismatchError
 
 __all__ = [
     "Packet",
+    "DeferredCheck",
     "Family",
     "HEADER_BYTES",
     "MAX_NDIM",
@@ -225,9 +226,50 @@ def parse_header(buf: bytes | bytearray | memoryview | torch.Tensor) -> Header:
     )
 
 
+class DeferredCheck:
+    """Checks of an encode that were left on the device: one flag per check (a 1-D bool tensor, True where
+    the check failed) and the error text each would have raised, in the order the encode made them.
+
+    On a GPU an encode that read a value to decide whether to refuse its input (NaN/Inf, a scale beyond its
+    storage dtype) would block the CPU until the GPU caught up. The codec records the decision as a device
+    flag instead (see :func:`aqsgd.compress.base.deferring_checks`), and whoever synchronises with the
+    packet's bytes anyway reads it (:meth:`failure`): the transport's sender thread after the payload's
+    device-to-host copy, the local runtime at the hand-over. Reading costs one small device-to-host copy;
+    the result is kept."""
+
+    __slots__ = ("flags", "messages", "_failure")
+
+    def __init__(self, flags: torch.Tensor, messages: tuple[str, ...]) -> None:
+        self.flags = flags
+        self.messages = messages
+        self._failure: str | None | bool = False  # False: not read yet
+
+    @classmethod
+    def of(cls, checks: list[tuple[torch.Tensor, str]]) -> DeferredCheck | None:
+        """The check of ``(flag, message)`` pairs (0-d or 1-element tensors on one device, nonzero where the
+        check failed); None for none."""
+        if not checks:
+            return None
+        flags = [f.reshape(1).bool() for f, _ in checks]
+        return cls(flags[0] if len(flags) == 1 else torch.cat(flags), tuple(m for _, m in checks))
+
+    def failure(self) -> str | None:
+        """The error text of the first check that failed, None where all passed (reads the flags once)."""
+        if self._failure is False:
+            hit = self.flags.tolist()  # the one host synchronisation
+            self._failure = next((m for f, m in zip(hit, self.messages) if f), None)
+        return self._failure  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"DeferredCheck({len(self.messages)} checks)"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Packet:
-    """A compressed tensor: header fields and one 1-D uint8 payload (on CPU or on the GPU)."""
+    """A compressed tensor: header fields and one 1-D uint8 payload (on CPU or on the GPU).
+
+    ``check``: the checks its encode left on the device (:class:`DeferredCheck`), or None; not on the wire
+    (a transport reads it before sending, see :meth:`refusal`)."""
 
     family: Family
     dtype: torch.dtype
@@ -236,6 +278,7 @@ class Packet:
     payload: torch.Tensor
     tag: int = 0
     kind: int = 0
+    check: DeferredCheck | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.payload.dtype != torch.uint8 or self.payload.dim() != 1:
@@ -249,6 +292,19 @@ class Packet:
             raise PacketError(f"packet kind must be in 0..255, got {self.kind}")
         if self.dtype not in DTYPE_CODES:
             raise PacketError(f"unsupported dtype {self.dtype}")
+
+    def refusal(self) -> str | None:
+        """The error text of the check its encode deferred and failed (the :class:`NonFiniteError` an
+        immediate check would have raised), or None: the input was fine, or nothing was deferred. Reads the
+        device flag once (one synchronisation; free for CPU tensors)."""
+        return None if self.check is None else self.check.failure()
+
+    def raise_deferred(self) -> None:
+        """Raise the :class:`~aqsgd.errors.NonFiniteError` the encode would have raised had it not deferred
+        its checks (:meth:`refusal`); nothing where they passed."""
+        message = self.refusal()
+        if message is not None:
+            raise NonFiniteError(message)
 
     @property
     def nbytes(self) -> int:
@@ -270,6 +326,12 @@ class Packet:
         # path, where each torch call costs microseconds (many more with cold caches)
         packet = object.__new__(type(self))
         packet.__dict__.update(self.__dict__, tag=tag & 0xFFFFFFFF, kind=kind)
+        return packet
+
+    def with_check(self, check: DeferredCheck | None) -> Packet:
+        """The same packet carrying ``check`` (see :class:`DeferredCheck`)."""
+        packet = object.__new__(type(self))
+        packet.__dict__.update(self.__dict__, check=check)
         return packet
 
     def header_bytes(self, *, checksum: bool | None = None, payload_crc: int | None = None) -> bytes:
@@ -319,7 +381,8 @@ class Packet:
         ``__post_init__`` would check."""
         packet = object.__new__(cls)
         packet.__dict__.update(family=header.family, dtype=header.dtype, shape=header.shape,
-                               fingerprint=header.fingerprint, payload=payload, tag=tag, kind=header.kind)
+                               fingerprint=header.fingerprint, payload=payload, tag=tag, kind=header.kind,
+                               check=None)
         return packet
 
     @classmethod

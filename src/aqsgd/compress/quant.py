@@ -61,9 +61,17 @@ from typing import Sequence
 import torch
 
 from aqsgd.compress import kernels
-from aqsgd.compress.base import Codec, numel_of, raise_non_finite
+from aqsgd.compress.base import (
+    Codec,
+    collecting_checks,
+    defer_check,
+    defers_checks,
+    non_finite_message,
+    numel_of,
+    raise_non_finite,
+)
 from aqsgd.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
-from aqsgd.compress.packet import Family, Packet, bytes_as
+from aqsgd.compress.packet import DeferredCheck, Family, Packet, bytes_as
 from aqsgd.errors import CodecError, PacketError, SpecError
 
 __all__ = [
@@ -125,11 +133,17 @@ def store_scales(s: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
         s32 = s.to(torch.float32)
         if s.dtype == torch.float64:
             low = s32.double() < s
-            s32 = torch.where(low, torch.nextafter(s32, s32.new_tensor(math.inf)), s32)
+            s32 = torch.where(low, torch.nextafter(s32, _inf_like(s32)), s32)
         return s32
     s16 = s.clamp(max=_FP16_MAX).to(torch.float16)
     low = s16.to(s.dtype) < s.clamp(max=_FP16_MAX)
-    return torch.where(low, torch.nextafter(s16, s16.new_tensor(math.inf)), s16)
+    return torch.where(low, torch.nextafter(s16, _inf_like(s16)), s16)
+
+
+def _inf_like(t: torch.Tensor) -> torch.Tensor:
+    """+Inf as a 0-d tensor of ``t``'s dtype and device, filled there (``new_tensor`` would copy it from the
+    host: a synchronisation on CUDA)."""
+    return torch.full((), math.inf, dtype=t.dtype, device=t.device)
 
 
 class _Groups:
@@ -376,6 +390,13 @@ class QuantCodec(Codec):
         return rows, k, by_col, n // k
 
     def encode_delta(self, x: torch.Tensor, store: kernels.RowStore) -> Packet | None:
+        with collecting_checks() as checks:
+            packet = self._encode_delta(x, store)
+        if packet is None or not checks:
+            return packet
+        return packet.with_check(DeferredCheck.of(checks))
+
+    def _encode_delta(self, x: torch.Tensor, store: kernels.RowStore) -> Packet | None:
         ops = kernels.for_tensor(x, self.backend)
         if (x.numel() == 0 or self.rounding != "nearest" or not ops.quantizes(x.dtype, self.rounding)
                 or store.device != x.device):
@@ -421,12 +442,22 @@ class QuantCodec(Codec):
             self.bits, mul, low)
         return None if out is None else out.view(packet.shape)
 
-    def _scale_steps(self, s: torch.Tensor, cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def _scale_steps(self, s: torch.Tensor, cdt: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
         """Checked stored scales, the reciprocal steps ``qmax / (2 * scale)`` (0 for a zero scale), max
-        scale."""
-        # One host sync for both checks: NaN/Inf anywhere make the largest scale non-finite.
-        smax = float(s.max())
-        if self.check_finite:
+        scale (None where the checks are deferred: the value stays on the device)."""
+        if defers_checks(s.device):
+            # the same checks as device flags, read where the packet's bytes are synchronised anyway
+            smax = None
+            if self.check_finite:
+                top = s.max()
+                defer_check(~torch.isfinite(top), non_finite_message(self.spec))
+                if self.scale_dtype == torch.float32:
+                    defer_check(top > _FP32_MAX, non_finite_message(self.spec, "input (or its fp32 scale)"))
+        else:
+            # One host sync for both checks: NaN/Inf anywhere make the largest scale non-finite.
+            smax = float(s.max())
+        if smax is not None and self.check_finite:
             if not math.isfinite(smax):
                 raise_non_finite(self.spec)
             if self.scale_dtype == torch.float32 and smax > _FP32_MAX:
@@ -449,7 +480,9 @@ class QuantCodec(Codec):
         raw = [self._scales(v, d) for v, d in views]
         s = raw[0] if len(raw) == 1 else torch.cat(raw)
         stored, inv, smax = self._scale_steps(s, cdt)
-        clip = self.scale_mode != "max" or (self.scale_dtype == torch.float16 and smax > _FP16_MAX)
+        # (checks deferred: clip whenever a scale may have been clamped; the same codes where none was)
+        clip = self.scale_mode != "max" or (self.scale_dtype == torch.float16
+                                            and (smax is None or smax > _FP16_MAX))
         t = torch.empty_like(flat)
         # t = x / step + qmax / 2 is the fractional code (level k at t = k): +0.5 and floor round to nearest
         offset = torch.tensor(self.qmax / 2.0 + (0.5 if self.rounding == "nearest" else 0.0), dtype=cdt,

@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from aqsgd.compress import kernels
-from aqsgd.compress.base import Codec, numel_of
+from aqsgd.compress.base import Codec, defer_check, defers_checks, non_finite_message, numel_of
+from aqsgd.compress.cast import CAST_WHAT as _CAST_WHAT
 from aqsgd.compress.cast import CastCodec
 from aqsgd.compress.packet import Family, Packet, bytes_as
 from aqsgd.errors import PacketError, SpecError
@@ -114,6 +115,9 @@ class TopKCodec(Codec):
         if isinstance(self.values, CastCodec) and x2.dtype == torch.float32 and 0 < k < n:
             # selection, gather, cast and index packing on the device (the Triton backend's)
             done = ops.topk_payload(x2.contiguous(), k, self.values.wire_dtype, width)
+            if done is not None and defers_checks(x2.device):  # the flag read later (the cast's error)
+                defer_check(done[1], non_finite_message(self.values.spec, _CAST_WHAT))
+                return done[0]
             if done is not None and not bool(done[1]):  # else a value is not finite: the steps below raise
                 return done[0]
         # selection, gather, cast and index packing in one kernel (byte-identical to the steps below): the

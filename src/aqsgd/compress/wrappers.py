@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from aqsgd.compress import hadamard, kernels, rans
-from aqsgd.compress.base import Codec, numel_of, raise_non_finite
+from aqsgd.compress.base import Codec, collecting_checks, non_finite_message, numel_of, raise_non_finite
 from aqsgd.compress.packet import Family, Packet, bytes_as
 from aqsgd.compress.quant import QuantCodec
 from aqsgd.errors import NonFiniteError, PacketError, SpecError
@@ -90,7 +90,8 @@ class RotatedCodec(Codec):
             flat = torch.nn.functional.pad(flat.to(torch.float32), (0, tiles * self.tile - n))
         y = hadamard.rotate(flat, self.tile, self.seed, self.backend)
         try:
-            return self.inner._encode(y, generator)
+            with collecting_checks(lambda _: non_finite_message(self.spec)):  # as raised below, if deferred
+                return self.inner._encode(y, generator)
         except NonFiniteError:
             raise_non_finite(self.spec)
             raise
@@ -290,7 +291,7 @@ class EntropyCodec(Codec):
         if inner is None:
             return None
         return Packet(self.family, inner.dtype, inner.shape, self.fingerprint,
-                      self._compress(inner.payload, x.shape))
+                      self._compress(inner.payload, x.shape), check=inner.check)
 
     def decode_delta(self, packet: Packet, store) -> torch.Tensor | None:
         self.check_packet(packet)

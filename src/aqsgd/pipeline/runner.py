@@ -42,7 +42,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from aqsgd.compress import Packet
-from aqsgd.errors import NonFiniteError
+from aqsgd.errors import NonFiniteError, PeerFailure
 from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig, DirectionSpec
 from aqsgd.pipeline.schedule import (
     BACKWARD,
@@ -293,6 +293,7 @@ class StageRunner:
         self.kept_logits = {}
         self.stats = StepStats()
         self.pending_sends: list[Handle] = []
+        self._sent: list[tuple[int, int, str]] = []  # (channel, micro-batch, name) of each pending send
         self.recvs: dict[tuple[ActionKind, int], Handle] = {}
         self._prefetched: set[int] = set()  # micro-batches whose cache rows were prefetched this step
         for a in plan:
@@ -340,7 +341,7 @@ class StageRunner:
         t0 = time.perf_counter()
         if kind is RECV_F:
             with self._label("wait F", mb):
-                packets = self.recvs.pop((RECV_F, mb)).wait()
+                packets = self._received(self.recvs.pop((RECV_F, mb)), FORWARD_CHANNEL, mb)
             t1 = time.perf_counter()
             self.stats.wait_s += t1 - t0
             with self._label("decode F", mb):
@@ -380,7 +381,7 @@ class StageRunner:
             return
         if kind is RECV_B:
             with self._label("wait B", mb):
-                packets = self.recvs.pop((RECV_B, mb)).wait()
+                packets = self._received(self.recvs.pop((RECV_B, mb)), BACKWARD_CHANNEL, mb)
             t1 = time.perf_counter()
             self.stats.wait_s += t1 - t0
             with self._label("decode B", mb):
@@ -416,19 +417,59 @@ class StageRunner:
             time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
         self.stats.compute_s += time.perf_counter() - t0
 
+    def _refused(self, message: str, sender: int, channel: int, mb: int) -> NonFiniteError:
+        """The one-line error of a codec of stage ``sender`` that refused to encode what it sends on
+        ``channel`` for micro-batch ``mb`` (``message``: the codec's NonFiniteError), as both ends report
+        it."""
+        b = sender if channel == FORWARD_CHANNEL else sender - 1
+        what, name = (("activations", "forward") if channel == FORWARD_CHANNEL
+                      else ("activation gradients", "backward"))
+        spec = message.split(": ", 1)[0]
+        return NonFiniteError(f"the {what} that stage {sender} sends across boundary {b} ({name}) hold NaN "
+                              f"or Inf (micro-batch {mb}, codec {spec})")
+
+    def _wait_sends(self) -> None:
+        """Wait for the pending sends; a send whose codec's deferred check failed (the transport refused to
+        send it, see :mod:`aqsgd.comm.wire`) raises the same error as an immediate check in :meth:`_send`."""
+        for h, (channel, mb, _) in zip(self.pending_sends, self._sent):
+            try:
+                h.wait()
+            except NonFiniteError as e:
+                raise self._refused(str(e), self.stage, channel, mb) from None
+
+    def _received(self, handle: Handle, channel: int, mb: int) -> list:
+        """The packets of a receive. A refusal (the sender's codec refused the tensor) raises the error the
+        sender raises; a failed link first looks for a refusal among this stage's own sends, the likelier
+        cause (the peer stopped on receiving it)."""
+        try:
+            return handle.wait()
+        except NonFiniteError as e:
+            sender = self.stage - 1 if channel == FORWARD_CHANNEL else self.stage + 1
+            raise self._refused(getattr(e, "sender_message", str(e)), sender, channel, mb) from None
+        except PeerFailure:
+            for h, (c, m, _) in zip(self.pending_sends, self._sent):
+                if h.done():
+                    try:
+                        h.wait(0)
+                    except NonFiniteError as e:
+                        raise self._refused(str(e), self.stage, c, m) from None
+                    except Exception:  # noqa: BLE001 - the receive's own failure is raised below
+                        pass
+            raise
+
     def _send(self, x: torch.Tensor, channel: int, dst: int, mb: int, name: str, t0: float) -> None:
         with self._label(f"encode {name[0].upper()}", mb):
             try:
                 packets = self.scheme(channel, "sender", x.shape, x.dtype).send(x, self._ids(mb),
                                                                                 phase=self.phase, slot=mb)
+                if not getattr(self.transport, "reads_deferred_checks", False):
+                    for p in packets:  # checks a codec deferred (on a GPU): read at the hand-over
+                        p.raise_deferred()
             except NonFiniteError as e:  # say where: the boundary, the direction, the micro-batch
-                b = self.stage if channel == FORWARD_CHANNEL else self.stage - 1
-                what = "activations" if channel == FORWARD_CHANNEL else "activation gradients"
-                spec = str(e).split(": ", 1)[0]
-                raise NonFiniteError(f"the {what} that stage {self.stage} sends across boundary {b} ({name}) "
-                                     f"hold NaN or Inf (micro-batch {mb}, codec {spec})") from None
+                raise self._refused(str(e), self.stage, channel, mb) from None
         self.stats.encode_s += time.perf_counter() - t0
         self.pending_sends.append(self.transport.isend(packets, dst, channel))
+        self._sent.append((channel, mb, name))
         self.stats.bytes_sent[name] += sum(p.nbytes for p in packets)
         self.stats.packets_sent[name] += len(packets)
         self.stats.raw_bytes[name] += x.numel() * x.element_size()
@@ -437,9 +478,9 @@ class StageRunner:
         """Finish a step: wait for outstanding sends; the last stage returns the mean micro-batch loss."""
         t0 = time.perf_counter()
         with self._label("wait sends"):
-            for h in self.pending_sends:
-                h.wait()
+            self._wait_sends()
         self.pending_sends = []
+        self._sent = []
         self.stats.wait_s += time.perf_counter() - t0
         if self.is_last and self.losses:
             return torch.stack([self.losses[mb] for mb in sorted(self.losses)]).mean()
