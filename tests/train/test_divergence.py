@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from aqsgd.compress.base import deferring_checks
 from aqsgd.errors import DivergedError
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.trainer import Trainer
@@ -145,12 +146,50 @@ def test_grad_norm_is_logged_without_clipping(tmp_path):
     (1, "the activation gradients that stage 1 sends across boundary 0 (backward) hold NaN or Inf "
         "(micro-batch 0, codec q4)"),
 ])
-def test_a_codec_refusing_nan_names_the_step_boundary_and_direction(tmp_path, stage, needle):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_codec_refusing_nan_names_the_step_boundary_and_direction(tmp_path, stage, needle, deferred):
+    """``deferred``: the codecs' checks left on the device as on a GPU (forced on the CPU), read by the
+    runtime at the hand-over: the same error at the same step."""
     cfg = _cfg(tmp_path, forward="direct:q2", backward="direct:q4")
-    with pytest.raises(DivergedError) as e:
+    with deferring_checks(True if deferred else None), pytest.raises(DivergedError) as e:
         Trainer(cfg, on_step=[Poison([2], stage=stage, weights=True)]).run()
     assert str(e.value).startswith(
         f"training diverged at step 2: {needle}; the step was not applied"), str(e.value)
+
+
+def test_a_refusal_received_or_met_after_a_lost_peer_is_named_as_the_sender_names_it():
+    """Distributed: the receiving stage of a refusal (see aqsgd.comm.wire) and a sending stage whose peer
+    stopped on receiving one report the sender's one line."""
+    from types import SimpleNamespace
+
+    from aqsgd.errors import NonFiniteError, PeerFailure
+    from aqsgd.pipeline.runner import StageRunner
+
+    text = "q4: input holds NaN or Inf; refusing to encode (a diverged step should be caught, not sent)"
+
+    class Handle:
+        def __init__(self, error):
+            self.error = error
+
+        def done(self):
+            return True
+
+        def wait(self, timeout=None):
+            raise self.error
+
+    refusal = NonFiniteError(f"stage 0 (rank 0) sent no forward activations, its codec refused them: {text}")
+    refusal.sender_message = text
+    runner = SimpleNamespace(stage=1, pending_sends=[], _sent=[])
+    runner._refused = lambda *a: StageRunner._refused(runner, *a)
+    with pytest.raises(NonFiniteError) as e:
+        StageRunner._received(runner, Handle(refusal), 0, 3)
+    assert str(e.value) == ("the activations that stage 0 sends across boundary 0 (forward) hold NaN or Inf "
+                            "(micro-batch 3, codec q4)")
+    runner.pending_sends, runner._sent = [Handle(NonFiniteError(text))], [(1, 2, "backward")]
+    with pytest.raises(NonFiniteError) as e:
+        StageRunner._received(runner, Handle(PeerFailure("lost stage 0")), 0, 3)
+    assert str(e.value) == ("the activation gradients that stage 1 sends across boundary 0 (backward) hold "
+                            "NaN or Inf (micro-batch 2, codec q4)")
 
 
 def test_distributed_stages_all_stop_at_the_same_step(tmp_path):
