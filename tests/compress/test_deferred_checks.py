@@ -90,3 +90,46 @@ def test_the_fused_aqsgd_step_defers_too(spec):
     with deferring_checks():
         packet = codec.encode_delta(x, cache.row_store(ids))
     assert packet is not None and packet.refusal() == str(immediate.value)
+
+
+CUDA_SPECS = ["q4", "q2:token", "q8:block64", "q4:midrise", "q3", "fp16", "bf16", "topk0.1"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", CUDA_SPECS)
+def test_no_host_synchronisation_inside_an_encode_on_cuda(spec):
+    """On a GPU (default backend: Triton) an encode, NaN input included, never waits for the device: torch's
+    sync debug mode turns any synchronisation into an error. The packet's check, read after, refuses."""
+    codec = make_codec(spec)
+    x = _bad().cuda()
+    fine = x.nan_to_num()
+    codec.encode(fine)  # compile and warm the kernels outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packet = codec.encode(x)
+        good = codec.encode(fine)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert packet.refusal() is not None and good.refusal() is None
+    assert torch.equal(good.payload.cpu(), codec.encode(fine.cpu()).payload)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_host_synchronisation_inside_the_fused_aqsgd_step_on_cuda():
+    from aqsgd.schemes.cache.memory import MemoryCache
+
+    codec = make_codec("q4")
+    cache = MemoryCache(8, (6, 32), storage_dtype=torch.float16, device="cuda")
+    ids = torch.arange(4, device="cuda")
+    cache.put(ids, torch.randn(4, 6, 32, device="cuda"))
+    x = _bad().cuda()
+    store = cache.row_store(ids)
+    assert codec.encode_delta(x.nan_to_num(), store) is not None  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packet = codec.encode_delta(x, cache.row_store(ids))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert packet is not None and packet.refusal() is not None

@@ -50,6 +50,14 @@ has every operation but the numpy TopK ones (its TopK works on torch tensors, so
 (``:rc``, ``:zstd``) and the means of the ``l2``/``step``/``mean`` scales stay PyTorch's (or the host's)
 everywhere.
 
+No host synchronisation: no operation reads a value to the host. The decisions a codec makes around them
+that need one (is the input finite? does a scale fit its storage dtype?) are *deferred* on CUDA: the codec
+records them as device flags that the packet carries (:class:`~aqsgd.compress.packet.DeferredCheck`,
+:func:`~aqsgd.compress.base.deferring_checks`), read where the packet's bytes are synchronised anyway (the
+transport's sender thread, the local runtime's hand-over), raising the same error as the immediate check. On
+the CPU the checks stay immediate. Still synchronising on CUDA: the outlier rows (their count sizes the
+payload), entropy stages, and the decode-side checks of received scales.
+
 Single rounding where it matters: ``fma`` in every backend that can (PyTorch's ``addcmul`` rounds once on the
 CPU), so that the packets of all backends on the CPU are byte-identical, and a Triton kernel on a GPU writes
 the CPU's bytes. PyTorch's own ``addcmul`` on CUDA rounds twice: an ``eager`` encode on a GPU may differ from

@@ -5,8 +5,10 @@ channel/token/block groups, ``midrise``), unpack-and-dequantize, the Hadamard ti
 exact selection and its cast payload (fp32 input), the outlier rows' norms and split, and AQ-SGD's fused
 sender and receiver steps against fp32/fp16/bf16 cache rows. What does not: the means of the
 ``l2``/``step``/``mean`` scales (PyTorch's reductions, whose order a kernel would not reproduce), entropy
-stages (host), the fused AQ-SGD step with stochastic rounding (step by step); and the host decisions inside
-encode and decode (the finite-scale checks, TopK's finite-value check, the outlier count) still synchronise.
+stages (host), the fused AQ-SGD step with stochastic rounding (step by step). The host decisions around the
+kernels are deferred on CUDA (the finite-scale checks, TopK's finite-value flag: device flags the packet
+carries, see :mod:`aqsgd.compress.kernels`); the outlier count and the decode-side scale checks still
+synchronise.
 
 Each kernel works on the quantizer's 2-D view ``[R, K]`` (``K % 8 == 0``), a tile of rows times a tile of
 *groups of 8 codes* per program: 8 codes of ``bits`` bits fill exactly ``bits`` bytes, so every group packs
