@@ -430,6 +430,8 @@ class _Receiver(_Worker):
         self._layout: _Layout | None = None
         self._spent: tuple | None = None  # the last message's receive buffer and views (see _recv)
         self._last_arrival: float | None = None  # wall-clock arrival of the previous message (_held_back)
+        self._delay = 0.0  # this link's one-way delay relative to an earlier message's (_held_back)
+        self._delays: collections.deque[float] = collections.deque(maxlen=_DELAYS_KEPT)
 
     def _serve(self) -> None:
         while True:
@@ -564,15 +566,31 @@ class _Receiver(_Worker):
         raise _Refusal(body.cpu().numpy().tobytes().decode("utf-8", "replace"))
 
     def _held_back(self, arrival: float, gap: float) -> float:
-        """Seconds since the previous message's arrival if the link held this message back (it arrived later
-        after that one than the sender had handed it over: the link was carrying it meanwhile), else 0. The
+        """The seconds the link spent carrying this message if it held it back, else 0.
+
+        Held back: the message arrived later after the previous one than the sender had handed it over
+        (``spacing`` against the preamble's ``gap``). The arrival gap ``spacing`` is then the line's time
+        on this message if the line was busy until it started; if the line sat idle first, the gap counts that
+        idle time too, and the message's own time is its one-way delay above the smallest lately seen (an
+        unqueued message's). That delay is known up to a constant, the two clocks' offset, which the
+        difference cancels: each message moves it by ``spacing - gap``. The smaller of the two is taken. The
         arrival is now, or the emulated arrival time where that is later."""
         now = max(time.time(), arrival)
         last, self._last_arrival = self._last_arrival, now
-        if last is None or gap <= 0.0:
+        if last is None or gap <= 0.0:  # the sender's first message: nothing to relate it to
+            self._delay = 0.0
+            self._delays.clear()
+            self._delays.append(0.0)
             return 0.0
         spacing = now - last
-        return spacing if spacing > gap * BACKLOG_FACTOR + BACKLOG_SLACK_S else 0.0
+        self._delay += spacing - gap
+        self._delays.append(self._delay)
+        if spacing <= gap * BACKLOG_FACTOR + BACKLOG_SLACK_S:
+            return 0.0
+        return max(0.0, min(spacing, self._delay - min(self._delays)))
+
+
+_DELAYS_KEPT = 256  # messages whose relative delays give a link's smallest (clocks drift over longer spans)
 
 
 def _first_line(e: BaseException) -> str:
