@@ -79,7 +79,7 @@ class AdaptiveBenchConfig:
     train_samples: int = 64  # 4 steps per epoch
     steps: int = 40
     eval_samples: int = 32
-    lr: float = 3e-3
+    lr: float = 1e-3
     latency_ms: float = 0.0
     seed: int = 0
 

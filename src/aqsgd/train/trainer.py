@@ -56,7 +56,7 @@ from aqsgd.pipeline.partition import partition_model, shared_parameters
 from aqsgd.schemes import Phase
 from aqsgd.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
                                     save_checkpoint)
-from aqsgd.train.adaptive import LinkPolicy, is_auto, link_seconds, parse_auto
+from aqsgd.train.adaptive import BITS, LinkPolicy, is_auto, link_seconds, parse_auto
 from aqsgd.train.balance import emulate_slow_stages, measure_split
 from aqsgd.train.config import TrainConfig, flatten_config
 from aqsgd.train.engine import OptimConfig, PipelineEngine
@@ -813,6 +813,8 @@ class Trainer:
             **({"links": links} if links else {}),
             # --forward/--backward auto: the spec each link sent this step with
             **({"codecs": codecs} if codecs else {}),
+            # ... and its bits per value, a number TensorBoard plots (train/link_bits/b0.forward)
+            **({"link_bits": {k: BITS[v.split(":", 1)[1]] for k, v in codecs.items()}} if codecs else {}),
             "grad_norm": None if skipped else self.engine.last_grad_norm,
             "time": {"step": dt, "compute": sum(s["compute_s"] for s in stats),
                      "codec": sum(s["encode_s"] + s["decode_s"] for s in stats),
