@@ -16,28 +16,30 @@ from aqsgd.train.config import TrainConfig
 RAW = 40_000.0  # fp32 bytes per step of each direction (one micro-batch)
 
 
-def _stats(sent: list[float], mbit: list[float], compute_s: float, overhead: float = 100.0
-           ) -> list[dict[str, float]]:
+def _stats(sent: list[float], mbit: list[float], compute_s: float, overhead: float = 100.0,
+           step_s: float | None = None) -> list[dict[str, float]]:
     """One step of a 2-stage pipeline (one boundary): the codec bytes ``sent`` of each direction, its forward
-    link at ``mbit[0]`` Mbit/s and its backward one at ``mbit[1]``, ``overhead`` wire bytes besides them."""
+    link at ``mbit[0]`` Mbit/s and its backward one at ``mbit[1]``, ``overhead`` wire bytes besides them, the
+    step ``step_s`` long (default: long enough that the fill-and-drain rule never binds)."""
     rows = []
     for stage, key in ((0, "fw"), (1, "bw")):
         wire = sent[stage] + overhead
         row = {f"{k}_{f}": 0.0 for k in ("fw", "bw") for f in ("raw", "bytes", "wire_bytes", "busy_s")}
-        row.update(in_fw_held_s=0.0, in_bw_held_s=0.0)
+        row.update(in_fw_held_s=0.0, in_bw_held_s=0.0, step_s=100 * compute_s if step_s is None else step_s)
         row.update({"compute_s": compute_s, f"{key}_raw": RAW, f"{key}_bytes": sent[stage],
                     f"{key}_wire_bytes": wire, f"{key}_busy_s": 8 * wire / (1e6 * mbit[stage])})
         rows.append(row)
     return rows
 
 
-def _run(policy: LinkPolicy, steps: int, mbit: list[float], compute_s: float) -> list[dict[str, str]]:
+def _run(policy: LinkPolicy, steps: int, mbit: list[float], compute_s: float,
+         step_s: float | None = None, fills: int = 1) -> list[dict[str, str]]:
     out = []
     for _ in range(steps):
         specs = policy.specs()
         sent = [RAW * BITS[specs[n].split(":", 1)[1]] / 32 if n in specs else RAW / 2
                 for n in ("b0.forward", "b0.backward")]
-        policy.step(_stats(sent, mbit, compute_s), 1, compressed=True)
+        policy.step(_stats(sent, mbit, compute_s, step_s=step_s), 1, compressed=True, fills=fills)
         out.append(policy.specs())
     return out
 
@@ -48,6 +50,20 @@ def test_a_slow_link_gets_the_least_compression_that_fits_and_a_fast_one_none():
     policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
     history = _run(policy, 5, mbit=[1.0, 100.0], compute_s=0.05)
     assert history[-1] == {"b0.forward": "delta:q4", "b0.backward": "direct:fp16"}
+
+
+def test_links_spend_at_most_a_share_of_the_step_on_bits_above_their_floors():
+    # 20 KB of fp16 per micro-batch: 16 ms at 10 Mbit/s and 0.16 ms at 1 Gbit/s, both within the 50 ms of
+    # compute; but each link crosses the critical path once per pipeline pass, and a 0.1 s step leaves each of
+    # the two links 2.5 ms (TOLERANCE) above its floor. Forward (floor q2:l2, 2.1 ms): q4 (4.1 ms) is the
+    # least compression within that; the 1 Gbit/s backward link stays at fp16.
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
+    history = _run(policy, 5, mbit=[10.0, 1000.0], compute_s=0.05, step_s=0.1)
+    assert history[-1] == {"b0.forward": "delta:q4", "b0.backward": "direct:fp16"}
+    # two passes per step (gradient accumulation) pay it twice: q3 (3.1 ms, 1 ms above the floor)
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
+    history = _run(policy, 5, mbit=[10.0, 1000.0], compute_s=0.05, step_s=0.1, fills=2)
+    assert history[-1] == {"b0.forward": "delta:q3", "b0.backward": "direct:fp16"}
 
 
 def test_the_floor_is_never_passed():

@@ -24,10 +24,24 @@ saw (:func:`link_seconds`); these and the budget are exponential means over step
 linear in): a link that becomes 100 times slower weighs at once (one slow step makes the mean at least
 ``SMOOTHING`` times the slow one's), while a link that becomes faster is believed over a few steps.
 
-The level goes at once to the least compressed ``L`` with ``t(L) <= budget`` when the current one no longer
-fits (the floor if none does), and back up to less compression only after :data:`PATIENCE` steps in a row in
-which a level fits with margin, ``t(L) <= UP_MARGIN * budget`` (hysteresis: a link near the edge, or a noisy
-measurement, does not make it flip every step).
+A link that keeps up with the compute still costs time: the first micro-batch of every pipeline pass crosses
+every boundary before the last stage can start, and the last one's gradients cross them all again, so each
+link's ``t(L)`` is on the step's critical path once per pass whatever the overlap (the pipeline's fill and
+drain). A level *fits* when both hold::
+
+    t(L) <= budget
+    fills * (t(L) - t(floor)) <= TOLERANCE * step / links
+
+with ``fills`` the pipeline passes per step (gradient accumulation), ``step`` the measured step time and
+``links`` the number of auto links: together the links spend at most :data:`TOLERANCE` of the step on carrying
+more bits than their floors. (Without the second rule, measured by ``aqsgd bench adaptive`` on the CPU, auto
+kept 8-16 bits where the link allowed it and reached the target loss 1.08-1.14x later than the best fixed
+rung.)
+
+The level goes at once to the least compressed ``L`` that fits when the current one no longer does (the
+floor if none does), and back up to less compression only after :data:`PATIENCE` steps in a row in which a
+level fits with margin, both rules with their right-hand sides times ``UP_MARGIN`` (hysteresis: a link near
+the edge, or a noisy measurement, does not make it flip every step).
 
 Every input is a sum all-reduced over the run's processes (the trainer's per-step statistics), so every
 process computes the same levels at the same step, and the sender and the receiver of a link switch together
@@ -49,6 +63,7 @@ LADDERS: dict[str, tuple[str, ...]] = {
 SCHEMES = {"forward": "delta", "backward": "direct"}
 BITS = {"fp16": 16.0, "q8": 8.0, "q6": 6.0, "q4": 4.0, "q3": 3.0, "q2:l2": 2.0}
 UP_MARGIN = 0.7
+TOLERANCE = 0.05  # the share of the step that all auto links together may spend above their floors
 PATIENCE = 3  # steps in a row that must leave room before a link takes fewer compression
 SMOOTHING = 0.3  # weight of the newest step in the exponential means
 
@@ -111,6 +126,8 @@ class LinkPolicy:
     def __init__(self, boundaries: int, forward: AutoSpec | None, backward: AutoSpec | None) -> None:
         self.links: dict[str, _Link] = {}
         self.budget: float | None = None  # compute seconds per micro-batch of the slowest stage
+        self.step_s: float | None = None  # the step time
+        self.fills = 1  # pipeline passes per step
         self.steps = 0
         for b in range(boundaries):
             for auto in (forward, backward):
@@ -130,18 +147,21 @@ class LinkPolicy:
             if name in self.links:
                 self.links[name].level = min(int(level), len(self.links[name].auto.ladder) - 1)
 
-    def step(self, stages: Sequence[Mapping[str, float]], micro_batches: int, *, compressed: bool
-             ) -> dict[str, str]:
+    def step(self, stages: Sequence[Mapping[str, float]], micro_batches: int, *, compressed: bool,
+             fills: int = 1) -> dict[str, str]:
         """Take one step's per-stage statistics (the trainer's gathered rows: ``fw_raw``, ``fw_bytes``,
         ``fw_wire_bytes``, ``fw_busy_s``, the same for ``bw``, ``compute_s``, and what a stage's receivers saw
-        held back, ``in_fw_held_s`` and ``in_bw_held_s``) and return the links whose
-        spec changes, with their new spec. ``compressed``: whether the step sent the links' codecs (in the
-        uncompressed warm-up only the throughput is learnt; the payload then follows from the raw bytes)."""
+        held back, ``in_fw_held_s`` and ``in_bw_held_s``, and ``step_s``) and return the links whose spec
+        changes, with their new spec. ``micro_batches``: in the whole step; ``fills``: pipeline passes per
+        step. ``compressed``: whether the step sent the links' codecs (in the uncompressed warm-up only the
+        throughput is learnt; the payload then follows from the raw bytes)."""
         self.steps += 1
         if self.steps == 1:  # one-time work (kernels built, buffers allocated): not a sample of the link
             return {}
         n = max(micro_batches, 1)
+        self.fills = max(fills, 1)
         self.budget = _smooth(self.budget, max(float(s["compute_s"]) for s in stages) / n)
+        self.step_s = _smooth(self.step_s, max(float(s["step_s"]) for s in stages))
         changes = {}
         for name, link in self.links.items():
             b = int(name[1:].split(".")[0])
@@ -172,9 +192,16 @@ class LinkPolicy:
 
         levels = range(len(link.auto.ladder))
         budget = self.budget or 0.0
-        if seconds(link.level) > budget:  # too slow now: the least compression that fits, or the floor
-            return next((lv for lv in levels if seconds(lv) <= budget), levels[-1])
-        roomy = next((lv for lv in range(link.level) if seconds(lv) <= UP_MARGIN * budget), None)
+        share = TOLERANCE * (self.step_s or 0.0) / max(len(self.links), 1)
+        floor = seconds(levels[-1])
+
+        def fits(level: int, margin: float = 1.0) -> bool:
+            return (seconds(level) <= margin * budget
+                    and self.fills * (seconds(level) - floor) <= margin * share)
+
+        if not fits(link.level):  # too slow now: the least compression that fits, or the floor
+            return next((lv for lv in levels if fits(lv)), levels[-1])
+        roomy = next((lv for lv in range(link.level) if fits(lv, UP_MARGIN)), None)
         link.roomy = link.roomy + 1 if roomy is not None else 0
         return roomy if roomy is not None and link.roomy >= PATIENCE else link.level
 

@@ -771,7 +771,8 @@ class Trainer:
         if self.policy is not None:  # the same statistics on every process: the same choice everywhere
             codecs = self.policy.specs()  # what this step sent with
             passes = self.cfg.pipeline.micro_batches * self.cfg.optim.grad_accum
-            changes = self.policy.step(stats, passes, compressed=phase != Phase.WARMUP)
+            changes = self.policy.step(stats, passes, compressed=phase != Phase.WARMUP,
+                                       fills=self.cfg.optim.grad_accum)
             self._set_link_codecs(changes)
             if changes and self.writes_metrics:
                 log.info("step %d: links now %s", self.position["step"],
