@@ -72,8 +72,8 @@ def test_the_command_end_to_end_on_a_tiny_pipeline(tmp_path):
 
     out = tmp_path / "adaptive.json"
     assert main(["bench", "adaptive", "--stages", "2", "--scenarios", "drop", "--settings", "fp32", "auto",
-                 "--steps", "6", "--hidden", "64", "--seq-len", "32", "--json", str(out),
-                 "--png", str(tmp_path / "adaptive.png")]) == 0
+                 "--steps", "6", "--train-samples", "32", "--hidden", "64", "--seq-len", "32",
+                 "--json", str(out), "--png", str(tmp_path / "adaptive.png")]) == 0
     result = json.loads(out.read_text())
     drop = result["scenarios"]["drop"]
     assert drop["link"] == "200mbit~20mbit@4"

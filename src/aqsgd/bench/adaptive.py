@@ -76,7 +76,7 @@ class AdaptiveBenchConfig:
     vocab: int = 512
     microbatch_size: int = 4
     num_microbatches: int = 4
-    train_samples: int = 64  # 4 steps per epoch
+    train_samples: int = 64  # 4 steps per epoch: the uncompressed warm-up, then AQ-SGD revisits its cache
     steps: int = 40
     eval_samples: int = 32
     lr: float = 1e-3

@@ -107,6 +107,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     metavar="SETTING", help=f"of {', '.join(all_settings())} (default: all; fp32 is needed)")
     ad.add_argument("--stages", type=positive_int, default=da.stages, help="2 to 4 (default: 4)")
     ad.add_argument("--steps", type=positive_int, default=da.steps, help="training steps (default: 40)")
+    ad.add_argument("--train-samples", type=positive_int, default=da.train_samples,
+                    help="synthetic training samples (default: 64, 4 steps per epoch; the first epoch "
+                         "is the uncompressed warm-up)")
     ad.add_argument("--hidden", type=positive_int, default=da.hidden, help="model width (default: 256)")
     ad.add_argument("--seq-len", type=positive_int, default=da.seq_len,
                     help="tokens per sample (default: 128)")
@@ -324,7 +327,8 @@ def run_adaptive(args: argparse.Namespace) -> int:
     from aqsgd.bench.codecs import machine_description
 
     cfg = AdaptiveBenchConfig(stages=args.stages, scenarios=args.scenarios, settings=args.settings,
-                              steps=args.steps, hidden=args.hidden, seq_len=args.seq_len,
+                              steps=args.steps, train_samples=args.train_samples, hidden=args.hidden,
+                              seq_len=args.seq_len,
                               num_microbatches=args.micro_batches, latency_ms=args.latency_ms)
     console = Console(width=max(Console().width, 150))
     machine = machine_description(torch.device("cpu"))
