@@ -155,9 +155,41 @@ def overhead(d: dict) -> list[str]:
     return out
 
 
+def adaptive(d: dict) -> list[str]:
+    scenarios = d["scenarios"]
+    names = list(scenarios)
+    head = " | ".join(f"`{n}` to target | median step | perplexity vs fp32" for n in names)
+    out = [f"| setting | {head} |", "|---|" + "---|---|---|" * len(names)]
+    for i, r in enumerate(scenarios[names[0]]["runs"]):
+        cells = []
+        for n in names:
+            run = scenarios[n]["runs"][i]
+            t, rel = run["time_to_target_s"], run["perplexity_vs_fp32"]
+            cells += [f"{t:.2f} s" if t is not None else "never", f"{run['median_step_s']:.3f} s",
+                      "-" if rel is None else f"{100 * rel:+.2f} %"]
+        out.append(f"| {r['setting']} | " + " | ".join(cells) + " |")
+    out.append("")
+    out += [f"`{n}`: links {s['link']}, target loss {s['target_loss']:.4f} (fp32 at step "
+            f"{s['target_at_step']}), best fixed: {s['best_fixed']}" for n, s in scenarios.items()]
+    return out
+
+
+def balance_measured(d: dict) -> list[str]:
+    out = ["| split | step (ms, median over rounds) |", "|---|---|"]
+    for name, r in sorted(d["splits"].items(), key=lambda kv: kv[1]["step_ms"]):
+        out.append(f"| {name} | {r['step_ms']:.1f} |")
+    m = d["measured"]
+    out.append(f"| **measured: {','.join(map(str, m['layers']))}** | **{m['step_ms']:.1f}** |")
+    out += ["", f"stage {d['emulate_slow_stage']} (stage:factor) emulated slower; measured / best "
+            f"({d['best_split']}): {d['measured_over_best']:.3f} (target {d['target']}); even split "
+            f"{d['even_split']}: {d['even_ms'] / d['best_ms']:.3f} of the best"]
+    return out
+
+
 RENDERERS = {"codecs": codecs, "codecs-cache-path": codecs_cache_path, "codecs-quality": codecs_quality,
              "codecs-quality-specs": codec_quality_specs, "pipeline": pipeline, "convergence": convergence,
-             "netem": netem, "boundary_errors": boundary_errors, "vs-torch": vs_torch, "overhead": overhead}
+             "netem": netem, "boundary_errors": boundary_errors, "vs-torch": vs_torch, "overhead": overhead,
+             "adaptive": adaptive, "balance-measured": balance_measured}
 
 
 def main(paths: list[str]) -> int:

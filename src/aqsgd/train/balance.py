@@ -33,7 +33,9 @@ from aqsgd.schemes import Phase
 if TYPE_CHECKING:
     from aqsgd.train.config import TrainConfig
     from aqsgd.train.engine import PipelineEngine
-    from aqsgd.train.trainer import Trainer
+
+# the aqsgd.train.trainer.Trainer being set up (that module imports this one, not the reverse)
+Trainer = Any
 
 __all__ = ["measure_split", "emulate_slow_stages"]
 
@@ -50,17 +52,11 @@ def emulate_slow_stages(engine: PipelineEngine, cfg: TrainConfig) -> None:
 
 def measure_split(trainer: Trainer) -> dict[str, Any]:
     """Profile ``trainer``'s stages with the ``layers`` split and choose the split to train with (see the
-    module docstring); returns what was measured and chosen, ``layers`` the split. A resumed run takes its
-    checkpoint's split instead, unprofiled. Called by every process of the run, before the trainer builds its
-    engine."""
+    module docstring); returns what was measured and chosen, ``layers`` the split. (A resumed run takes its
+    checkpoint's split instead, unprofiled: the trainer does not call this then.) Called by every process of
+    the run, before the trainer builds its engine."""
     cfg = trainer.cfg
     p = cfg.pipeline
-    if cfg.run.resume:
-        from aqsgd.train.trainer import resume_settings
-
-        saved = resume_settings(cfg.run.resume).get("layers")
-        if saved is not None:
-            return {"balance": "measured", "layers": list(saved), "from": str(cfg.run.resume)}
     params = [float(count_parameters([b])) for b in model_layout(trainer.task.recipe.build("meta")).blocks]
     profiled = even_counts(len(params), p.stages)
     if p.stages == 1:  # one split only: nothing to measure

@@ -227,7 +227,9 @@ class Trainer:
         # chosen, recorded as its --layers (aqsgd.train.balance)
         self.balance: dict[str, Any] | None = None
         if p.balance == "measured" and p.layers is None:
-            self.balance = measure_split(self)
+            saved = resume_settings(cfg.run.resume).get("layers") if cfg.run.resume else None
+            self.balance = (measure_split(self) if saved is None else
+                            {"balance": "measured", "layers": list(saved), "from": str(cfg.run.resume)})
             self.cfg = self.cfg.replace(layers=self.balance["layers"])
         self.engine = self._build_engine()
         emulate_slow_stages(self.engine, self.cfg)
