@@ -27,6 +27,7 @@ sharded the same way and its sums are reduced over the replicas of the last stag
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -304,7 +305,7 @@ class Trainer:
                                   device=device, autocast=autocast)
         # this process's links by the rank at their other end (its boundaries' settings); the replicas' sync
         # takes the one setting --link then has
-        specs = parse_links(p.link, p.stages - 1) if p.link else []
+        specs = self.link_schedules
         schedules = (boundary_links(specs, self.grid.stage, lambda s: self.grid.rank_of_stage[s])
                      if specs else {})
         links = {dst: schedule.initial for dst, schedule in schedules.items()} if specs else None
@@ -691,6 +692,12 @@ class Trainer:
                 loss = float(self._replica_sum(torch.tensor([loss], dtype=torch.float64))) / d
         return loss
 
+    @functools.cached_property
+    def link_schedules(self) -> list[LinkSchedule]:
+        """``--link``, one schedule per boundary (none without it), parsed once."""
+        p = self.cfg.pipeline
+        return parse_links(p.link, p.stages - 1) if p.link else []
+
     def _follow_link_schedules(self, step: int) -> None:
         """Give this process's emulated links the setting their schedule has at ``step``, before its first
         packet (the two ends of a link read the same schedule, so they change at the same step boundary)."""
@@ -699,7 +706,7 @@ class Trainer:
         for dst, schedule in self._link_schedules.items():
             self.transport.set_link(dst, schedule.at(step))
         if self.writes_metrics and step > 1:
-            for b, schedule in enumerate(parse_links(self.cfg.pipeline.link, self.cfg.pipeline.stages - 1)):
+            for b, schedule in enumerate(self.link_schedules):
                 if schedule.at(step) != schedule.at(step - 1):
                     log.info("step %d: emulated link of boundary %d now %s", step, b, schedule.at(step))
 
@@ -790,8 +797,7 @@ class Trainer:
         if not self.writes_metrics:
             return
         per_boundary, links = {}, {}
-        emulated = (parse_links(self.cfg.pipeline.link, self.cfg.pipeline.stages - 1)
-                    if self.cfg.pipeline.link else None)
+        emulated = self.link_schedules
         for b in range(self.cfg.pipeline.stages - 1):
             per_boundary[f"b{b}.forward"] = int(stats[b]["fw_bytes"])
             per_boundary[f"b{b}.backward"] = int(stats[b + 1]["bw_bytes"])
