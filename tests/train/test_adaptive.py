@@ -159,6 +159,10 @@ def test_the_policy_follows_a_link_that_slows_down_during_the_run(tmp_path):
     assert all(r["links"]["b0.forward"]["mbit_s"] < 1.05 for r in train[3:])  # measured: the slow link
     sent = [r["codecs"]["b0.forward"] for r in train]  # what each step sent with
     assert [r["link_bits"]["b0.forward"] for r in train] == [BITS[c.split(":", 1)[1]] for c in sent]
-    assert sent[:4] == ["delta:fp16"] * 4, sent  # a fast loopback link: no compression needed
-    # the first slow step's measurement moves the link down the ladder at once (no patience going down)
-    assert sent[4] != "delta:fp16" and sent[-1] == "delta:q2:l2", sent
+    # Before the drop, loopback: on an idle machine no compression is needed (fp16). On a loaded one a message
+    # can stall for tens of ms waiting for a core, which the policy counts as the link's time (it cannot tell a
+    # per-message cost from bandwidth), so a step may go one or two rungs down there; never to the floor.
+    assert all(BITS[c.split(":", 1)[1]] > BITS["q2:l2"] for c in sent[:4]), sent
+    # the first slow step's measurement moves the link to the floor at once (no patience going down): at
+    # 1 Mbit/s even q2 takes longer than a micro-batch's compute
+    assert sent[4:] == ["delta:q2:l2"] * 3, sent
