@@ -164,9 +164,10 @@ def adaptive(d: dict) -> list[str]:
         cells = []
         for n in names:
             run = scenarios[n]["runs"][i]
-            t, rel = run["time_to_target_s"], run["perplexity_vs_fp32"]
-            cells += [f"{t:.2f} s" if t is not None else "never", f"{run['median_step_s']:.3f} s",
-                      "-" if rel is None else f"{100 * rel:+.2f} %"]
+            t, rel, med = run["time_to_target_s"], run["perplexity_vs_fp32"], run["median_step_s"]
+            failed = f" (failed at step {len(run['loss']) + 1})" if run.get("error") else ""
+            cells += [(f"{t:.2f} s" if t is not None else "never") + failed,
+                      "-" if med is None else f"{med:.3f} s", "-" if rel is None else f"{100 * rel:+.2f} %"]
         out.append(f"| {r['setting']} | " + " | ".join(cells) + " |")
     out.append("")
     out += [f"`{n}`: links {s['link']}, target loss {s['target_loss']:.4f} (fp32 at step "

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from aqsgd.bench.adaptive import (AdaptiveBenchConfig, bench_adaptive, bits_over_steps, fixed_settings,
-                                  smoothed, summarize, time_to_target)
+from aqsgd.bench.adaptive import (AdaptiveBenchConfig, _run_record, bench_adaptive, bits_over_steps,
+                                  fixed_settings, format_scenario, smoothed, summarize, time_to_target)
 
 
 def test_the_fixed_settings_are_the_rungs_of_autos_ladders():
@@ -41,6 +41,25 @@ def test_summary_target_from_fp32_and_the_best_fixed_setting_in_hindsight():
     assert by["auto"]["time_to_target_s"] == pytest.approx(2.7)
     assert by["fixed q2:l2"]["time_to_target_s"] is None
     assert by["auto"]["perplexity_vs_fp32"] == pytest.approx(0.005)
+
+
+def test_a_failed_setting_is_reported_with_its_steps_and_the_others_still_summarized():
+    def rows(losses):
+        return [{"kind": "train", "loss": x, "time": {"step": 1.0}, "bytes_sent": 10} for x in losses]
+
+    runs = [_run_record("fp32", rows([4.0, 3.0, 2.0, 1.0])),
+            _run_record("fixed q8", rows([4.0, 2.0, 1.0, 0.5])),
+            _run_record("auto", rows([4.0, 3.0]), error="stage 1 failed: DivergedError: training diverged at "
+                                                        "step 3: loss nan")]
+    s = summarize(runs)
+    assert s["best_fixed"] == "fixed q8"
+    auto = runs[-1]
+    assert auto["time_to_target_s"] is None and auto["final_perplexity"] is None
+    assert auto["median_step_s"] == 1.0
+    text = format_scenario("drop", {"link": "x", **s, "runs": runs})
+    assert "auto" in text and "FAILED after 2 steps: stage 1 failed: DivergedError" in text
+    with pytest.raises(RuntimeError, match="the fp32 run, which sets the target loss, failed: boom"):
+        summarize([_run_record("fp32", [], error="boom")])
 
 
 def test_bits_over_steps_reads_the_spec_each_link_sent_with():

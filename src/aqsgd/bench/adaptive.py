@@ -20,10 +20,11 @@ All settings start with the same uncompressed warm-up epoch (AQ-SGD fills its ca
   relative to fp32's;
 * the spec every link sent with at every step (``auto``), for the plot of bits per link over time.
 
-The processes of a scenario are started once and run every setting in turn (short copies of the runs go
-first and are dropped: a codec's kernels are compiled at its first use, and a fresh process pays one-off
-costs). Links are emulated in the transport (sleeps), so
-the compute is real and shares this machine's cores.
+Every setting runs in stage processes of its own, which first train a short copy of the run and drop it (a
+codec's kernels are compiled at its first use, and a fresh process pays one-off costs). A setting whose run
+fails (a diverged step: NaN or Inf in a loss or at a boundary) is reported with its error and the steps it
+made; the other settings still run. Links are emulated in the transport (sleeps), so the compute is real and
+shares this machine's cores.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 
 from aqsgd.bench.pipeline import _bench_entry
 from aqsgd.comm.launch import launch_local
+from aqsgd.errors import StageFailedError
 from aqsgd.train.adaptive import BITS, LADDERS
 from aqsgd.train.config import TrainConfig
 
@@ -125,7 +127,9 @@ def time_to_target(losses: Sequence[float], step_s: Sequence[float], target: flo
     return None
 
 
-def _run_record(setting: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _run_record(setting: str, rows: list[dict[str, Any]], error: str | None = None) -> dict[str, Any]:
+    """One setting's figures from its ``metrics.jsonl`` rows; ``error``: the first line of its failure, if it
+    failed (its rows are then the steps it made)."""
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
     final = evals[-1]["uncompressed"] if evals else None
@@ -136,7 +140,7 @@ def _run_record(setting: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "emulated": [{k: v.get("emulated") for k, v in r.get("links", {}).items()} for r in train],
         "mbit_s": [{k: v.get("mbit_s") for k, v in r.get("links", {}).items()} for r in train],
         "bytes_sent": sum(r["bytes_sent"] for r in train), "train_s": sum(r["time"]["step"] for r in train),
-        "final": final,
+        "final": final, "error": error,
     }
 
 
@@ -144,12 +148,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The target loss, and every run's time to it, median step time and final perplexity relative to fp32's
     (added to the runs in place); ``best_fixed``: the fixed setting that reached the target first."""
     fp32 = next(r for r in runs if r["setting"] == "fp32")
+    if not fp32["loss"] or fp32.get("error"):
+        raise RuntimeError("the fp32 run, which sets the target loss, failed: "
+                           f"{fp32.get('error') or 'no steps'}")
     at = max(0, round(TARGET_AT * len(fp32["loss"])) - 1)
     target = smoothed(fp32["loss"])[at]
     ref = fp32["final"]["perplexity"] if fp32["final"] else None
     for r in runs:
         r["time_to_target_s"] = time_to_target(r["loss"], r["step_s"], target)
-        r["median_step_s"] = statistics.median(r["step_s"])
+        r["median_step_s"] = statistics.median(r["step_s"]) if r["step_s"] else None
         ppl = r["final"]["perplexity"] if r["final"] else None
         r["final_perplexity"] = ppl
         r["perplexity_vs_fp32"] = None if ppl is None or ref is None else ppl / ref - 1
@@ -177,21 +184,24 @@ def bench_adaptive(cfg: AdaptiveBenchConfig, work_dir: str | None = None,
             plan = [(s, train_config(cfg, scenario, s, root)) for s in cfg.settings]
             if progress:
                 progress(f"{scenario}: links {cfg.link(scenario)}, {len(plan)} settings x {cfg.steps} steps")
-            # one-off costs (kernels compiled at a codec's first use, allocator growth, first connections) are
-            # paid by short copies of the runs first, dropped
-            warm = [c.replace(run_name=f"warm-up-{c.run.run_name}", max_steps=min(cfg.steps, _epoch(cfg) + 2),
-                              eval_every=0).to_json() for _, c in plan]
-            runs_json = warm + [c.to_json() for _, c in plan]
-            per_rank = launch_local(_bench_entry, cfg.stages, json.dumps(runs_json),
-                                    run_id="aqsgd-bench-adaptive")
-            histories = [next(r[j] for r in per_rank if r[j] is not None)
-                         for j in range(len(warm), len(runs_json))]
             runs = []
-            for (setting, c), history in zip(plan, histories):
+            for setting, c in plan:
+                # one-off costs (kernels compiled at a codec's first use, allocator growth, first connections)
+                # are paid by a short copy of the run first, dropped
+                warm = c.replace(run_name=f"warm-up-{c.run.run_name}",
+                                 max_steps=min(cfg.steps, _epoch(cfg) + 2), eval_every=0)
+                error = None
+                try:
+                    launch_local(_bench_entry, cfg.stages, json.dumps([warm.to_json(), c.to_json()]),
+                                 run_id="aqsgd-bench-adaptive")
+                except StageFailedError as e:  # a diverged run: reported, and the next setting runs
+                    error = str(e).splitlines()[0]
+                    if progress:
+                        progress(f"  {setting}: failed: {error}")
                 metrics = Path(root) / c.run.run_name / "metrics.jsonl"
-                rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() \
-                    else history
-                runs.append(_run_record(setting, rows))
+                rows = ([json.loads(line) for line in metrics.read_text().splitlines()]
+                        if metrics.exists() else [])
+                runs.append(_run_record(setting, rows, error))
             out[scenario] = {"link": cfg.link(scenario), "runs": runs, **summarize(runs)}
             if progress:
                 progress(format_scenario(scenario, out[scenario]))
@@ -203,10 +213,12 @@ def format_scenario(name: str, result: dict[str, Any]) -> str:
              f"{result['target_at_step']}); best fixed: {result['best_fixed']}"]
     for r in result["runs"]:
         t, rel, ppl = r["time_to_target_s"], r["perplexity_vs_fp32"], r["final_perplexity"]
+        med = r["median_step_s"]
         lines.append(f"  {r['setting']:<14} to target {'never' if t is None else f'{t:7.2f} s'}   "
-                     f"median step {r['median_step_s']:.3f} s   final perplexity "
+                     f"median step {'-' if med is None else f'{med:.3f} s'}   final perplexity "
                      f"{'-' if ppl is None else f'{ppl:.4f}'}"
-                     f" ({'-' if rel is None else f'{100 * rel:+.2f} %'} vs fp32)")
+                     f" ({'-' if rel is None else f'{100 * rel:+.2f} %'} vs fp32)"
+                     + (f"   FAILED after {len(r['loss'])} steps: {r['error']}" if r.get("error") else ""))
     return "\n".join(lines)
 
 
