@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from aqsgd.compress import make_codec
+from aqsgd.compress.base import deferring_checks
+from aqsgd.errors import NonFiniteError, PacketError
+from aqsgd.pipeline import runner as runner_module
 from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig
 from aqsgd.pipeline.partition import partition_model
 from aqsgd.pipeline.runner import LocalPipeline
@@ -196,3 +200,73 @@ def test_evaluate_keeps_logits_without_leaving_the_stage_flag_set():
     assert [tuple(t.shape) for t in logits] == [(BATCH // 2, 3)] * 2
     assert not engine.stages[1].keep_logits
     assert engine.evaluate(split_batch(case.batch, 2), "eval_raw")[1] is None
+
+
+# -- checks of received packets: at once on the CPU, pending until the step's end where deferred (a GPU) -----
+def _corrupt_first_forward_packet(monkeypatch, scale_bytes):
+    """The local transport hands the next stage the first forward packet with its first fp16 scale set to
+    ``scale_bytes`` (as a corrupted link would)."""
+    real = runner_module._LocalView.isend
+    done = []
+
+    def isend(self, packets, dst, channel):
+        if channel == FORWARD_CHANNEL and not done:
+            done.append(True)
+            payload = packets[0].payload.clone()
+            payload[:2] = torch.tensor(scale_bytes, dtype=torch.uint8)
+            packets = [dataclasses.replace(packets[0], payload=payload), *packets[1:]]
+        return real(self, packets, dst, channel)
+
+    monkeypatch.setattr(runner_module._LocalView, "isend", isend)
+
+
+def _q4_engine(case):
+    return PipelineEngine(dict(enumerate(partition_model(case.model, 2))), 2,
+                          CompressionConfig.simple("direct:q4", "direct:q4"), OptimConfig(lr=1e-2))
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_corrupt_packet_received_raises_its_error_before_the_optimizer_step(monkeypatch, deferred):
+    """A negative scale (the decoded activations stay finite): at once in the decode; deferred (as on a GPU,
+    forced here), the stage runs on what it decoded and its runner raises the same error at the step's end,
+    before the optimizer steps."""
+    case = CASES["gpt2"]()
+    engine = _q4_engine(case)
+    before = [p.detach().clone() for p in case.model.parameters()]
+    _corrupt_first_forward_packet(monkeypatch, (0x00, 0xBC))  # -1.0
+    with deferring_checks(True if deferred else None), pytest.raises(PacketError) as e:
+        engine.train_step(split_batch(case.batch, 2))
+    assert str(e.value) == "q4: packet holds invalid (non-finite or negative) scales"
+    assert any(entry.name == "end_step" for entry in e.traceback) == deferred
+    assert all(torch.equal(a, b) for a, b in zip(before, case.model.parameters()))
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_corrupt_packet_that_makes_nan_is_reported_before_the_refusal_it_causes(monkeypatch, deferred):
+    """A NaN scale: deferred, the last stage's loss and gradients are NaN and its codec refuses to send them
+    back; the runner reports the corrupt packet it received, the cause, not the refusal."""
+    case = CASES["gpt2"]()
+    engine = _q4_engine(case)
+    _corrupt_first_forward_packet(monkeypatch, (0x00, 0x7E))
+    with deferring_checks(True if deferred else None), pytest.raises(PacketError) as e:
+        engine.train_step(split_batch(case.batch, 2))
+    assert str(e.value) == "q4: packet holds invalid (non-finite or negative) scales"
+    assert any(entry.name == "_send" for entry in e.traceback) == deferred
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_refused_aqsgd_send_is_a_refusal_not_its_own_decode_error(deferred):
+    """AQ-SGD with a low-bit cache (the sender decodes its own packet to update its cache, step by step): NaN
+    activations are refused with the one-line refusal, deferred or not; the sender's decode of its own
+    refused packet (NaN scales) and its cache's rounding of it are not what is reported."""
+    case = CASES["gpt2"]()
+    comp = CompressionConfig.simple("delta:q4", "direct:q4", num_samples=BATCH, cache="lowbit4")
+    pipe = LocalPipeline(partition_model(case.model, 2), comp)
+    mbs = split_batch(case.batch, 2)
+    pipe.step(mbs, phase="warmup")  # fills the caches
+    with torch.no_grad():
+        next(pipe.runners[0].module.parameters()).fill_(float("nan"))
+    with deferring_checks(True if deferred else None), pytest.raises(NonFiniteError) as e:
+        pipe.step(mbs, phase="train")
+    assert str(e.value) == ("the activations that stage 0 sends across boundary 0 (forward) hold NaN or Inf "
+                            "(micro-batch 0, codec q4)")

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import torch
 
-from aqsgd.compress.packet import HEADER_BYTES, MAX_NDIM, DeferredCheck, Family, Packet
+from aqsgd.compress.packet import HEADER_BYTES, MAX_NDIM, DeferredCheck, Family, Packet, PendingChecks
 from aqsgd.errors import CodecError, NonFiniteError, PacketMismatchError
 
 if TYPE_CHECKING:
     from aqsgd.compress.kernels import RowStore
 
-__all__ = ["Codec", "FLOAT_DTYPES", "deferring_checks", "numel_of"]
+__all__ = ["Codec", "FLOAT_DTYPES", "collecting_pending_checks", "deferring_checks", "numel_of"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -114,7 +114,9 @@ class Codec(abc.ABC):
         return f"{where}: {rest}"
 
     def decode(self, packet: Packet) -> torch.Tensor:
-        """Decompress a packet produced by an equal codec; :class:`PacketMismatchError` otherwise."""
+        """Decompress a packet produced by an equal codec; :class:`PacketMismatchError` otherwise. Checks of
+        the payload's values (scales, indices) raise :class:`~aqsgd.errors.PacketError` at once, or, on a GPU
+        inside :func:`collecting_pending_checks`, where that collector is read."""
         self.check_packet(packet)
         return self._decode(packet)
 
@@ -198,14 +200,19 @@ _COLLECTING = threading.local()  # .stack: the open collectors of this thread's 
 
 @contextlib.contextmanager
 def deferring_checks(on: bool | None = True) -> Iterator[None]:
-    """Within the block, codecs defer (True) or make at once (False) the checks of their input that need a
-    value on the host (NaN/Inf, a scale beyond its storage dtype); None restores the default: deferred on
-    CUDA tensors, immediate elsewhere (a host read costs nothing on the CPU).
+    """Within the block, codecs defer (True) or make at once (False) the checks that need a value on the host:
+    an encode's checks of its input (NaN/Inf, a scale beyond its storage dtype) and a receiver's checks of
+    what it received (a decode's scales and indices, the low-bit cache's range); None restores the default:
+    deferred on CUDA tensors, immediate elsewhere (a host read costs nothing on the CPU).
 
-    A deferred check is a device flag carried by the packet (:class:`~aqsgd.compress.packet.DeferredCheck`):
-    the encode does not raise, :meth:`Packet.raise_deferred <aqsgd.compress.packet.Packet.raise_deferred>`
-    raises the same :class:`NonFiniteError` later, where the caller synchronises anyway (the transport, the
-    local runtime's hand-over). Tests force deferral on the CPU with this; it applies to every thread."""
+    A deferred encode check is a device flag carried by the packet
+    (:class:`~aqsgd.compress.packet.DeferredCheck`): the encode does not raise,
+    :meth:`Packet.raise_deferred <aqsgd.compress.packet.Packet.raise_deferred>` raises the same
+    :class:`NonFiniteError` later, where the caller synchronises anyway (the transport, the local runtime's
+    hand-over). A deferred receiver check is a device flag in the
+    :class:`~aqsgd.compress.packet.PendingChecks` of the enclosing :func:`collecting_pending_checks` (the
+    pipeline runner's step), read there later; outside one a decode checks at once, on any device. Tests
+    force deferral on the CPU with this; it applies to every thread."""
     saved = _DEFER["on"]
     _DEFER["on"] = on
     try:
@@ -248,3 +255,77 @@ def collecting_checks(rename: Callable[[str], str] | None = None
             checks[:] = [(f, rename(m)) for f, m in checks]
         if stack:
             stack[-1].extend(checks)
+
+
+# -- pending checks (no host synchronisation inside a decode on a GPU) ------------------------------------
+_PENDING = threading.local()  # .stack: this thread's open PendingChecks, innermost last; .wraps: see below
+
+
+class collecting_pending_checks:  # noqa: N801 - used as a context manager, like contextlib's
+    """Within the block (this thread), the checks of received data that a decode, or the low-bit cache
+    storing what was decoded, would make on the host are left on the device instead where
+    :func:`defers_pending_checks` says so (by default: on CUDA), and recorded in ``pending`` (a fresh
+    :class:`~aqsgd.compress.packet.PendingChecks` if None; ``as`` gives it). The caller reads them with
+    ``pending.raise_failed()`` before it relies on what was decoded: the same error, later.
+
+    A receiver cannot refuse after the fact as a sender does (see PendingChecks), so only a caller that has
+    such a point opens one: the pipeline runner around each receive and send of a step, read at the step's
+    end (:meth:`aqsgd.pipeline.runner.StageRunner.end_step`). Without one a decode checks at once on any
+    device (on a GPU: one host synchronisation per check). A class rather than a generator: the runner enters
+    one for every message, where microseconds count."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: PendingChecks | None = None) -> None:
+        self.pending = PendingChecks() if pending is None else pending
+
+    def __enter__(self) -> PendingChecks:
+        stack = getattr(_PENDING, "stack", None)
+        if stack is None:
+            stack = _PENDING.stack = []
+        stack.append(self.pending)
+        return self.pending
+
+    def __exit__(self, *exc: object) -> None:
+        _PENDING.stack.pop()
+
+
+def defers_pending_checks(device: torch.device) -> bool:
+    """Whether a receiver's check of data on ``device`` is left on the device now: inside
+    :func:`collecting_pending_checks` and, by default, on CUDA (see :func:`deferring_checks`)."""
+    if not getattr(_PENDING, "stack", None):
+        return False
+    on = _DEFER["on"]
+    return device.type == "cuda" if on is None else on
+
+
+def defer_pending_check(flag: torch.Tensor, error: Callable[[], BaseException]) -> None:
+    """Record a receiver's check (only where :func:`defers_pending_checks`): ``flag`` (a 0-d or 1-element
+    tensor) nonzero where it failed, ``error()`` the exception the immediate check raises (made after the
+    flags were read, as the enclosing :func:`wrapping_pending_errors` rename it)."""
+    wraps = getattr(_PENDING, "wraps", None)
+    if wraps:
+        inner, chain = error, tuple(reversed(wraps))  # innermost first, as nested except clauses would
+
+        def error() -> BaseException:
+            e = inner()
+            for wrap in chain:
+                e = wrap(e)
+            return e
+
+    _PENDING.stack[-1].add(flag, error)
+
+
+@contextlib.contextmanager
+def wrapping_pending_errors(wrap: Callable[[BaseException], BaseException]) -> Iterator[None]:
+    """The pending checks recorded inside the block raise ``wrap(error)``: what an ``except`` around the
+    block would have raised had the check been immediate (the low-bit cache turns a quantizer's error into
+    a :class:`~aqsgd.errors.CacheError`)."""
+    wraps = getattr(_PENDING, "wraps", None)
+    if wraps is None:
+        wraps = _PENDING.wraps = []
+    wraps.append(wrap)
+    try:
+        yield
+    finally:
+        wraps.pop()

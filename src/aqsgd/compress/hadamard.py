@@ -42,9 +42,16 @@ def _signs_cpu(n: int, seed: int) -> torch.Tensor:
 
 
 def signs(n: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The ``n`` random signs (fp32 +-1) of seed ``seed``: the same on every machine and device."""
+    """The ``n`` random signs (fp32 +-1) of seed ``seed``: the same on every machine and device. On a device
+    they are copied there once and kept (a host-to-device copy on every rotation would synchronise)."""
     s = _signs_cpu(int(n), int(seed))
-    return s if torch.device(device).type == "cpu" else s.to(device)
+    device = torch.device(device)
+    return s if device.type == "cpu" else _signs_on(int(n), int(seed), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _signs_on(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    return _signs_cpu(n, seed).to(device)
 
 
 def _fwht_torch(x: torch.Tensor, tile: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ import dataclasses
 import enum
 import struct
 import zlib
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -49,6 +49,7 @@ from aqsgd.errors import NonFiniteError, PacketError, PacketMismatchError
 __all__ = [
     "Packet",
     "DeferredCheck",
+    "PendingChecks",
     "Family",
     "HEADER_BYTES",
     "MAX_NDIM",
@@ -262,6 +263,66 @@ class DeferredCheck:
 
     def __repr__(self) -> str:
         return f"DeferredCheck({len(self.messages)} checks)"
+
+
+class PendingChecks:
+    """Checks that a receiver left on the device: one flag per check (a 0-d or 1-element tensor, nonzero where
+    the check failed) and a function that makes the error an immediate check would have raised, in the order
+    they were made. Filled inside :func:`~aqsgd.compress.base.collecting_pending_checks`.
+
+    A sender that defers a check can still refuse to send: its packet carries the flag and the transport reads
+    it before the bytes leave (:class:`DeferredCheck`). A receiver cannot refuse what it has received, and
+    what it decoded is used at once (the stage's forward or backward runs on it). Its checks on a GPU (are the
+    received scales finite and non-negative? the indices inside their rows? does what the low-bit cache stores
+    fit fp16?) are therefore read by whoever opened the collector, at a point where it synchronises anyway
+    and before anything computed from the decoded tensors becomes permanent: the pipeline runner at the end
+    of the step (after waiting for its sends; the loss and the gradient norm are read next), before any
+    optimizer step. Until then the decoded tensors of a failed check hold whatever the corrupt bytes say,
+    kept inside their shape (an index out of range is clamped, never used); a run that reads the error stops
+    there. :meth:`raise_failed` raises the error of the first check that failed, with the immediate check's
+    type and text."""
+
+    __slots__ = ("_checks",)
+
+    def __init__(self) -> None:
+        self._checks: list[tuple[torch.Tensor, Callable[[], BaseException]]] = []
+
+    def add(self, flag: torch.Tensor, error: Callable[[], BaseException]) -> None:
+        """Record a check: ``flag`` nonzero where it failed, ``error()`` the exception to raise then (called
+        after the flags were read, so it may read device values of its own)."""
+        self._checks.append((flag, error))
+
+    def extend(self, other: PendingChecks) -> None:
+        """Record ``other``'s checks after these (``other`` is left as it is)."""
+        self._checks.extend(other._checks)
+
+    def __len__(self) -> int:
+        return len(self._checks)
+
+    def failure(self) -> BaseException | None:
+        """The error of the first check that failed, None where all passed; forgets the checks. One host read
+        of the flags per device holding some (on a GPU: waits for the work queued before it)."""
+        checks, self._checks = self._checks, []
+        if not checks:
+            return None
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (flag, _) in enumerate(checks):
+            by_device.setdefault(flag.device, []).append(i)
+        hit = [False] * len(checks)
+        for where in by_device.values():
+            flags = [checks[i][0].reshape(1).bool() for i in where]
+            for i, h in zip(where, (flags[0] if len(flags) == 1 else torch.cat(flags)).tolist()):
+                hit[i] = h
+        return next((error() for (_, error), h in zip(checks, hit) if h), None)
+
+    def raise_failed(self) -> None:
+        """Raise the error of the first check that failed (:meth:`failure`); nothing where all passed."""
+        error = self.failure()
+        if error is not None:
+            raise error
+
+    def __repr__(self) -> str:
+        return f"PendingChecks({len(self._checks)} checks)"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

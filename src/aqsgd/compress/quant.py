@@ -65,14 +65,16 @@ from aqsgd.compress.base import (
     Codec,
     collecting_checks,
     defer_check,
+    defer_pending_check,
     defers_checks,
+    defers_pending_checks,
     non_finite_message,
     numel_of,
     raise_non_finite,
 )
 from aqsgd.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
 from aqsgd.compress.packet import DeferredCheck, Family, Packet, bytes_as
-from aqsgd.errors import CodecError, PacketError, SpecError
+from aqsgd.errors import CodecError, NonFiniteError, PacketError, SpecError
 
 __all__ = [
     "QuantCodec",
@@ -485,8 +487,9 @@ class QuantCodec(Codec):
                                             and (smax is None or smax > _FP16_MAX))
         t = torch.empty_like(flat)
         # t = x / step + qmax / 2 is the fractional code (level k at t = k): +0.5 and floor round to nearest
-        offset = torch.tensor(self.qmax / 2.0 + (0.5 if self.rounding == "nearest" else 0.0), dtype=cdt,
-                              device=x.device)
+        # (filled on the device: torch.tensor would copy it from the host, a synchronisation on CUDA)
+        offset = torch.full((), self.qmax / 2.0 + (0.5 if self.rounding == "nearest" else 0.0), dtype=cdt,
+                            device=x.device)
         start = 0
         tviews = groups.views(t)
         for (v, d), (tv, _) in zip(views, tviews):
@@ -514,10 +517,20 @@ class QuantCodec(Codec):
         return self.dequantize_packed(scales, payload[nsb:], packet.shape, out_dtype)
 
     def _checked_scales(self, raw: torch.Tensor) -> torch.Tensor:
+        """The received scales, checked (finite, not negative): at once (one host read for both checks), or
+        left on the device as a pending check where :func:`~aqsgd.compress.base.defers_pending_checks` (a
+        receiver on a GPU; the scales are used as they are, and the caller raises the same PacketError at
+        its step's end)."""
         scales = bytes_as(raw, self.scale_dtype)
-        if bool((~torch.isfinite(scales) | (scales < 0)).any()):  # one host sync for both checks
-            raise PacketError(f"{self.spec}: packet holds invalid (non-finite or negative) scales")
+        bad = (~torch.isfinite(scales) | (scales < 0)).any()
+        if defers_pending_checks(scales.device):
+            defer_pending_check(bad, self._bad_scales)
+        elif bool(bad):
+            raise self._bad_scales()
         return scales
+
+    def _bad_scales(self) -> PacketError:
+        return PacketError(f"{self.spec}: packet holds invalid (non-finite or negative) scales")
 
     def dequantize_packed(self, scales: torch.Tensor, packed: torch.Tensor, shape: Sequence[int],
                           out_dtype: torch.dtype) -> torch.Tensor:
@@ -586,14 +599,34 @@ def quantize_groups(
     """
     if x.dim() != 2:
         raise CodecError(f"quantize_groups expects a 2-D tensor [groups, n], got shape {tuple(x.shape)}")
-    if x.numel() and float(x.abs().max()) > _FP16_MAX:  # NaN compares False: the codec reports it below
-        raise CodecError(f"quantize_groups: magnitudes above {_FP16_MAX} do not fit fp16 scales")
+    # Its checks (magnitudes within fp16, NaN/Inf) are a receiver's where the rows were decoded (the low-bit
+    # cache stores m + decode(packet)): pending, on the device, where defers_pending_checks says so.
+    later = bool(x.numel()) and defers_pending_checks(x.device)
+    if later:  # NaN compares False here too: the codec's check (collected below) reports it
+        defer_pending_check(x.abs().amax() > _FP16_MAX, _groups_range_error)
+    elif x.numel() and float(x.abs().max()) > _FP16_MAX:  # NaN compares False: the codec reports it below
+        raise _groups_range_error()
     codec = QuantCodec(bits, granularity="token", rounding=rounding, scale="max")
     g, n = x.shape
     n8 = -(-n // 8) * 8
     if g * n == 0:
         return (x.new_zeros((g, packed_nbytes(n, bits)), dtype=torch.uint8),
                 x.new_zeros(g, dtype=torch.float16))
+    if not later:
+        return _quantize_groups(codec, x, g, n, n8, bits, generator)
+    with collecting_checks() as checks:  # the codec's NaN/Inf check deferred (on CUDA), then made pending
+        out = _quantize_groups(codec, x, g, n, n8, bits, generator)
+    for flag, message in checks:
+        defer_pending_check(flag, lambda m=message: NonFiniteError(m))
+    return out
+
+
+def _groups_range_error() -> CodecError:
+    return CodecError(f"quantize_groups: magnitudes above {_FP16_MAX} do not fit fp16 scales")
+
+
+def _quantize_groups(codec: QuantCodec, x: torch.Tensor, g: int, n: int, n8: int, bits: int,
+                     generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     if n8 == n:  # rows end on byte boundaries: the packet's codes are the rows packed one after another
         payload = codec._encode(x.contiguous(), generator)
         return payload[2 * g :].view(g, -1), bytes_as(payload[: 2 * g], torch.float16)

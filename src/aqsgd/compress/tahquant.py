@@ -80,7 +80,10 @@ Where we follow the paper's public code (github.com/heguangxin/TAH-Quant) and wh
 NaN/Inf input raises :class:`NonFiniteError` (detected from the per-tile statistics, no extra pass). A
 packet with non-finite or negative scales, non-finite zero points, a token map that does not mark exactly
 ``S // 5`` tokens in every sequence, or a pivot index on an untransformed tile raises :class:`PacketError`.
-Encoding and decoding are whole-tensor PyTorch operations (CPU or CUDA) computed in fp32.
+Encoding and decoding are whole-tensor PyTorch operations (CPU or CUDA) computed in fp32. On a GPU neither
+waits for the device: the encode's checks are deferred and the decode's pending (see
+:func:`aqsgd.compress.base.deferring_checks`), and the pivot swap and Hadamard run on every tile, the
+flagged tiles' results kept (picking those tiles out would count them on the host): the same bits.
 """
 
 from __future__ import annotations
@@ -91,7 +94,16 @@ from typing import NamedTuple
 
 import torch
 
-from aqsgd.compress.base import Codec, numel_of, raise_non_finite
+from aqsgd.compress.base import (
+    Codec,
+    defer_check,
+    defer_pending_check,
+    defers_checks,
+    defers_pending_checks,
+    non_finite_message,
+    numel_of,
+    raise_non_finite,
+)
 from aqsgd.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
 from aqsgd.compress.hadamard import _fwht_torch
 from aqsgd.compress.packet import Family, Packet, bytes_as
@@ -127,13 +139,19 @@ class _Geometry(NamedTuple):
 def _fp16_up(v: torch.Tensor) -> torch.Tensor:
     """fp32 -> the smallest fp16 value >= v (inf beyond 65504, NaN stays NaN)."""
     h = v.to(torch.float16)
-    return torch.where(h.float() < v, torch.nextafter(h, h.new_tensor(_INF)), h)
+    return torch.where(h.float() < v, torch.nextafter(h, _filled(h, _INF)), h)
 
 
 def _fp16_down(v: torch.Tensor) -> torch.Tensor:
     """fp32 -> the largest fp16 value <= v (-inf below -65504, NaN stays NaN)."""
     h = v.to(torch.float16)
-    return torch.where(h.float() > v, torch.nextafter(h, h.new_tensor(-_INF)), h)
+    return torch.where(h.float() > v, torch.nextafter(h, _filled(h, -_INF)), h)
+
+
+def _filled(t: torch.Tensor, value: float) -> torch.Tensor:
+    """``value`` as a 0-d tensor of ``t``'s dtype, filled on its device (``new_tensor`` copies it from the
+    host: a synchronisation on CUDA)."""
+    return torch.full((), value, dtype=t.dtype, device=t.device)
 
 
 def _swap_pivot(t: torch.Tensor, piv: torch.Tensor) -> None:
@@ -212,17 +230,36 @@ class TahQuantCodec(Codec):
         return out.view(-1, self.tile)
 
     def _check_stats(self, x: torch.Tensor, *stats: torch.Tensor) -> None:
-        """Raise NonFiniteError unless every stored zero point/scale is finite (one host sync)."""
+        """Raise NonFiniteError unless every stored zero point/scale is finite (one host sync), or, where the
+        encode defers its checks (on a GPU), record the same two tests as device flags: NaN/Inf in ``x``
+        first (they make a statistic non-finite too), then a statistic beyond fp16."""
         ok = torch.stack([torch.isfinite(s).all() for s in stats]).all()
-        if not bool(ok):
+        if defers_checks(x.device):
+            defer_check(~torch.isfinite(x.abs().amax()), non_finite_message(self.spec))
+            defer_check(~ok, self._range_message())
+        elif not bool(ok):
             if bool(torch.isfinite(x).all()):
-                raise NonFiniteError(f"{self.spec}: magnitudes beyond the fp16 range (65504) of the tile "
-                                     "zero points and scales")
+                raise NonFiniteError(self._range_message())
             raise_non_finite(self.spec)
 
-    def _hadamard(self, t: torch.Tensor, flag: torch.Tensor, piv: torch.Tensor, inverse: bool) -> None:
+    def _range_message(self) -> str:
+        return f"{self.spec}: magnitudes beyond the fp16 range (65504) of the tile zero points and scales"
+
+    def _hadamard(self, t: torch.Tensor, flag: torch.Tensor, piv: torch.Tensor, inverse: bool,
+                  every_row: bool = False) -> None:
         """In place on the flagged rows of ``t``: pivot swap then Hadamard, or (inverse) Hadamard then
-        swap."""
+        swap. ``every_row``: transform every row and keep the flagged ones' results (the same bits: each row
+        is transformed on its own), where picking the flagged rows out would count them on the host (a
+        synchronisation on a GPU)."""
+        if every_row:
+            sub = t.clone()
+            if not inverse:
+                _swap_pivot(sub, piv)
+            sub = _fwht_torch(sub, self.tile).mul_(1.0 / math.sqrt(self.tile))
+            if inverse:
+                _swap_pivot(sub, piv)
+            torch.where(flag.view(-1, 1), sub, t, out=t)
+            return
         sel = flag.nonzero().view(-1)
         if sel.numel() == 0:
             return
@@ -281,7 +318,7 @@ class TahQuantCodec(Codec):
         big, second = top.values[:, 0], top.values[:, 1]
         flag = (big >= 2 * second) & (big > 0)
         piv = torch.where(flag, top.indices[:, 0], 0)
-        self._hadamard(t, flag, piv, inverse=False)
+        self._hadamard(t, flag, piv, inverse=False, every_row=defers_checks(dev))
         # 3. asymmetric min/max per tile at the token's width
         nlow_tiles = g.batch * g.low * g.tiles
         qmax = torch.full((t.shape[0],), float(2**HIGH_BITS - 1), device=dev)
@@ -329,8 +366,11 @@ class TahQuantCodec(Codec):
     def _decode_fixpoint(self, packet: Packet, g: _Geometry) -> torch.Tensor:
         raw_s, raw_k = self._split(packet, g)
         s16 = bytes_as(raw_s, torch.float16)
-        if bool((~torch.isfinite(s16) | (s16 < 0)).any()):
-            raise PacketError(f"{self.spec}: packet holds invalid (non-finite or negative) tile scales")
+        bad = (~torch.isfinite(s16) | (s16 < 0)).any()
+        if defers_pending_checks(s16.device):  # a receiver on a GPU: read at the caller's step end
+            defer_pending_check(bad, self._bad_fixpoint_scales)
+        elif bool(bad):
+            raise self._bad_fixpoint_scales()
         half = 2 ** (self.bits - 1)
         k = unpack_bits(raw_k, self.bits, g.rows * g.padded).view(-1, self.tile)
         return k.float().sub_(half).mul_(s16.float().view(-1, 1) / half)
@@ -348,19 +388,34 @@ class TahQuantCodec(Codec):
         checks = torch.stack([
             (~torch.isfinite(s16) | (s16 < 0)).any(), (~torch.isfinite(z16)).any(),
             (low_mask.sum(1) != g.low).any(), ((piv != 0) & ~flag).any(),
-        ]).tolist()  # one host sync for all checks
-        if any(checks):
-            why = ["non-finite or negative tile scales", "non-finite tile zero points",
-                   (f"a token map that does not mark exactly {g.low} 3-bit tokens in every sequence of "
-                    f"{g.seq}"),
-                   "a pivot index on a tile that is not transformed"][checks.index(True)]
-            raise PacketError(f"{self.spec}: packet holds {why}")
+        ])
+        later = defers_pending_checks(checks.device)
+        if later:
+            # a receiver on a GPU: the flags read at the caller's step end, in this order. Meanwhile nothing
+            # goes out of bounds: the wire order is a permutation of each sequence whatever the token map,
+            # pivots are below the tile, and unflagged tiles are left as they are.
+            for i in range(4):
+                defer_pending_check(checks[i], lambda i=i: self._packet_error(i, g))
+        else:
+            hit = checks.tolist()  # one host sync for all checks
+            if any(hit):
+                raise self._packet_error(hit.index(True), g)
         nlow = g.batch * g.low * g.padded
         k = torch.cat([unpack_bits(raw_lo, LOW_BITS, nlow),
                        unpack_bits(raw_hi, HIGH_BITS, g.rows * g.padded - nlow)])
         t = k.view(-1, self.tile).float().mul_(s16.float().view(-1, 1)).add_(z16.float().view(-1, 1))
-        self._hadamard(t, flag, piv, inverse=True)
+        self._hadamard(t, flag, piv, inverse=True, every_row=later)
         return t, self._wire_rows(low_mask, g)
+
+    def _bad_fixpoint_scales(self) -> PacketError:
+        return PacketError(f"{self.spec}: packet holds invalid (non-finite or negative) tile scales")
+
+    def _packet_error(self, which: int, g: _Geometry) -> PacketError:
+        """The PacketError of a received packet's ``which``-th check, in :meth:`_decode_forward`'s order."""
+        why = ["non-finite or negative tile scales", "non-finite tile zero points",
+               f"a token map that does not mark exactly {g.low} 3-bit tokens in every sequence of {g.seq}",
+               "a pivot index on a tile that is not transformed"][which]
+        return PacketError(f"{self.spec}: packet holds {why}")
 
     # -- diagnostics -------------------------------------------------------------------------------
     def token_bits(self, packet: Packet) -> torch.Tensor:

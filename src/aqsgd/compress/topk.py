@@ -21,7 +21,10 @@ bytes; elsewhere ``torch.topk`` breaks it.
 Selection with the Triton kernels (:mod:`aqsgd.compress.kernels.triton`, on CUDA) finds each row's k-th
 largest key by radix selection, three histogram passes over the keys, then writes the kept positions (and,
 for a cast of the values, the whole payload) in one more pass after a pass that counts them per chunk: exact,
-on the device, no host synchronisation but the check that the kept values are finite.
+on the device, no host synchronisation (the check that the kept values are finite is deferred, see
+:func:`aqsgd.compress.base.deferring_checks`). Decoding checks that every index lies inside its row: on a GPU
+a pending check where the caller collects them (the pipeline runner), the indices clamped into the row
+meanwhile.
 
 Selection on the CPU (:func:`topk_indices`) avoids a full ``torch.topk``. Magnitudes are compared as
 integers: a float's bits without the sign bit order like its magnitude, with NaN above Inf. Two
@@ -46,7 +49,15 @@ import numpy as np
 import torch
 
 from aqsgd.compress import kernels
-from aqsgd.compress.base import Codec, defer_check, defers_checks, non_finite_message, numel_of
+from aqsgd.compress.base import (
+    Codec,
+    defer_check,
+    defer_pending_check,
+    defers_checks,
+    defers_pending_checks,
+    non_finite_message,
+    numel_of,
+)
 from aqsgd.compress.cast import CAST_WHAT as _CAST_WHAT
 from aqsgd.compress.cast import CastCodec
 from aqsgd.compress.packet import Family, Packet, bytes_as
@@ -150,10 +161,20 @@ class TopKCodec(Codec):
         kept = self.values.decode(inner)
         # the indices start right after the values, at any byte (odd when e.g. q3 packs an odd count)
         idx = _index_values(packet.payload[vbytes:], index_dtype(n).itemsize).view(rows, k)
-        if bool(((idx < 0) | (idx >= n)).any()):  # int64 indices (rows over 2**32) can be negative
-            raise PacketError(f"{self.spec}: packet holds indices outside its row of {n}")
+        bad = ((idx < 0) | (idx >= n)).any()  # int64 indices (rows over 2**32) can be negative
+        if defers_pending_checks(idx.device):
+            # a receiver's check on the device, read at the caller's step end; meanwhile no index outside
+            # the row reaches the scatter (on CUDA: a device-side assert, the end of the CUDA context)
+            defer_pending_check(bad, lambda: self._bad_indices(n))
+            idx = idx.clamp(0, n - 1)
+        elif bool(bad):
+            raise self._bad_indices(n)
         out.scatter_(1, idx, kept)
         return out.view(packet.shape)
+
+
+    def _bad_indices(self, n: int) -> PacketError:
+        return PacketError(f"{self.spec}: packet holds indices outside its row of {n}")
 
 
 # Magnitude keys: a float's bits without its sign bit, read as a signed integer of the same width, order

@@ -19,7 +19,11 @@ Spec options (any order, after the inner codec's own options; see :mod:`aqsgd.co
     With the Triton kernels the squared row norms are summed in the kernel's order, equal to PyTorch's to
     float rounding: a row whose norm lies within rounding of the threshold (or tied for the cap) may be
     chosen where the CPU would not, and the packet differs from the CPU's; it decodes the same way either
-    way, as the receiver reads the indices. The split into the rows apart and the rest is exact.
+    way, as the receiver reads the indices. The split into the rows apart and the rest is exact. Encoding
+    reads the count to the host (it sizes the payload). Decoding on a GPU, where the caller collects pending
+    checks (:func:`aqsgd.compress.base.collecting_pending_checks`), takes the count from the payload's length
+    (the inner payload's size follows from its shape) and checks the announced count and the indices on the
+    device; where two counts would give the same length it reads the count to the host.
 ``zstd`` / ``zstd<L>``
     A lossless zstandard stage over the inner payload (level ``L``, default 1): AQ-SGD deltas late in
     training are mostly the zero code. Payload: one mode byte (0 = stored as is when zstd would not
@@ -31,6 +35,7 @@ Composition is fixed, whatever the option order: ``zstd(outlier(rot(inner)))``.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Sequence
 
@@ -38,7 +43,15 @@ import numpy as np
 import torch
 
 from aqsgd.compress import hadamard, kernels, rans
-from aqsgd.compress.base import Codec, collecting_checks, non_finite_message, numel_of, raise_non_finite
+from aqsgd.compress.base import (
+    Codec,
+    collecting_checks,
+    defer_pending_check,
+    defers_pending_checks,
+    non_finite_message,
+    numel_of,
+    raise_non_finite,
+)
 from aqsgd.compress.packet import Family, Packet, bytes_as
 from aqsgd.compress.quant import QuantCodec
 from aqsgd.errors import NonFiniteError, PacketError, SpecError
@@ -176,29 +189,86 @@ class OutlierCodec(Codec):
     def _decode(self, packet: Packet) -> torch.Tensor:
         rows, d = self._rows(packet.shape)
         p = packet.payload
-        if p.numel() < 4:
-            raise PacketError(f"{self.spec}: payload of {p.numel()} bytes holds no outlier count")
-        k = int(bytes_as(p[:4], torch.int32).item())
-        if not 0 <= k <= min(self.cap(rows), rows):
-            raise PacketError(f"{self.spec}: packet announces {k} outlier rows; at most {self.cap(rows)} "
-                              f"of {rows} rows may go apart")
+        later = defers_pending_checks(p.device)
+        k = self._count_of_length(p.numel(), rows, d, packet.dtype) if later else None
+        if k is not None:
+            # A receiver on a GPU: the count that the payload's length implies, the count and indices it
+            # announces checked on the device (pending, read at the caller's step end with the error the
+            # immediate checks raise); meanwhile only indices inside the tensor are used.
+            idx = bytes_as(p[: 4 + 4 * k], torch.int32).to(torch.int64)  # a copy: the payload may be reused
+            announced, idx = idx[:1], idx[1:]
+            nbytes, dtype = p.numel(), packet.dtype
+            defer_pending_check(announced != k,
+                                lambda: self._count_error(int(announced), nbytes, rows, d, dtype))
+            if k:
+                bad = (idx[1:] <= idx[:-1]).any() | (idx[0] < 0) | (idx[-1] >= rows)
+                defer_pending_check(bad, lambda: self._indices_error(rows))
+                idx = idx.clamp(0, rows - 1)
+        else:  # at once: the count read on the host (a synchronisation on a GPU)
+            if p.numel() < 4:
+                raise PacketError(f"{self.spec}: payload of {p.numel()} bytes holds no outlier count")
+            k = int(bytes_as(p[:4], torch.int32).item())
+            error = self._count_error(k, p.numel(), rows, d, packet.dtype, inner=False)
+            if error is not None:
+                raise error
+            idx = bytes_as(p[4 : 4 + 4 * k], torch.int32).to(torch.int64)
+            if k and (bool((idx[1:] <= idx[:-1]).any()) or int(idx[0]) < 0 or int(idx[-1]) >= rows):
+                raise self._indices_error(rows)
         off = 4 + 4 * k
         nrow = 2 * k * d
-        if p.numel() < off + nrow:
-            raise PacketError(f"{self.spec}: payload of {p.numel()} bytes is too short for {k} outlier rows")
-        idx = bytes_as(p[4:off], torch.int32).to(torch.int64)
-        if k and (bool((idx[1:] <= idx[:-1]).any()) or int(idx[0]) < 0 or int(idx[-1]) >= rows):
-            raise PacketError(f"{self.spec}: outlier row indices must be ascending and below {rows}")
         apart = bytes_as(p[off : off + nrow], torch.bfloat16).view(k, d)
         inner = self.inner.decode(_inner_packet(self.inner, packet.dtype, (rows - k, d), p[off + nrow :]))
         if not k:
             return inner.view(packet.shape)
-        out = torch.empty((rows, d), dtype=inner.dtype, device=inner.device)
-        keep = torch.ones(rows, dtype=torch.bool, device=inner.device)
-        keep[idx.to(inner.device)] = False
-        out[keep] = inner.view(rows - k, d)
-        out.index_copy_(0, idx.to(inner.device), apart.to(device=inner.device, dtype=inner.dtype))
+        idx = idx.to(inner.device)
+        apart = apart.to(device=inner.device, dtype=inner.dtype)
+        if k == rows:  # every row apart (one row in all)
+            out = torch.empty((rows, d), dtype=inner.dtype, device=inner.device)
+        else:
+            # each row not apart takes the next row of the inner tensor, gathered by its rank among them
+            # (a mask assignment, out[keep] = inner, would count the rows on the host); then the rows apart
+            keep = torch.ones(rows, dtype=torch.int64, device=inner.device).index_fill_(0, idx, 0)
+            rank = keep.cumsum_(0).sub_(1).clamp_(0, rows - k - 1)
+            out = inner.view(rows - k, d).index_select(0, rank)
+        out.index_copy_(0, idx, apart)
         return out.view(packet.shape)
+
+    def _count_of_length(self, nbytes: int, rows: int, d: int, dtype: torch.dtype) -> int | None:
+        """The one count of rows apart that a payload of ``nbytes`` can hold (the inner codec's size is fixed
+        by its shape); None where no count or several give that length, or the inner size is not fixed."""
+        return _counts_by_length(self, rows, d, dtype).get(nbytes) if self.inner.fixed_size else None
+
+    def _count_error(self, k: int, nbytes: int, rows: int, d: int, dtype: torch.dtype, *,
+                     inner: bool = True) -> PacketError | None:
+        """The error of a payload of ``nbytes`` announcing ``k`` rows apart, as the checks of a decode make
+        them in turn (``inner``: the inner codec's check of the size left for it too); None where none
+        fails."""
+        if not 0 <= k <= min(self.cap(rows), rows):
+            return PacketError(f"{self.spec}: packet announces {k} outlier rows; at most {self.cap(rows)} of "
+                               f"{rows} rows may go apart")
+        if nbytes < 4 + 4 * k + 2 * k * d:
+            return PacketError(f"{self.spec}: payload of {nbytes} bytes is too short for {k} outlier rows")
+        if inner:
+            rest = torch.empty(nbytes - 4 - 4 * k - 2 * k * d, dtype=torch.uint8)
+            try:
+                self.inner.check_packet(_inner_packet(self.inner, dtype, (rows - k, d), rest))
+            except PacketError as e:
+                return e
+        return None
+
+    def _indices_error(self, rows: int) -> PacketError:
+        return PacketError(f"{self.spec}: outlier row indices must be ascending and below {rows}")
+
+
+@functools.lru_cache(maxsize=256)
+def _counts_by_length(codec: OutlierCodec, rows: int, d: int, dtype: torch.dtype) -> dict[int, int | None]:
+    """Payload length -> the count of rows apart that gives it (None where several do), for ``codec`` (whose
+    inner size is fixed) and a tensor of ``rows`` rows of ``d``: made once per shape, a lookup per decode."""
+    out: dict[int, int | None] = {}
+    for k in range(min(codec.cap(rows), rows) + 1):
+        n = 4 + k * (4 + 2 * d) + codec.inner.payload_bytes((rows - k, d), dtype)
+        out[n] = None if n in out else k
+    return out
 
 
 _local = threading.local()

@@ -23,6 +23,18 @@ training shows the schedule of every stage (``export_chrome_trace`` writes it fo
 Perfetto). Outside a profiler no label is made (each costs a dispatcher call on entry and exit, tens of
 microseconds per action when the caches are cold).
 
+Checks of what a stage receives: on a GPU a decode does not read the received scales or indices to the host
+to check them (a synchronisation per packet). The receives and sends of a step run inside
+:func:`~aqsgd.compress.base.collecting_pending_checks`: the checks of decoded data (a receive's, and a
+sender's of its own packet in AQ-SGD and error feedback, with the low-bit cache's rounding of what they
+decoded) stay on the device as flags, and :meth:`StageRunner.end_step` reads them all at once, after waiting
+for the step's sends and before the step's loss is returned (so before any optimizer step), raising the error
+a check at once would have raised: the first failed check of a receive, else of a send. A stage's own refusal
+to send (its codec met NaN/Inf, perhaps computed from a corrupt packet it received) reads the receives'
+checks first, so a corrupt packet is reported as such; the checks of a refused send itself are dropped (its
+own decode fails because its input was not finite: the refusal says so). On the CPU decodes check at once,
+as everywhere outside a runner.
+
 State (checkpoints): :meth:`StageRunner.state_dict` returns the boundary schemes with what each was built for,
 :meth:`StageRunner.load_state_dict` builds them and restores their state from the folders their ``save``
 wrote.
@@ -42,6 +54,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from aqsgd.compress import Packet
+from aqsgd.compress.base import collecting_pending_checks
+from aqsgd.compress.packet import PendingChecks
 from aqsgd.errors import NonFiniteError, PeerFailure
 from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig, DirectionSpec
 from aqsgd.pipeline.schedule import (
@@ -195,6 +209,8 @@ class StageRunner:
         self._built_for: dict[SchemeKey, dict[str, Any]] = {}  # the shape and dtype each scheme was built for
         self.stats = StepStats()
         self.kept_logits: dict[int, torch.Tensor] = {}
+        self.pending_checks = PendingChecks()  # the checks of this step's receives left on the device
+        self._sent_checks: list[PendingChecks] = []  # those of the pending sends (of their own decodes)
         # an emulated slower stage (benchmarks and tests, --emulate-slow-stage): after each forward and
         # backward it sleeps (slowdown - 1) times what the computation took
         self.slowdown = 1.0
@@ -292,8 +308,10 @@ class StageRunner:
         self.losses: dict[int, torch.Tensor] = {}
         self.kept_logits = {}
         self.stats = StepStats()
+        self.pending_checks = PendingChecks()
         self.pending_sends: list[Handle] = []
         self._sent: list[tuple[int, int, str]] = []  # (channel, micro-batch, name) of each pending send
+        self._sent_checks = []
         self.recvs: dict[tuple[ActionKind, int], Handle] = {}
         self._prefetched: set[int] = set()  # micro-batches whose cache rows were prefetched this step
         for a in plan:
@@ -344,7 +362,7 @@ class StageRunner:
                 packets = self._received(self.recvs.pop((RECV_F, mb)), FORWARD_CHANNEL, mb)
             t1 = time.perf_counter()
             self.stats.wait_s += t1 - t0
-            with self._label("decode F", mb):
+            with self._label("decode F", mb), collecting_pending_checks(self.pending_checks):
                 x = self.scheme(FORWARD_CHANNEL, "receiver", packets[0].shape, packets[0].dtype).recv(
                     packets, self._ids(mb), phase=self.phase, slot=mb)
             self.stats.decode_s += time.perf_counter() - t1
@@ -384,7 +402,7 @@ class StageRunner:
                 packets = self._received(self.recvs.pop((RECV_B, mb)), BACKWARD_CHANNEL, mb)
             t1 = time.perf_counter()
             self.stats.wait_s += t1 - t0
-            with self._label("decode B", mb):
+            with self._label("decode B", mb), collecting_pending_checks(self.pending_checks):
                 self.out_grads[mb] = self.scheme(BACKWARD_CHANNEL, "receiver", packets[0].shape,
                                                  packets[0].dtype).recv(packets, self._ids(mb),
                                                                         phase=self.phase, slot=mb)
@@ -435,7 +453,15 @@ class StageRunner:
             try:
                 h.wait()
             except NonFiniteError as e:
+                self._raise_pending()
                 raise self._refused(str(e), self.stage, channel, mb) from None
+
+    def _raise_pending(self) -> None:
+        """Raise the error of this step's first failed check of received data (see the module docstring);
+        the checks read are forgotten."""
+        error = self.pending_checks.failure()
+        if error is not None:
+            raise error from None
 
     def _received(self, handle: Handle, channel: int, mb: int) -> list:
         """The packets of a receive. A refusal (the sender's codec refused the tensor) raises the error the
@@ -458,7 +484,8 @@ class StageRunner:
             raise
 
     def _send(self, x: torch.Tensor, channel: int, dst: int, mb: int, name: str, t0: float) -> None:
-        with self._label(f"encode {name[0].upper()}", mb):
+        own = PendingChecks()  # of the sender's decode of its own packet (AQ-SGD, error feedback)
+        with self._label(f"encode {name[0].upper()}", mb), collecting_pending_checks(own):
             try:
                 packets = self.scheme(channel, "sender", x.shape, x.dtype).send(x, self._ids(mb),
                                                                                 phase=self.phase, slot=mb)
@@ -466,22 +493,31 @@ class StageRunner:
                     for p in packets:  # checks a codec deferred (on a GPU): read at the hand-over
                         p.raise_deferred()
             except NonFiniteError as e:  # say where: the boundary, the direction, the micro-batch
+                self._raise_pending()  # a corrupt packet received before, which made the NaN, comes first
                 raise self._refused(str(e), self.stage, channel, mb) from None
         self.stats.encode_s += time.perf_counter() - t0
         self.pending_sends.append(self.transport.isend(packets, dst, channel))
         self._sent.append((channel, mb, name))
+        if own:
+            self._sent_checks.append(own)
         self.stats.bytes_sent[name] += sum(p.nbytes for p in packets)
         self.stats.packets_sent[name] += len(packets)
         self.stats.raw_bytes[name] += x.numel() * x.element_size()
 
     def end_step(self) -> torch.Tensor | None:
-        """Finish a step: wait for outstanding sends; the last stage returns the mean micro-batch loss."""
+        """Finish a step: wait for outstanding sends, then raise the error of a failed check of received data
+        left on the device (on a GPU one host read, where the loss and gradient norm are read next anyway);
+        the last stage returns the mean micro-batch loss."""
         t0 = time.perf_counter()
         with self._label("wait sends"):
             self._wait_sends()
+        for own in self._sent_checks:  # every send went: its checks after the receives'
+            self.pending_checks.extend(own)
         self.pending_sends = []
         self._sent = []
+        self._sent_checks = []
         self.stats.wait_s += time.perf_counter() - t0
+        self._raise_pending()
         if self.is_last and self.losses:
             return torch.stack([self.losses[mb] for mb in sorted(self.losses)]).mean()
         return None

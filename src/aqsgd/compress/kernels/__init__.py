@@ -54,9 +54,11 @@ No host synchronisation: no operation reads a value to the host. The decisions a
 that need one (is the input finite? does a scale fit its storage dtype?) are *deferred* on CUDA: the codec
 records them as device flags that the packet carries (:class:`~aqsgd.compress.packet.DeferredCheck`,
 :func:`~aqsgd.compress.base.deferring_checks`), read where the packet's bytes are synchronised anyway (the
-transport's sender thread, the local runtime's hand-over), raising the same error as the immediate check. On
-the CPU the checks stay immediate. Still synchronising on CUDA: the outlier rows (their count sizes the
-payload), entropy stages, and the decode-side checks of received scales.
+transport's sender thread, the local runtime's hand-over), raising the same error as the immediate check. A
+decode's checks of what it received (scales, indices) are *pending* on CUDA where the caller collects them
+(:class:`~aqsgd.compress.packet.PendingChecks`, :func:`~aqsgd.compress.base.collecting_pending_checks`: the
+pipeline runner, which reads them at the step's end). On the CPU the checks stay immediate. Still
+synchronising on CUDA: the outlier rows' encode (their count sizes the payload) and entropy stages.
 
 Single rounding where it matters: ``fma`` in every backend that can (PyTorch's ``addcmul`` rounds once on the
 CPU), so that the packets of all backends on the CPU are byte-identical, and a Triton kernel on a GPU writes

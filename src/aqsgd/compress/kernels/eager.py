@@ -32,7 +32,8 @@ class EagerKernels(Kernels):
                       qmax: int, out: torch.Tensor | None = None,
                       noise: torch.Tensor | None = None) -> torch.Tensor:
         rows, k = x2.shape
-        off = torch.tensor(offset, dtype=torch.float32, device=x2.device)
+        # filled on the device (torch.tensor would copy it from the host: a synchronisation on CUDA)
+        off = torch.full((), offset, dtype=torch.float32, device=x2.device)
         t = torch.addcmul(off, x2, _per_group(inv, by_col))
         if noise is not None:
             t.add_(noise)

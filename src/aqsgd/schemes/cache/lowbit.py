@@ -11,11 +11,17 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from aqsgd.compress.base import wrapping_pending_errors
 from aqsgd.compress.quant import dequantize_groups, quantize_groups
 from aqsgd.errors import CacheError
 from aqsgd.schemes.cache.base import _TENSORS_FILE, ActivationCache, _TensorSpec
 
 __all__ = ["LowBitCache"]
+
+
+def _cache_error(exc: BaseException) -> BaseException:
+    """What storing rows raises for an error of the quantizer (a ValueError): a CacheError saying so."""
+    return CacheError(f"cannot quantize rows: {exc}") if isinstance(exc, ValueError) else exc
 
 
 class LowBitCache(ActivationCache):
@@ -112,9 +118,11 @@ class LowBitCache(ActivationCache):
         flat = rows.to(device=self.device, dtype=torch.float32).reshape(n, self._numel)
         flat = torch.nn.functional.pad(flat, (0, self._nblocks * self.block - self._numel))
         try:
-            packed, scales = quantize_groups(flat.reshape(n * self._nblocks, self.block), self.bits)
+            # (on a GPU inside a pipeline step its checks are pending, read at the step's end: the same error)
+            with wrapping_pending_errors(_cache_error):
+                packed, scales = quantize_groups(flat.reshape(n * self._nblocks, self.block), self.bits)
         except ValueError as exc:
-            raise CacheError(f"cannot quantize rows: {exc}") from None
+            raise _cache_error(exc) from None
         packed = packed.reshape(n, self._nblocks, self._block_bytes)
         scales = scales.reshape(n, self._nblocks)
         idx = ids.to(self.device)
