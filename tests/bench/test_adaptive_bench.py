@@ -12,7 +12,7 @@ from aqsgd.bench.adaptive import (AdaptiveBenchConfig, _run_record, bench_adapti
 
 def test_the_fixed_settings_are_the_rungs_of_autos_ladders():
     assert fixed_settings() == {
-        "fixed fp16": ("delta:fp16", "direct:fp16"), "fixed q8": ("delta:q8", "direct:q8"),
+        "fixed fp16": ("delta:fp16", "direct:bf16"), "fixed q8": ("delta:q8", "direct:q8"),
         "fixed q4": ("delta:q4", "direct:q6"), "fixed q3": ("delta:q3", "direct:q4"),
         "fixed q2:l2": ("delta:q2:l2", "direct:q4")}
 
@@ -64,7 +64,7 @@ def test_a_failed_setting_is_reported_with_its_steps_and_the_others_still_summar
 
 def test_bits_over_steps_reads_the_spec_each_link_sent_with():
     run = _run("auto", [1.0] * 3, [1.0] * 3, 1.0,
-               codecs=[{"b0.forward": "delta:fp16", "b0.backward": "direct:fp16"},
+               codecs=[{"b0.forward": "delta:fp16", "b0.backward": "direct:bf16"},
                        {"b0.forward": "delta:q2:l2", "b0.backward": "direct:q6"},
                        {"b0.forward": "delta:q3", "b0.backward": "direct:q6"}])
     assert bits_over_steps(run) == {"b0.backward": [16.0, 6.0, 6.0], "b0.forward": [16.0, 2.0, 3.0]}

@@ -51,21 +51,21 @@ def test_a_slow_link_gets_the_least_compression_that_fits_and_a_fast_one_none():
     # 6.25 KB at 1 Mbit/s: q4 (5 KB) fits, q8 (10 KB) does not
     policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
     history = _run(policy, 5, mbit=[1.0, 100.0], compute_s=0.05)
-    assert history[-1] == {"b0.forward": "delta:q4", "b0.backward": "direct:fp16"}
+    assert history[-1] == {"b0.forward": "delta:q4", "b0.backward": "direct:bf16"}
 
 
 def test_links_spend_at_most_a_share_of_the_step_on_bits_above_their_floors():
     # 20 KB of fp16 per micro-batch: 16 ms at 10 Mbit/s and 0.16 ms at 1 Gbit/s, both within the 50 ms of
     # compute; but each link crosses the critical path once per pipeline pass, and a 0.1 s step leaves each of
     # the two links 2.5 ms (TOLERANCE) above its floor. Forward (floor q2:l2, 2.1 ms): q4 (4.1 ms) is the
-    # least compression within that; the 1 Gbit/s backward link stays at fp16.
+    # least compression within that; the 1 Gbit/s backward link stays at bf16.
     policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
     history = _run(policy, 5, mbit=[10.0, 1000.0], compute_s=0.05, step_s=0.1)
-    assert history[-1] == {"b0.forward": "delta:q4", "b0.backward": "direct:fp16"}
+    assert history[-1] == {"b0.forward": "delta:q4", "b0.backward": "direct:bf16"}
     # two passes per step (gradient accumulation) pay it twice: q3 (3.1 ms, 1 ms above the floor)
     policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
     history = _run(policy, 5, mbit=[10.0, 1000.0], compute_s=0.05, step_s=0.1, fills=2)
-    assert history[-1] == {"b0.forward": "delta:q3", "b0.backward": "direct:fp16"}
+    assert history[-1] == {"b0.forward": "delta:q3", "b0.backward": "direct:bf16"}
 
 
 def test_the_floor_is_never_passed():
@@ -132,7 +132,7 @@ def test_a_distributed_run_compresses_its_slow_link_more_and_resumes_with_its_ch
     last = train[-1]["codecs"]
     order = ("delta:fp16", "delta:q8", "delta:q4", "delta:q3", "delta:q2:l2")
     assert order.index(last["b1.forward"]) > order.index(last["b0.forward"]), last
-    backward = ("direct:fp16", "direct:q8", "direct:q6", "direct:q4")
+    backward = ("direct:bf16", "direct:q8", "direct:q6", "direct:q4")
     assert backward.index(last["b1.backward"]) > backward.index(last["b0.backward"]), last
     assert last["b1.forward"] == "delta:q2:l2"  # the floor: 2 bits of 64 KB take ~130 ms at 1 Mbit/s
     assert all(r["loss"] == r["loss"] for r in train)  # every step decoded what was sent: finite losses

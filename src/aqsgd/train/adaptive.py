@@ -6,7 +6,11 @@ The ladders (one scheme per direction, so a change of bits never invalidates sta
 activations, not codes):
 
 * activations, AQ-SGD (``delta``): fp16 -> q8 -> q4 -> q3 -> q2:l2;
-* activation gradients, ``direct``: fp16 -> q8 -> q6 -> q4.
+* activation gradients, ``direct``: bf16 -> q8 -> q6 -> q4. Not fp16: activation gradients have no bound
+  that fp16's range (65504) respects. In a 4-block Llama of width 256 (``aqsgd bench adaptive``) they grew
+  about 100x per stage going backward and reached 3e4 in fp32 training, 1.6e5 in a run that sent them as fp16,
+  which then stopped at step 79 when the cast overflowed; bf16 has fp32's range, the quantized rungs a scale
+  per group.
 
 ``auto:q3`` stops the ladder at q3 (the quality floor: never fewer bits than that).
 
@@ -58,10 +62,10 @@ __all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "is_auto", "link_seconds
 
 LADDERS: dict[str, tuple[str, ...]] = {
     "forward": ("fp16", "q8", "q4", "q3", "q2:l2"),
-    "backward": ("fp16", "q8", "q6", "q4"),
+    "backward": ("bf16", "q8", "q6", "q4"),
 }
 SCHEMES = {"forward": "delta", "backward": "direct"}
-BITS = {"fp16": 16.0, "q8": 8.0, "q6": 6.0, "q4": 4.0, "q3": 3.0, "q2:l2": 2.0}
+BITS = {"fp16": 16.0, "bf16": 16.0, "q8": 8.0, "q6": 6.0, "q4": 4.0, "q3": 3.0, "q2:l2": 2.0}
 UP_MARGIN = 0.7
 TOLERANCE = 0.05  # the share of the step that all auto links together may spend above their floors
 PATIENCE = 3  # steps in a row that must leave room before a link takes fewer compression
