@@ -62,6 +62,19 @@ def test_a_failed_setting_is_reported_with_its_steps_and_the_others_still_summar
         summarize([_run_record("fp32", [], error="boom")])
 
 
+def test_quality_is_the_mean_perplexity_of_the_evaluations_in_the_last_quarter():
+    def rows(ppl_by_step):
+        out = [{"kind": "train", "step": s, "loss": 1.0, "time": {"step": 1.0}, "bytes_sent": 1}
+               for s in range(1, 9)]
+        return out + [{"kind": "eval", "step": s, "uncompressed": {"perplexity": p}} for s, p in ppl_by_step]
+
+    fp32 = _run_record("fp32", rows([(2, 9.0), (4, 5.0), (6, 4.0), (8, 2.0)]))
+    auto = _run_record("auto", rows([(2, 9.0), (4, 5.0), (6, 3.0), (8, 3.3)]))
+    assert fp32["late_perplexity"] == 3.0 and fp32["final"]["perplexity"] == 2.0  # steps 6 and 8 of 8
+    summarize([fp32, auto])
+    assert auto["perplexity_vs_fp32"] == pytest.approx(0.05) and auto["final_perplexity"] == 3.3
+
+
 def test_bits_over_steps_reads_the_spec_each_link_sent_with():
     run = _run("auto", [1.0] * 3, [1.0] * 3, 1.0,
                codecs=[{"b0.forward": "delta:fp16", "b0.backward": "direct:bf16"},

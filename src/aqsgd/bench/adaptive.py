@@ -16,8 +16,11 @@ All settings start with the same uncompressed warm-up epoch (AQ-SGD fills its ca
 * ``time_to_target_s``: training seconds (the sum of the step times, warm-up included) until the training
   loss, as a mean over :data:`SMOOTH` steps, is at or below the *target*: the loss ``fp32`` reaches (the same
   mean) at :data:`TARGET_AT` of its steps; None if never;
-* ``final``: the evaluation at the end, compression off (the model as it is exported), and its perplexity
-  relative to fp32's;
+* quality: the evaluation (compression off: the model as it is exported) every ``steps / evals`` steps;
+  ``final_perplexity`` the last one's perplexity, ``late_perplexity`` the mean of those at or after
+  :data:`TARGET_AT` of the steps, and ``perplexity_vs_fp32`` that mean relative to fp32's (one evaluation
+  alone moves by about a percent from one step to the next once a small training set is memorised: the
+  mean of the last few is the steadier measure);
 * the spec every link sent with at every step (``auto``), for the plot of bits per link over time.
 
 Every setting runs in stage processes of its own, which first train a short copy of the run and drop it (a
@@ -80,6 +83,7 @@ class AdaptiveBenchConfig:
     num_microbatches: int = 4
     train_samples: int = 64  # 4 steps per epoch: the uncompressed warm-up, then AQ-SGD revisits its cache
     steps: int = 40
+    evals: int = 8  # evaluations per run, every steps / evals steps
     eval_samples: int = 32
     lr: float = 1e-3
     latency_ms: float = 0.0
@@ -102,7 +106,8 @@ def train_config(cfg: AdaptiveBenchConfig, scenario: str, setting: str, output_d
         max_eval_samples=cfg.eval_samples, stages=cfg.stages, micro_batches=cfg.num_microbatches,
         micro_batch_size=cfg.microbatch_size, forward=forward, backward=backward, warmup_epochs=1,
         epochs=-(-cfg.steps * batch // cfg.train_samples), max_steps=cfg.steps, lr=cfg.lr, lr_warmup=0.0,
-        seed=cfg.seed, eval_every=cfg.steps, checkpoint_every=0, progress=False, tensorboard=False,
+        seed=cfg.seed, eval_every=max(1, cfg.steps // max(cfg.evals, 1)), checkpoint_every=0, progress=False,
+        tensorboard=False,
         runtime="distributed", link=cfg.link(scenario), timeout=300.0, output_dir=output_dir,
         run_name=setting.replace(" ", "-").replace(":", "-"), overwrite=True)
 
@@ -133,6 +138,8 @@ def _run_record(setting: str, rows: list[dict[str, Any]], error: str | None = No
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
     final = evals[-1]["uncompressed"] if evals else None
+    steps = max((r["step"] for r in rows if "step" in r), default=0)
+    late = [e["uncompressed"]["perplexity"] for e in evals if e["step"] >= TARGET_AT * steps]
     return {
         "setting": setting, "forward": all_settings()[setting][0], "backward": all_settings()[setting][1],
         "loss": [r["loss"] for r in train], "step_s": [r["time"]["step"] for r in train],
@@ -141,24 +148,30 @@ def _run_record(setting: str, rows: list[dict[str, Any]], error: str | None = No
         "mbit_s": [{k: v.get("mbit_s") for k, v in r.get("links", {}).items()} for r in train],
         "bytes_sent": sum(r["bytes_sent"] for r in train), "train_s": sum(r["time"]["step"] for r in train),
         "final": final, "error": error,
+        "evals": [{"step": e["step"], "perplexity": e["uncompressed"]["perplexity"]} for e in evals],
+        "late_perplexity": statistics.fmean(late) if late and error is None else None,
     }
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The target loss, and every run's time to it, median step time and final perplexity relative to fp32's
-    (added to the runs in place); ``best_fixed``: the fixed setting that reached the target first."""
+    """The target loss, and every run's time to it, median step time, final perplexity and late perplexity
+    (the mean of the last evaluations, the last one's where a run has no such mean) relative to fp32's (added
+    to the runs in place); ``best_fixed``: the fixed setting that reached the target first."""
     fp32 = next(r for r in runs if r["setting"] == "fp32")
     if not fp32["loss"] or fp32.get("error"):
         raise RuntimeError("the fp32 run, which sets the target loss, failed: "
                            f"{fp32.get('error') or 'no steps'}")
     at = max(0, round(TARGET_AT * len(fp32["loss"])) - 1)
     target = smoothed(fp32["loss"])[at]
-    ref = fp32["final"]["perplexity"] if fp32["final"] else None
+    def late(r: dict[str, Any]) -> float | None:
+        return r.get("late_perplexity") or (r["final"]["perplexity"] if r["final"] else None)
+
+    ref = late(fp32)
     for r in runs:
         r["time_to_target_s"] = time_to_target(r["loss"], r["step_s"], target)
         r["median_step_s"] = statistics.median(r["step_s"]) if r["step_s"] else None
-        ppl = r["final"]["perplexity"] if r["final"] else None
-        r["final_perplexity"] = ppl
+        r["final_perplexity"] = r["final"]["perplexity"] if r["final"] else None
+        ppl = late(r)
         r["perplexity_vs_fp32"] = None if ppl is None or ref is None else ppl / ref - 1
     fixed = [r for r in runs if r["setting"].startswith("fixed") and r["time_to_target_s"] is not None]
     best = min(fixed, key=lambda r: r["time_to_target_s"])["setting"] if fixed else None
@@ -212,10 +225,10 @@ def format_scenario(name: str, result: dict[str, Any]) -> str:
     lines = [f"{name} ({result['link']}): target loss {result['target_loss']:.4f} (fp32 at step "
              f"{result['target_at_step']}); best fixed: {result['best_fixed']}"]
     for r in result["runs"]:
-        t, rel, ppl = r["time_to_target_s"], r["perplexity_vs_fp32"], r["final_perplexity"]
+        t, rel, ppl = r["time_to_target_s"], r["perplexity_vs_fp32"], r.get("late_perplexity")
         med = r["median_step_s"]
         lines.append(f"  {r['setting']:<14} to target {'never' if t is None else f'{t:7.2f} s'}   "
-                     f"median step {'-' if med is None else f'{med:.3f} s'}   final perplexity "
+                     f"median step {'-' if med is None else f'{med:.3f} s'}   late perplexity "
                      f"{'-' if ppl is None else f'{ppl:.4f}'}"
                      f" ({'-' if rel is None else f'{100 * rel:+.2f} %'} vs fp32)"
                      + (f"   FAILED after {len(r['loss'])} steps: {r['error']}" if r.get("error") else ""))

@@ -110,6 +110,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ad.add_argument("--train-samples", type=positive_int, default=da.train_samples,
                     help="synthetic training samples (default: 64, 4 steps per epoch; the first epoch "
                          "is the uncompressed warm-up)")
+    ad.add_argument("--evals", type=positive_int, default=da.evals,
+                    help="evaluations per run, evenly spaced; quality is the mean perplexity of those in the "
+                         "last quarter of the steps (default: 8)")
     ad.add_argument("--hidden", type=positive_int, default=da.hidden, help="model width (default: 256)")
     ad.add_argument("--seq-len", type=positive_int, default=da.seq_len,
                     help="tokens per sample (default: 128)")
@@ -327,7 +330,8 @@ def run_adaptive(args: argparse.Namespace) -> int:
     from aqsgd.bench.codecs import machine_description
 
     cfg = AdaptiveBenchConfig(stages=args.stages, scenarios=args.scenarios, settings=args.settings,
-                              steps=args.steps, train_samples=args.train_samples, hidden=args.hidden,
+                              steps=args.steps, train_samples=args.train_samples, evals=args.evals,
+                              hidden=args.hidden,
                               seq_len=args.seq_len,
                               num_microbatches=args.micro_batches, latency_ms=args.latency_ms)
     console = Console(width=max(Console().width, 150))
