@@ -344,11 +344,12 @@ def run_adaptive(args: argparse.Namespace) -> int:
     except ValueError as e:
         console.print(f"aqsgd bench adaptive: {e}")
         return 2
-    if args.json:  # (each scenario's figures were printed as it ended)
+    if args.json:  # (each scenario's figures were printed as it ended); compact: a 120-step run's per-step
+        # link rows take ~1 MB indented
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"benchmark": "adaptive", "command": args.command_line,
                                                "machine": machine, "config": dataclasses.asdict(cfg),
-                                               "scenarios": results}, indent=1, default=list))
+                                               "scenarios": results}, separators=(",", ":"), default=list))
         console.print(f"wrote {args.json}")
     if args.png:
         plot(results, args.png, title=f"{args.command_line} ({machine})")
