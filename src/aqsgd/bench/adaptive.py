@@ -163,6 +163,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                            f"{fp32.get('error') or 'no steps'}")
     at = max(0, round(TARGET_AT * len(fp32["loss"])) - 1)
     target = smoothed(fp32["loss"])[at]
+
     def late(r: dict[str, Any]) -> float | None:
         return r.get("late_perplexity") or (r["final"]["perplexity"] if r["final"] else None)
 

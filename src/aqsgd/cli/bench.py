@@ -331,9 +331,8 @@ def run_adaptive(args: argparse.Namespace) -> int:
 
     cfg = AdaptiveBenchConfig(stages=args.stages, scenarios=args.scenarios, settings=args.settings,
                               steps=args.steps, train_samples=args.train_samples, evals=args.evals,
-                              hidden=args.hidden,
-                              seq_len=args.seq_len,
-                              num_microbatches=args.micro_batches, latency_ms=args.latency_ms)
+                              hidden=args.hidden, seq_len=args.seq_len, num_microbatches=args.micro_batches,
+                              latency_ms=args.latency_ms)
     console = Console(width=max(Console().width, 150))
     machine = machine_description(torch.device("cpu"))
     console.print(f"[bold]bits chosen per link[/] on {machine}: {cfg.stages} stages, Llama-style model "
