@@ -15,18 +15,20 @@ under what a remote call carries) and the BBC articles. ``run`` installs the whe
 ``AQSGD_CACHE`` at a copy of the data and runs the steps below, each in a process of its own with its own time
 limit inside ``--budget`` seconds (a step that would not fit is skipped and said so):
 
-* ``default-job``: ``aqsgd train`` as the README shows it (samples/s, accuracy with compression on and off);
 * ``codecs``: ``aqsgd bench codecs --device cuda`` (each codec's rate against a same-tensor ``clone()``);
 * ``no-sync``: no host synchronisation inside an encode or a decode on the GPU, NaN input and corrupt packets
   included (the CUDA tests of ``tests/compress/test_deferred_checks.py`` under
   ``torch.cuda.set_sync_debug_mode("error")``; Triton kernels compile in it);
+* ``default-job``: ``aqsgd train`` as the README shows it (samples/s, accuracy with compression on and off);
 * ``overhead``: ``aqsgd bench overhead --device cuda`` on a 251 M-parameter Qwen2-style model (plain
   transformers loop vs the local pipeline at 1 and 4 stages);
 * ``dist-fp32`` / ``dist-aqsgd``: 4 stage processes sharing the GPU over an emulated 1 Gbit/s link
   (``--runtime distributed --link 1gbit``) on a 55 M-parameter Qwen2-style folder and text file made here;
 * ``dp-gloo``: 2 stages x 2 replicas on the one GPU with ``q8`` gradient sync (``--dp-backend auto`` must take
   gloo there and say so), and ``dp-nccl`` that an explicit ``--dp-backend nccl`` is refused in one line;
-* ``suite``: the whole test suite (pytest-xdist where installed), in the time that is left.
+* ``suite``: the whole test suite (pytest-xdist where installed), in the time that is left; each failure is
+  written to ``suite-failures.txt`` as it happens (one line: the test and its error; see
+  :mod:`benchmarks.pytest_failure_log`), so a suite cut short by the time limit still says what failed.
 
 The report (``gpu-check.json``, ``gpu-check.md`` in ``--out``) holds the machine, the versions, every step's
 exit status, seconds and figures; ``log.txt`` the output of every step.
@@ -246,11 +248,6 @@ def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool =
 
     runs = work / "runs"
 
-    if wanted("default-job"):
-        extra = ["--max-steps", "2", "--max-train-samples", "32", "--max-eval-samples", "16"] if smoke else []
-        r = check.step("default-job", 120, [*aq, "train", "--no-progress", "--no-tensorboard", "--output-dir",
-                                             str(runs), "--run-name", "default", *extra])
-        r["figures"] = _summary(runs / "default")
     if wanted("codecs"):
         shape = ["--shape", "4,16,64", "--repeats", "2", "--codecs", "q2", "fp16"] if smoke else []
         r = check.step("codecs", 75, [*aq, "bench", "codecs", "--device", device, *shape, "--json",
@@ -260,6 +257,11 @@ def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool =
         r = check.step("no-sync", 120, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                        "-rfEs", "tests/compress/test_deferred_checks.py", "-k", "cuda"])
         r["figures"] = _pytest_counts(r.get("output", ""))
+    if wanted("default-job"):
+        extra = ["--max-steps", "2", "--max-train-samples", "32", "--max-eval-samples", "16"] if smoke else []
+        r = check.step("default-job", 120, [*aq, "train", "--no-progress", "--no-tensorboard", "--output-dir",
+                                             str(runs), "--run-name", "default", *extra])
+        r["figures"] = _summary(runs / "default")
     if wanted("overhead"):
         sizes = SMOKE_OVERHEAD if smoke else OVERHEAD
         r = check.step("overhead", 150, [*aq, "bench", "overhead", "--device", device, *sizes, "--json",
@@ -299,13 +301,20 @@ def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool =
         r["figures"] = {"refused_in_one_line": len(errors) == 1 and "--dp-backend nccl" in errors[0],
                         "line": errors[0] if errors else None}
     if wanted("suite"):
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--maxfail", "60"]
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                "benchmarks.pytest_failure_log", "-rfE", "--maxfail", "60"]
         if _importable("xdist"):
             argv += ["-n", str(min(14, os.cpu_count() or 2))]
         if _importable("pytest_timeout"):
             argv += ["--timeout", "240"]
+        failures = out / "suite-failures.txt"  # written as tests fail, so kept on a timeout
+        failures.unlink(missing_ok=True)
+        env["AQSGD_TEST_LOG"] = str(failures)
         r = check.step("suite", 420, [*argv, *(["tests/compress/test_registry.py"] if smoke else ["tests"])])
+        env.pop("AQSGD_TEST_LOG", None)
         r["figures"] = _pytest_counts(r.get("output", ""))
+        if failures.exists():
+            r["figures"]["failures"] = failures.read_text().splitlines()
     return check.report(envinfo)
 
 

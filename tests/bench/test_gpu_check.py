@@ -4,6 +4,7 @@ here on the CPU with tiny settings (``--smoke``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,23 @@ def test_a_step_without_time_left_is_skipped_and_said(tmp_path):
 def test_pytest_counts_read_the_summary_line():
     assert gpu_check._pytest_counts("...\n3 failed, 120 passed, 4 skipped, 1 error in 9.1s") == {
         "failed": 3, "passed": 120, "skipped": 4, "error": 1}
+
+
+def test_the_failure_log_names_each_failure_as_it_happens(tmp_path):
+    (tmp_path / "test_some.py").write_text(
+        "import pytest\n\n"
+        "def test_ok():\n    assert True\n\n"
+        "def test_bad():\n    assert 1 == 2, 'one is not two'\n\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('no fixture')\n\n"
+        "def test_err(broken):\n    pass\n")
+    log = tmp_path / "failures.txt"
+    env = {**os.environ, "AQSGD_TEST_LOG": str(log), "PYTHONPATH": str(ROOT)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                           "benchmarks.pytest_failure_log", str(tmp_path / "test_some.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("CALL test_some.py::test_bad: AssertionError: one is not two")
+    assert lines[1].startswith("SETUP test_some.py::test_err: RuntimeError: no fixture")

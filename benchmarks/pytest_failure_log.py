@@ -1,0 +1,20 @@
+"""A pytest plugin for the GPU check's ``suite`` step (``-p benchmarks.pytest_failure_log``): with
+``AQSGD_TEST_LOG=<file>``, each test that fails or errs is appended to that file as it happens, one line:
+where it failed (SETUP, CALL, TEARDOWN), the test, the first line of its error. A run cut short by a time
+limit still says what failed, where pytest's own summary comes only at the end. Under pytest-xdist the
+controller writes it (the workers' reports reach it)."""
+
+from __future__ import annotations
+
+import os
+
+
+def pytest_runtest_logreport(report) -> None:
+    path = os.environ.get("AQSGD_TEST_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = crash.message if crash is not None else str(report.longrepr)
+    first = next((line for line in message.splitlines() if line.strip()), "")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"{report.when.upper()} {report.nodeid}: {first[:400]}\n")
