@@ -75,7 +75,7 @@ def test_the_kernels_really_run(monkeypatch):
                                                                            or _real(self, *a, **k)))
     codec = make_codec("q2", backend="triton")
     codec.decode(codec.encode(_data((4, 32))))
-    assert calls == ["max_abs", "quantize_pack", "unpack_dequantize"]
+    assert calls == ["max_abs", "quantize_pack"]  # the decode reads its scales in its one kernel (below)
 
 
 def test_bf16_and_fp16_inputs():
@@ -303,3 +303,92 @@ def test_topk_deferred_check_reads_the_kernels_flag(bad):
         fine = codec.encode(_data((2, 64)))
     assert packet.refusal() == str(immediate.value)
     assert fine.refusal() is None and torch.equal(fine.payload, good.payload)
+
+
+# -- the scales made and read inside the kernels (an encode whose checks are deferred; every decode) ---------
+def _edgy(shape, seed=0):
+    """Data whose scales take every branch of their storage: beyond fp16 (clamped), rounded up (fp16 rounds
+    1.0001 down), subnormal in fp16, zero, and the l2 scales' clipping."""
+    x = _data(shape, seed)
+    x[..., 0, 1] = 7e4
+    x[..., 1, 2] = 1.0001
+    x[..., :, 3] = 3e-7
+    x[..., :, 4] = 0.0
+    x[..., 2, :] = x[..., 2, :] * 1e-6
+    return x
+
+
+_SCALED = ["q4", "q4:token", "q2:l2", "q4:token:l2", "q4:token:step1.1", "q4:scale32", "q3:block64", "q1",
+           "q1:max", "q2:midrise", "q3:token:midrise", "q8", "q2:tensor", "q3:rot64:l2"]
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")  # the interpreter computes 1 / (2 * 0), then drops it
+@pytest.mark.parametrize("spec", _SCALED)
+def test_scales_made_in_the_kernels_write_the_same_bytes(spec, monkeypatch):
+    """Checks deferred (as on a GPU): the scales are made, stored and checked by the max kernel (``max``
+    scales) or one scales kernel (``l2``, ``step``); packets and decodes byte for byte the eager backend's
+    with checks made at once, the kernels really called."""
+    from aqsgd.compress.base import deferring_checks
+
+    calls = []
+    for name in ("max_scales", "scales", "unpack_scaled"):
+        real = getattr(triton_kernels.TritonKernels, name)
+        monkeypatch.setattr(triton_kernels.TritonKernels, name,
+                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
+                                                                           or _real(self, *a, **k)))
+    x = _edgy((3, 6, 64))
+    want = make_codec(spec, backend="eager").encode(x)
+    with deferring_checks(True):
+        got = make_codec(spec, backend="triton").encode(x)
+    assert torch.equal(got.payload, want.payload), spec
+    assert got.refusal() is None
+    decoded = make_codec(spec, backend="triton").decode(want)
+    assert torch.equal(decoded, make_codec(spec, backend="eager").decode(want)), spec
+    codec = make_codec(spec)
+    codec = getattr(codec, "inner", codec)  # a rotation's quantizer
+    if codec.granularity == "tensor":  # one scale for the tensor: the general path both ways
+        assert calls == []
+    elif codec.scale_mode == "mean":  # q1's mean |x|: PyTorch's reduction (its order) makes the scales
+        assert calls == ["unpack_scaled"]
+    else:
+        assert calls == ["max_scales" if codec.scale_mode == "max" else "scales", "unpack_scaled"], calls
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("spec", ["q4", "q4:token", "q2:l2", "q4:scale32"])
+def test_the_kernels_flag_refuses_what_the_immediate_check_refuses(spec, bad):
+    from aqsgd.compress.base import deferring_checks
+    from aqsgd.errors import NonFiniteError
+
+    x = _data((2, 3, 64))
+    x[1, 2, 9] = bad
+    with pytest.raises(NonFiniteError) as immediate:
+        make_codec(spec, backend="eager").encode(x)
+    with deferring_checks(True):
+        packet = make_codec(spec, backend="triton").encode(x)
+    assert packet.refusal() == str(immediate.value)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value")  # the corrupt scale's decode, computed then refused
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf")])
+@pytest.mark.parametrize("spec", ["q4", "q4:token", "q4:scale32"])
+def test_a_decode_refuses_bad_scales_at_once_or_pending(spec, bad):
+    from aqsgd.compress.base import collecting_pending_checks, deferring_checks
+    from aqsgd.compress.packet import Packet
+    from aqsgd.errors import PacketError
+
+    codec = make_codec(spec, backend="triton")
+    packet = make_codec(spec, backend="eager").encode(_data((2, 3, 64)))
+    payload = packet.payload.clone()
+    dtype = torch.float32 if "scale32" in spec else torch.float16
+    payload[2 * dtype.itemsize: 3 * dtype.itemsize].view(dtype)[0] = bad  # the third scale
+    corrupt = Packet(packet.family, packet.dtype, packet.shape, packet.fingerprint, payload)
+    with pytest.raises(PacketError) as immediate:
+        make_codec(spec, backend="eager").decode(corrupt)
+    with pytest.raises(PacketError) as err:
+        codec.decode(corrupt)
+    assert str(err.value) == str(immediate.value)
+    with deferring_checks(True), collecting_pending_checks() as pending:
+        codec.decode(corrupt)  # no raise here: the flag waits for the collector's reader
+    assert str(pending.failure()) == str(immediate.value)

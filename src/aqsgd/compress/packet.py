@@ -251,8 +251,10 @@ class DeferredCheck:
         check failed); None for none."""
         if not checks:
             return None
+        if len(checks) == 1:  # any dtype: read as truth values (a cast would be one more launch on a GPU)
+            return cls(checks[0][0].reshape(1), (checks[0][1],))
         flags = [f.reshape(1).bool() for f, _ in checks]
-        return cls(flags[0] if len(flags) == 1 else torch.cat(flags), tuple(m for _, m in checks))
+        return cls(torch.cat(flags), tuple(m for _, m in checks))
 
     def failure(self) -> str | None:
         """The error text of the first check that failed, None where all passed (reads the flags once)."""

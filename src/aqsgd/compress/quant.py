@@ -315,11 +315,15 @@ class QuantCodec(Codec):
         draws its noise as the general path does, after the scales, so the bytes are the same."""
         rows, k, by_col = plan
         x2 = self._fp32_rows(x, rows, k)
-        s = self._planned_scales(x2, x.shape, by_col, lambda: ops.max_abs(x2, by_col))
-        if s is None:
-            return None
-        stored, inv, _ = self._scale_steps(s, torch.float32)
-        out, nsb = self._payload(stored, rows, k, x.device)
+        fused = self._device_scales(ops, x2, x.shape, by_col) if defers_checks(x.device) else None
+        if fused is not None:
+            out, nsb, inv = fused
+        else:
+            s = self._planned_scales(x2, x.shape, by_col, lambda: ops.max_abs(x2, by_col))
+            if s is None:
+                return None
+            stored, inv, _ = self._scale_steps(s, torch.float32)
+            out, nsb = self._payload(stored, rows, k, x.device)
         noise = None
         if self.rounding == "stochastic":  # the general path's draw: the same generator, shape and order
             noise = self._noise((x2.numel(),), torch.float32, x.device, generator).view(rows, k)
@@ -328,6 +332,30 @@ class QuantCodec(Codec):
                                    self.qmax / 2.0 + (0.5 if noise is None else 0.0), self.bits, self.qmax,
                                    out=out[nsb:].view(rows, -1), noise=noise)
         return None if packed is None else out
+
+    def _device_scales(self, ops: kernels.Kernels, x2: torch.Tensor, shape: Sequence[int], by_col: bool
+                       ) -> tuple[torch.Tensor, int, torch.Tensor] | None:
+        """``(payload, scale bytes, inv)`` with the scales made, stored at the payload's head and checked by
+        the backend's kernels (for ``max``: in the launch that finds the maxima), the check deferred as a
+        device flag; None where the backend has no such kernel. For encodes whose checks are deferred (on a
+        GPU): the dozen small operations of :meth:`_scale_steps` cost a launch each there. Same bytes."""
+        if self.granularity == "tensor" or self.scale_mode not in ("max", "l2", "step"):
+            return None
+        rows, k = x2.shape
+        nsb = (k if by_col else rows) * self.scale_dtype.itemsize
+        out = torch.empty(nsb + rows * k * self.bits // 8, dtype=torch.uint8, device=x2.device)
+        stored = out[:nsb].view(self.scale_dtype)
+        flag = torch.zeros(1, dtype=torch.int32, device=x2.device)
+        if self.scale_mode == "max":
+            inv = ops.max_scales(x2, by_col, stored, self.qmax, flag)
+        else:
+            s = self._planned_scales(x2, shape, by_col, lambda: ops.max_abs(x2, by_col))
+            inv = None if s is None else ops.scales(s.to(torch.float32).contiguous(), stored, self.qmax, flag)
+        if inv is None:
+            return None
+        if self.check_finite:
+            defer_check(flag, non_finite_message(self.spec))
+        return out, nsb, inv
 
     def _noise(self, shape: Sequence[int], cdt: torch.dtype, device: torch.device,
                generator: torch.Generator | None) -> torch.Tensor:
@@ -513,8 +541,34 @@ class QuantCodec(Codec):
         nsb = groups.nscales * self.scale_dtype.itemsize
         if groups.numel == 0:
             return torch.empty(packet.shape, dtype=out_dtype, device=payload.device)
+        out = self._decode_scaled(payload, nsb, packet.shape, out_dtype)
+        if out is not None:
+            return out
         scales = self._checked_scales(payload[:nsb])
         return self.dequantize_packed(scales, payload[nsb:], packet.shape, out_dtype)
+
+    def _decode_scaled(self, payload: torch.Tensor, nsb: int, shape: Sequence[int], out_dtype: torch.dtype
+                       ) -> torch.Tensor | None:
+        """The decoded tensor from one kernel that reads and checks the stored scales itself (the backend's
+        ``unpack_scaled``: on a GPU, where each small operation of the general path costs a launch), the
+        check pending or read at once as :meth:`_checked_scales` does; None where the backend has none."""
+        plan = kernels.plan(shape, self.granularity, self.block) if out_dtype != torch.float64 else None
+        if plan is None or self.granularity == "tensor":
+            return None
+        rows, k, by_col = plan
+        mul, low, divisor = self._level_terms()
+        flag = torch.zeros(1, dtype=torch.int32, device=payload.device)
+        out = kernels.for_device(payload.device, self.backend).unpack_scaled(
+            payload[nsb:].view(rows, -1), bytes_as(payload[:nsb], self.scale_dtype), by_col, self.bits, mul,
+            low, divisor, flag)
+        if out is None:
+            return None
+        if defers_pending_checks(payload.device):
+            defer_pending_check(flag, self._bad_scales)
+        elif bool(flag):
+            raise self._bad_scales()
+        out = out.view(shape)
+        return out if out_dtype == torch.float32 else out.to(out_dtype)
 
     def _checked_scales(self, raw: torch.Tensor) -> torch.Tensor:
         """The received scales, checked (finite, not negative): at once (one host read for both checks), or
@@ -549,14 +603,19 @@ class QuantCodec(Codec):
 
     def _levels(self, scales: torch.Tensor, cdt: torch.dtype) -> tuple[int, int, torch.Tensor]:
         """``(mul, low, step)``: code ``c`` decodes to ``(c * mul - low) * step`` of its group."""
+        mul, low, divisor = self._level_terms()
+        return mul, low, divided(scales, divisor, cdt)
+
+    def _level_terms(self) -> tuple[int, int, int]:
+        """``(mul, low, divisor)``: code ``c`` decodes to ``(c * mul - low) * (scale / divisor)``."""
         if self.grid == "midrise" and self.bits > 1:
             # code c is level (c - qmax/2) * step = (2c - qmax) * scale / qmax: an odd integer times
             # scale / qmax
-            return 2, self.qmax, divided(scales, self.qmax, cdt)
+            return 2, self.qmax, self.qmax
         if self.bits == 1:  # +-1 times the scale
-            return 2, 1, scales.to(cdt)
+            return 2, 1, 1
         # signed level c - L (an exact small integer) times scale / L
-        return 1, self.qmax // 2, divided(scales, self.qmax // 2, cdt)
+        return 1, self.qmax // 2, self.qmax // 2
 
     def dequantize(self, scales: torch.Tensor, codes: torch.Tensor, shape: Sequence[int],
                    out_dtype: torch.dtype) -> torch.Tensor:

@@ -34,6 +34,14 @@ Operations (``x2``: a contiguous fp32 ``[R, K]`` view with ``K % 8 == 0``, whose
   bytes are the general path's;
 * ``unpack_dequantize(packed, step, by_col, bits, mul, low)``: ``(code * mul - low) * step`` of each code,
   fp32 ``[R, K]``;
+* the same two in one launch each with the scales inside, for a device where every small operation is a
+  launch (the Triton backend's): ``max_scales(x2, by_col, stored, qmax, flag)`` finds each group's max
+  ``|x|``, stores it as the codec stores its scales (fp16 rounded up, or fp32) into the payload's head and
+  returns ``inv``, raising an int32 device ``flag`` where a scale is NaN/Inf; ``scales(s, stored, qmax,
+  flag)`` does the same from given (``l2``/``step``) scales; ``unpack_scaled(packed, stored, by_col, bits,
+  mul, low, divisor, flag)`` reads the stored scales itself (step: ``scale / divisor`` correctly rounded) and
+  flags bad ones. An encode takes them where its checks are deferred (on a GPU: the flag is the deferred
+  check), a decode wherever the backend has them;
 * ``fwht(x2, signs, c, inverse)``: the Walsh-Hadamard transform of each row (:mod:`aqsgd.compress.hadamard`);
 * TopK's selection and packing: on torch tensors ``topk_select(x2, k)`` (positions) and ``topk_payload(x2,
   k, wire, width)`` (the whole payload of a cast, and a device flag for non-finite kept values), the Triton

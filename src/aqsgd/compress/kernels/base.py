@@ -89,6 +89,20 @@ class Kernels:
     def max_abs(self, x2: torch.Tensor, by_col: bool) -> torch.Tensor | None:
         return None
 
+    # the quantizer's scales in one launch (a device's kernels: no host decision inside)
+    def max_scales(self, x2: torch.Tensor, by_col: bool, stored: torch.Tensor, qmax: int,
+                   flag: torch.Tensor) -> torch.Tensor | None:
+        """Each group's max |x| made into its stored scale, as ``store_scales`` rounds it (fp16 rounded up and
+        clamped to 65504, or fp32: ``stored``'s dtype), written into ``stored``; returns ``inv = qmax / (2 *
+        stored)`` (0 for a zero scale), fp32. ``flag`` (int32 ``[1]``) is raised (made nonzero) where a scale
+        is NaN or Inf: the input held one."""
+        return None
+
+    def scales(self, s: torch.Tensor, stored: torch.Tensor, qmax: int,
+               flag: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`max_scales` from given scales ``s`` (fp32 ``[G]``, not negative)."""
+        return None
+
     def quantize_pack(self, x2: torch.Tensor, inv: torch.Tensor, by_col: bool, offset: float, bits: int,
                       qmax: int, out: torch.Tensor | None = None,
                       noise: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -99,6 +113,13 @@ class Kernels:
 
     def unpack_dequantize(self, packed: torch.Tensor, step: torch.Tensor, by_col: bool, bits: int, mul: int,
                           low: int) -> torch.Tensor | None:
+        return None
+
+    def unpack_scaled(self, packed: torch.Tensor, stored: torch.Tensor, by_col: bool, bits: int, mul: int,
+                      low: int, divisor: int, flag: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`unpack_dequantize` from the stored scales (fp16 or fp32 ``[G]``): the step of a group is its
+        scale divided by ``divisor``, correctly rounded (:func:`~aqsgd.compress.quant.divided`); ``flag``
+        (int32 ``[1]``) is raised where a scale is not finite or is negative."""
         return None
 
     def fwht(self, x2: torch.Tensor, signs: torch.Tensor, c: float, inverse: bool) -> torch.Tensor | None:

@@ -7,8 +7,22 @@ sender and receiver steps against fp32/fp16/bf16 cache rows. What does not: the 
 ``l2``/``step``/``mean`` scales (PyTorch's reductions, whose order a kernel would not reproduce), entropy
 stages (host), the fused AQ-SGD step with stochastic rounding (step by step). The host decisions around the
 kernels are deferred on CUDA (the finite-scale checks, TopK's finite-value flag: device flags the packet
-carries, see :mod:`aqsgd.compress.kernels`); the outlier count and the decode-side scale checks still
-synchronise.
+carries, see :mod:`aqsgd.compress.kernels`); the outlier count still synchronises.
+
+Launches, not bytes, set an encode's cost on a GPU for activations of a few MB: each PyTorch operation is one
+launch and tens of microseconds of host time there. So the quantizer's scales are made inside the kernels:
+the max kernel's last step stores each group's scale at the payload's head (fp16 rounded up and clamped, or
+fp32), writes ``inv`` and raises the NaN/Inf flag (``max_scales``; ``scales`` for ``l2``/``step``), and the
+decode kernel reads the stored scales, divides them and flags bad ones itself (``unpack_scaled``). A ``q4``
+encode is then two launches plus two allocations and a zeroed flag, where it was about twenty operations; a
+decode one launch, where it was about twelve (counted on the CPU under the interpreter). The scale arithmetic
+is PyTorch's, operation for operation: ``store_scales``'s rounding, ``reciprocal(2 * s) * qmax`` and the
+decode's ``s / divisor`` correctly rounded (``tl.math.div_rn``; Triton 3.2's flushes fp32 subnormals, which
+only a ``scale32`` scale below 1.2e-38 could be).
+
+The kernels themselves are in :mod:`aqsgd.compress.kernels._triton_jit` (imported at first use), and every
+launch has floating-point contraction off (:class:`_Unfused`): ``tests/compress/triton_compile_cases.py``
+compiles each for an H100 without a GPU and reads the rounding in its PTX.
 
 Each kernel works on the quantizer's 2-D view ``[R, K]`` (``K % 8 == 0``), a tile of rows times a tile of
 *groups of 8 codes* per program: 8 codes of ``bits`` bits fill exactly ``bits`` bytes, so every group packs
@@ -44,6 +58,7 @@ __all__ = ["TritonKernels", "available", "interpreting"]
 _BLOCK_R = 16  # rows per program
 _BLOCK_G = 16  # groups of 8 codes per program (128 values of a row)
 _BLOCK_K = 128  # values per step of the max kernels
+_SCALE_BLOCK = 1024  # scales per program of the scales kernel
 _FWHT_VALUES = 4096  # values per program of the Hadamard kernel (rows of a tile each)
 _TOPK_CHUNK = 16384  # values of a row per program of the TopK kernels
 _TOPK_BLOCK = 1024  # values per step within a chunk
@@ -78,400 +93,27 @@ def available(device: torch.device | str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels():
-    """The ``@triton.jit`` kernels, defined at first use (importing triton costs a second)."""
-    import triton
-    import triton.language as tl
+def _kernels() -> dict[str, _Unfused]:
+    """The ``@triton.jit`` kernels (:mod:`aqsgd.compress.kernels._triton_jit`), imported at first use."""
+    from aqsgd.compress.kernels._triton_jit import KERNELS
 
-    @triton.jit
-    def rowmax(x_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = rows < R
-        best = tl.zeros([BLOCK_R], dtype=tl.float32)
-        nans = tl.zeros([BLOCK_R], dtype=tl.int32)
-        for start in range(0, K, BLOCK_K):
-            cols = start + tl.arange(0, BLOCK_K)
-            m = rmask[:, None] & (cols < K)[None, :]
-            x = tl.abs(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0))
-            nans += tl.sum((x != x).to(tl.int32), axis=1)
-            best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=1))
-        best = tl.where(nans > 0, float("nan"), best)
-        tl.store(out_ptr + rows, best, mask=rmask)
+    return {name: _Unfused(kernel) for name, kernel in KERNELS.items()}
 
-    @triton.jit
-    def colmax(x_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-        cmask = cols < K
-        best = tl.zeros([BLOCK_K], dtype=tl.float32)
-        nans = tl.zeros([BLOCK_K], dtype=tl.int32)
-        for start in range(0, R, BLOCK_R):
-            rows = start + tl.arange(0, BLOCK_R)
-            m = (rows < R)[:, None] & cmask[None, :]
-            x = tl.abs(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0))
-            nans += tl.sum((x != x).to(tl.int32), axis=0)
-            best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=0))
-        best = tl.where(nans > 0, float("nan"), best)
-        tl.store(out_ptr + cols, best, mask=cmask)
 
-    @triton.jit
-    def quant_pack(x_ptr, inv_ptr, noise_ptr, out_ptr, R, K, offset, qmax, BY_COL: tl.constexpr,
-                   BITS: tl.constexpr, NOISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-        lane = tl.arange(0, 8)
-        cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
-        rmask = rows < R
-        cmask = cols < K
-        m = rmask[:, None, None] & cmask[None, :, :]
-        x = tl.load(x_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
-        if BY_COL:
-            inv = tl.load(inv_ptr + cols, mask=cmask, other=0.0)[None, :, :]
-        else:
-            inv = tl.load(inv_ptr + rows, mask=rmask, other=0.0)[:, None, None]
-        t = tl.fma(x, inv, offset)
-        if NOISE:  # stochastic rounding: the general path's uniform draw, added after the fma's rounding
-            t = t + tl.load(noise_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
-        t = tl.minimum(tl.maximum(t, 0.0), qmax)
-        code = t.to(tl.int32).to(tl.int64)
-        word = tl.sum(code << (lane[None, None, :].to(tl.int64) * BITS), axis=2)  # [R, G]: disjoint bits
-        nb = K * BITS // 8
-        gm = rmask[:, None] & (groups < K // 8)[None, :]
-        for b in tl.static_range(BITS):
-            tl.store(out_ptr + rows[:, None] * nb + groups[None, :] * BITS + b,
-                     ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
+class _Unfused:
+    """A kernel that launches with floating-point contraction off (``enable_fp_fusion=False``). Triton
+    compiles ``a * b + c`` into one fma by default (3.2 to 3.9 at least), one rounding where the PyTorch and
+    numba paths round twice: the AQ-SGD cache update ``m + level * step`` would then write other bits on a GPU
+    than on the CPU. An explicit ``tl.fma`` (the quantizer's single rounding, as the CPU's ``addcmul``) stays
+    one (``tests/compress/triton_compile_cases.py`` reads both in the compiled code)."""
 
-    @triton.jit
-    def unpack_dequant(p_ptr, step_ptr, out_ptr, R, K, mul, low, BY_COL: tl.constexpr, BITS: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-        rmask = rows < R
-        gm = rmask[:, None] & (groups < K // 8)[None, :]
-        nb = K * BITS // 8
-        word = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.int64)
-        for b in tl.static_range(BITS):
-            byte = tl.load(p_ptr + rows[:, None] * nb + groups[None, :] * BITS + b, mask=gm, other=0)
-            word |= byte.to(tl.int64) << (8 * b)
-        lane = tl.arange(0, 8)
-        code = (word[:, :, None] >> (lane[None, None, :].to(tl.int64) * BITS)) & ((1 << BITS) - 1)
-        cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
-        m = rmask[:, None, None] & (cols < K)[None, :, :]
-        if BY_COL:
-            step = tl.load(step_ptr + cols, mask=cols < K, other=0.0)[None, :, :]
-        else:
-            step = tl.load(step_ptr + rows, mask=rmask, other=0.0)[:, None, None]
-        level = code.to(tl.float32) * mul - low  # a small integer: exact
-        tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], level * step, mask=m)
+    __slots__ = ("kernel",)
 
-    # -- AQ-SGD against a cache's rows: row r of x2 is segment r % rpb of sample r // rpb, whose cache row is
-    # st[ids[r // rpb]] (n = rpb * K values, in the storage's dtype)
-    @triton.jit
-    def delta_rowmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = rows < R
-        best = tl.zeros([BLOCK_R], dtype=tl.float32)
-        nans = tl.zeros([BLOCK_R], dtype=tl.int32)
-        for start in range(0, K, BLOCK_K):
-            cols = start + tl.arange(0, BLOCK_K)
-            m = rmask[:, None] & (cols < K)[None, :]
-            x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
-            where = ((tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K)[:, None]
-            c = tl.load(st_ptr + where + cols[None, :], mask=m, other=0)
-            c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
-            d = tl.abs(x - c)
-            nans += tl.sum((d != d).to(tl.int32), axis=1)
-            best = tl.maximum(best, tl.max(tl.where(d != d, 0.0, d), axis=1))
-        tl.store(out_ptr + rows, tl.where(nans > 0, float("nan"), best), mask=rmask)
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
 
-    @triton.jit
-    def delta_colmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-        cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-        cmask = cols < K
-        best = tl.zeros([BLOCK_K], dtype=tl.float32)
-        nans = tl.zeros([BLOCK_K], dtype=tl.int32)
-        for start in range(0, R, BLOCK_R):
-            rows = start + tl.arange(0, BLOCK_R)
-            rmask = rows < R
-            m = rmask[:, None] & cmask[None, :]
-            x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
-            where = ((tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K)[:, None]
-            c = tl.load(st_ptr + where + cols[None, :], mask=m, other=0)
-            c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
-            d = tl.abs(x - c)
-            nans += tl.sum((d != d).to(tl.int32), axis=0)
-            best = tl.maximum(best, tl.max(tl.where(d != d, 0.0, d), axis=0))
-        tl.store(out_ptr + cols, tl.where(nans > 0, float("nan"), best), mask=cmask)
-
-    @triton.jit
-    def delta_into(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        rmask = rows < R
-        m = rmask[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
-        where = ((tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K)[:, None]
-        c = tl.load(st_ptr + where + cols[None, :], mask=m, other=0)
-        c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
-        tl.store(out_ptr + rows[:, None] * K + cols[None, :], x - c, mask=m)
-
-    @triton.jit
-    def delta_quant_update(x_ptr, st_ptr, ids_ptr, inv_ptr, step_ptr, out_ptr, R, K, rpb, offset, qmax, mul,
-                           low, BY_COL: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-        lane = tl.arange(0, 8)
-        cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
-        rmask = rows < R
-        cmask = cols < K
-        m = rmask[:, None, None] & cmask[None, :, :]
-        x = tl.load(x_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
-        first = (tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K
-        where = first[:, None, None] + cols[None, :, :]
-        c = tl.load(st_ptr + where, mask=m, other=0)
-        c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
-        if BY_COL:
-            inv = tl.load(inv_ptr + cols, mask=cmask, other=0.0)[None, :, :]
-            step = tl.load(step_ptr + cols, mask=cmask, other=0.0)[None, :, :]
-        else:
-            inv = tl.load(inv_ptr + rows, mask=rmask, other=0.0)[:, None, None]
-            step = tl.load(step_ptr + rows, mask=rmask, other=0.0)[:, None, None]
-        t = tl.minimum(tl.maximum(tl.fma(x - c, inv, offset), 0.0), qmax)
-        code = t.to(tl.int32)
-        # the row as put(m + decode(...)) leaves it: one rounding for the level times the step, one for the
-        # sum and one into the storage format
-        new = c + (code.to(tl.float32) * mul - low) * step
-        if BF16:  # to nearest even, as PyTorch rounds to bf16 (NaN to its canonical 0x7FC0)
-            u = new.to(tl.int32, bitcast=True)
-            b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-            tl.store(st_ptr + where, tl.where(new != new, 0x7FC0, b).to(tl.int16), mask=m)
-        else:
-            tl.store(st_ptr + where, new.to(st_ptr.dtype.element_ty), mask=m)
-        word = tl.sum(code.to(tl.int64) << (lane[None, None, :].to(tl.int64) * BITS), axis=2)
-        nb = K * BITS // 8
-        gm = rmask[:, None] & (groups < K // 8)[None, :]
-        for b in tl.static_range(BITS):
-            tl.store(out_ptr + rows[:, None] * nb + groups[None, :] * BITS + b,
-                     ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
-
-    @triton.jit
-    def delta_dequant_update(p_ptr, st_ptr, ids_ptr, step_ptr, out_ptr, R, K, rpb, mul, low,
-                             BY_COL: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-        rmask = rows < R
-        gm = rmask[:, None] & (groups < K // 8)[None, :]
-        nb = K * BITS // 8
-        word = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.int64)
-        for b in tl.static_range(BITS):
-            byte = tl.load(p_ptr + rows[:, None] * nb + groups[None, :] * BITS + b, mask=gm, other=0)
-            word |= byte.to(tl.int64) << (8 * b)
-        lane = tl.arange(0, 8)
-        code = (word[:, :, None] >> (lane[None, None, :].to(tl.int64) * BITS)) & ((1 << BITS) - 1)
-        cols = groups[:, None] * 8 + lane[None, :]
-        cmask = cols < K
-        m = rmask[:, None, None] & cmask[None, :, :]
-        if BY_COL:
-            step = tl.load(step_ptr + cols, mask=cmask, other=0.0)[None, :, :]
-        else:
-            step = tl.load(step_ptr + rows, mask=rmask, other=0.0)[:, None, None]
-        first = (tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K
-        where = first[:, None, None] + cols[None, :, :]
-        c = tl.load(st_ptr + where, mask=m, other=0)
-        c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
-        new = c + (code.to(tl.float32) * mul - low) * step
-        if BF16:  # to nearest even, as PyTorch rounds to bf16 (NaN to its canonical 0x7FC0)
-            u = new.to(tl.int32, bitcast=True)
-            b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-            b = tl.where(new != new, 0x7FC0, b)
-            tl.store(st_ptr + where, b.to(tl.int16), mask=m)
-            back = (b << 16).to(tl.float32, bitcast=True)
-        else:
-            stored = new.to(st_ptr.dtype.element_ty)
-            tl.store(st_ptr + where, stored, mask=m)
-            back = stored.to(tl.float32)
-        tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], back, mask=m)
-
-    # -- Walsh-Hadamard transform of rows of G values (G a power of two), in registers: stage h pairs value j
-    # with value j + h of each block of 2h (the butterflies of aqsgd.compress.hadamard, in the same order)
-    @triton.jit
-    def fwht_rows(x_ptr, s_ptr, out_ptr, c, R, G: tl.constexpr, LOG_G: tl.constexpr, INVERSE: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, G)
-        m = (rows < R)[:, None] & (cols < G)[None, :]
-        y = tl.load(x_ptr + rows[:, None] * G + cols[None, :], mask=m, other=0.0)
-        s = tl.load(s_ptr + cols)[None, :]
-        if not INVERSE:
-            y = y * s
-        for i in tl.static_range(LOG_G):
-            # [R, blocks, 2, h] -> [R, blocks, h, 2]: the pair (j, j + h) on the last axis
-            v = tl.permute(tl.reshape(y, (BLOCK_R, G // (2 << i), 2, 1 << i)), (0, 1, 3, 2))
-            a, b = tl.split(v)
-            y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK_R, G))
-        y = y * c
-        if INVERSE:
-            y = y * s
-        tl.store(out_ptr + rows[:, None] * G + cols[None, :], y, mask=m)
-
-    # -- TopK: the k-th largest magnitude key of each row by radix selection (three digits of the 31-bit key,
-    # each a histogram over the row's keys that share the digits found so far), then the exact selection
-    @triton.jit
-    def topk_hist(x_ptr, state_ptr, hist_ptr, n, chunk, SHIFT: tl.constexpr, NB: tl.constexpr,
-                  HIGH: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        start = tl.program_id(1) * chunk
-        base = x_ptr + row.to(tl.int64) * n
-        prefix = tl.load(state_ptr + row * 2) & HIGH  # the digits found so far (none in the first pass)
-        acc = tl.zeros([NB], dtype=tl.int32)
-        bins = tl.arange(0, NB)
-        for off in range(0, chunk, BLOCK):
-            at = start + off + tl.arange(0, BLOCK)
-            m = (at < n) & (off + tl.arange(0, BLOCK) < chunk)
-            key = tl.load(base + at, mask=m, other=0) & 0x7FFFFFFF
-            match = m & ((key & HIGH) == prefix)
-            digit = tl.where(match, (key >> SHIFT) & (NB - 1), 0)
-            # the keys that do not match were counted in bin 0: take them out again
-            acc += tl.histogram(digit, NB) - tl.where(bins == 0, BLOCK - tl.sum(match.to(tl.int32)), 0)
-        tl.atomic_add(hist_ptr + row * NB + bins, acc)
-
-    @triton.jit
-    def topk_pick(hist_ptr, state_ptr, k, SHIFT: tl.constexpr, NB: tl.constexpr, FIRST: tl.constexpr):
-        row = tl.program_id(0)
-        bins = tl.arange(0, NB)
-        h = tl.load(hist_ptr + row * NB + bins)
-        if FIRST:
-            prefix = 0
-            need = k
-        else:
-            prefix = tl.load(state_ptr + row * 2)
-            need = tl.load(state_ptr + row * 2 + 1)
-        above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # keys in the bins above each bin
-        hit = (above < need) & (above + h >= need)  # the bin of the need-th largest key
-        digit = tl.sum(tl.where(hit, bins, 0), axis=0)
-        tl.store(state_ptr + row * 2, prefix | (digit << SHIFT))
-        tl.store(state_ptr + row * 2 + 1, need - tl.sum(tl.where(hit, above, 0), axis=0))
-
-    @triton.jit
-    def topk_count(x_ptr, state_ptr, counts_ptr, n, chunk, nchunk, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        c = tl.program_id(1)
-        start = c * chunk
-        base = x_ptr + row.to(tl.int64) * n
-        kth = tl.load(state_ptr + row * 2)
-        gt = 0
-        eq = 0
-        for off in range(0, chunk, BLOCK):
-            at = start + off + tl.arange(0, BLOCK)
-            m = (at < n) & (off + tl.arange(0, BLOCK) < chunk)
-            key = tl.load(base + at, mask=m, other=0) & 0x7FFFFFFF
-            gt += tl.sum((m & (key > kth)).to(tl.int32), axis=0)
-            eq += tl.sum((m & (key == kth)).to(tl.int32), axis=0)
-        tl.store(counts_ptr + (row * nchunk + c) * 2, gt)
-        tl.store(counts_ptr + (row * nchunk + c) * 2 + 1, eq)
-
-    @triton.jit
-    def topk_write(x_ptr, state_ptr, counts_ptr, idx_ptr, vals_ptr, ib_ptr, bad_ptr, n, k, chunk, nchunk,
-                   PACK: tl.constexpr, FMT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
-                   CBLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        c = tl.program_id(1)
-        start = c * chunk
-        base = x_ptr + row.to(tl.int64) * n
-        kth = tl.load(state_ptr + row * 2)
-        ties = tl.load(state_ptr + row * 2 + 1)  # how many keys equal to the k-th are kept: the first ones
-        gt = 0
-        eq = 0
-        for c0 in range(0, c, CBLOCK):  # the chunks before this one
-            cc = c0 + tl.arange(0, CBLOCK)
-            cm = cc < c
-            gt += tl.sum(tl.load(counts_ptr + (row * nchunk + cc) * 2, mask=cm, other=0), axis=0)
-            eq += tl.sum(tl.load(counts_ptr + (row * nchunk + cc) * 2 + 1, mask=cm, other=0), axis=0)
-        slot = gt + tl.minimum(eq, ties)  # kept values before this chunk
-        worst = 0
-        for off in range(0, chunk, BLOCK):
-            lanes = tl.arange(0, BLOCK)
-            at = start + off + lanes
-            m = (at < n) & (off + lanes < chunk)
-            bits = tl.load(base + at, mask=m, other=0)
-            key = bits & 0x7FFFFFFF
-            same = m & (key == kth)
-            rank = eq + tl.cumsum(same.to(tl.int32), axis=0) - 1  # among the row's keys equal to the k-th
-            take = (m & (key > kth)) | (same & (rank < ties))
-            where = slot + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            take = take & (where < k)  # never past the row's k slots, whatever the counts say
-            out = row.to(tl.int64) * k + where
-            if PACK:  # the kept values cast to the wire format, then the positions' low WIDTH bytes
-                v = bits.to(tl.float32, bitcast=True)
-                if FMT == 0:
-                    tl.store(vals_ptr + out, v, mask=take)
-                    back = bits
-                elif FMT == 1:
-                    h = v.to(tl.float16)
-                    tl.store(vals_ptr + out, h.to(tl.int16, bitcast=True), mask=take)
-                    back = h.to(tl.float32).to(tl.int32, bitcast=True)
-                else:  # bf16, to nearest even as PyTorch rounds (NaN to its canonical 0x7FC0)
-                    b = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-                    b = tl.where(v != v, 0x7FC0, b)
-                    tl.store(vals_ptr + out, b.to(tl.int16), mask=take)
-                    back = b << 16
-                # a kept value, or its cast, is Inf or NaN: the magnitude's bits at or above Inf's
-                worst = tl.maximum(worst, tl.max(tl.where(take, back & 0x7FFFFFFF, 0), axis=0))
-                pos = at.to(tl.int64)
-                for b in tl.static_range(WIDTH):
-                    tl.store(ib_ptr + out * WIDTH + b, ((pos >> (8 * b)) & 0xFF).to(tl.uint8), mask=take)
-            else:
-                tl.store(idx_ptr + out, at.to(tl.int64), mask=take)
-            slot += tl.sum(take.to(tl.int32), axis=0)
-            eq += tl.sum(same.to(tl.int32), axis=0)
-        if PACK:
-            tl.atomic_max(bad_ptr, (worst >= 0x7F800000).to(tl.int32))
-
-    # -- outlier rows (aqsgd.compress.wrappers.OutlierCodec)
-    @triton.jit
-    def row_sumsq(x_ptr, out_ptr, R, D, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = rows < R
-        acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-        for start in range(0, D, BLOCK_K):
-            cols = start + tl.arange(0, BLOCK_K)
-            m = rmask[:, None] & (cols < D)[None, :]
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=m, other=0.0)
-            x = x.to(tl.float32)
-            acc += x * x
-        tl.store(out_ptr + rows, tl.sum(acc, axis=1), mask=rmask)
-
-    @triton.jit
-    def split_rows(x_ptr, idx_ptr, rest_ptr, apart_ptr, D, k, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr):
-        r = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        cm = cols < D
-        before = 0  # outlier rows above this one
-        hit = 0
-        for i0 in range(0, k, BLOCK_I):
-            ii = i0 + tl.arange(0, BLOCK_I)
-            im = ii < k
-            v = tl.load(idx_ptr + ii, mask=im, other=-1)
-            before += tl.sum((im & (v < r)).to(tl.int32), axis=0)
-            hit += tl.sum((im & (v == r)).to(tl.int32), axis=0)
-        x = tl.load(x_ptr + r.to(tl.int64) * D + cols, mask=cm, other=0.0)
-        hits = tl.zeros([BLOCK_D], dtype=tl.int32) + hit  # > 0: this row goes apart
-        tl.store(rest_ptr + (r - before).to(tl.int64) * D + cols, x, mask=cm & (hits == 0))
-        u = x.to(tl.float32).to(tl.int32, bitcast=True)  # bf16 to nearest even, as PyTorch rounds
-        b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-        b = tl.where(x != x, 0x7FC0, b)
-        tl.store(apart_ptr + before.to(tl.int64) * D + cols, b.to(tl.int16), mask=cm & (hits > 0))
-
-    return {"rowmax": rowmax, "colmax": colmax, "quant_pack": quant_pack, "unpack_dequant": unpack_dequant,
-            "row_sumsq": row_sumsq, "split_rows": split_rows,
-            "delta_rowmax": delta_rowmax, "delta_colmax": delta_colmax, "delta_into": delta_into,
-            "delta_quant_update": delta_quant_update, "delta_dequant_update": delta_dequant_update,
-            "fwht_rows": fwht_rows, "topk_hist": topk_hist, "topk_pick": topk_pick, "topk_count": topk_count,
-            "topk_write": topk_write}
+    def __getitem__(self, grid):
+        return functools.partial(self.kernel[grid], enable_fp_fusion=False)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -498,12 +140,32 @@ class TritonKernels(Kernels):
     def max_abs(self, x2: torch.Tensor, by_col: bool) -> torch.Tensor:
         rows, k = x2.shape
         out = torch.empty(k if by_col else rows, dtype=torch.float32, device=x2.device)
-        if by_col:
-            _kernels()["colmax"][(_cdiv(k, _BLOCK_K),)](x2, out, rows, k, BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K)
-        else:
-            _kernels()["rowmax"][(_cdiv(rows, _BLOCK_R),)](x2, out, rows, k, BLOCK_R=_BLOCK_R,
-                                                           BLOCK_K=_BLOCK_K)
+        self._max(x2, by_col, out, out, out, 0.0, scales=False)
         return out
+
+    def max_scales(self, x2: torch.Tensor, by_col: bool, stored: torch.Tensor, qmax: int,
+                   flag: torch.Tensor) -> torch.Tensor:
+        rows, k = x2.shape
+        inv = torch.empty(k if by_col else rows, dtype=torch.float32, device=x2.device)
+        self._max(x2, by_col, inv, stored, flag, float(qmax), scales=True)
+        return inv
+
+    @staticmethod
+    def _max(x2: torch.Tensor, by_col: bool, out: torch.Tensor, stored: torch.Tensor, flag: torch.Tensor,
+             qmax: float, *, scales: bool) -> None:
+        rows, k = x2.shape
+        half = stored.dtype == torch.float16
+        kernel, programs = ((_kernels()["colmax"], _cdiv(k, _BLOCK_K)) if by_col
+                            else (_kernels()["rowmax"], _cdiv(rows, _BLOCK_R)))
+        kernel[(programs,)](x2, out, stored, flag, rows, k, qmax, SCALES=scales, HALF=half, BLOCK_R=_BLOCK_R,
+                            BLOCK_K=_BLOCK_K)
+
+    def scales(self, s: torch.Tensor, stored: torch.Tensor, qmax: int, flag: torch.Tensor) -> torch.Tensor:
+        inv = torch.empty(s.shape[0], dtype=torch.float32, device=s.device)
+        _kernels()["scales"][(_cdiv(s.shape[0], _SCALE_BLOCK),)](
+            s, stored, inv, flag, s.shape[0], float(qmax), HALF=stored.dtype == torch.float16,
+            BLOCK=_SCALE_BLOCK)
+        return inv
 
     stochastic = True
 
@@ -525,12 +187,22 @@ class TritonKernels(Kernels):
 
     def unpack_dequantize(self, packed: torch.Tensor, step: torch.Tensor, by_col: bool, bits: int, mul: int,
                           low: int) -> torch.Tensor:
+        return self._unpack(packed, step, by_col, bits, mul, low, 1, step, scales=False)
+
+    def unpack_scaled(self, packed: torch.Tensor, stored: torch.Tensor, by_col: bool, bits: int, mul: int,
+                      low: int, divisor: int, flag: torch.Tensor) -> torch.Tensor:
+        return self._unpack(packed, stored, by_col, bits, mul, low, divisor, flag, scales=True)
+
+    @staticmethod
+    def _unpack(packed: torch.Tensor, step: torch.Tensor, by_col: bool, bits: int, mul: int, low: int,
+                divisor: int, flag: torch.Tensor, *, scales: bool) -> torch.Tensor:
         rows = packed.shape[0]
         k = packed.shape[1] * 8 // bits
         out = torch.empty(rows, k, dtype=torch.float32, device=packed.device)
         grid = (_cdiv(rows, _BLOCK_R), _cdiv(k // 8, _BLOCK_G))
-        _kernels()["unpack_dequant"][grid](packed, step, out, rows, k, float(mul), float(low), BY_COL=by_col,
-                                           BITS=bits, BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
+        _kernels()["unpack_dequant"][grid](packed, step, out, flag, rows, k, float(mul), float(low),
+                                           float(divisor), BY_COL=by_col, BITS=bits, SCALES=scales,
+                                           BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
         return out
 
     def fwht(self, x2: torch.Tensor, signs: torch.Tensor, c: float, inverse: bool) -> torch.Tensor:

@@ -1,0 +1,466 @@
+"""The Triton kernels of :mod:`aqsgd.compress.kernels.triton`, in a module of their own that imports Triton at
+its top: it is imported at the kernels' first use, so that importing aqsgd does not import Triton (a second),
+and so that ``TRITON_INTERPRET`` set before that use takes effect. Kernels defined inside a function would see
+``triton.language`` as a closure variable, which Triton 3.2 (PyTorch 2.6's) does not resolve when it compiles
+for a GPU: they would run under the interpreter and fail on the device.
+
+No ``from __future__ import annotations`` here: Triton reads each ``tl.constexpr`` annotation as an object.
+What each kernel computes, and why its bytes equal the other backends', is said in
+:mod:`aqsgd.compress.kernels.triton`.
+"""
+
+import triton
+import triton.language as tl
+
+# The stored scale of each group from its scale ``s`` (fp32, >= 0 or NaN): rounded up to fp16 (clamped to
+# 65504; ``HALF``) or kept as fp32, into ``stored_ptr``; ``qmax / (2 * stored)`` (0 for a zero scale) into
+# ``inv_ptr``; the flag at ``flag_ptr`` raised where a scale is NaN or Inf. The same operations in the
+# same order as ``QuantCodec._scale_steps`` (``store_scales``, then ``reciprocal(2 * sf) * qmax``, each
+# correctly rounded), so the same bits. Written out in each kernel that ends with it: a helper would be a
+# closure here, which not every Triton version compiles.
+@triton.jit
+def scales(s_ptr, stored_ptr, inv_ptr, flag_ptr, G, qmax, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    gmask = g < G
+    s = tl.load(s_ptr + g, mask=gmask, other=0.0)
+    tl.atomic_max(flag_ptr, tl.max(((s != s) | (s == float("inf"))).to(tl.int32), axis=0))
+    if HALF:
+        c = tl.where(s > 65504.0, 65504.0, s)
+        h = c.to(tl.float16)
+        h = tl.where(h.to(tl.float32) < c, (h.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True),
+                     h)
+        tl.store(stored_ptr + g, h, mask=gmask)
+        sf = h.to(tl.float32)
+    else:
+        tl.store(stored_ptr + g, s, mask=gmask)
+        sf = s
+    tl.store(inv_ptr + g, tl.where(sf > 0, tl.math.div_rn(1.0, 2.0 * sf) * qmax, 0.0), mask=gmask)
+
+@triton.jit
+def rowmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexpr, HALF: tl.constexpr,
+           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each row's max |x| into ``out_ptr``; with ``SCALES``, its stored scale and ``inv`` instead (see
+    ``scales``: ``out_ptr`` takes ``inv``)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    best = tl.zeros([BLOCK_R], dtype=tl.float32)
+    nans = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        m = rmask[:, None] & (cols < K)[None, :]
+        x = tl.abs(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0))
+        nans += tl.sum((x != x).to(tl.int32), axis=1)
+        best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=1))
+    best = tl.where(nans > 0, float("nan"), best)
+    if SCALES:
+        tl.atomic_max(flag_ptr, tl.max(((best != best) | (best == float("inf"))).to(tl.int32), axis=0))
+        if HALF:
+            c = tl.where(best > 65504.0, 65504.0, best)
+            h = c.to(tl.float16)
+            h = tl.where(h.to(tl.float32) < c,
+                         (h.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), h)
+            tl.store(stored_ptr + rows, h, mask=rmask)
+            sf = h.to(tl.float32)
+        else:
+            tl.store(stored_ptr + rows, best, mask=rmask)
+            sf = best
+        tl.store(out_ptr + rows, tl.where(sf > 0, tl.math.div_rn(1.0, 2.0 * sf) * qmax, 0.0), mask=rmask)
+    else:
+        tl.store(out_ptr + rows, best, mask=rmask)
+
+@triton.jit
+def colmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexpr, HALF: tl.constexpr,
+           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each column's max |x| (or, with ``SCALES``, its stored scale and ``inv``: see ``rowmax``)."""
+    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cmask = cols < K
+    best = tl.zeros([BLOCK_K], dtype=tl.float32)
+    nans = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for start in range(0, R, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        m = (rows < R)[:, None] & cmask[None, :]
+        x = tl.abs(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0))
+        nans += tl.sum((x != x).to(tl.int32), axis=0)
+        best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=0))
+    best = tl.where(nans > 0, float("nan"), best)
+    if SCALES:
+        tl.atomic_max(flag_ptr, tl.max(((best != best) | (best == float("inf"))).to(tl.int32), axis=0))
+        if HALF:
+            c = tl.where(best > 65504.0, 65504.0, best)
+            h = c.to(tl.float16)
+            h = tl.where(h.to(tl.float32) < c,
+                         (h.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), h)
+            tl.store(stored_ptr + cols, h, mask=cmask)
+            sf = h.to(tl.float32)
+        else:
+            tl.store(stored_ptr + cols, best, mask=cmask)
+            sf = best
+        tl.store(out_ptr + cols, tl.where(sf > 0, tl.math.div_rn(1.0, 2.0 * sf) * qmax, 0.0), mask=cmask)
+    else:
+        tl.store(out_ptr + cols, best, mask=cmask)
+
+@triton.jit
+def quant_pack(x_ptr, inv_ptr, noise_ptr, out_ptr, R, K, offset, qmax, BY_COL: tl.constexpr,
+               BITS: tl.constexpr, NOISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    lane = tl.arange(0, 8)
+    cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
+    rmask = rows < R
+    cmask = cols < K
+    m = rmask[:, None, None] & cmask[None, :, :]
+    x = tl.load(x_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
+    if BY_COL:
+        inv = tl.load(inv_ptr + cols, mask=cmask, other=0.0)[None, :, :]
+    else:
+        inv = tl.load(inv_ptr + rows, mask=rmask, other=0.0)[:, None, None]
+    t = tl.fma(x, inv, offset)
+    if NOISE:  # stochastic rounding: the general path's uniform draw, added after the fma's rounding
+        t = t + tl.load(noise_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
+    t = tl.minimum(tl.maximum(t, 0.0), qmax)
+    code = t.to(tl.int32).to(tl.int64)
+    word = tl.sum(code << (lane[None, None, :].to(tl.int64) * BITS), axis=2)  # [R, G]: disjoint bits
+    nb = K * BITS // 8
+    gm = rmask[:, None] & (groups < K // 8)[None, :]
+    for b in tl.static_range(BITS):
+        tl.store(out_ptr + rows[:, None] * nb + groups[None, :] * BITS + b,
+                 ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
+
+@triton.jit
+def unpack_dequant(p_ptr, step_ptr, out_ptr, flag_ptr, R, K, mul, low, divisor, BY_COL: tl.constexpr,
+                   BITS: tl.constexpr, SCALES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    """``(code * mul - low) * step`` of each code. With ``SCALES``, ``step_ptr`` holds the stored scales
+    (fp16 or fp32) and the step is ``scale / divisor`` correctly rounded (what ``divided`` computes); the
+    flag at ``flag_ptr`` is raised where a scale is not finite or is negative."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    rmask = rows < R
+    gm = rmask[:, None] & (groups < K // 8)[None, :]
+    nb = K * BITS // 8
+    word = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.int64)
+    for b in tl.static_range(BITS):
+        byte = tl.load(p_ptr + rows[:, None] * nb + groups[None, :] * BITS + b, mask=gm, other=0)
+        word |= byte.to(tl.int64) << (8 * b)
+    lane = tl.arange(0, 8)
+    code = (word[:, :, None] >> (lane[None, None, :].to(tl.int64) * BITS)) & ((1 << BITS) - 1)
+    cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
+    m = rmask[:, None, None] & (cols < K)[None, :, :]
+    if BY_COL:
+        step = tl.load(step_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :, :]
+    else:
+        step = tl.load(step_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None, None]
+    if SCALES:
+        bad = (step != step) | (step == float("inf")) | (step < 0)
+        tl.atomic_max(flag_ptr, tl.max(tl.max(tl.max(bad.to(tl.int32), axis=2), axis=1), axis=0))
+        step = tl.math.div_rn(step, divisor)
+    level = code.to(tl.float32) * mul - low  # a small integer: exact
+    tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], level * step, mask=m)
+
+# -- AQ-SGD against a cache's rows: row r of x2 is segment r % rpb of sample r // rpb, whose cache row is
+# st[ids[r // rpb]] (n = rpb * K values, in the storage's dtype)
+@triton.jit
+def delta_rowmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    best = tl.zeros([BLOCK_R], dtype=tl.float32)
+    nans = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        m = rmask[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
+        where = ((tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K)[:, None]
+        c = tl.load(st_ptr + where + cols[None, :], mask=m, other=0)
+        c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+        d = tl.abs(x - c)
+        nans += tl.sum((d != d).to(tl.int32), axis=1)
+        best = tl.maximum(best, tl.max(tl.where(d != d, 0.0, d), axis=1))
+    tl.store(out_ptr + rows, tl.where(nans > 0, float("nan"), best), mask=rmask)
+
+@triton.jit
+def delta_colmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cmask = cols < K
+    best = tl.zeros([BLOCK_K], dtype=tl.float32)
+    nans = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for start in range(0, R, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        rmask = rows < R
+        m = rmask[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
+        where = ((tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K)[:, None]
+        c = tl.load(st_ptr + where + cols[None, :], mask=m, other=0)
+        c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+        d = tl.abs(x - c)
+        nans += tl.sum((d != d).to(tl.int32), axis=0)
+        best = tl.maximum(best, tl.max(tl.where(d != d, 0.0, d), axis=0))
+    tl.store(out_ptr + cols, tl.where(nans > 0, float("nan"), best), mask=cmask)
+
+@triton.jit
+def delta_into(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask = rows < R
+    m = rmask[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
+    where = ((tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K)[:, None]
+    c = tl.load(st_ptr + where + cols[None, :], mask=m, other=0)
+    c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], x - c, mask=m)
+
+@triton.jit
+def delta_quant_update(x_ptr, st_ptr, ids_ptr, inv_ptr, step_ptr, out_ptr, R, K, rpb, offset, qmax, mul,
+                       low, BY_COL: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    lane = tl.arange(0, 8)
+    cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
+    rmask = rows < R
+    cmask = cols < K
+    m = rmask[:, None, None] & cmask[None, :, :]
+    x = tl.load(x_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
+    first = (tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K
+    where = first[:, None, None] + cols[None, :, :]
+    c = tl.load(st_ptr + where, mask=m, other=0)
+    c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+    if BY_COL:
+        inv = tl.load(inv_ptr + cols, mask=cmask, other=0.0)[None, :, :]
+        step = tl.load(step_ptr + cols, mask=cmask, other=0.0)[None, :, :]
+    else:
+        inv = tl.load(inv_ptr + rows, mask=rmask, other=0.0)[:, None, None]
+        step = tl.load(step_ptr + rows, mask=rmask, other=0.0)[:, None, None]
+    t = tl.minimum(tl.maximum(tl.fma(x - c, inv, offset), 0.0), qmax)
+    code = t.to(tl.int32)
+    # the row as put(m + decode(...)) leaves it: one rounding for the level times the step, one for the
+    # sum and one into the storage format
+    new = c + (code.to(tl.float32) * mul - low) * step
+    if BF16:  # to nearest even, as PyTorch rounds to bf16 (NaN to its canonical 0x7FC0)
+        u = new.to(tl.int32, bitcast=True)
+        b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+        tl.store(st_ptr + where, tl.where(new != new, 0x7FC0, b).to(tl.int16), mask=m)
+    else:
+        tl.store(st_ptr + where, new.to(st_ptr.dtype.element_ty), mask=m)
+    word = tl.sum(code.to(tl.int64) << (lane[None, None, :].to(tl.int64) * BITS), axis=2)
+    nb = K * BITS // 8
+    gm = rmask[:, None] & (groups < K // 8)[None, :]
+    for b in tl.static_range(BITS):
+        tl.store(out_ptr + rows[:, None] * nb + groups[None, :] * BITS + b,
+                 ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
+
+@triton.jit
+def delta_dequant_update(p_ptr, st_ptr, ids_ptr, step_ptr, out_ptr, R, K, rpb, mul, low,
+                         BY_COL: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    rmask = rows < R
+    gm = rmask[:, None] & (groups < K // 8)[None, :]
+    nb = K * BITS // 8
+    word = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.int64)
+    for b in tl.static_range(BITS):
+        byte = tl.load(p_ptr + rows[:, None] * nb + groups[None, :] * BITS + b, mask=gm, other=0)
+        word |= byte.to(tl.int64) << (8 * b)
+    lane = tl.arange(0, 8)
+    code = (word[:, :, None] >> (lane[None, None, :].to(tl.int64) * BITS)) & ((1 << BITS) - 1)
+    cols = groups[:, None] * 8 + lane[None, :]
+    cmask = cols < K
+    m = rmask[:, None, None] & cmask[None, :, :]
+    if BY_COL:
+        step = tl.load(step_ptr + cols, mask=cmask, other=0.0)[None, :, :]
+    else:
+        step = tl.load(step_ptr + rows, mask=rmask, other=0.0)[:, None, None]
+    first = (tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K
+    where = first[:, None, None] + cols[None, :, :]
+    c = tl.load(st_ptr + where, mask=m, other=0)
+    c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+    new = c + (code.to(tl.float32) * mul - low) * step
+    if BF16:  # to nearest even, as PyTorch rounds to bf16 (NaN to its canonical 0x7FC0)
+        u = new.to(tl.int32, bitcast=True)
+        b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+        b = tl.where(new != new, 0x7FC0, b)
+        tl.store(st_ptr + where, b.to(tl.int16), mask=m)
+        back = (b << 16).to(tl.float32, bitcast=True)
+    else:
+        stored = new.to(st_ptr.dtype.element_ty)
+        tl.store(st_ptr + where, stored, mask=m)
+        back = stored.to(tl.float32)
+    tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], back, mask=m)
+
+# -- Walsh-Hadamard transform of rows of G values (G a power of two), in registers: stage h pairs value j
+# with value j + h of each block of 2h (the butterflies of aqsgd.compress.hadamard, in the same order)
+@triton.jit
+def fwht_rows(x_ptr, s_ptr, out_ptr, c, R, G: tl.constexpr, LOG_G: tl.constexpr, INVERSE: tl.constexpr,
+              BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, G)
+    m = (rows < R)[:, None] & (cols < G)[None, :]
+    y = tl.load(x_ptr + rows[:, None] * G + cols[None, :], mask=m, other=0.0)
+    s = tl.load(s_ptr + cols)[None, :]
+    if not INVERSE:
+        y = y * s
+    for i in tl.static_range(LOG_G):
+        # [R, blocks, 2, h] -> [R, blocks, h, 2]: the pair (j, j + h) on the last axis
+        v = tl.permute(tl.reshape(y, (BLOCK_R, G // (2 << i), 2, 1 << i)), (0, 1, 3, 2))
+        a, b = tl.split(v)
+        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK_R, G))
+    y = y * c
+    if INVERSE:
+        y = y * s
+    tl.store(out_ptr + rows[:, None] * G + cols[None, :], y, mask=m)
+
+# -- TopK: the k-th largest magnitude key of each row by radix selection (three digits of the 31-bit key,
+# each a histogram over the row's keys that share the digits found so far), then the exact selection
+@triton.jit
+def topk_hist(x_ptr, state_ptr, hist_ptr, n, chunk, SHIFT: tl.constexpr, NB: tl.constexpr,
+              HIGH: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    start = tl.program_id(1) * chunk
+    base = x_ptr + row.to(tl.int64) * n
+    prefix = tl.load(state_ptr + row * 2) & HIGH  # the digits found so far (none in the first pass)
+    acc = tl.zeros([NB], dtype=tl.int32)
+    bins = tl.arange(0, NB)
+    for off in range(0, chunk, BLOCK):
+        at = start + off + tl.arange(0, BLOCK)
+        m = (at < n) & (off + tl.arange(0, BLOCK) < chunk)
+        key = tl.load(base + at, mask=m, other=0) & 0x7FFFFFFF
+        match = m & ((key & HIGH) == prefix)
+        digit = tl.where(match, (key >> SHIFT) & (NB - 1), 0)
+        # the keys that do not match were counted in bin 0: take them out again
+        acc += tl.histogram(digit, NB) - tl.where(bins == 0, BLOCK - tl.sum(match.to(tl.int32)), 0)
+    tl.atomic_add(hist_ptr + row * NB + bins, acc)
+
+@triton.jit
+def topk_pick(hist_ptr, state_ptr, k, SHIFT: tl.constexpr, NB: tl.constexpr, FIRST: tl.constexpr):
+    row = tl.program_id(0)
+    bins = tl.arange(0, NB)
+    h = tl.load(hist_ptr + row * NB + bins)
+    if FIRST:
+        prefix = 0
+        need = k
+    else:
+        prefix = tl.load(state_ptr + row * 2)
+        need = tl.load(state_ptr + row * 2 + 1)
+    above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # keys in the bins above each bin
+    hit = (above < need) & (above + h >= need)  # the bin of the need-th largest key
+    digit = tl.sum(tl.where(hit, bins, 0), axis=0)
+    tl.store(state_ptr + row * 2, prefix | (digit << SHIFT))
+    tl.store(state_ptr + row * 2 + 1, need - tl.sum(tl.where(hit, above, 0), axis=0))
+
+@triton.jit
+def topk_count(x_ptr, state_ptr, counts_ptr, n, chunk, nchunk, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    start = c * chunk
+    base = x_ptr + row.to(tl.int64) * n
+    kth = tl.load(state_ptr + row * 2)
+    gt = 0
+    eq = 0
+    for off in range(0, chunk, BLOCK):
+        at = start + off + tl.arange(0, BLOCK)
+        m = (at < n) & (off + tl.arange(0, BLOCK) < chunk)
+        key = tl.load(base + at, mask=m, other=0) & 0x7FFFFFFF
+        gt += tl.sum((m & (key > kth)).to(tl.int32), axis=0)
+        eq += tl.sum((m & (key == kth)).to(tl.int32), axis=0)
+    tl.store(counts_ptr + (row * nchunk + c) * 2, gt)
+    tl.store(counts_ptr + (row * nchunk + c) * 2 + 1, eq)
+
+@triton.jit
+def topk_write(x_ptr, state_ptr, counts_ptr, idx_ptr, vals_ptr, ib_ptr, bad_ptr, n, k, chunk, nchunk,
+               PACK: tl.constexpr, FMT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+               CBLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    start = c * chunk
+    base = x_ptr + row.to(tl.int64) * n
+    kth = tl.load(state_ptr + row * 2)
+    ties = tl.load(state_ptr + row * 2 + 1)  # how many keys equal to the k-th are kept: the first ones
+    gt = 0
+    eq = 0
+    for c0 in range(0, c, CBLOCK):  # the chunks before this one
+        cc = c0 + tl.arange(0, CBLOCK)
+        cm = cc < c
+        gt += tl.sum(tl.load(counts_ptr + (row * nchunk + cc) * 2, mask=cm, other=0), axis=0)
+        eq += tl.sum(tl.load(counts_ptr + (row * nchunk + cc) * 2 + 1, mask=cm, other=0), axis=0)
+    slot = gt + tl.minimum(eq, ties)  # kept values before this chunk
+    worst = 0
+    for off in range(0, chunk, BLOCK):
+        lanes = tl.arange(0, BLOCK)
+        at = start + off + lanes
+        m = (at < n) & (off + lanes < chunk)
+        bits = tl.load(base + at, mask=m, other=0)
+        key = bits & 0x7FFFFFFF
+        same = m & (key == kth)
+        rank = eq + tl.cumsum(same.to(tl.int32), axis=0) - 1  # among the row's keys equal to the k-th
+        take = (m & (key > kth)) | (same & (rank < ties))
+        where = slot + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        take = take & (where < k)  # never past the row's k slots, whatever the counts say
+        out = row.to(tl.int64) * k + where
+        if PACK:  # the kept values cast to the wire format, then the positions' low WIDTH bytes
+            v = bits.to(tl.float32, bitcast=True)
+            if FMT == 0:
+                tl.store(vals_ptr + out, v, mask=take)
+                back = bits
+            elif FMT == 1:
+                h = v.to(tl.float16)
+                tl.store(vals_ptr + out, h.to(tl.int16, bitcast=True), mask=take)
+                back = h.to(tl.float32).to(tl.int32, bitcast=True)
+            else:  # bf16, to nearest even as PyTorch rounds (NaN to its canonical 0x7FC0)
+                b = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+                b = tl.where(v != v, 0x7FC0, b)
+                tl.store(vals_ptr + out, b.to(tl.int16), mask=take)
+                back = b << 16
+            # a kept value, or its cast, is Inf or NaN: the magnitude's bits at or above Inf's
+            worst = tl.maximum(worst, tl.max(tl.where(take, back & 0x7FFFFFFF, 0), axis=0))
+            pos = at.to(tl.int64)
+            for b in tl.static_range(WIDTH):
+                tl.store(ib_ptr + out * WIDTH + b, ((pos >> (8 * b)) & 0xFF).to(tl.uint8), mask=take)
+        else:
+            tl.store(idx_ptr + out, at.to(tl.int64), mask=take)
+        slot += tl.sum(take.to(tl.int32), axis=0)
+        eq += tl.sum(same.to(tl.int32), axis=0)
+    if PACK:
+        tl.atomic_max(bad_ptr, (worst >= 0x7F800000).to(tl.int32))
+
+# -- outlier rows (aqsgd.compress.wrappers.OutlierCodec)
+@triton.jit
+def row_sumsq(x_ptr, out_ptr, R, D, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    for start in range(0, D, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        m = rmask[:, None] & (cols < D)[None, :]
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=m, other=0.0)
+        x = x.to(tl.float32)
+        acc += x * x
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1), mask=rmask)
+
+@triton.jit
+def split_rows(x_ptr, idx_ptr, rest_ptr, apart_ptr, D, k, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr):
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = cols < D
+    before = 0  # outlier rows above this one
+    hit = 0
+    for i0 in range(0, k, BLOCK_I):
+        ii = i0 + tl.arange(0, BLOCK_I)
+        im = ii < k
+        v = tl.load(idx_ptr + ii, mask=im, other=-1)
+        before += tl.sum((im & (v < r)).to(tl.int32), axis=0)
+        hit += tl.sum((im & (v == r)).to(tl.int32), axis=0)
+    x = tl.load(x_ptr + r.to(tl.int64) * D + cols, mask=cm, other=0.0)
+    hits = tl.zeros([BLOCK_D], dtype=tl.int32) + hit  # > 0: this row goes apart
+    tl.store(rest_ptr + (r - before).to(tl.int64) * D + cols, x, mask=cm & (hits == 0))
+    u = x.to(tl.float32).to(tl.int32, bitcast=True)  # bf16 to nearest even, as PyTorch rounds
+    b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    b = tl.where(x != x, 0x7FC0, b)
+    tl.store(apart_ptr + before.to(tl.int64) * D + cols, b.to(tl.int16), mask=cm & (hits > 0))
+
+
+KERNELS = {k.__name__: k for k in (
+    scales, rowmax, colmax, quant_pack, unpack_dequant, row_sumsq, split_rows, delta_rowmax, delta_colmax,
+    delta_into, delta_quant_update, delta_dequant_update, fwht_rows, topk_hist, topk_pick, topk_count,
+    topk_write)}

@@ -1,0 +1,95 @@
+"""Every Triton kernel compiled for an H100 (``sm_90``) on this machine, no GPU needed: Triton's compiler and
+its ``ptxas`` run on the CPU. The interpreter runs the kernels' Python, not their compilation, so a kernel it
+accepts may still fail to compile for a device (Triton 3.2 did not resolve ``tl`` in kernels defined inside
+a function). Run in a process of its own without ``TRITON_INTERPRET`` (``test_triton_kernels.py``). Checked in
+the PTX as well: the quantizer's one rounding (``fma.rn``), the scales' correctly rounded divisions
+(``div.rn``), and no contraction elsewhere (the cache update rounds twice, as the CPU does)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    pytest.skip("compiles for a device: run without TRITON_INTERPRET", allow_module_level=True)
+
+from aqsgd.compress.kernels._triton_jit import KERNELS  # noqa: E402
+
+F32, F16, U8, I32, I64 = "*fp32", "*fp16", "*u8", "*i32", "*i64"
+MAX = {"x_ptr": F32, "out_ptr": F32, "stored_ptr": F16, "flag_ptr": I32, "R": "i32", "K": "i32",
+       "qmax": "fp32"}
+DELTA = {"x_ptr": F32, "st_ptr": F16, "ids_ptr": I64, "out_ptr": F32, "R": "i32", "K": "i32", "rpb": "i32"}
+# (kernel, argument types, constexprs): every kernel, the variants the library launches where they differ
+CASES = [
+    ("scales", {"s_ptr": F32, "stored_ptr": F16, "inv_ptr": F32, "flag_ptr": I32, "G": "i32", "qmax": "fp32"},
+     {"HALF": True, "BLOCK": 1024}),
+    ("scales", {"s_ptr": F32, "stored_ptr": F32, "inv_ptr": F32, "flag_ptr": I32, "G": "i32", "qmax": "fp32"},
+     {"HALF": False, "BLOCK": 1024}),
+    ("rowmax", MAX, {"SCALES": True, "HALF": True, "BLOCK_R": 16, "BLOCK_K": 128}),
+    ("colmax", MAX, {"SCALES": True, "HALF": True, "BLOCK_R": 16, "BLOCK_K": 128}),
+    ("colmax", {**MAX, "stored_ptr": F32}, {"SCALES": False, "HALF": False, "BLOCK_R": 16, "BLOCK_K": 128}),
+    ("quant_pack", {"x_ptr": F32, "inv_ptr": F32, "noise_ptr": F32, "out_ptr": U8, "R": "i32", "K": "i32",
+                    "offset": "fp32", "qmax": "fp32"},
+     {"BY_COL": True, "BITS": 3, "NOISE": False, "BLOCK_R": 16, "BLOCK_G": 16}),
+    ("unpack_dequant", {"p_ptr": U8, "step_ptr": F16, "out_ptr": F32, "flag_ptr": I32, "R": "i32", "K": "i32",
+                        "mul": "fp32", "low": "fp32", "divisor": "fp32"},
+     {"BY_COL": False, "BITS": 4, "SCALES": True, "BLOCK_R": 16, "BLOCK_G": 16}),
+    ("delta_rowmax", DELTA, {"BF16": False, "BLOCK_R": 16, "BLOCK_K": 128}),
+    ("delta_colmax", {**DELTA, "st_ptr": "*i16"}, {"BF16": True, "BLOCK_R": 16, "BLOCK_K": 128}),
+    ("delta_into", DELTA, {"BF16": False, "BLOCK_R": 16, "BLOCK_K": 128}),
+    ("delta_quant_update", {"x_ptr": F32, "st_ptr": F32, "ids_ptr": I64, "inv_ptr": F32, "step_ptr": F32,
+                            "out_ptr": U8, "R": "i32", "K": "i32", "rpb": "i32", "offset": "fp32",
+                            "qmax": "fp32", "mul": "fp32", "low": "fp32"},
+     {"BY_COL": True, "BITS": 2, "BF16": False, "BLOCK_R": 16, "BLOCK_G": 16}),
+    ("delta_dequant_update", {"p_ptr": U8, "st_ptr": F32, "ids_ptr": I64, "step_ptr": F32, "out_ptr": F32,
+                              "R": "i32", "K": "i32", "rpb": "i32", "mul": "fp32", "low": "fp32"},
+     {"BY_COL": False, "BITS": 4, "BF16": False, "BLOCK_R": 16, "BLOCK_G": 16}),
+    ("fwht_rows", {"x_ptr": F32, "s_ptr": F32, "out_ptr": F32, "c": "fp32", "R": "i32"},
+     {"G": 64, "LOG_G": 6, "INVERSE": False, "BLOCK_R": 64}),
+    ("topk_hist", {"x_ptr": I32, "state_ptr": I32, "hist_ptr": I32, "n": "i32", "chunk": "i32"},
+     {"SHIFT": 20, "NB": 2048, "HIGH": 0, "BLOCK": 1024}),
+    ("topk_pick", {"hist_ptr": I32, "state_ptr": I32, "k": "i32"}, {"SHIFT": 20, "NB": 2048, "FIRST": True}),
+    ("topk_count", {"x_ptr": I32, "state_ptr": I32, "counts_ptr": I32, "n": "i32", "chunk": "i32",
+                    "nchunk": "i32"}, {"BLOCK": 1024}),
+    ("topk_write", {"x_ptr": I32, "state_ptr": I32, "counts_ptr": I32, "idx_ptr": I64, "vals_ptr": F16,
+                    "ib_ptr": U8, "bad_ptr": I32, "n": "i32", "k": "i32", "chunk": "i32", "nchunk": "i32"},
+     {"PACK": True, "FMT": 1, "WIDTH": 2, "BLOCK": 1024, "CBLOCK": 128}),
+    ("row_sumsq", {"x_ptr": F32, "out_ptr": F32, "R": "i32", "D": "i32"}, {"BLOCK_R": 16, "BLOCK_K": 128}),
+    ("split_rows", {"x_ptr": F32, "idx_ptr": I64, "rest_ptr": F32, "apart_ptr": "*i16", "D": "i32",
+                    "k": "i32"}, {"BLOCK_D": 128, "BLOCK_I": 16}),
+]
+
+
+def _ptx(name: str, types: dict, consts: dict) -> str:
+    kernel = KERNELS[name]
+    assert set(inspect.signature(kernel.fn).parameters) == set(types) | set(consts), name  # table up to date
+    signature = {**types, **{k: "constexpr" for k in consts}}
+    if "constexprs" in inspect.signature(ASTSource.__init__).parameters:  # Triton >= 3.3
+        source = ASTSource(fn=kernel, signature=signature, constexprs=consts)
+    else:
+        source = ASTSource(fn=kernel, signature=signature, constants=consts)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+    return compiled.asm["ptx"]
+
+
+def test_the_table_names_every_kernel():
+    assert {name for name, _, _ in CASES} == set(KERNELS)
+
+
+@pytest.mark.parametrize("name, types, consts", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_the_kernel_compiles_for_sm90(name, types, consts):
+    ptx = _ptx(name, types, consts)
+    assert ".target sm_90" in ptx
+    if name in ("quant_pack", "delta_quant_update"):
+        assert "fma.rn.f32" in ptx  # tl.fma: one rounding, as the CPU's addcmul
+    if name == "delta_dequant_update":  # m + level * step rounds twice, as the CPU's add of the decode
+        assert "fma" not in ptx and ("mul.rn.f32" in ptx or "mul.f32" in ptx)
+    if name == "scales" or (name in ("rowmax", "colmax") and consts["SCALES"]) or name == "unpack_dequant":
+        assert "div.rn" in ptx  # correctly rounded, as PyTorch divides
