@@ -405,3 +405,52 @@ def test_no_host_synchronisation_inside_quantize_groups_on_cuda(n):
     assert isinstance(pending.failure(), NonFiniteError)
     ref = quantize_groups(rows.cpu(), 4)
     assert torch.equal(scales.cpu(), ref[1])
+
+
+def _aqsgd_boundary(spec, storage, device):
+    from aqsgd.schemes import Side
+    from aqsgd.schemes.cache.memory import MemoryCache
+    from aqsgd.schemes.delta import DeltaScheme
+
+    return [DeltaScheme(spec, side, cache=MemoryCache(16, storage_dtype=storage, device=device), seed=3,
+                        device=device) for side in (Side.SENDER, Side.RECEIVER)]
+
+
+def _crossing(snd, rcv, x, ids):
+    """One training micro-batch across the boundary, the receiver's checks collected as the runner does."""
+    packets = snd.send(x, ids, phase="train")
+    with collecting_pending_checks() as pending:
+        out = rcv.recv(packets, ids, phase="train")
+    return packets, out, pending
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16], ids=["fp32-rows", "fp16-rows"])
+@pytest.mark.parametrize("spec", ["q4", "q2:l2"])
+def test_an_aqsgd_boundary_crosses_without_waiting_for_the_device(device, spec, storage):
+    """Sender and receiver of an AQ-SGD boundary on ``device`` with sample ids from the CPU (as the data
+    loader gives them): a micro-batch of new and seen rows, then one of seen rows only. On a GPU neither side
+    waits for the device (the ids go over through pinned memory; the checks are device flags); everywhere the
+    two caches end equal and the output is what the CPU computes."""
+    dev = device  # the suite's device fixture: cpu, and cuda where there is one
+    snd, rcv = _aqsgd_boundary(spec, storage, dev)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 8, 64, generator=g).to(dev) for _ in range(4)]
+    batches = [torch.tensor([0, 1, 2, 3]), torch.tensor([2, 3, 4, 5]), torch.tensor([6, 7, 0, 1]),
+               torch.tensor([0, 1, 2, 3])]
+    for x, ids in zip(xs[:2], batches[:2]):  # warm: first visits, then new and seen (kernels compile)
+        _crossing(snd, rcv, x, ids)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        crossed = [_crossing(snd, rcv, x, ids) for x, ids in zip(xs[2:], batches[2:])]
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    assert all(p.refusal() is None for packets, _, _ in crossed for p in packets)
+    assert all(pending.failure() is None for _, _, pending in crossed)
+    assert torch.equal(snd.cache._rows, rcv.cache._rows)
+    cpu_snd, cpu_rcv = _aqsgd_boundary(spec, storage, torch.device("cpu"))
+    for x, ids in zip(xs, batches):
+        _, want, _ = _crossing(cpu_snd, cpu_rcv, x.cpu(), ids)
+    assert torch.equal(crossed[-1][1].cpu(), want)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from aqsgd.compress import Codec, Packet
+from aqsgd.compress.kernels import index_on
 from aqsgd.errors import PacketMismatchError
 from aqsgd.schemes.base import BoundaryScheme, Kind, Phase, Side
 from aqsgd.schemes.cache import ActivationCache
@@ -60,12 +61,12 @@ class DeltaScheme(BoundaryScheme):
         if seen.numel():
             whole = seen.numel() == ids.numel()
             sid = ids if whole else ids[seen]
-            xs = x if whole else x[seen.to(x.device)]
+            xs = x if whole else x[index_on(seen, x.device)]
             packet = self._send_delta(xs, sid)
             packets.append(self._tagged(packet, 0, Kind.DELTA))
         if new.numel():
             whole = new.numel() == ids.numel()
-            rows = x if whole else x[new.to(x.device)]
+            rows = x if whole else x[index_on(new, x.device)]
             self.cache.put(ids if whole else ids[new], rows)
             packets.append(self._tagged(self.raw.encode(rows), 0, Kind.RAW))
         return packets
@@ -99,7 +100,7 @@ class DeltaScheme(BoundaryScheme):
             return first.to(self.cache.dtype)
         out = torch.empty((ids.numel(), *first.shape[1:]), dtype=self.cache.dtype, device=first.device)
         for idx, rows in parts:
-            out[idx.to(out.device)] = rows.to(out.dtype)
+            out[index_on(idx, out.device)] = rows.to(out.dtype)
         return out
 
     def _send_delta(self, x: torch.Tensor, ids: torch.Tensor) -> Packet:

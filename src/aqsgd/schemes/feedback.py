@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from aqsgd.compress import Codec, Packet
+from aqsgd.compress.kernels import index_on
 from aqsgd.errors import SchemeError
 from aqsgd.schemes.base import BoundaryScheme, Kind, Phase, Side, _load_tensors
 from aqsgd.schemes.cache import ActivationCache
@@ -93,7 +94,7 @@ class SampleState:
         seen = self.cache.visited(ids).to("cpu")
         if bool(seen.any()):
             idx = seen.nonzero().squeeze(1)
-            out[idx.to(out.device)] = self.cache.get(ids[idx]).to(out.device)
+            out[index_on(idx, out.device)] = self.cache.get(ids[idx]).to(out.device)
         return out
 
     def write(self, ids: torch.Tensor | None, slot: int, values: torch.Tensor) -> torch.Tensor:

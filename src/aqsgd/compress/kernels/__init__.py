@@ -82,10 +82,10 @@ from collections.abc import Iterator
 
 import torch
 
-from aqsgd.compress.kernels.base import BACKENDS, STORE_FORMATS, Kernels, RowStore, plan
+from aqsgd.compress.kernels.base import BACKENDS, STORE_FORMATS, Kernels, RowStore, index_on, plan
 
 __all__ = ["BACKENDS", "Kernels", "RowStore", "available", "defaulting_to", "for_device", "for_tensor",
-           "plan", "STORE_FORMATS"]
+           "index_on", "plan", "STORE_FORMATS"]
 
 _DEFAULTS: dict[str, tuple[str, ...]] = {"cpu": ("numba", "eager"), "cuda": ("triton", "eager")}
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKENDS", "Kernels", "RowStore", "STORE_FORMATS", "plan"]
+__all__ = ["BACKENDS", "Kernels", "RowStore", "STORE_FORMATS", "index_on", "plan"]
 
 BACKENDS = ("eager", "numba", "triton")
 STORE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # a cache row's storage format
@@ -32,6 +32,18 @@ def plan(shape: Sequence[int], granularity: str, block: int) -> tuple[int, int, 
     if cols % 8:
         return None
     return numel // cols, cols, granularity == "channel"
+
+
+def index_on(index: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """An index tensor (sample ids, row positions) on ``device``, as int64. From the CPU to a GPU the copy
+    goes through pinned memory without blocking: a plain ``.to(device)`` from pageable memory waits for the
+    GPU's queue to drain first (CUDA synchronises the stream before such a copy), once per micro-batch and
+    boundary side. PyTorch's pinned-memory cache keeps the host block until the copy has run."""
+    device = torch.device(device)
+    index = index.to(torch.int64)
+    if index.device == device or device.type != "cuda" or index.device.type != "cpu":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +76,7 @@ class RowStore:
         if fmt is None or not storage.is_contiguous():
             return None
         flat = storage.detach().view(storage.shape[0], -1)
-        return cls(flat, ids.to(device=storage.device, dtype=torch.int64).contiguous(), fmt)
+        return cls(flat, index_on(ids, storage.device).contiguous(), fmt)
 
 
 class Kernels:

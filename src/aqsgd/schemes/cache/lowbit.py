@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from aqsgd.compress.base import wrapping_pending_errors
+from aqsgd.compress.kernels import index_on
 from aqsgd.compress.quant import dequantize_groups, quantize_groups
 from aqsgd.errors import CacheError
 from aqsgd.schemes.cache.base import _TENSORS_FILE, ActivationCache, _TensorSpec
@@ -107,7 +108,7 @@ class LowBitCache(ActivationCache):
 
     def _read(self, ids: Tensor) -> Tensor:
         assert self._packed is not None and self._scales is not None
-        idx = ids.to(self.device)
+        idx = index_on(ids, self.device)
         return self._decode(self._packed[idx], self._scales[idx])
 
     def _write(self, ids: Tensor, rows: Tensor) -> Tensor:
@@ -125,7 +126,7 @@ class LowBitCache(ActivationCache):
             raise _cache_error(exc) from None
         packed = packed.reshape(n, self._nblocks, self._block_bytes)
         scales = scales.reshape(n, self._nblocks)
-        idx = ids.to(self.device)
+        idx = index_on(ids, self.device)
         self._packed[idx] = packed
         self._scales[idx] = scales
         return self._decode(packed, scales)

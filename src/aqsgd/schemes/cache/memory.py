@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from aqsgd.compress.kernels import RowStore
+from aqsgd.compress.kernels import RowStore, index_on
 from aqsgd.schemes.cache.base import (
     _DTYPE_NAMES,
     _STORAGE_DTYPES,
@@ -67,12 +67,12 @@ class MemoryCache(ActivationCache):
     # faster on the CPU (ids are validated int64 and unique, so index_copy_ is deterministic)
     def _read(self, ids: Tensor) -> Tensor:
         assert self._rows is not None
-        return torch.index_select(self._rows, 0, ids.to(self.device)).to(self.dtype)
+        return torch.index_select(self._rows, 0, index_on(ids, self.device)).to(self.dtype)
 
     def _write(self, ids: Tensor, rows: Tensor) -> Tensor:
         assert self._rows is not None
         stored = rows.to(device=self.device, dtype=self.storage_dtype)
-        self._rows.index_copy_(0, ids.to(self.device), stored)
+        self._rows.index_copy_(0, index_on(ids, self.device), stored)
         return stored.to(self.dtype)
 
     def row_store(self, ids: Tensor) -> RowStore | None:
