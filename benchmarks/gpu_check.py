@@ -250,7 +250,7 @@ def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool =
 
     if wanted("codecs"):
         shape = ["--shape", "4,16,64", "--repeats", "2", "--codecs", "q2", "fp16"] if smoke else []
-        r = check.step("codecs", 75, [*aq, "bench", "codecs", "--device", device, *shape, "--json",
+        r = check.step("codecs", 100, [*aq, "bench", "codecs", "--device", device, *shape, "--json",
                                       str(out / "codecs.json")])
         r["figures"] = _codec_figures(out / "codecs.json")
     if wanted("no-sync"):
@@ -335,7 +335,8 @@ def _codec_figures(path: Path) -> dict:
         rows = json.loads(path.read_text())["rows"]
     except (OSError, ValueError, KeyError):
         return {}
-    keep = ("codec", "encode_vs_clone", "decode_vs_clone", "ratio")
+    keep = ("codec", "encode_vs_clone", "decode_vs_clone", "eager_encode_gbps", "encode_gbps",
+            "encode_kernels", "encode_kernel_us", "decode_kernels", "decode_kernel_us", "ratio")
     return {"rows": [{k: r.get(k) for k in keep if k in r} for r in rows]}
 
 

@@ -15,16 +15,21 @@ def _fmt(v, spec=".2f"):
 
 def codecs(d: dict) -> list[str]:
     eager = any(r.get("eager_encode_gbps") is not None for r in d["rows"])
+    profiled = any(r.get("encode_kernels") is not None for r in d["rows"])
     extra = " eager encode GB/s | eager decode GB/s | fused gain enc / dec |" if eager else ""
+    extra += " device ops enc / dec | device µs enc / dec |" if profiled else ""
     out = ["| codec | encode GB/s | decode GB/s | clone GB/s | encode / clone | decode / clone |" + extra
            + " wire bytes | ratio |", "|---|---|---|---|---|---|" + ("---|---|---|" if eager else "")
-           + "---|---|"]
+           + ("---|---|" if profiled else "") + "---|---|"]
     for r in d["rows"]:
         cells = ""
         if eager:
             cells = (f" {r['eager_encode_gbps']:.2f} | {r['eager_decode_gbps']:.2f} | "
                      f"{r['encode_gbps'] / r['eager_encode_gbps']:.1f}x / "
                      f"{r['decode_gbps'] / r['eager_decode_gbps']:.1f}x |")
+        if profiled:
+            cells += (f" {r['encode_kernels']} / {r['decode_kernels']} | "
+                      f"{r['encode_kernel_us']:.0f} / {r['decode_kernel_us']:.0f} |")
         out.append(f"| `{r['codec']}` | {r['encode_gbps']:.2f} | {r['decode_gbps']:.2f} | "
                    f"{r['clone_gbps']:.1f} | {r['encode_vs_clone']:.2f} | "
                    f"{r['decode_vs_clone']:.2f} |{cells} {r['wire_bytes']:,} | {r['ratio']:.1f}x |")

@@ -125,3 +125,15 @@ def test_codec_quality_rows_are_the_docs_rows(capsys):
     assert len(rows) == 15
     for row in rows:
         assert row in doc, row
+
+
+def test_codec_throughput_renders_the_device_operations_when_profiled(tmp_path, capsys):
+    d = _codec_rows(True)
+    d["rows"][0].update(encode_kernels=3, encode_kernel_us=11.4, decode_kernels=1, decode_kernel_us=6.6)
+    path = tmp_path / "codecs-cuda.json"
+    path.write_text(json.dumps(d))
+    assert main([str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, rule, row = lines[1], lines[2], lines[3]
+    assert header.count("|") == rule.count("|") == row.count("|")
+    assert "device ops enc / dec" in header and "| 3 / 1 | 11 / 7 |" in row, row

@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from aqsgd.cli import main
 
 
@@ -64,3 +66,13 @@ def test_hub_warnings_print_once():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("hub-probe") == 1, out.stderr
+
+
+def test_bench_codecs_records_versions_and_profiles_only_on_cuda(tmp_path):
+    path = tmp_path / "codecs.json"
+    assert main(["bench", "codecs", "--codecs", "q4", "--shape", "2,8,16", "--repeats", "1", "--warmup", "1",
+                 "--device", "cpu", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["versions"]["torch"] == torch.__version__
+    (row,) = data["rows"]
+    assert row["encode_kernels"] is None and row["decode_kernel_us"] is None  # the profile is CUDA's

@@ -4,10 +4,15 @@ Throughput is bytes of the fp32 input per second. ``clone`` (a plain copy of the
 the same run, interleaved with the codecs) is the memory-bandwidth reference; ``encode_vs_clone`` is
 ``encode_gbps / clone_gbps``. Medians over repeats after warm-up.
 
-Where the device's kernels are compiled ones (:mod:`aqsgd.compress.kernels`: numba on the CPU), every codec
-is also timed with the ``eager`` backend, in the same interleaved rounds (``eager_encode_gbps``,
-``eager_decode_gbps``), so the kernels' gain is a ratio measured side by side; a codec that never takes a
-kernel shows ~1.0x there.
+Where the device's kernels are compiled ones (:mod:`aqsgd.compress.kernels`: numba on the CPU, Triton on
+CUDA), every codec is also timed with the ``eager`` backend, in the same interleaved rounds
+(``eager_encode_gbps``, ``eager_decode_gbps``), so the kernels' gain is a ratio measured side by side; a codec
+that never takes a kernel shows ~1.0x there.
+
+On CUDA each codec's encode and decode are also profiled once after the timing (``torch.profiler``): how many
+device operations (kernels, copies, fills) one call launches and their summed device time in microseconds
+(``encode_kernels``, ``encode_kernel_us``, ``decode_kernels``, ``decode_kernel_us``). Against the call's wall
+time this says whether the device or the host's launching sets the rate.
 """
 
 from __future__ import annotations
@@ -49,6 +54,23 @@ class CodecRow:
     rel_err: float
     eager_encode_gbps: float | None = None  # the same codec with the fused kernels off (None: they were off)
     eager_decode_gbps: float | None = None
+    encode_kernels: int | None = None  # device operations per call and their device time (CUDA only)
+    encode_kernel_us: float | None = None
+    decode_kernels: int | None = None
+    decode_kernel_us: float | None = None
+
+
+def versions() -> dict[str, str | None]:
+    """torch's, Triton's and numba's versions here (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"torch": torch.__version__}
+    for name in ("triton", "numba"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def machine_description(device: torch.device) -> str:
@@ -71,7 +93,7 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
     """Measure every codec on one activation-like tensor (Gaussian with a few large outlier channels); on a
     CPU with the fused kernels on, each codec with them off too (module docstring)."""
     device = torch.device(device)
-    compare_eager = device.type == "cpu" and kernels.for_device(device).name != "eager"
+    compare_eager = kernels.for_device(device).name != "eager"
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tuple(shape), generator=g, device=device)
     x[..., :: max(1, shape[-1] // 8)] *= 8.0  # a few outlier channels, as transformer activations have
@@ -90,6 +112,8 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             calls["eager_encode"] = lambda: eager.encode(x, generator=g)
             calls["eager_decode"] = lambda: eager.decode(packet)
         t = interleaved_medians(calls, device=device, warmup=warmup, repeats=repeats)
+        enc_ops = device_operations(calls["encode"], device) or (None, None)
+        dec_ops = device_operations(calls["decode"], device) or (None, None)
         y = codec.decode(packet)
         clone = nbytes / t["clone"] / 1e9
         enc, dec = nbytes / t["encode"] / 1e9, nbytes / t["decode"] / 1e9
@@ -101,8 +125,26 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             max_abs_err=float((y - x).abs().max()), rel_err=float((y - x).norm() / x.norm()),
             eager_encode_gbps=nbytes / t["eager_encode"] / 1e9 if compare_eager else None,
             eager_decode_gbps=nbytes / t["eager_decode"] / 1e9 if compare_eager else None,
+            encode_kernels=enc_ops[0], encode_kernel_us=enc_ops[1],
+            decode_kernels=dec_ops[0], decode_kernel_us=dec_ops[1],
         ))
     return rows
+
+
+def device_operations(fn, device: torch.device) -> tuple[int, float] | None:
+    """``(operations, microseconds)``: the device operations one call of ``fn`` launches on a CUDA device and
+    their summed device time, from ``torch.profiler``; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    ops = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return len(ops), float(sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) for e in ops))
 
 
 def write_json(rows: list[CodecRow], path: str | Path, *, device: torch.device, command: str) -> None:
@@ -110,6 +152,7 @@ def write_json(rows: list[CodecRow], path: str | Path, *, device: torch.device, 
         "benchmark": "codecs",
         "command": command,
         "machine": machine_description(device),
+        "versions": versions(),
         "rows": [asdict(r) for r in rows],
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
