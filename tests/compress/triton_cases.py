@@ -392,3 +392,33 @@ def test_a_decode_refuses_bad_scales_at_once_or_pending(spec, bad):
     with deferring_checks(True), collecting_pending_checks() as pending:
         codec.decode(corrupt)  # no raise here: the flag waits for the collector's reader
     assert str(pending.failure()) == str(immediate.value)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_the_cast_kernel_writes_the_same_bytes_and_flags_the_same_inputs(wire, monkeypatch):
+    """Checks deferred (as on a GPU): ``fp16``/``bf16`` cast and check in one kernel. Ties to even,
+    subnormals, values that overflow the wire dtype: the bytes of PyTorch's cast; non-finite casts refused
+    with the immediate check's text."""
+    from aqsgd.compress.base import deferring_checks
+    from aqsgd.errors import NonFiniteError
+
+    calls = []
+    real = triton_kernels.TritonKernels.cast_checked
+    monkeypatch.setattr(triton_kernels.TritonKernels, "cast_checked",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    x = _data((3, 5, 64))
+    tail = x.view(-1)[-8:]
+    tail.copy_(torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, 3e-8, -1e-40, 6e4, -1e-3]))
+    want = make_codec(wire, backend="eager").encode(x)
+    with deferring_checks(True):
+        got = make_codec(wire, backend="triton").encode(x)
+    assert calls and torch.equal(got.payload, want.payload) and got.refusal() is None
+    for bad in (float("nan"), float("inf"), 7e4 if wire == "fp16" else 3.4e38):
+        y = x.clone()
+        y[1, 2, 3] = bad
+        with pytest.raises(NonFiniteError) as immediate:
+            make_codec(wire, backend="eager").encode(y)
+        with deferring_checks(True):
+            packet = make_codec(wire, backend="triton").encode(y)
+        assert packet.refusal() == str(immediate.value), bad

@@ -460,7 +460,28 @@ def split_rows(x_ptr, idx_ptr, rest_ptr, apart_ptr, D, k, BLOCK_D: tl.constexpr,
     tl.store(apart_ptr + before.to(tl.int64) * D + cols, b.to(tl.int16), mask=cm & (hits > 0))
 
 
+@triton.jit
+def cast_checked(x_ptr, y_ptr, flag_ptr, N, BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """``y = x`` (fp32) cast to fp16, or to bf16 bits (``y_ptr`` int16), rounding to nearest even as PyTorch
+    does; the flag raised where a cast value is NaN or Inf (the input held one, or it overflowed)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    x = tl.load(x_ptr + i, mask=m, other=0.0)
+    if BF16:
+        u = x.to(tl.int32, bitcast=True)
+        b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+        b = tl.where(x != x, 0x7FC0, b)
+        bad = (b & 0x7F80) == 0x7F80
+        tl.store(y_ptr + i, b.to(tl.int16), mask=m)
+    else:
+        y = x.to(tl.float16)
+        yf = y.to(tl.float32)
+        bad = (yf != yf) | (tl.abs(yf) == float("inf"))
+        tl.store(y_ptr + i, y, mask=m)
+    tl.atomic_max(flag_ptr, tl.max(bad.to(tl.int32), axis=0))
+
+
 KERNELS = {k.__name__: k for k in (
     scales, rowmax, colmax, quant_pack, unpack_dequant, row_sumsq, split_rows, delta_rowmax, delta_colmax,
     delta_into, delta_quant_update, delta_dequant_update, fwht_rows, topk_hist, topk_pick, topk_count,
-    topk_write)}
+    topk_write, cast_checked)}

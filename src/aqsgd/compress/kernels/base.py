@@ -134,6 +134,11 @@ class Kernels:
         (int32 ``[1]``) is raised where a scale is not finite or is negative."""
         return None
 
+    def cast_checked(self, x: torch.Tensor, wire: torch.dtype, flag: torch.Tensor) -> torch.Tensor | None:
+        """``x.to(wire)`` (fp16 or bf16, to nearest even) in one launch, ``flag`` (int32 ``[1]``) raised where
+        a cast value is NaN or Inf."""
+        return None
+
     def fwht(self, x2: torch.Tensor, signs: torch.Tensor, c: float, inverse: bool) -> torch.Tensor | None:
         return None
 

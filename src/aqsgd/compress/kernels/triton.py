@@ -59,6 +59,7 @@ _BLOCK_R = 16  # rows per program
 _BLOCK_G = 16  # groups of 8 codes per program (128 values of a row)
 _BLOCK_K = 128  # values per step of the max kernels
 _SCALE_BLOCK = 1024  # scales per program of the scales kernel
+_CAST_BLOCK = 4096  # values per program of the cast kernel
 _FWHT_VALUES = 4096  # values per program of the Hadamard kernel (rows of a tile each)
 _TOPK_CHUNK = 16384  # values of a row per program of the TopK kernels
 _TOPK_BLOCK = 1024  # values per step within a chunk
@@ -204,6 +205,16 @@ class TritonKernels(Kernels):
                                            float(divisor), BY_COL=by_col, BITS=bits, SCALES=scales,
                                            BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
         return out
+
+    def cast_checked(self, x: torch.Tensor, wire: torch.dtype, flag: torch.Tensor) -> torch.Tensor | None:
+        if x.dtype != torch.float32 or wire not in (torch.float16, torch.bfloat16) or not x.is_contiguous():
+            return None
+        y = torch.empty(x.shape, dtype=wire, device=x.device)
+        n = x.numel()
+        bf16 = wire == torch.bfloat16
+        _kernels()["cast_checked"][(_cdiv(n, _CAST_BLOCK),)](x, y.view(torch.int16) if bf16 else y, flag, n,
+                                                             BF16=bf16, BLOCK=_CAST_BLOCK)
+        return y
 
     def fwht(self, x2: torch.Tensor, signs: torch.Tensor, c: float, inverse: bool) -> torch.Tensor:
         """Walsh-Hadamard transform of each row: ``H (s * x) * c`` or, with ``inverse``, ``(H x * c) * s``
