@@ -422,3 +422,30 @@ def test_the_cast_kernel_writes_the_same_bytes_and_flags_the_same_inputs(wire, m
         with deferring_checks(True):
             packet = make_codec(wire, backend="triton").encode(y)
         assert packet.refusal() == str(immediate.value), bad
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")
+@pytest.mark.parametrize("storage", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("spec", ["q2", "q4:token", "q3:block8", "q2:l2:midrise", "q8", "q1:max"])
+def test_the_aqsgd_steps_with_scales_in_the_kernels_equal_the_other_backends(spec, storage, monkeypatch):
+    """Checks deferred (as on a GPU): the sender stores, checks and divides its scales in one ``scales``
+    launch, the receiver reads them in one ``steps`` launch; packets, outputs and both caches as the eager
+    backend's step-by-step path with the checks made at once."""
+    from aqsgd.compress.base import collecting_pending_checks, deferring_checks
+
+    calls = []
+    for name in ("scales", "steps"):
+        real = getattr(triton_kernels.TritonKernels, name)
+        monkeypatch.setattr(triton_kernels.TritonKernels, name,
+                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
+                                                                           or _real(self, *a, **k)))
+    with deferring_checks(True), collecting_pending_checks() as pending:
+        tri = _aqsgd_steps(spec, storage, "triton")
+    assert pending.failure() is None
+    assert calls.count("scales") >= 2 and calls.count("steps") >= 2
+    ref = _aqsgd_steps(spec, storage, "eager")
+    assert all(torch.equal(a, b) for a, b in zip(tri[0], ref[0]))
+    assert all(torch.equal(a, b) for pa, pb in zip(tri[1], ref[1]) for a, b in zip(pa, pb))
+    for got, want in ((tri[2], ref[2]), (tri[3], ref[3])):
+        assert torch.equal(got.view(torch.int16) if storage != torch.float32 else got,
+                           want.view(torch.int16) if storage != torch.float32 else want)

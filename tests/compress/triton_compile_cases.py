@@ -28,10 +28,12 @@ MAX = {"x_ptr": F32, "out_ptr": F32, "stored_ptr": F16, "flag_ptr": I32, "R": "i
 DELTA = {"x_ptr": F32, "st_ptr": F16, "ids_ptr": I64, "out_ptr": F32, "R": "i32", "K": "i32", "rpb": "i32"}
 # (kernel, argument types, constexprs): every kernel, the variants the library launches where they differ
 CASES = [
-    ("scales", {"s_ptr": F32, "stored_ptr": F16, "inv_ptr": F32, "flag_ptr": I32, "G": "i32", "qmax": "fp32"},
-     {"HALF": True, "BLOCK": 1024}),
-    ("scales", {"s_ptr": F32, "stored_ptr": F32, "inv_ptr": F32, "flag_ptr": I32, "G": "i32", "qmax": "fp32"},
-     {"HALF": False, "BLOCK": 1024}),
+    ("scales", {"s_ptr": F32, "stored_ptr": F16, "inv_ptr": F32, "step_ptr": F32, "flag_ptr": I32, "G": "i32",
+                "qmax": "fp32", "divisor": "fp32"}, {"HALF": True, "STEP": True, "BLOCK": 1024}),
+    ("scales", {"s_ptr": F32, "stored_ptr": F32, "inv_ptr": F32, "step_ptr": F32, "flag_ptr": I32, "G": "i32",
+                "qmax": "fp32", "divisor": "fp32"}, {"HALF": False, "STEP": False, "BLOCK": 1024}),
+    ("steps", {"stored_ptr": F16, "step_ptr": F32, "flag_ptr": I32, "G": "i32", "divisor": "fp32"},
+     {"BLOCK": 1024}),
     ("rowmax", MAX, {"SCALES": True, "HALF": True, "BLOCK_R": 16, "BLOCK_K": 128}),
     ("colmax", MAX, {"SCALES": True, "HALF": True, "BLOCK_R": 16, "BLOCK_K": 128}),
     ("colmax", {**MAX, "stored_ptr": F32}, {"SCALES": False, "HALF": False, "BLOCK_R": 16, "BLOCK_K": 128}),
@@ -95,5 +97,5 @@ def test_the_kernel_compiles_for_sm90(name, types, consts):
         assert "fma.rn.f32" in ptx  # tl.fma: one rounding, as the CPU's addcmul
     if name == "delta_dequant_update":  # m + level * step rounds twice, as the CPU's add of the decode
         assert "fma" not in ptx and ("mul.rn.f32" in ptx or "mul.f32" in ptx)
-    if name == "scales" or (name in ("rowmax", "colmax") and consts["SCALES"]) or name == "unpack_dequant":
+    if name in ("scales", "steps", "unpack_dequant") or (name in ("rowmax", "colmax") and consts["SCALES"]):
         assert "div.rn" in ptx  # correctly rounded, as PyTorch divides

@@ -444,9 +444,13 @@ class QuantCodec(Codec):
                                                             lambda: ops.max_abs(d, by_col))
         if s is None:
             return None
-        stored, inv, _ = self._scale_steps(s, torch.float32)
-        mul, low, step = self._levels(stored, torch.float32)
-        out, nsb = self._payload(stored, rows, k, x.device)
+        made = self._device_scale_steps(ops, s, rows, k) if defers_checks(x.device) else None
+        if made is not None:
+            out, nsb, inv, (mul, low, step) = made
+        else:
+            stored, inv, _ = self._scale_steps(s, torch.float32)
+            mul, low, step = self._levels(stored, torch.float32)
+            out, nsb = self._payload(stored, rows, k, x.device)
         packed = ops.delta_encode_update(x2, store, rpb, self._per_group(inv, rows, k, by_col), by_col,
                                          self.qmax / 2.0 + 0.5, self.bits, self.qmax,
                                          self._per_group(step, rows, k, by_col), mul, low,
@@ -454,6 +458,26 @@ class QuantCodec(Codec):
         if packed is None:
             return None
         return Packet(self.family, torch.float32, tuple(x.shape), self.fingerprint, out)
+
+    def _device_scale_steps(self, ops: kernels.Kernels, s: torch.Tensor, rows: int, k: int
+                            ) -> tuple[torch.Tensor, int, torch.Tensor, tuple[int, int, torch.Tensor]] | None:
+        """AQ-SGD's sender with its checks deferred: ``(payload, scale bytes, inv, (mul, low, step))`` from
+        one kernel that stores the scales ``s`` at the payload's head, checks them and writes ``inv`` and the
+        decode steps (the backend's ``scales``); None where the backend has none."""
+        if self.granularity == "tensor":
+            return None
+        nsb = s.numel() * self.scale_dtype.itemsize
+        out = torch.empty(nsb + rows * k * self.bits // 8, dtype=torch.uint8, device=s.device)
+        flag = torch.zeros(1, dtype=torch.int32, device=s.device)
+        mul, low, divisor = self._level_terms()
+        step = torch.empty(s.numel(), dtype=torch.float32, device=s.device)
+        inv = ops.scales(s.to(torch.float32).contiguous(), out[:nsb].view(self.scale_dtype), self.qmax, flag,
+                         step=step, divisor=divisor)
+        if inv is None:
+            return None
+        if self.check_finite:
+            defer_check(flag, non_finite_message(self.spec))
+        return out, nsb, inv, (mul, low, step)
 
     def decode_delta(self, packet: Packet, store: kernels.RowStore) -> torch.Tensor | None:
         self.check_packet(packet)
@@ -465,9 +489,18 @@ class QuantCodec(Codec):
             return None
         rows, k, by_col, rpb = plan
         nsb = self._groups(packet.shape).nscales * self.scale_dtype.itemsize
-        scales = self._checked_scales(packet.payload[:nsb])
-        mul, low, step = self._levels(scales, torch.float32)
-        out = kernels.for_device(device, self.backend).delta_decode_update(
+        ops = kernels.for_device(device, self.backend)
+        mul, low, divisor = self._level_terms()
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        step = ops.steps(bytes_as(packet.payload[:nsb], self.scale_dtype), divisor, flag)
+        if step is not None:  # one launch reads, checks and divides the scales
+            if defers_pending_checks(device):
+                defer_pending_check(flag, self._bad_scales)
+            elif bool(flag):
+                raise self._bad_scales()
+        else:
+            mul, low, step = self._levels(self._checked_scales(packet.payload[:nsb]), torch.float32)
+        out = ops.delta_decode_update(
             packet.payload[nsb:].view(rows, -1), store, rpb, self._per_group(step, rows, k, by_col), by_col,
             self.bits, mul, low)
         return None if out is None else out.view(packet.shape)

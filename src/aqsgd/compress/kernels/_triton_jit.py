@@ -19,7 +19,10 @@ import triton.language as tl
 # correctly rounded), so the same bits. Written out in each kernel that ends with it: a helper would be a
 # closure here, which not every Triton version compiles.
 @triton.jit
-def scales(s_ptr, stored_ptr, inv_ptr, flag_ptr, G, qmax, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def scales(s_ptr, stored_ptr, inv_ptr, step_ptr, flag_ptr, G, qmax, divisor, HALF: tl.constexpr,
+           STEP: tl.constexpr, BLOCK: tl.constexpr):
+    """With ``STEP``, also each group's decode step ``stored / divisor`` (correctly rounded, as ``divided``)
+    into ``step_ptr``: what AQ-SGD's sender adds to its cache."""
     g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     gmask = g < G
     s = tl.load(s_ptr + g, mask=gmask, other=0.0)
@@ -27,14 +30,27 @@ def scales(s_ptr, stored_ptr, inv_ptr, flag_ptr, G, qmax, HALF: tl.constexpr, BL
     if HALF:
         c = tl.where(s > 65504.0, 65504.0, s)
         h = c.to(tl.float16)
-        h = tl.where(h.to(tl.float32) < c, (h.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True),
-                     h)
+        h = tl.where(h.to(tl.float32) < c, (h.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), h)
         tl.store(stored_ptr + g, h, mask=gmask)
         sf = h.to(tl.float32)
     else:
         tl.store(stored_ptr + g, s, mask=gmask)
         sf = s
     tl.store(inv_ptr + g, tl.where(sf > 0, tl.math.div_rn(1.0, 2.0 * sf) * qmax, 0.0), mask=gmask)
+    if STEP:
+        tl.store(step_ptr + g, tl.math.div_rn(sf, divisor), mask=gmask)
+
+
+@triton.jit
+def steps(stored_ptr, step_ptr, flag_ptr, G, divisor, BLOCK: tl.constexpr):
+    """Each received scale's decode step ``stored / divisor`` (correctly rounded), the flag raised where a
+    scale is not finite or is negative (a corrupt packet)."""
+    g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    gmask = g < G
+    sf = tl.load(stored_ptr + g, mask=gmask, other=0.0).to(tl.float32)
+    tl.atomic_max(flag_ptr, tl.max(((sf != sf) | (sf == float("inf")) | (sf < 0)).to(tl.int32), axis=0))
+    tl.store(step_ptr + g, tl.math.div_rn(sf, divisor), mask=gmask)
+
 
 @triton.jit
 def rowmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexpr, HALF: tl.constexpr,
@@ -484,4 +500,4 @@ def cast_checked(x_ptr, y_ptr, flag_ptr, N, BF16: tl.constexpr, BLOCK: tl.conste
 KERNELS = {k.__name__: k for k in (
     scales, rowmax, colmax, quant_pack, unpack_dequant, row_sumsq, split_rows, delta_rowmax, delta_colmax,
     delta_into, delta_quant_update, delta_dequant_update, fwht_rows, topk_hist, topk_pick, topk_count,
-    topk_write, cast_checked)}
+    topk_write, cast_checked, steps)}

@@ -110,9 +110,15 @@ class Kernels:
         is NaN or Inf: the input held one."""
         return None
 
-    def scales(self, s: torch.Tensor, stored: torch.Tensor, qmax: int,
-               flag: torch.Tensor) -> torch.Tensor | None:
-        """:meth:`max_scales` from given scales ``s`` (fp32 ``[G]``, not negative)."""
+    def scales(self, s: torch.Tensor, stored: torch.Tensor, qmax: int, flag: torch.Tensor,
+               step: torch.Tensor | None = None, divisor: int = 1) -> torch.Tensor | None:
+        """:meth:`max_scales` from given scales ``s`` (fp32 ``[G]``, not negative); with ``step`` (fp32
+        ``[G]``), each group's decode step ``stored / divisor`` (correctly rounded) written there too."""
+        return None
+
+    def steps(self, stored: torch.Tensor, divisor: int, flag: torch.Tensor) -> torch.Tensor | None:
+        """Received stored scales (fp16 or fp32 ``[G]``) to decode steps ``stored / divisor`` (correctly
+        rounded), ``flag`` (int32 ``[1]``) raised where a scale is not finite or is negative."""
         return None
 
     def quantize_pack(self, x2: torch.Tensor, inv: torch.Tensor, by_col: bool, offset: float, bits: int,

@@ -161,12 +161,19 @@ class TritonKernels(Kernels):
         kernel[(programs,)](x2, out, stored, flag, rows, k, qmax, SCALES=scales, HALF=half, BLOCK_R=_BLOCK_R,
                             BLOCK_K=_BLOCK_K)
 
-    def scales(self, s: torch.Tensor, stored: torch.Tensor, qmax: int, flag: torch.Tensor) -> torch.Tensor:
+    def scales(self, s: torch.Tensor, stored: torch.Tensor, qmax: int, flag: torch.Tensor,
+               step: torch.Tensor | None = None, divisor: int = 1) -> torch.Tensor:
         inv = torch.empty(s.shape[0], dtype=torch.float32, device=s.device)
         _kernels()["scales"][(_cdiv(s.shape[0], _SCALE_BLOCK),)](
-            s, stored, inv, flag, s.shape[0], float(qmax), HALF=stored.dtype == torch.float16,
-            BLOCK=_SCALE_BLOCK)
+            s, stored, inv, inv if step is None else step, flag, s.shape[0], float(qmax), float(divisor),
+            HALF=stored.dtype == torch.float16, STEP=step is not None, BLOCK=_SCALE_BLOCK)
         return inv
+
+    def steps(self, stored: torch.Tensor, divisor: int, flag: torch.Tensor) -> torch.Tensor:
+        step = torch.empty(stored.shape[0], dtype=torch.float32, device=stored.device)
+        _kernels()["steps"][(_cdiv(stored.shape[0], _SCALE_BLOCK),)](stored, step, flag, stored.shape[0],
+                                                                     float(divisor), BLOCK=_SCALE_BLOCK)
+        return step
 
     stochastic = True
 
