@@ -192,23 +192,33 @@ def balance_measured(d: dict) -> list[str]:
     return out
 
 
+def gpu_check(d: dict) -> list[str]:
+    """``python -m benchmarks.gpu_check run``'s report (``gpu-check.json``): the markdown the check writes."""
+    from benchmarks.gpu_check import markdown
+
+    return markdown(d).rstrip("\n").splitlines()
+
+
 RENDERERS = {"codecs": codecs, "codecs-cache-path": codecs_cache_path, "codecs-quality": codecs_quality,
              "codecs-quality-specs": codec_quality_specs, "pipeline": pipeline, "convergence": convergence,
              "netem": netem, "boundary_errors": boundary_errors, "vs-torch": vs_torch, "overhead": overhead,
-             "adaptive": adaptive, "balance-measured": balance_measured}
+             "adaptive": adaptive, "balance-measured": balance_measured, "gpu-check": gpu_check}
 
 
 def main(paths: list[str]) -> int:
     for p in paths:
         d = json.loads(Path(p).read_text())
-        kind = d.get("benchmark") or ("convergence" if "table" in d else None)
+        kind = (d.get("benchmark") or ("convergence" if "table" in d else None)
+                or ("gpu-check" if d.get("check") == "gpu" else None))
         if kind not in RENDERERS:
             print(f"render: {p} holds a {kind!r} result, which has no table here (known: "
                   f"{', '.join(sorted(RENDERERS))})", file=sys.stderr)
             return 2
         lines = RENDERERS[kind](d)
-        commands = d.get("commands") or [d.get("command", "")]
-        print(f"<!-- {p}: {' ; '.join(commands)} on {d.get('machine', '')} -->")
+        commands = d.get("commands") or [d.get("command") or ("python3 -m benchmarks.gpu_check run"
+                                                              if kind == "gpu-check" else "")]
+        machine = d.get("machine") or d.get("env", {}).get("gpu") or ""
+        print(f"<!-- {p}: {' ; '.join(commands)} on {machine} -->")
         print("\n".join(lines))
         print()
     return 0

@@ -34,7 +34,9 @@ import torch
 from aqsgd.cli import main
 
 GOLDEN = Path(__file__).with_name("losses.json")
-_QUIET = ["--no-progress", "--no-tensorboard"]
+# on the CPU wherever the suite runs: the losses are the CPU's (on a GPU machine --device auto would train on
+# CUDA with bf16 autocast, and no recorded platform would match)
+_QUIET = ["--no-progress", "--no-tensorboard", "--device", "cpu"]
 _SYNTH = ["--task", "synthetic-lm", "--max-train-samples", "64", "--max-eval-samples", "16", "--max-length",
           "32", "--micro-batches", "2", "--micro-batch-size", "4", "--epochs", "2", "--warmup-epochs", "1"]
 CASES: dict[str, list[str]] = {
