@@ -9,6 +9,10 @@ On the GPU machine, from a copy of the working tree with ``.gpu/`` carried along
 
     python3 -m benchmarks.gpu_check run --budget 470 --out "$OUT"
 
+With a session's 15 minutes of device time (starting the machine took about 40 s of it): ``--budget 500`` in a
+first call (every step; the suite gets what is left, about 2 minutes), then ``--only suite --budget 240`` in a
+second call on the still-warm machine: the whole suite with 14 workers took about 4 minutes there.
+
 ``prepare`` puts into ``.gpu/`` what such a machine lacks: wheels of the base dependencies its image has not
 (``isal``, ``zstandard``, ``gguf``, for its Python), the MiniLM weights cast to fp16 (so that the tree stays
 under what a remote call carries) and the BBC articles. ``run`` installs the wheels into ``/tmp/site``, points
