@@ -74,9 +74,10 @@ class CastCodec(Codec):
         return numel_of(shape) * self.wire_dtype.itemsize
 
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        if x.numel() and defers_checks(x.device):  # on a GPU: the cast and its check in one kernel launch
+        ops = kernels.for_tensor(x, self.backend) if x.numel() and defers_checks(x.device) else None
+        if ops is not None and ops.fuses_scales:  # on a GPU: the cast and its check in one kernel launch
             flag = torch.zeros(1, dtype=torch.int32, device=x.device)
-            y = kernels.for_tensor(x, self.backend).cast_checked(x, self.wire_dtype, flag)
+            y = ops.cast_checked(x, self.wire_dtype, flag)
             if y is not None:
                 defer_check(flag, non_finite_message(self.spec, CAST_WHAT))
                 return _as_bytes(y)

@@ -339,7 +339,8 @@ class QuantCodec(Codec):
         the backend's kernels (for ``max``: in the launch that finds the maxima), the check deferred as a
         device flag; None where the backend has no such kernel. For encodes whose checks are deferred (on a
         GPU): the dozen small operations of :meth:`_scale_steps` cost a launch each there. Same bytes."""
-        if self.granularity == "tensor" or self.scale_mode not in ("max", "l2", "step"):
+        if (not ops.fuses_scales or self.granularity == "tensor"
+                or self.scale_mode not in ("max", "l2", "step")):
             return None
         rows, k = x2.shape
         nsb = (k if by_col else rows) * self.scale_dtype.itemsize
@@ -464,7 +465,7 @@ class QuantCodec(Codec):
         """AQ-SGD's sender with its checks deferred: ``(payload, scale bytes, inv, (mul, low, step))`` from
         one kernel that stores the scales ``s`` at the payload's head, checks them and writes ``inv`` and the
         decode steps (the backend's ``scales``); None where the backend has none."""
-        if self.granularity == "tensor":
+        if not ops.fuses_scales or self.granularity == "tensor":
             return None
         nsb = s.numel() * self.scale_dtype.itemsize
         out = torch.empty(nsb + rows * k * self.bits // 8, dtype=torch.uint8, device=s.device)
@@ -491,8 +492,10 @@ class QuantCodec(Codec):
         nsb = self._groups(packet.shape).nscales * self.scale_dtype.itemsize
         ops = kernels.for_device(device, self.backend)
         mul, low, divisor = self._level_terms()
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        step = ops.steps(bytes_as(packet.payload[:nsb], self.scale_dtype), divisor, flag)
+        step = None
+        if ops.fuses_scales:
+            flag = torch.zeros(1, dtype=torch.int32, device=device)
+            step = ops.steps(bytes_as(packet.payload[:nsb], self.scale_dtype), divisor, flag)
         if step is not None:  # one launch reads, checks and divides the scales
             if defers_pending_checks(device):
                 defer_pending_check(flag, self._bad_scales)
@@ -585,13 +588,16 @@ class QuantCodec(Codec):
         """The decoded tensor from one kernel that reads and checks the stored scales itself (the backend's
         ``unpack_scaled``: on a GPU, where each small operation of the general path costs a launch), the
         check pending or read at once as :meth:`_checked_scales` does; None where the backend has none."""
-        plan = kernels.plan(shape, self.granularity, self.block) if out_dtype != torch.float64 else None
-        if plan is None or self.granularity == "tensor":
+        ops = kernels.for_device(payload.device, self.backend)
+        if not ops.fuses_scales or self.granularity == "tensor" or out_dtype == torch.float64:
+            return None
+        plan = kernels.plan(shape, self.granularity, self.block)
+        if plan is None:
             return None
         rows, k, by_col = plan
         mul, low, divisor = self._level_terms()
         flag = torch.zeros(1, dtype=torch.int32, device=payload.device)
-        out = kernels.for_device(payload.device, self.backend).unpack_scaled(
+        out = ops.unpack_scaled(
             payload[nsb:].view(rows, -1), bytes_as(payload[:nsb], self.scale_dtype), by_col, self.bits, mul,
             low, divisor, flag)
         if out is None:

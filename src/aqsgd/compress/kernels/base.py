@@ -90,6 +90,9 @@ class Kernels:
 
     #: whether :meth:`quantize_pack` takes stochastic rounding's noise
     stochastic = False
+    #: whether the scales operations run here (:meth:`max_scales`, :meth:`scales`, :meth:`steps`,
+    #: :meth:`unpack_scaled`, :meth:`cast_checked`): codecs ask before allocating their outputs and flags
+    fuses_scales = False
 
     def quantizes(self, dtype: torch.dtype, rounding: str) -> bool:
         """Whether the quantizer's operations run here for inputs of ``dtype`` computed in fp32 (fp32, bf16,

@@ -176,6 +176,7 @@ class TritonKernels(Kernels):
         return step
 
     stochastic = True
+    fuses_scales = True
 
     def quantize_pack(self, x2: torch.Tensor, inv: torch.Tensor, by_col: bool, offset: float, bits: int,
                       qmax: int, out: torch.Tensor | None = None,
