@@ -17,9 +17,11 @@ launcher, to freeze one with SIGSTOP) and :func:`listening_sockets` the TCP addr
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import os
 import queue as queue_mod
+import signal
 import time
 import traceback
 from collections.abc import Callable, Collection, Sequence
@@ -117,6 +119,7 @@ def _child(
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks before it kills
     import torch
     import torch.distributed as dist
 
@@ -130,11 +133,28 @@ def _child(
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
     results.put((rank, True, value))
+    # The result reaches the parent before the teardown: the queue's feeder thread writes it, and a
+    # destroy_process_group that blocks holding the GIL (seen with torch 2.6's gloo once the peer had gone)
+    # would keep it from ever doing so.
+    results.close()
+    results.join_thread()
     # Tear down without a collective: peers may already be gone, and a barrier here could hang.
     try:
         dist.destroy_process_group()
     except Exception:
         log.debug("rank %d: destroy_process_group failed", rank, exc_info=True)
+
+
+def _dump_stacks(procs: Sequence[Any]) -> None:
+    """Ask the ranks that did not finish to print every thread's stack to stderr (where the test's output is
+    captured), so that a hang names where it hung; they are killed afterwards."""
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(1.0)
 
 
 def run_processes(
@@ -195,6 +215,7 @@ def run_processes(
                         )
                 if now > deadline:
                     missing = [r for r in range(world_size) if r not in values]
+                    _dump_stacks([procs[r] for r in missing])
                     raise ProcessTimeout(
                         f"ranks {missing} did not finish within {timeout_s:g} s (killed)",
                         missing[0] if missing else None,
