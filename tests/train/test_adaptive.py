@@ -165,9 +165,12 @@ def test_the_policy_follows_a_link_that_slows_down_during_the_run(tmp_path):
     # message can stall for tens of ms waiting for a core, which the policy counts as the link's time (it
     # cannot tell a per-message cost from bandwidth), so a step may go a rung or two down; never to the floor.
     assert all(BITS[c.split(":", 1)[1]] > BITS["q2:l2"] for c in sent[:4]), sent
-    # the first slow step's measurement moves the link to the floor at once (no patience going down): at
-    # 1 Mbit/s even q2 takes longer than a micro-batch's compute
-    assert sent[4:] == ["delta:q2:l2"] * 3, sent
+    # the first slow step's measurement moves the link down at once (no patience going down) to 4 bits or
+    # fewer, and it reaches the floor within the three slow steps: at 1 Mbit/s even q2 takes longer than a
+    # micro-batch's compute on an idle machine. (On a loaded one the compute per micro-batch, and with it the
+    # budget, can be large enough for q3 to fit at first: seen once in the floor CI job, q3 then q2:l2.)
+    after = [BITS[c.split(":", 1)[1]] for c in sent[4:]]
+    assert after[0] <= 4 and after == sorted(after, reverse=True) and after[-1] == BITS["q2:l2"], sent
 
 
 def test_aqsgd_caches_stay_identical_on_both_sides_across_changes_of_bits(tmp_path):
