@@ -32,6 +32,17 @@ def _data(shape, seed=0):
     return x
 
 
+def _recording(monkeypatch, *names: str) -> list[str]:
+    """The names of these Triton backend operations, appended to the returned list as they are called."""
+    calls: list[str] = []
+    for name in names:
+        real = getattr(triton_kernels.TritonKernels, name)
+        monkeypatch.setattr(triton_kernels.TritonKernels, name,
+                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
+                                                                           or _real(self, *a, **k)))
+    return calls
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_packets_and_decodes_equal_the_other_backends(spec):
     x = _data((3, 5, 64))
@@ -67,12 +78,7 @@ def test_max_abs_propagates_nan(by_col):
 
 
 def test_the_kernels_really_run(monkeypatch):
-    calls = []
-    for name in ("max_abs", "quantize_pack", "unpack_dequantize"):
-        real = getattr(triton_kernels.TritonKernels, name)
-        monkeypatch.setattr(triton_kernels.TritonKernels, name,
-                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
-                                                                           or _real(self, *a, **k)))
+    calls = _recording(monkeypatch, "max_abs", "quantize_pack", "unpack_dequantize")
     codec = make_codec("q2", backend="triton")
     codec.decode(codec.encode(_data((4, 32))))
     assert calls == ["max_abs", "quantize_pack"]  # the decode reads its scales in its one kernel (below)
@@ -113,12 +119,7 @@ def _aqsgd_steps(spec, storage, backend, *, steps=3, shape=(6, 4, 24), cap=16, s
                          ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("spec", ["q2", "q4:token", "q3:block8", "q2:l2:midrise", "q8"])
 def test_the_aqsgd_steps_equal_the_other_backends(spec, storage, monkeypatch):
-    calls = []
-    for name in ("delta_encode_update", "delta_decode_update"):
-        real = getattr(triton_kernels.TritonKernels, name)
-        monkeypatch.setattr(triton_kernels.TritonKernels, name,
-                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
-                                                                           or _real(self, *a, **k)))
+    calls = _recording(monkeypatch, "delta_encode_update", "delta_decode_update")
     tri = _aqsgd_steps(spec, storage, "triton")
     assert calls.count("delta_encode_update") >= 2 and calls.count("delta_decode_update") >= 2
     for other in ("eager", "numba"):  # eager: the step-by-step path (get, encode, decode, add, put)
@@ -192,12 +193,7 @@ def test_topk_selection_equals_the_cpu_rule(rows, n, k, small_chunks):
 @pytest.mark.parametrize("spec", ["topk0.1", "topk0.05+fp32", "topk0.2+bf16", "topk0.1:tensor", "topk0.1+q8",
                                   "topk0.3+q3:token"])
 def test_topk_packets_equal_the_other_backends(spec, small_chunks, monkeypatch):
-    calls = []
-    for name in ("topk_payload", "topk_select"):
-        real = getattr(triton_kernels.TritonKernels, name)
-        monkeypatch.setattr(triton_kernels.TritonKernels, name,
-                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
-                                                                           or _real(self, *a, **k)))
+    calls = _recording(monkeypatch, "topk_payload", "topk_select")
     x = _ties((3, 4, 80), seed=1)
     x[1, 2, 5] = -1e4  # beyond bf16's fine steps, within fp16's range
     packets = {b: make_codec(spec, backend=b).encode(x) for b in ("triton", "eager", "numba")}
@@ -265,12 +261,7 @@ def test_row_sums_of_squares_agree_to_rounding():
 def test_outlier_packets_equal_the_other_backends(loud, dtype, monkeypatch):
     """Rows far from the threshold (norms 20x and more against a factor of 4, or plain), so that the
     selection cannot depend on the summation order; up to the cap of 48 // 16 rows, and beyond it."""
-    calls = []
-    for name in ("row_sumsq", "split_rows"):
-        real = getattr(triton_kernels.TritonKernels, name)
-        monkeypatch.setattr(triton_kernels.TritonKernels, name,
-                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
-                                                                           or _real(self, *a, **k)))
+    calls = _recording(monkeypatch, "row_sumsq", "split_rows")
     x = torch.randn(3, 16, 40, generator=torch.Generator().manual_seed(len(loud)))
     for i, r in enumerate(loud):
         x.view(48, 40)[r] *= 20 + 10 * i
@@ -330,12 +321,7 @@ def test_scales_made_in_the_kernels_write_the_same_bytes(spec, monkeypatch):
     with checks made at once, the kernels really called."""
     from aqsgd.compress.base import deferring_checks
 
-    calls = []
-    for name in ("max_scales", "scales", "unpack_scaled"):
-        real = getattr(triton_kernels.TritonKernels, name)
-        monkeypatch.setattr(triton_kernels.TritonKernels, name,
-                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
-                                                                           or _real(self, *a, **k)))
+    calls = _recording(monkeypatch, "max_scales", "scales", "unpack_scaled")
     x = _edgy((3, 6, 64))
     want = make_codec(spec, backend="eager").encode(x)
     with deferring_checks(True):
@@ -403,10 +389,7 @@ def test_the_cast_kernel_writes_the_same_bytes_and_flags_the_same_inputs(wire, m
     from aqsgd.compress.base import deferring_checks
     from aqsgd.errors import NonFiniteError
 
-    calls = []
-    real = triton_kernels.TritonKernels.cast_checked
-    monkeypatch.setattr(triton_kernels.TritonKernels, "cast_checked",
-                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    calls = _recording(monkeypatch, "cast_checked")
     x = _data((3, 5, 64))
     tail = x.view(-1)[-8:]
     tail.copy_(torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, 3e-8, -1e-40, 6e4, -1e-3]))
@@ -433,12 +416,7 @@ def test_the_aqsgd_steps_with_scales_in_the_kernels_equal_the_other_backends(spe
     backend's step-by-step path with the checks made at once."""
     from aqsgd.compress.base import collecting_pending_checks, deferring_checks
 
-    calls = []
-    for name in ("scales", "steps"):
-        real = getattr(triton_kernels.TritonKernels, name)
-        monkeypatch.setattr(triton_kernels.TritonKernels, name,
-                            lambda self, *a, _real=real, _name=name, **k: (calls.append(_name)
-                                                                           or _real(self, *a, **k)))
+    calls = _recording(monkeypatch, "scales", "steps")
     with deferring_checks(True), collecting_pending_checks() as pending:
         tri = _aqsgd_steps(spec, storage, "triton")
     assert pending.failure() is None

@@ -343,15 +343,25 @@ class QuantCodec(Codec):
                 or self.scale_mode not in ("max", "l2", "step")):
             return None
         rows, k = x2.shape
-        nsb = (k if by_col else rows) * self.scale_dtype.itemsize
-        out = torch.empty(nsb + rows * k * self.bits // 8, dtype=torch.uint8, device=x2.device)
-        stored = out[:nsb].view(self.scale_dtype)
-        flag = torch.zeros(1, dtype=torch.int32, device=x2.device)
         if self.scale_mode == "max":
-            inv = ops.max_scales(x2, by_col, stored, self.qmax, flag)
-        else:
-            s = self._planned_scales(x2, shape, by_col, lambda: ops.max_abs(x2, by_col))
-            inv = None if s is None else ops.scales(s.to(torch.float32).contiguous(), stored, self.qmax, flag)
+            return self._scaled_payload(k if by_col else rows, rows, k, x2.device, lambda stored, flag:
+                                        ops.max_scales(x2, by_col, stored, self.qmax, flag))
+        s = self._planned_scales(x2, shape, by_col, lambda: ops.max_abs(x2, by_col))
+        if s is None:
+            return None
+        s = s.to(torch.float32).contiguous()
+        return self._scaled_payload(s.numel(), rows, k, x2.device,
+                                    lambda stored, flag: ops.scales(s, stored, self.qmax, flag))
+
+    def _scaled_payload(self, groups: int, rows: int, k: int, device: torch.device, make
+                        ) -> tuple[torch.Tensor, int, torch.Tensor] | None:
+        """``(payload, scale bytes, inv)``: a payload whose head ``make(stored, flag)`` fills with the stored
+        scales of ``groups`` groups by a kernel that raises the int32 ``flag`` on NaN/Inf and returns ``inv``
+        (None: the backend has no such kernel); the flag deferred as the encode's check."""
+        nsb = groups * self.scale_dtype.itemsize
+        out = torch.empty(nsb + rows * k * self.bits // 8, dtype=torch.uint8, device=device)
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        inv = make(out[:nsb].view(self.scale_dtype), flag)
         if inv is None:
             return None
         if self.check_finite:
@@ -467,18 +477,12 @@ class QuantCodec(Codec):
         decode steps (the backend's ``scales``); None where the backend has none."""
         if not ops.fuses_scales or self.granularity == "tensor":
             return None
-        nsb = s.numel() * self.scale_dtype.itemsize
-        out = torch.empty(nsb + rows * k * self.bits // 8, dtype=torch.uint8, device=s.device)
-        flag = torch.zeros(1, dtype=torch.int32, device=s.device)
         mul, low, divisor = self._level_terms()
         step = torch.empty(s.numel(), dtype=torch.float32, device=s.device)
-        inv = ops.scales(s.to(torch.float32).contiguous(), out[:nsb].view(self.scale_dtype), self.qmax, flag,
-                         step=step, divisor=divisor)
-        if inv is None:
-            return None
-        if self.check_finite:
-            defer_check(flag, non_finite_message(self.spec))
-        return out, nsb, inv, (mul, low, step)
+        s = s.to(torch.float32).contiguous()
+        made = self._scaled_payload(s.numel(), rows, k, s.device, lambda stored, flag: ops.scales(
+            s, stored, self.qmax, flag, step=step, divisor=divisor))
+        return None if made is None else (*made, (mul, low, step))
 
     def decode_delta(self, packet: Packet, store: kernels.RowStore) -> torch.Tensor | None:
         self.check_packet(packet)
@@ -497,10 +501,7 @@ class QuantCodec(Codec):
             flag = torch.zeros(1, dtype=torch.int32, device=device)
             step = ops.steps(bytes_as(packet.payload[:nsb], self.scale_dtype), divisor, flag)
         if step is not None:  # one launch reads, checks and divides the scales
-            if defers_pending_checks(device):
-                defer_pending_check(flag, self._bad_scales)
-            elif bool(flag):
-                raise self._bad_scales()
+            self._scales_checked(flag)
         else:
             mul, low, step = self._levels(self._checked_scales(packet.payload[:nsb]), torch.float32)
         out = ops.delta_decode_update(
@@ -602,10 +603,7 @@ class QuantCodec(Codec):
             low, divisor, flag)
         if out is None:
             return None
-        if defers_pending_checks(payload.device):
-            defer_pending_check(flag, self._bad_scales)
-        elif bool(flag):
-            raise self._bad_scales()
+        self._scales_checked(flag)
         out = out.view(shape)
         return out if out_dtype == torch.float32 else out.to(out_dtype)
 
@@ -616,11 +614,17 @@ class QuantCodec(Codec):
         its step's end)."""
         scales = bytes_as(raw, self.scale_dtype)
         bad = (~torch.isfinite(scales) | (scales < 0)).any()
-        if defers_pending_checks(scales.device):
+        self._scales_checked(bad)
+        return scales
+
+    def _scales_checked(self, bad: torch.Tensor) -> None:
+        """A decode's check of its received scales (``bad``: nonzero where one is not finite or negative):
+        pending where :func:`~aqsgd.compress.base.defers_pending_checks` (a receiver on a GPU), else read at
+        once."""
+        if defers_pending_checks(bad.device):
             defer_pending_check(bad, self._bad_scales)
         elif bool(bad):
             raise self._bad_scales()
-        return scales
 
     def _bad_scales(self) -> PacketError:
         return PacketError(f"{self.spec}: packet holds invalid (non-finite or negative) scales")

@@ -2,7 +2,8 @@
 its top: it is imported at the kernels' first use, so that importing aqsgd does not import Triton (a second),
 and so that ``TRITON_INTERPRET`` set before that use takes effect. Kernels defined inside a function would see
 ``triton.language`` as a closure variable, which Triton 3.2 (PyTorch 2.6's) does not resolve when it compiles
-for a GPU: they would run under the interpreter and fail on the device.
+for a GPU: they would run under the interpreter and fail on the device. Helpers (``_stored_scale``, ``_inv``)
+are ``@triton.jit`` functions here too, called from the kernels and inlined.
 
 No ``from __future__ import annotations`` here: Triton reads each ``tl.constexpr`` annotation as an object.
 What each kernel computes, and why its bytes equal the other backends', is said in
@@ -12,31 +13,41 @@ What each kernel computes, and why its bytes equal the other backends', is said 
 import triton
 import triton.language as tl
 
-# The stored scale of each group from its scale ``s`` (fp32, >= 0 or NaN): rounded up to fp16 (clamped to
-# 65504; ``HALF``) or kept as fp32, into ``stored_ptr``; ``qmax / (2 * stored)`` (0 for a zero scale) into
-# ``inv_ptr``; the flag at ``flag_ptr`` raised where a scale is NaN or Inf. The same operations in the
-# same order as ``QuantCodec._scale_steps`` (``store_scales``, then ``reciprocal(2 * sf) * qmax``, each
-# correctly rounded), so the same bits. Written out in each kernel that ends with it: a helper would be a
-# closure here, which not every Triton version compiles.
 @triton.jit
-def scales(s_ptr, stored_ptr, inv_ptr, step_ptr, flag_ptr, G, qmax, divisor, HALF: tl.constexpr,
-           STEP: tl.constexpr, BLOCK: tl.constexpr):
-    """With ``STEP``, also each group's decode step ``stored / divisor`` (correctly rounded, as ``divided``)
-    into ``step_ptr``: what AQ-SGD's sender adds to its cache."""
-    g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    gmask = g < G
-    s = tl.load(s_ptr + g, mask=gmask, other=0.0)
+def _stored_scale(s, idx, mask, stored_ptr, flag_ptr, HALF: tl.constexpr):
+    """The stored scale of each group from its scale ``s`` (fp32, >= 0 or NaN): rounded up to fp16 (clamped to
+    65504; ``HALF``) or kept as fp32, written to ``stored_ptr + idx``, returned as fp32; the flag at
+    ``flag_ptr`` raised where a scale is NaN or Inf. ``store_scales``'s operations in its order: the same
+    bits. (A helper of the kernels below: Triton inlines it.)"""
     tl.atomic_max(flag_ptr, tl.max(((s != s) | (s == float("inf"))).to(tl.int32), axis=0))
     if HALF:
         c = tl.where(s > 65504.0, 65504.0, s)
         h = c.to(tl.float16)
         h = tl.where(h.to(tl.float32) < c, (h.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), h)
-        tl.store(stored_ptr + g, h, mask=gmask)
-        sf = h.to(tl.float32)
+        tl.store(stored_ptr + idx, h, mask=mask)
+        return h.to(tl.float32)
     else:
-        tl.store(stored_ptr + g, s, mask=gmask)
-        sf = s
-    tl.store(inv_ptr + g, tl.where(sf > 0, tl.math.div_rn(1.0, 2.0 * sf) * qmax, 0.0), mask=gmask)
+        tl.store(stored_ptr + idx, s, mask=mask)
+        return s
+
+
+@triton.jit
+def _inv(sf, qmax):
+    """``qmax / (2 * stored)``, 0 for a zero scale: ``reciprocal(2 * sf) * qmax``, each step correctly
+    rounded, as ``QuantCodec._scale_steps`` computes it."""
+    return tl.where(sf > 0, tl.math.div_rn(1.0, 2.0 * sf) * qmax, 0.0)
+
+
+@triton.jit
+def scales(s_ptr, stored_ptr, inv_ptr, step_ptr, flag_ptr, G, qmax, divisor, HALF: tl.constexpr,
+           STEP: tl.constexpr, BLOCK: tl.constexpr):
+    """Each group's stored scale and ``inv`` from given scales (``_stored_scale``, ``_inv``); with ``STEP``,
+    also its decode step ``stored / divisor`` (correctly rounded, as ``divided``) into ``step_ptr``: what
+    AQ-SGD's sender adds to its cache."""
+    g = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    gmask = g < G
+    sf = _stored_scale(tl.load(s_ptr + g, mask=gmask, other=0.0), g, gmask, stored_ptr, flag_ptr, HALF)
+    tl.store(inv_ptr + g, _inv(sf, qmax), mask=gmask)
     if STEP:
         tl.store(step_ptr + g, tl.math.div_rn(sf, divisor), mask=gmask)
 
@@ -55,8 +66,8 @@ def steps(stored_ptr, step_ptr, flag_ptr, G, divisor, BLOCK: tl.constexpr):
 @triton.jit
 def rowmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexpr, HALF: tl.constexpr,
            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Each row's max |x| into ``out_ptr``; with ``SCALES``, its stored scale and ``inv`` instead (see
-    ``scales``: ``out_ptr`` takes ``inv``)."""
+    """Each row's max |x| into ``out_ptr``; with ``SCALES``, its stored scale into ``stored_ptr`` and its
+    ``inv`` into ``out_ptr`` instead."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     best = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -69,20 +80,9 @@ def rowmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexp
         best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=1))
     best = tl.where(nans > 0, float("nan"), best)
     if SCALES:
-        tl.atomic_max(flag_ptr, tl.max(((best != best) | (best == float("inf"))).to(tl.int32), axis=0))
-        if HALF:
-            c = tl.where(best > 65504.0, 65504.0, best)
-            h = c.to(tl.float16)
-            h = tl.where(h.to(tl.float32) < c,
-                         (h.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), h)
-            tl.store(stored_ptr + rows, h, mask=rmask)
-            sf = h.to(tl.float32)
-        else:
-            tl.store(stored_ptr + rows, best, mask=rmask)
-            sf = best
-        tl.store(out_ptr + rows, tl.where(sf > 0, tl.math.div_rn(1.0, 2.0 * sf) * qmax, 0.0), mask=rmask)
-    else:
-        tl.store(out_ptr + rows, best, mask=rmask)
+        best = _inv(_stored_scale(best, rows, rmask, stored_ptr, flag_ptr, HALF), qmax)
+    tl.store(out_ptr + rows, best, mask=rmask)
+
 
 @triton.jit
 def colmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexpr, HALF: tl.constexpr,
@@ -100,20 +100,9 @@ def colmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexp
         best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=0))
     best = tl.where(nans > 0, float("nan"), best)
     if SCALES:
-        tl.atomic_max(flag_ptr, tl.max(((best != best) | (best == float("inf"))).to(tl.int32), axis=0))
-        if HALF:
-            c = tl.where(best > 65504.0, 65504.0, best)
-            h = c.to(tl.float16)
-            h = tl.where(h.to(tl.float32) < c,
-                         (h.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), h)
-            tl.store(stored_ptr + cols, h, mask=cmask)
-            sf = h.to(tl.float32)
-        else:
-            tl.store(stored_ptr + cols, best, mask=cmask)
-            sf = best
-        tl.store(out_ptr + cols, tl.where(sf > 0, tl.math.div_rn(1.0, 2.0 * sf) * qmax, 0.0), mask=cmask)
-    else:
-        tl.store(out_ptr + cols, best, mask=cmask)
+        best = _inv(_stored_scale(best, cols, cmask, stored_ptr, flag_ptr, HALF), qmax)
+    tl.store(out_ptr + cols, best, mask=cmask)
+
 
 @triton.jit
 def quant_pack(x_ptr, inv_ptr, noise_ptr, out_ptr, R, K, offset, qmax, BY_COL: tl.constexpr,
