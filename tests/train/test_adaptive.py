@@ -12,36 +12,48 @@ from safetensors.torch import load_file
 
 from aqsgd.cli import main
 from aqsgd.errors import SpecError
-from aqsgd.train.adaptive import BITS, PATIENCE, LinkPolicy, parse_auto
+from aqsgd.train.adaptive import BITS, ERROR_MARGIN, MAX_ERROR, PATIENCE, LinkPolicy, parse_auto, probe_keys
 from aqsgd.train.config import TrainConfig
 
 RAW = 40_000.0  # fp32 bytes per step of each direction (one micro-batch)
 
 
 def _stats(sent: list[float], mbit: list[float], compute_s: float, overhead: float = 100.0,
-           step_s: float | None = None) -> list[dict[str, float]]:
+           step_s: float | None = None, errors: list[list[float]] | None = None,
+           per_message_s: float = 0.0) -> list[dict[str, float]]:
     """One step of a 2-stage pipeline (one boundary): the codec bytes ``sent`` of each direction, its forward
     link at ``mbit[0]`` Mbit/s and its backward one at ``mbit[1]``, ``overhead`` wire bytes besides them, the
-    step ``step_s`` long (default: long enough that the fill-and-drain rule never binds)."""
+    step ``step_s`` long (default: long enough that the fill-and-drain rule never binds); ``errors``: the
+    relative error of every rung of each direction's ladder, as its sender's probe measured it (none: no
+    probe); ``per_message_s``: what each message costs on top of its bits."""
     rows = []
     for stage, key in ((0, "fw"), (1, "bw")):
         wire = sent[stage] + overhead
         row = {f"{k}_{f}": 0.0 for k in ("fw", "bw") for f in ("raw", "bytes", "wire_bytes", "busy_s")}
         row.update(in_fw_held_s=0.0, in_bw_held_s=0.0, step_s=100 * compute_s if step_s is None else step_s)
+        busy = 8 * wire / (1e6 * mbit[stage]) + per_message_s
         row.update({"compute_s": compute_s, f"{key}_raw": RAW, f"{key}_bytes": sent[stage],
-                    f"{key}_wire_bytes": wire, f"{key}_busy_s": 8 * wire / (1e6 * mbit[stage])})
+                    f"{key}_wire_bytes": wire, f"{key}_busy_s": busy})
+        if errors is not None and errors[stage]:
+            keys = probe_keys("forward" if key == "fw" else "backward")
+            norm2 = 4.0  # any: the rule reads sqrt(err2 / norm2)
+            row.update({k: e * e * norm2 for k, e in zip(keys, errors[stage])}, **{keys[-1]: norm2})
         rows.append(row)
     return rows
 
 
 def _run(policy: LinkPolicy, steps: int, mbit: list[float], compute_s: float,
-         step_s: float | None = None, fills: int = 1) -> list[dict[str, str]]:
+         step_s: float | None = None, fills: int = 1, errors: list[list[float]] | None = None,
+         per_message_s: float = 0.0, compressed: bool = True) -> list[dict[str, str]]:
     out = []
     for _ in range(steps):
         specs = policy.specs()
-        sent = [RAW * BITS[specs[n].split(":", 1)[1]] / 32 if n in specs else RAW / 2
+        sent = [RAW * BITS[specs[n].split(":", 1)[1]] / 32 if n in specs and compressed else RAW / 2
                 for n in ("b0.forward", "b0.backward")]
-        policy.step(_stats(sent, mbit, compute_s, step_s=step_s), 1, compressed=True, fills=fills)
+        if not compressed:  # the warm-up sends fp32
+            sent = [RAW, RAW]
+        policy.step(_stats(sent, mbit, compute_s, step_s=step_s, errors=errors, per_message_s=per_message_s),
+                    1, compressed=compressed, fills=fills)
         out.append(policy.specs())
     return out
 
@@ -73,6 +85,100 @@ def test_the_floor_is_never_passed():
     assert _run(policy, 5, mbit=[0.1, 100.0], compute_s=0.05)[-1] == {"b0.forward": "delta:q8"}
 
 
+def test_a_per_message_cost_is_told_apart_from_bandwidth():
+    # 1 Gbit/s, but every message costs 20 ms whatever its size (a message waiting for a busy core, a long
+    # round trip), over 15 ms of compute per micro-batch: no level fits, and fewer bits would save 0.3 ms of
+    # 20. Once messages of two sizes were seen (the warm-up's fp32, then fp16) the link stays at fp16.
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
+    _run(policy, 4, mbit=[1000.0, 1000.0], compute_s=0.015, per_message_s=0.02, compressed=False)
+    history = _run(policy, 8, mbit=[1000.0, 1000.0], compute_s=0.015, per_message_s=0.02)
+    assert {h["b0.forward"] for h in history} == {"delta:fp16"}, history
+    assert policy.links["b0.forward"].per_message == pytest.approx(0.02, rel=0.02)
+    # the same time per message from bandwidth alone (0.64 Mbit/s: 20 KB in 0.25 s): fewer bits do save it
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
+    _run(policy, 4, mbit=[0.64, 1000.0], compute_s=0.015, compressed=False)
+    history = _run(policy, 8, mbit=[0.64, 1000.0], compute_s=0.015)
+    assert history[-1]["b0.forward"] == "delta:q2:l2" and policy.links["b0.forward"].per_message < 1e-3
+    # messages all of one size cannot tell the two apart: the whole time is taken as bandwidth (q8 would
+    # halve it) until the change of level shows that the sizes differ and the time does not: back to fp16,
+    # and it stays
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
+    levels = [h["b0.forward"] for h in _run(policy, 10, mbit=[1000.0, 1000.0], compute_s=0.015,
+                                            per_message_s=0.02)]
+    assert levels[:3] == ["delta:fp16", "delta:q8", "delta:fp16"], levels
+    assert levels[2:] == ["delta:fp16"] * 8, levels
+
+
+def test_a_link_that_slows_down_is_not_read_as_a_per_message_cost():
+    # 200 Mbit/s, then 0.5 Mbit/s: the messages got smaller (the link was compressed) while their time grew;
+    # mixed in one regression that would read as a large cost per message and no cost per bit. The change
+    # restarts the regression: the slow link goes where a policy that only knew it slow puts it.
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
+    _run(policy, 4, mbit=[200.0, 1000.0], compute_s=0.015, compressed=False)
+    _run(policy, 6, mbit=[200.0, 1000.0], compute_s=0.015)
+    slow = _run(policy, 6, mbit=[0.5, 1000.0], compute_s=0.015)
+    fresh = LinkPolicy(1, parse_auto("auto", "forward"), None)
+    assert slow[-1] == _run(fresh, 6, mbit=[0.5, 1000.0], compute_s=0.015)[-1]
+    assert slow[-1] == {"b0.forward": "delta:q2:l2"}
+    assert policy.links["b0.forward"].per_message < 1e-3
+
+
+# relative errors of each rung as a probe might measure them: activations fp16 q8 q4 q3 q2:l2 (AQ-SGD's
+# delta, relative to the activation), gradients bf16 q8 q6 q4
+FW_ERRORS = [0.0002, 0.006, 0.06, 0.15, 0.3]
+BW_ERRORS = [0.002, 0.018, 0.07, 0.2]
+
+
+def test_no_level_over_the_error_budget_however_slow_the_link():
+    # 0.1 Mbit/s: only the floor would do for time, but q3 and q2:l2 make more than 10 % error (the default
+    # budget), and so does the gradients' q4: the links stop at q4 and q6
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
+    history = _run(policy, 5, mbit=[0.1, 0.1], compute_s=0.05, errors=[FW_ERRORS, BW_ERRORS])
+    assert history[-1] == {"b0.forward": "delta:q4", "b0.backward": "direct:q6"}
+    assert policy.describe()["b0.forward"]["error"] == pytest.approx(0.06)
+    # without a budget (err=none) the floors, as before; a budget of 1 % keeps q8 and bf16
+    for spec, expected in (("auto:err=none", ("delta:q2:l2", "direct:q4")),
+                           ("auto:err=0.01", ("delta:q8", "direct:bf16"))):
+        policy = LinkPolicy(1, parse_auto(spec, "forward"), parse_auto(spec, "backward"))
+        history = _run(policy, 5, mbit=[0.1, 0.1], compute_s=0.05, errors=[FW_ERRORS, BW_ERRORS])
+        assert tuple(history[-1].values()) == expected, spec
+    # nothing probed (an uncompressed warm-up of new samples): the time rule alone
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
+    assert _run(policy, 5, mbit=[0.1, 100.0], compute_s=0.05)[-1] == {"b0.forward": "delta:q2:l2"}
+
+
+def test_the_budget_follows_the_errors_as_they_change():
+    # AQ-SGD's delta shrinks as training settles: q3's error falls from 15 % to 5 %, then grows again
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
+    coarse = _run(policy, 3, mbit=[0.1, 100.0], compute_s=0.05, errors=[FW_ERRORS, []])
+    assert coarse[-1]["b0.forward"] == "delta:q4"
+    fine = [e / 3 for e in FW_ERRORS]  # q3 0.05, q2:l2 0.1: q3 within the budget, q2:l2 not
+    levels = [h["b0.forward"] for h in _run(policy, 8, mbit=[0.1, 100.0], compute_s=0.05, errors=[fine, []])]
+    assert levels[-1] == "delta:q3", levels
+    # errors are exponential means: a rung is taken once its mean is ERROR_MARGIN under the budget
+    assert levels[0] == "delta:q4" and levels.index("delta:q3") >= 1, levels
+    # q3's error rises back to 15 %: the link returns to q4 as soon as the mean is over the budget (the
+    # second step: 5 % -> 9.2 % -> 11.3 %), with no patience (quality first)
+    levels = [h["b0.forward"] for h in _run(policy, 3, mbit=[0.1, 100.0], compute_s=0.05,
+                                            errors=[FW_ERRORS, []])]
+    assert levels == ["delta:q3", "delta:q4", "delta:q4"], levels
+
+
+def test_a_rung_near_the_budget_does_not_flap():
+    # q3's error wanders between 8.5 % and 11.5 % around the 10 % budget: once at q4 (error over the budget),
+    # it only goes back to q3 when the mean is under ERROR_MARGIN x 10 %, which this noise never reaches
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
+    rng = random.Random(1)
+    history = []
+    for _ in range(40):
+        e = rng.uniform(0.085, 0.115)
+        history += _run(policy, 1, mbit=[0.1, 100.0], compute_s=0.05,
+                        errors=[[0.0002, 0.004, 0.04, e, 2 * e], []])
+    levels = [h["b0.forward"] for h in history]
+    assert sum(a != b for a, b in zip(levels, levels[1:])) <= 2, levels
+    assert ERROR_MARGIN * MAX_ERROR < 0.085
+
+
 def test_less_compression_only_after_room_for_several_steps_and_no_flapping_on_noise():
     policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
     assert _run(policy, 4, mbit=[1.0, 100.0], compute_s=0.05)[-1]["b0.forward"] == "delta:q4"
@@ -102,6 +208,15 @@ def test_auto_options_are_checked():
     with pytest.raises(SpecError, match="--backward: auto:q2: the floor must be one of the backward ladder"):
         TrainConfig.of(runtime="distributed", backward="auto:q2").validate()
     TrainConfig.of(runtime="distributed", forward="auto:q3", backward="auto").validate()
+    for bad in ("auto:err=2", "auto:err=0", "auto:err=x", "auto:q3:err="):
+        with pytest.raises(SpecError, match=f"--forward: {bad}: err= takes a relative error in"):
+            TrainConfig.of(runtime="distributed", forward=bad).validate()
+    with pytest.raises(ValueError, match="autox:err=0.1: expected auto"):
+        parse_auto("autox:err=0.1", "forward")
+    assert parse_auto("auto:q3:err=0.05", "forward").max_error == 0.05
+    assert parse_auto("auto:q2:l2:err=none", "forward").max_error is None
+    assert parse_auto("auto:q2:l2", "forward").ladder[-1] == "q2:l2"
+    assert parse_auto("auto", "backward").max_error == MAX_ERROR
 
 
 def test_a_link_that_only_its_receiver_sees_slow_is_compressed_too():

@@ -207,6 +207,7 @@ class StageRunner:
         self.ranks = list(rank_of_stage) if rank_of_stage is not None else list(range(num_stages))
         self.schemes: dict[SchemeKey, BoundaryScheme] = {}
         self._built_for: dict[SchemeKey, dict[str, Any]] = {}  # the shape and dtype each scheme was built for
+        self.probes: dict[tuple[int, int], list[str]] = {}  # (boundary, channel) -> codecs (set_probe)
         self.stats = StepStats()
         self.kept_logits: dict[int, torch.Tensor] = {}
         self.pending_checks = PendingChecks()  # the checks of this step's receives left on the device
@@ -254,11 +255,21 @@ class StageRunner:
             if kb == b and kc == channel:
                 scheme.set_codec(d.codec)
 
+    def set_probe(self, b: int, channel: int, codecs: Sequence[str] | None) -> None:
+        """The sender of one direction of boundary ``b`` measures each of ``codecs``' error once per step
+        (:meth:`~aqsgd.schemes.base.BoundaryScheme.set_probe`): now if it is built, else when it is."""
+        self.probes[(b, channel)] = list(codecs or ())
+        scheme = self.schemes.get((b, channel, "sender"))
+        if scheme is not None:
+            scheme.set_probe(self.probes[(b, channel)])
+
     def _scheme(self, key: SchemeKey, shape: tuple[int, ...], dtype: torch.dtype) -> BoundaryScheme:
         if key not in self.schemes:
             b, channel, side = key
             self.schemes[key] = self.compression.make(b, channel, side, row_shape=tuple(shape[1:]),
                                                       dtype=dtype, device=self.device, replica=self.replica)
+            if side == "sender" and (b, channel) in self.probes:
+                self.schemes[key].set_probe(self.probes[(b, channel)])
             self._built_for[key] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
         return self.schemes[key]
 

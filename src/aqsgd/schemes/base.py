@@ -120,6 +120,41 @@ class BoundaryScheme(abc.ABC):
         self.seed = seed
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self._probe: list[Codec] = []  # see set_probe
+        self._probe_sums: torch.Tensor | None = None
+
+    # -- error probe ---------------------------------------------------------------------------------
+    def set_probe(self, codecs: Sequence[Codec | str] | None) -> None:
+        """Measure, on every sender message of slot 0 (one per step), the relative error each of ``codecs``
+        would make on what this scheme sends: ``||x - x_hat||^2`` and ``||x||^2``, summed on the device until
+        :meth:`take_probe` (the bits chosen per link read it once per step, :mod:`aqsgd.train.adaptive`).
+        ``x_hat`` is what the receiver would compute with: ``C(x)`` (``direct``), ``m + C(x - m)`` (AQ-SGD).
+        None or empty: no probe."""
+        self._probe = [make_codec(c) if isinstance(c, str) else c for c in codecs or ()]
+        self._probe_sums = None
+
+    def take_probe(self) -> tuple[list[float], float] | None:
+        """The probe's sums since the last call (each codec's squared error, and the squared norm), or None
+        if nothing was probed; resets them."""
+        sums, self._probe_sums = self._probe_sums, None
+        if sums is None:
+            return None
+        values = sums.tolist()  # the one host read, at the step's end
+        return values[:-1], values[-1]
+
+    def _probing(self, slot: int) -> bool:
+        return bool(self._probe) and slot == 0
+
+    def _measure(self, d: torch.Tensor, x: torch.Tensor) -> None:
+        """Add each probe codec's ``||d - C(d)||^2`` and ``||x||^2``: ``d`` is what the codec encodes, ``x``
+        the tensor the receiver reconstructs (``x - x_hat = d - C(d)``, for AQ-SGD's delta as for ``direct``).
+        No host synchronisation."""
+        with torch.no_grad():
+            d32 = d.float()
+            parts = [(d32 - c.decode(c.encode(d)).float()).square().sum() for c in self._probe]
+            parts.append(x.float().square().sum())
+            sums = torch.stack(parts).to(torch.float64)
+        self._probe_sums = sums if self._probe_sums is None else self._probe_sums + sums
 
     # -- public API ----------------------------------------------------------------------------------
     def send(self, x: torch.Tensor, sample_ids: torch.Tensor | Sequence[int] | None = None, *,

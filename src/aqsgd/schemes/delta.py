@@ -52,6 +52,8 @@ class DeltaScheme(BoundaryScheme):
     def _send(self, x: torch.Tensor, ids: torch.Tensor | None, phase: Phase, slot: int) -> list[Packet]:
         assert ids is not None
         if phase == Phase.WARMUP:
+            if self._probing(slot):  # no row is cached yet: the delta against an empty cache, x itself
+                self._measure(x, x)
             self.cache.put(ids, x)
             return [self._tagged(self.raw.encode(x), 0, Kind.RAW)]
         seen, new = self._split(ids)
@@ -62,7 +64,7 @@ class DeltaScheme(BoundaryScheme):
             whole = seen.numel() == ids.numel()
             sid = ids if whole else ids[seen]
             xs = x if whole else x[index_on(seen, x.device)]
-            packet = self._send_delta(xs, sid)
+            packet = self._send_delta(xs, sid, probe=self._probing(slot))
             packets.append(self._tagged(packet, 0, Kind.DELTA))
         if new.numel():
             whole = new.numel() == ids.numel()
@@ -103,16 +105,21 @@ class DeltaScheme(BoundaryScheme):
             out[index_on(idx, out.device)] = rows.to(out.dtype)
         return out
 
-    def _send_delta(self, x: torch.Tensor, ids: torch.Tensor) -> Packet:
+    def _send_delta(self, x: torch.Tensor, ids: torch.Tensor, *, probe: bool = False) -> Packet:
         """``C(x - m)``, and ``m <- m + decode(C(x - m))``: in one fused pass over the cache's rows where the
         codec and the cache allow it (an in-memory cache on the CPU, a ``q<b>`` codec), else step by step.
-        Both give the same packet and the same rows, bit for bit."""
+        Both give the same packet and the same rows, bit for bit. ``probe``: measure the probe codecs on
+        ``x - m`` first (:meth:`set_probe`)."""
+        m = self.cache.get(ids) if probe else None  # read once: a disk cache's prefetch serves one read
+        if m is not None:
+            self._measure(x.to(m.dtype) - m, x)
         store = self.cache.row_store(ids)
         if store is not None:
             packet = self.codec.encode_delta(x, store)
             if packet is not None:
                 return packet
-        m = self.cache.get(ids)
+        if m is None:
+            m = self.cache.get(ids)
         packet = self.codec.encode(x.to(m.dtype) - m, generator=self.generator)
         self.cache.put(ids, m + self.codec.decode(packet))
         return packet

@@ -14,6 +14,8 @@ class DirectScheme(BoundaryScheme):
     name = "direct"
 
     def _send(self, x: torch.Tensor, ids: torch.Tensor | None, phase: Phase, slot: int) -> list[Packet]:
+        if self._probing(slot):
+            self._measure(x, x)
         if phase == Phase.WARMUP:
             return [self._tagged(self.raw.encode(x), 0, Kind.RAW)]
         return [self._tagged(self.codec.encode(x, generator=self.generator), 0, Kind.DIRECT)]

@@ -12,7 +12,20 @@ activations, not codes):
   which then stopped at step 79 when the cast overflowed; bf16 has fp32's range, the quantized rungs a scale
   per group.
 
-``auto:q3`` stops the ladder at q3 (the quality floor: never fewer bits than that).
+``auto:q3`` stops the ladder at q3 (the quality floor: never fewer bits than that), and ``auto:err=E`` sets
+the error budget (below; default :data:`MAX_ERROR`, ``err=none`` for none); both: ``auto:q3:err=0.05``.
+
+**The error budget.** Fewer bits cost progress per step, which seconds alone do not show (in ``aqsgd bench
+adaptive`` a fixed q3 stepped 3 % faster than q4 and reached the target loss 34 % later). So every auto
+link's sender probes, on the first micro-batch of every step, what each rung of its ladder would make of the
+tensor it sends (:meth:`~aqsgd.schemes.base.BoundaryScheme.set_probe`): the relative error
+``||x - x_hat|| / ||x||`` of the tensor the receiver would compute with (for AQ-SGD ``x_hat = m + C(x - m)``,
+so the error is the delta's, which shrinks as training settles; in the uncompressed warm-up, where nothing is
+cached yet, the activation's own, an upper bound). A level whose error (an exponential mean over steps, as the
+other inputs) is over the budget is never chosen: the link's floor is the level before the first rung over it.
+Going to more compression than now needs the rung's error under :data:`ERROR_MARGIN` times the budget, so
+that a rung near the budget does not flap; going back up when the error rises takes no patience. Before
+anything is probed the time rule alone applies.
 
 The rule, after every step, for each link (boundary and direction), with ``t(L)`` the time one micro-batch's
 tensor takes on the link at level ``L``::
@@ -31,7 +44,7 @@ linear in): a link that becomes 100 times slower weighs at once (one slow step m
 A link that keeps up with the compute still costs time: the first micro-batch of every pipeline pass crosses
 every boundary before the last stage can start, and the last one's gradients cross them all again, so each
 link's ``t(L)`` is on the step's critical path once per pass whatever the overlap (the pipeline's fill and
-drain). A level *fits* when both hold::
+drain). A level *fits* when both hold (``floor``: the link's floor, the error budget's)::
 
     t(L) <= budget
     fills * (t(L) - t(floor)) <= TOLERANCE * step / links
@@ -42,10 +55,10 @@ more bits than their floors. (Without the second rule, measured by ``aqsgd bench
 kept 8-16 bits where the link allowed it and reached the target loss 1.08-1.14x later than the best fixed
 rung.)
 
-The level goes at once to the least compressed ``L`` that fits when the current one no longer does (the
-floor if none does), and back up to less compression only after :data:`PATIENCE` steps in a row in which a
-level fits with margin, both rules with their right-hand sides times ``UP_MARGIN`` (hysteresis: a link near
-the edge, or a noisy measurement, does not make it flip every step).
+The level goes at once to the least compressed ``L`` that fits when the current one no longer fits or is
+over the error budget (the floor if none fits), and back up to less compression only after :data:`PATIENCE`
+steps in a row in which a level fits with margin, both rules with their right-hand sides times ``UP_MARGIN``
+(hysteresis: a link near the edge, or a noisy measurement, does not make it flip every step).
 
 Every input is a sum all-reduced over the run's processes (the trainer's per-step statistics), so every
 process computes the same levels at the same step, and the sender and the receiver of a link switch together
@@ -55,10 +68,12 @@ at a step boundary, before the next step's first packet.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "is_auto", "link_seconds", "parse_auto"]
+__all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "is_auto", "link_seconds", "parse_auto", "probe_keys",
+           "probe_row"]
 
 LADDERS: dict[str, tuple[str, ...]] = {
     "forward": ("fp16", "q8", "q4", "q3", "q2:l2"),
@@ -67,9 +82,13 @@ LADDERS: dict[str, tuple[str, ...]] = {
 SCHEMES = {"forward": "delta", "backward": "direct"}
 BITS = {"fp16": 16.0, "bf16": 16.0, "q8": 8.0, "q6": 6.0, "q4": 4.0, "q3": 3.0, "q2:l2": 2.0}
 UP_MARGIN = 0.7
+MAX_ERROR = 0.1  # the default error budget: a level's relative error at most this
+ERROR_MARGIN = 0.8  # a more compressed level is taken only with its error this far under the budget
 TOLERANCE = 0.05  # the share of the step that all auto links together may spend above their floors
 PATIENCE = 3  # steps in a row that must leave room before a link takes fewer compression
 SMOOTHING = 0.3  # weight of the newest step in the exponential means
+REGRESSION_SMOOTHING = 0.1  # ... in the per-message regression's, which needs the sizes of several levels
+SIZE_SPREAD = 0.1  # the relative spread of message sizes below which the regression is not trusted
 
 
 def link_seconds(sent_busy_s: float, held_back_s: float) -> float:
@@ -87,10 +106,11 @@ def is_auto(spec: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class AutoSpec:
-    """One direction's ladder, from ``auto`` or ``auto:FLOOR``."""
+    """One direction's ladder and error budget, from ``auto[:FLOOR][:err=E]``."""
 
     direction: str
     ladder: tuple[str, ...]
+    max_error: float | None = MAX_ERROR  # the largest relative error a level may make (None: no budget)
 
     @property
     def scheme(self) -> str:
@@ -102,15 +122,49 @@ class AutoSpec:
 
 
 def parse_auto(text: str, direction: str) -> AutoSpec:
-    """``auto`` or ``auto:FLOOR`` (FLOOR one of the direction's ladder); ValueError naming the choices."""
+    """``auto``, ``auto:FLOOR`` (FLOOR one of the direction's ladder), either followed by ``:err=E`` (the
+    error budget, a relative error in (0, 1), or ``none``); ValueError naming the bad part."""
     ladder = LADDERS[direction]
-    _, _, floor = text.partition(":")
+    rest, sep, err = text.partition(":err=")
+    max_error: float | None = MAX_ERROR
+    if sep:
+        if err == "none":
+            max_error = None
+        else:
+            try:
+                max_error = float(err)
+            except ValueError:
+                max_error = math.nan
+            if not 0 < max_error < 1:
+                raise ValueError(f"{text}: err= takes a relative error in (0, 1), such as 0.1, or none; "
+                                 f"got {err!r}")
+    head, _, floor = rest.partition(":")
+    if head != "auto":
+        raise ValueError(f"{text}: expected auto, auto:FLOOR or either with :err=E")
     if not floor:
-        return AutoSpec(direction, ladder)
+        return AutoSpec(direction, ladder, max_error)
     if floor not in ladder:
         raise ValueError(f"auto:{floor}: the floor must be one of the {direction} ladder "
                          f"{', '.join(ladder)}")
-    return AutoSpec(direction, ladder[: ladder.index(floor) + 1])
+    return AutoSpec(direction, ladder[: ladder.index(floor) + 1], max_error)
+
+
+def probe_keys(direction: str) -> tuple[str, ...]:
+    """The per-stage statistics of a sender's error probe of ``direction`` (``forward``/``backward``): each
+    rung's summed squared error, then the summed squared norm (:meth:`BoundaryScheme.set_probe`)."""
+    d = "fw" if direction == "forward" else "bw"
+    return (*(f"{d}_err2_{i}" for i in range(len(LADDERS[direction]))), f"{d}_norm2")
+
+
+def probe_row(probe: tuple[list[float], float] | None, direction: str) -> list[float]:
+    """One sender's :meth:`~aqsgd.schemes.base.BoundaryScheme.take_probe` as the values of
+    :func:`probe_keys` (zeros where nothing was probed or a floor shortened the ladder)."""
+    row = [0.0] * len(probe_keys(direction))
+    if probe is not None:
+        errs, norm2 = probe
+        row[: len(errs)] = errs
+        row[-1] = norm2
+    return row
 
 
 @dataclasses.dataclass
@@ -121,6 +175,32 @@ class _Link:
     fixed: float | None = None  # wire bytes per micro-batch besides the codec's payload
     payload: float | None = None  # the codec's bytes per micro-batch at the current level
     roomy: int = 0  # steps in a row in which a less compressed level fitted with margin
+    # exponential means over steps of 1, x, y, x^2, xy with x a message's wire bits and y its busy seconds:
+    # the regression y = per_message + x * seconds_per_bit that tells a per-message cost from bandwidth
+    moments: list[float] | None = None
+    per_message: float = 0.0  # seconds each message costs whatever its size, as last told apart
+    err2: list[float] | None = None  # each rung's squared error on the probed messages (exponential means)
+    norm2: float | None = None  # ... and the squared norm of what they carried
+
+    def error(self, level: int) -> float | None:
+        """The relative error ``||x - x_hat|| / ||x||`` the rung ``level`` makes on this link, as probed."""
+        if self.err2 is None or not self.norm2:
+            return None
+        return math.sqrt(self.err2[level] / self.norm2)
+
+    def floor(self) -> int:
+        """The most compressed level within the error budget: the one before the first rung whose error is
+        over it (taking more compression than the current level needs its error under ``ERROR_MARGIN`` times
+        the budget). The ladder's last level while nothing is probed or there is no budget."""
+        budget = self.auto.max_error
+        last = len(self.auto.ladder) - 1
+        if budget is None or self.err2 is None:
+            return last
+        for level in range(1, last + 1):
+            err = self.error(level)
+            if err is not None and err > budget * (1.0 if level <= self.level else ERROR_MARGIN):
+                return level - 1
+        return last
 
 
 class LinkPolicy:
@@ -178,9 +258,16 @@ class LinkPolicy:
             if wire <= 0 or busy <= 0 or raw <= 0 or sent <= 0:
                 continue
             bits = BITS[link.auto.ladder[link.level]]
-            link.seconds_per_bit = _smooth(link.seconds_per_bit, busy / (8.0 * wire))
+            before = link.per_message
+            _regress(link, 8.0 * wire / n, busy / n)
+            if abs(link.per_message - before) > 0.1 * busy / n:  # newly told apart: the mean of seconds
+                link.seconds_per_bit = None  # per bit held it, and restarts from this step
+            # the seconds per bit besides the messages' per-message cost (all of it while that is unknown)
+            bandwidth_s = max(busy - n * link.per_message, 0.0) or busy
+            link.seconds_per_bit = _smooth(link.seconds_per_bit, bandwidth_s / (8.0 * wire))
             link.fixed = _smooth(link.fixed, max(wire - sent, 0.0) / n)
             link.payload = _smooth(link.payload, (sent if compressed else raw * bits / 32.0) / n)
+            self._probed(link, st, link.auto.direction)
             new = self._choose(link, bits)
             if new != link.level:
                 # the payload scales with the bits: what the new level will send, until it is measured
@@ -189,12 +276,24 @@ class LinkPolicy:
                 changes[name] = link.auto.spec(new)
         return changes
 
+    @staticmethod
+    def _probed(link: _Link, stats: Mapping[str, float], direction: str) -> None:
+        """Take the step's error probe of the link's sender (``stats``: its stage's row), if it made one."""
+        keys = probe_keys(direction)
+        norm2 = float(stats.get(keys[-1], 0.0))
+        if norm2 <= 0:
+            return
+        err2 = [float(stats[k]) for k in keys[: len(link.auto.ladder)]]
+        old = link.err2 or err2
+        link.err2 = [_smooth(o, e) for o, e in zip(old, err2)]
+        link.norm2 = _smooth(link.norm2, norm2)
+
     def _choose(self, link: _Link, bits: float) -> int:
         def seconds(level: int) -> float:
             nbytes = link.fixed + link.payload * BITS[link.auto.ladder[level]] / bits  # type: ignore[operator]
-            return 8.0 * nbytes * link.seconds_per_bit  # type: ignore[operator]
+            return link.per_message + 8.0 * nbytes * link.seconds_per_bit  # type: ignore[operator]
 
-        levels = range(len(link.auto.ladder))
+        levels = range(link.floor() + 1)  # the rungs within the error budget
         budget = self.budget or 0.0
         share = TOLERANCE * (self.step_s or 0.0) / max(len(self.links), 1)
         floor = seconds(levels[-1])
@@ -203,17 +302,46 @@ class LinkPolicy:
             return (seconds(level) <= margin * budget
                     and self.fills * (seconds(level) - floor) <= margin * share)
 
-        if not fits(link.level):  # too slow now: the least compression that fits, or the floor
-            return next((lv for lv in levels if fits(lv)), levels[-1])
+        if link.level not in levels or not fits(link.level):  # too slow or too coarse now: the least
+            # compression that fits, or, if none does, the least compression within 5 % of the fastest
+            # level's time (the floor, unless a per-message cost makes fewer bits save next to nothing)
+            fastest = min(seconds(lv) for lv in levels)
+            return next((lv for lv in levels if fits(lv)),
+                        next(lv for lv in levels if seconds(lv) <= 1.05 * fastest))
         roomy = next((lv for lv in range(link.level) if fits(lv, UP_MARGIN)), None)
         link.roomy = link.roomy + 1 if roomy is not None else 0
         return roomy if roomy is not None and link.roomy >= PATIENCE else link.level
 
     def describe(self) -> dict[str, Any]:
-        """What the policy knows of each link, for the metrics: its spec, throughput (Mbit/s) and level."""
+        """What the policy knows of each link, for the metrics: its spec and level, throughput (Mbit/s,
+        besides the per-message cost), per-message cost (ms) and the level's relative error."""
         return {name: {"spec": link.auto.spec(link.level), "level": link.level,
-                       "mbit_s": None if link.seconds_per_bit is None else 1e-6 / link.seconds_per_bit}
+                       "mbit_s": None if link.seconds_per_bit is None else 1e-6 / link.seconds_per_bit,
+                       "per_message_ms": 1e3 * link.per_message, "error": link.error(link.level)}
                 for name, link in self.links.items()}
+
+    def probes(self) -> dict[str, tuple[str, ...]]:
+        """The codecs each link's sender probes (its whole ladder), by link name."""
+        return {name: link.auto.ladder for name, link in self.links.items()}
+
+
+def _regress(link: _Link, x: float, y: float) -> None:
+    """Add one step's message (``x`` wire bits, ``y`` busy seconds: per message, means over the step) to the
+    link's regression, and tell its per-message cost apart when the messages' sizes have varied enough."""
+    sample = (1.0, x, y, x * x, x * y)
+    if link.seconds_per_bit is not None:  # a link that changed (2x off what it was) starts a new regression:
+        expected = link.per_message + x * link.seconds_per_bit  # sizes from before and times from after
+        if not expected / 2 <= y <= 2 * expected:  # would read as a cost of size (or of none)
+            link.moments = None
+    old = link.moments or sample
+    link.moments = [(1 - REGRESSION_SMOOTHING) * o + REGRESSION_SMOOTHING * v for o, v in zip(old, sample)]
+    w, sx, sy, sxx, sxy = link.moments
+    mx, my = sx / w, sy / w
+    var = sxx / w - mx * mx
+    if var <= (SIZE_SPREAD * mx) ** 2:  # sizes too alike: keep what was told apart before
+        return
+    slope = (sxy / w - mx * my) / var
+    link.per_message = min(max(my - slope * mx, 0.0), my)
 
 
 def _smooth(old: float | None, new: float) -> float:

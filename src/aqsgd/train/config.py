@@ -184,11 +184,12 @@ class CompressionSection:
     """What crosses each stage boundary."""
 
     forward: str = "delta:q2:l2"
-    """activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`), or auto[:FLOOR]: AQ-SGD
-    with the bits of each boundary chosen from its measured link (fp16, q8, q4, q3, q2:l2; distributed); the
-    default is AQ-SGD at 2 bits with MSE-clipped per-channel scales"""
+    """activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`), or auto[:FLOOR][:err=E]:
+    AQ-SGD with the bits of each boundary chosen from its measured link (fp16, q8, q4, q3, q2:l2; distributed)
+    and each level's measured relative error at most E (default 0.1; none: no budget); the default is AQ-SGD
+    at 2 bits with MSE-clipped per-channel scales"""
     backward: str = "direct:q4"
-    """activation gradients: [SCHEME:]CODEC, or auto[:FLOOR] (fp16, q8, q6, q4 chosen per link)"""
+    """activation gradients: [SCHEME:]CODEC, or auto[:FLOOR][:err=E] (bf16, q8, q6, q4 chosen per link)"""
     cache: str = "memory"
     """AQ-SGD cache: memory[:fp16|bf16|fp32], disk[:dtype], lowbit<b>[:block<N>]"""
     ef_key: str = "slot"

@@ -57,7 +57,7 @@ from aqsgd.pipeline.partition import partition_model, shared_parameters
 from aqsgd.schemes import Phase
 from aqsgd.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
                                     save_checkpoint)
-from aqsgd.train.adaptive import BITS, LinkPolicy, is_auto, link_seconds, parse_auto
+from aqsgd.train.adaptive import BITS, LinkPolicy, is_auto, link_seconds, parse_auto, probe_keys, probe_row
 from aqsgd.train.balance import emulate_slow_stages, measure_split
 from aqsgd.train.config import TrainConfig, flatten_config
 from aqsgd.train.engine import OptimConfig, PipelineEngine
@@ -74,7 +74,8 @@ __all__ = ["Trainer", "StepHook", "check_partition", "collective_timeout", "comp
 log = logging.getLogger(__name__)
 _STAT_KEYS = ("fw_bytes", "bw_bytes", "fw_raw", "bw_raw", "compute_s", "encode_s", "decode_s", "wait_s",
               "sync_bytes", "step_s", "fw_wire_bytes", "fw_busy_s", "bw_wire_bytes", "bw_busy_s",
-              "in_fw_held_s", "in_bw_held_s")
+              "in_fw_held_s", "in_bw_held_s", *probe_keys("forward"), *probe_keys("backward"))
+_PROBE_KEYS = frozenset(probe_keys("forward") + probe_keys("backward"))  # not in the metrics' stage rows
 # evaluation sums, reduced over the replicas: loss x samples, samples, correct predictions, binary confusion
 # counts
 _EVAL_KEYS = ("loss_sum", "count", "correct", "tp", "tn", "fp", "fn")
@@ -234,6 +235,12 @@ class Trainer:
             self.cfg = self.cfg.replace(layers=self.balance["layers"])
         self.engine = self._build_engine()
         emulate_slow_stages(self.engine, self.cfg)
+        if self.policy is not None:  # each auto link's sender measures every rung's error once per step
+            for name, ladder in self.policy.probes().items():
+                b, direction = name[1:].split(".")
+                channel = FORWARD_CHANNEL if direction == "forward" else BACKWARD_CHANNEL
+                for runner in self.engine.runners.values():
+                    runner.set_probe(int(b), channel, ladder)
         # every replica's last stage has a loss; one of them (replica 0's) writes the metrics
         self.holds_loss = self.grid is None or self.grid.stage == p.stages - 1
         self.writes_metrics = self.holds_loss and self.replica == 0
@@ -413,10 +420,17 @@ class Trainer:
         sent)."""
         rows = [[0.0] * len(_STAT_KEYS) for _ in range(self.cfg.pipeline.stages)]
         links = self._link_deltas()
+        schemes = self.engine.schemes()
+
+        def probe(b: int, channel: int, direction: str) -> list[float]:  # the sender's, if it probes
+            scheme = schemes.get((b, channel, "sender"))
+            return probe_row(scheme.take_probe() if scheme is not None else None, direction)
+
         for i, st in self.engine.stats().items():
             rows[i] = [st.bytes_sent["forward"], st.bytes_sent["backward"], st.raw_bytes["forward"],
                        st.raw_bytes["backward"], st.compute_s, st.encode_s, st.decode_s, st.wait_s,
-                       self.engine.last_sync_bytes, dt, *links]
+                       self.engine.last_sync_bytes, dt, *links, *probe(i, FORWARD_CHANNEL, "forward"),
+                       *probe(i - 1, BACKWARD_CHANNEL, "backward")]
         if self.distributed:
             t = torch.tensor(rows, dtype=torch.float64)
             dist.all_reduce(t)  # row i: one contributor per replica of stage i
@@ -828,13 +842,29 @@ class Trainer:
             "time": {"step": dt, "compute": sum(s["compute_s"] for s in stats),
                      "codec": sum(s["encode_s"] + s["decode_s"] for s in stats),
                      "wait": sum(s["wait_s"] for s in stats)},
+            # ... and the relative error every rung of its ladder made on this step's probed message
+            **({"link_errors": self._link_errors(stats)} if codecs else {}),
             # per stage, the mean over its replicas: what one process of that stage sent and spent this step
-            "stages": [{k: v / self.cfg.pipeline.data_parallel for k, v in s.items()} for s in stats],
+            "stages": [{k: v / self.cfg.pipeline.data_parallel for k, v in s.items() if k not in _PROBE_KEYS}
+                       for s in stats],
         }
         if skipped:  # not applied (--skip-nonfinite): no NaN in metrics.jsonl, but what it was
             row["skipped"] = f"loss {loss}, gradient norm {self.engine.last_grad_norm}"
         self.history.append(row)
         writer.write(row)
+
+    def _link_errors(self, stats: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+        """Per auto link, each rung's relative error ``||x - x_hat|| / ||x||`` on the message its sender
+        probed this step (links that probed nothing are left out)."""
+        assert self.policy is not None
+        out = {}
+        for name, ladder in self.policy.probes().items():
+            b, direction = name[1:].split(".")
+            row = stats[int(b)] if direction == "forward" else stats[int(b) + 1]
+            keys = probe_keys(direction)
+            if row[keys[-1]] > 0:
+                out[name] = {rung: math.sqrt(row[k] / row[keys[-1]]) for rung, k in zip(ladder, keys)}
+        return out
 
     def _summary(self, wall: float) -> dict[str, Any]:
         train_rows = [r for r in self.history if r["loss"] is not None]

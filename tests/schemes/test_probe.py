@@ -1,0 +1,73 @@
+"""The sender's error probe (``BoundaryScheme.set_probe``), which the bits chosen per link read: each probe
+codec's squared error on what the scheme sends, measured without changing what it sends or stores."""
+
+import pytest
+import torch
+
+from aqsgd.compress import make_codec
+from aqsgd.schemes import Phase, make_scheme
+
+LADDER = ["fp16", "q8", "q4", "q2:l2"]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="needs CUDA"))]
+
+
+def _error2(codec: str, d: torch.Tensor) -> float:
+    c = make_codec(codec)
+    return float((d - c.decode(c.encode(d)).float()).square().sum())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_direct_probe_measures_each_codec_on_the_tensor_and_changes_nothing(device):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 8, 32, generator=g).to(device) for _ in range(3)]
+    probed = make_scheme("direct", "q6", "sender", device=device)
+    plain = make_scheme("direct", "q6", "sender")
+    probed.set_probe(LADDER)
+    assert probed.take_probe() is None  # nothing sent yet
+    for slot, x in enumerate(xs):  # only slot 0 is probed: one message per step
+        a, b = probed.send(x, phase=Phase.TRAIN, slot=slot), plain.send(x.cpu(), phase=Phase.TRAIN, slot=slot)
+        assert [p.to_bytes() for p in a] == [p.to_bytes() for p in b]
+    errs, norm2 = probed.take_probe()
+    assert norm2 == pytest.approx(float(xs[0].square().sum()), rel=1e-6)
+    assert errs == pytest.approx([_error2(c, xs[0].cpu()) for c in LADDER], rel=1e-5)
+    assert errs[0] < errs[1] < errs[2] < errs[3]  # more bits, less error
+    assert probed.take_probe() is None  # taken: reset
+    probed.set_probe(None)
+    probed.send(xs[0], phase=Phase.TRAIN, slot=0)
+    assert probed.take_probe() is None
+
+
+def test_delta_probe_measures_the_delta_against_the_cache_before_its_update():
+    n, shape = 8, (6, 16)
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(n, *shape, generator=g)
+    ids = torch.arange(n)
+    probed = make_scheme("delta", "q4", "sender", num_samples=n, row_shape=shape)
+    plain = make_scheme("delta", "q4", "sender", num_samples=n, row_shape=shape)
+    probed.set_probe(LADDER)
+    for s in (probed, plain):
+        s.send(base, ids, phase=Phase.WARMUP, slot=1)  # fills the caches (slot 1: not probed)
+    assert probed.take_probe() is None
+    x = base + 0.05 * torch.randn(n, *shape, generator=g)
+    m = probed.cache.get(ids)
+    a, b = probed.send(x, ids, phase=Phase.TRAIN, slot=0), plain.send(x, ids, phase=Phase.TRAIN, slot=0)
+    assert [p.to_bytes() for p in a] == [p.to_bytes() for p in b]  # same packets, same caches
+    assert torch.equal(probed.cache.get(ids), plain.cache.get(ids))
+    errs, norm2 = probed.take_probe()
+    d = x - m  # the receiver computes m + C(d): its error is d - C(d), relative to x
+    assert norm2 == pytest.approx(float(x.square().sum()), rel=1e-6)
+    assert errs == pytest.approx([_error2(c, d) for c in LADDER], rel=1e-5)
+    # the current codec's probed error is the error the receiver's tensor really has, but for the rounding of
+    # the cache's stored rows (the probe decodes in fp32)
+    assert errs[2] == pytest.approx(float((x - probed.cache.get(ids)).square().sum()), rel=0.01)
+
+
+def test_delta_probe_in_the_warmup_measures_the_tensor_itself():
+    # no row is cached yet: the probe measures C(x) against x, what a delta against an empty cache would be
+    x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(2))
+    s = make_scheme("delta", "q4", "sender", num_samples=4, row_shape=(6, 16))
+    s.set_probe(["q8", "q4"])
+    s.send(x, torch.arange(4), phase=Phase.WARMUP, slot=0)
+    errs, _ = s.take_probe()
+    assert errs == pytest.approx([_error2("q8", x), _error2("q4", x)], rel=1e-5)
