@@ -112,5 +112,10 @@ def test_the_command_end_to_end_on_a_tiny_pipeline(tmp_path):
     auto = next(r for r in drop["runs"] if r["setting"] == "auto")
     assert [e["b0.forward"] for e in auto["emulated"]] == ["200mbit,0ms"] * 3 + ["20mbit,0ms"] * 3
     assert all(c["b0.forward"].startswith("delta:") for c in auto["codecs"])
+    # the probed errors of every rung, per step: more bits, less error (the warm-up probes the activation)
+    errors = auto["link_errors"][0]["b0.forward"]
+    assert list(errors) == ["fp16", "q8", "q4", "q3", "q2:l2"]
+    assert errors["fp16"] < errors["q8"] < errors["q4"]
+    assert next(r for r in drop["runs"] if r["setting"] == "fp32")["link_errors"] is None
     assert len(auto["loss"]) == 6 and auto["final_perplexity"] > 1
     assert (tmp_path / "adaptive.png").stat().st_size > 10_000

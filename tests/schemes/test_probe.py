@@ -12,9 +12,12 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
                                                                 reason="needs CUDA"))]
 
 
-def _error2(codec: str, d: torch.Tensor) -> float:
+def _error2(codec: str, d: torch.Tensor, x: torch.Tensor | None = None) -> float:
+    """Per sample (row), ``||d - C(d)||^2 / ||x||^2``, summed over the samples."""
     c = make_codec(codec)
-    return float((d - c.decode(c.encode(d)).float()).square().sum())
+    x = d if x is None else x
+    err = (d - c.decode(c.encode(d)).float()).flatten(1).square().sum(1)
+    return float((err / x.flatten(1).square().sum(1)).sum())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -28,8 +31,8 @@ def test_direct_probe_measures_each_codec_on_the_tensor_and_changes_nothing(devi
     for slot, x in enumerate(xs):  # only slot 0 is probed: one message per step
         a, b = probed.send(x, phase=Phase.TRAIN, slot=slot), plain.send(x.cpu(), phase=Phase.TRAIN, slot=slot)
         assert [p.to_bytes() for p in a] == [p.to_bytes() for p in b]
-    errs, norm2 = probed.take_probe()
-    assert norm2 == pytest.approx(float(xs[0].square().sum()), rel=1e-6)
+    errs, samples = probed.take_probe()
+    assert samples == 4
     assert errs == pytest.approx([_error2(c, xs[0].cpu()) for c in LADDER], rel=1e-5)
     assert errs[0] < errs[1] < errs[2] < errs[3]  # more bits, less error
     assert probed.take_probe() is None  # taken: reset
@@ -54,13 +57,14 @@ def test_delta_probe_measures_the_delta_against_the_cache_before_its_update():
     a, b = probed.send(x, ids, phase=Phase.TRAIN, slot=0), plain.send(x, ids, phase=Phase.TRAIN, slot=0)
     assert [p.to_bytes() for p in a] == [p.to_bytes() for p in b]  # same packets, same caches
     assert torch.equal(probed.cache.get(ids), plain.cache.get(ids))
-    errs, norm2 = probed.take_probe()
+    errs, samples = probed.take_probe()
     d = x - m  # the receiver computes m + C(d): its error is d - C(d), relative to x
-    assert norm2 == pytest.approx(float(x.square().sum()), rel=1e-6)
-    assert errs == pytest.approx([_error2(c, d) for c in LADDER], rel=1e-5)
+    assert samples == n
+    assert errs == pytest.approx([_error2(c, d, x) for c in LADDER], rel=1e-5)
     # the current codec's probed error is the error the receiver's tensor really has, but for the rounding of
     # the cache's stored rows (the probe decodes in fp32)
-    assert errs[2] == pytest.approx(float((x - probed.cache.get(ids)).square().sum()), rel=0.01)
+    real = ((x - probed.cache.get(ids)).flatten(1).square().sum(1) / x.flatten(1).square().sum(1)).sum()
+    assert errs[2] == pytest.approx(float(real), rel=0.01)
 
 
 def test_delta_probe_in_the_warmup_measures_the_tensor_itself():
@@ -71,3 +75,20 @@ def test_delta_probe_in_the_warmup_measures_the_tensor_itself():
     s.send(x, torch.arange(4), phase=Phase.WARMUP, slot=0)
     errs, _ = s.take_probe()
     assert errs == pytest.approx([_error2("q8", x), _error2("q4", x)], rel=1e-5)
+
+
+def test_the_probe_measures_each_sample_against_its_own_norm():
+    # one sample 1000x larger than the others sets every channel's scale: the others quantize to zero. Their
+    # error is 100 % of their own values, which an error relative to the whole tensor would hide: that one is
+    # the large sample's own q4 error alone.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 8, 32, generator=g)
+    x[0] *= 1000
+    x[3] = 0  # a sample with nothing in it is not counted
+    s = make_scheme("direct", "q4", "sender")
+    s.set_probe(["q4"])
+    s.send(x, phase=Phase.TRAIN, slot=0)
+    (err,), samples = s.take_probe()
+    assert samples == 3 and (err / samples) ** 0.5 > 0.8
+    c = make_codec("q4")
+    assert float((x - c.decode(c.encode(x))).norm() / x.norm()) < 0.15

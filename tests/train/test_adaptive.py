@@ -36,8 +36,8 @@ def _stats(sent: list[float], mbit: list[float], compute_s: float, overhead: flo
                     f"{key}_wire_bytes": wire, f"{key}_busy_s": busy})
         if errors is not None and errors[stage]:
             keys = probe_keys("forward" if key == "fw" else "backward")
-            norm2 = 4.0  # any: the rule reads sqrt(err2 / norm2)
-            row.update({k: e * e * norm2 for k, e in zip(keys, errors[stage])}, **{keys[-1]: norm2})
+            samples = 4.0  # the rule reads sqrt(summed squared relative error / samples)
+            row.update({k: e * e * samples for k, e in zip(keys, errors[stage])}, **{keys[-1]: samples})
         rows.append(row)
     return rows
 
@@ -200,6 +200,22 @@ def test_levels_survive_a_restore():
     policy = LinkPolicy(2, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
     policy.restore({"b1.forward": 3, "b0.backward": 9})  # past the end: the floor
     assert policy.specs()["b1.forward"] == "delta:q3" and policy.specs()["b0.backward"] == "direct:q4"
+
+
+def test_what_the_policy_measured_survives_a_checkpoint():
+    # a resumed run continues from the saved means (JSON in the checkpoint), deciding as the run would have
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
+    _run(policy, 3, mbit=[1000.0, 1000.0], compute_s=0.015, per_message_s=0.02, compressed=False)
+    _run(policy, 3, mbit=[1000.0, 1000.0], compute_s=0.015, per_message_s=0.02, errors=[FW_ERRORS, BW_ERRORS])
+    resumed = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
+    resumed.restore(policy.levels())
+    resumed.load_state(json.loads(json.dumps(policy.state())))
+    assert resumed.links["b0.forward"].per_message == policy.links["b0.forward"].per_message > 0.01
+    for mbit in ([1000.0, 1000.0], [0.2, 0.2], [0.2, 0.2]):  # including a drop that the budget limits
+        a = _run(policy, 1, mbit=mbit, compute_s=0.015, per_message_s=0.02, errors=[FW_ERRORS, BW_ERRORS])
+        b = _run(resumed, 1, mbit=mbit, compute_s=0.015, per_message_s=0.02, errors=[FW_ERRORS, BW_ERRORS])
+        assert a == b
+    assert a[-1] == {"b0.forward": "delta:q4", "b0.backward": "direct:q6"}
 
 
 def test_auto_options_are_checked():

@@ -144,6 +144,9 @@ def _run_record(setting: str, rows: list[dict[str, Any]], error: str | None = No
         "setting": setting, "forward": all_settings()[setting][0], "backward": all_settings()[setting][1],
         "loss": [r["loss"] for r in train], "step_s": [r["time"]["step"] for r in train],
         "codecs": [r.get("codecs") for r in train],
+        # auto: every rung's relative error on each link's probed micro-batch (aqsgd.train.adaptive)
+        "link_errors": ([r.get("link_errors") for r in train] if any("link_errors" in r for r in train)
+                        else None),
         "emulated": [{k: v.get("emulated") for k, v in r.get("links", {}).items()} for r in train],
         "mbit_s": [{k: v.get("mbit_s") for k, v in r.get("links", {}).items()} for r in train],
         "bytes_sent": sum(r["bytes_sent"] for r in train), "train_s": sum(r["time"]["step"] for r in train),

@@ -126,16 +126,18 @@ class BoundaryScheme(abc.ABC):
     # -- error probe ---------------------------------------------------------------------------------
     def set_probe(self, codecs: Sequence[Codec | str] | None) -> None:
         """Measure, on every sender message of slot 0 (one per step), the relative error each of ``codecs``
-        would make on what this scheme sends: ``||x - x_hat||^2`` and ``||x||^2``, summed on the device until
+        would make on what this scheme sends, sample by sample: ``||x_s - x_hat_s||^2 / ||x_s||^2`` summed
+        over the samples ``s`` (rows) with a nonzero ``x_s``, and their number, summed on the device until
         :meth:`take_probe` (the bits chosen per link read it once per step, :mod:`aqsgd.train.adaptive`).
         ``x_hat`` is what the receiver would compute with: ``C(x)`` (``direct``), ``m + C(x - m)`` (AQ-SGD).
-        None or empty: no probe."""
+        Per sample, because one sample's large values can set the scales that zero another's: an error
+        relative to the whole tensor's norm would hide that. None or empty: no probe."""
         self._probe = [make_codec(c) if isinstance(c, str) else c for c in codecs or ()]
         self._probe_sums = None
 
     def take_probe(self) -> tuple[list[float], float] | None:
-        """The probe's sums since the last call (each codec's squared error, and the squared norm), or None
-        if nothing was probed; resets them."""
+        """The probe's sums since the last call (each codec's summed squared relative error, and the number of
+        samples), or None if nothing was probed; resets them."""
         sums, self._probe_sums = self._probe_sums, None
         if sums is None:
             return None
@@ -146,13 +148,18 @@ class BoundaryScheme(abc.ABC):
         return bool(self._probe) and slot == 0
 
     def _measure(self, d: torch.Tensor, x: torch.Tensor) -> None:
-        """Add each probe codec's ``||d - C(d)||^2`` and ``||x||^2``: ``d`` is what the codec encodes, ``x``
-        the tensor the receiver reconstructs (``x - x_hat = d - C(d)``, for AQ-SGD's delta as for ``direct``).
-        No host synchronisation."""
+        """Add each probe codec's per-sample ``||d_s - C(d)_s||^2 / ||x_s||^2`` and the number of samples:
+        ``d`` is what the codec encodes, ``x`` the tensor the receiver reconstructs (``x - x_hat = d - C(d)``,
+        for AQ-SGD's delta as for ``direct``). No host synchronisation."""
         with torch.no_grad():
+            rows = x.shape[0] if x.dim() else 1
+            norm2 = x.float().reshape(rows, -1).square().sum(dim=1)
+            live = norm2 > 0
+            inv = torch.where(live, 1.0 / torch.where(live, norm2, 1.0), 0.0)
             d32 = d.float()
-            parts = [(d32 - c.decode(c.encode(d)).float()).square().sum() for c in self._probe]
-            parts.append(x.float().square().sum())
+            parts = [((d32 - c.decode(c.encode(d)).float()).reshape(rows, -1).square().sum(dim=1) * inv).sum()
+                     for c in self._probe]
+            parts.append(live.sum().float())
             sums = torch.stack(parts).to(torch.float64)
         self._probe_sums = sums if self._probe_sums is None else self._probe_sums + sums
 

@@ -30,7 +30,7 @@ anything is probed the time rule alone applies.
 The rule, after every step, for each link (boundary and direction), with ``t(L)`` the time one micro-batch's
 tensor takes on the link at level ``L``::
 
-    t(L) = 8 * (fixed + payload * bits(L) / bits(current)) / throughput
+    t(L) = per_message + 8 * (fixed + payload * bits(L) / bits(current)) / throughput
     budget = max over stages of compute seconds per micro-batch
 
 ``payload`` is what the current codec sent per micro-batch, ``fixed`` what the wire carried besides it
@@ -40,6 +40,17 @@ saw (:func:`link_seconds`); these and the budget are exponential means over step
 (:data:`SMOOTHING`). The throughput is averaged as its inverse, seconds per bit (the quantity ``t(L)`` is
 linear in): a link that becomes 100 times slower weighs at once (one slow step makes the mean at least
 ``SMOOTHING`` times the slow one's), while a link that becomes faster is believed over a few steps.
+
+``per_message`` is what each message costs whatever its size (a message waiting for a core on a loaded host,
+a real link's round trip): taken as bandwidth it would make a fast link look slow, and compress it where fewer
+bits save nothing. It is told apart by a least-squares fit of a message's busy seconds on its wire bits over
+exponential means (weight :data:`REGRESSION_SMOOTHING`) of ``1, x, y, x^2, xy``, once the sizes have varied
+(:data:`SIZE_SPREAD`: the warm-up's fp32 then the first rung, every change of level); until then it is 0 (or
+the last value told apart), and the throughput is what is left of the busy time besides it. A step more than
+2x off what the link's model predicts for its size restarts the fit (a link that became slower while its
+messages became smaller would read as a cost per message). Where no level fits, the least compressed level
+within 5 % of the fastest one's time is taken: the floor, unless per-message costs make the levels' times
+alike.
 
 A link that keeps up with the compute still costs time: the first micro-batch of every pipeline pass crosses
 every boundary before the last stage can start, and the last one's gradients cross them all again, so each
@@ -151,9 +162,10 @@ def parse_auto(text: str, direction: str) -> AutoSpec:
 
 def probe_keys(direction: str) -> tuple[str, ...]:
     """The per-stage statistics of a sender's error probe of ``direction`` (``forward``/``backward``): each
-    rung's summed squared error, then the summed squared norm (:meth:`BoundaryScheme.set_probe`)."""
+    rung's summed squared relative error per sample, then the number of samples
+    (:meth:`BoundaryScheme.set_probe`)."""
     d = "fw" if direction == "forward" else "bw"
-    return (*(f"{d}_err2_{i}" for i in range(len(LADDERS[direction]))), f"{d}_norm2")
+    return (*(f"{d}_err2_{i}" for i in range(len(LADDERS[direction]))), f"{d}_probed")
 
 
 def probe_row(probe: tuple[list[float], float] | None, direction: str) -> list[float]:
@@ -161,9 +173,9 @@ def probe_row(probe: tuple[list[float], float] | None, direction: str) -> list[f
     :func:`probe_keys` (zeros where nothing was probed or a floor shortened the ladder)."""
     row = [0.0] * len(probe_keys(direction))
     if probe is not None:
-        errs, norm2 = probe
+        errs, samples = probe
         row[: len(errs)] = errs
-        row[-1] = norm2
+        row[-1] = samples
     return row
 
 
@@ -179,14 +191,15 @@ class _Link:
     # the regression y = per_message + x * seconds_per_bit that tells a per-message cost from bandwidth
     moments: list[float] | None = None
     per_message: float = 0.0  # seconds each message costs whatever its size, as last told apart
-    err2: list[float] | None = None  # each rung's squared error on the probed messages (exponential means)
-    norm2: float | None = None  # ... and the squared norm of what they carried
+    err2: list[float] | None = None  # each rung's summed squared relative error per probed sample (means)
+    samples: float | None = None  # ... and the number of samples probed (means)
 
     def error(self, level: int) -> float | None:
-        """The relative error ``||x - x_hat|| / ||x||`` the rung ``level`` makes on this link, as probed."""
-        if self.err2 is None or not self.norm2:
+        """The relative error ``||x - x_hat|| / ||x||`` the rung ``level`` makes on this link, as probed (the
+        root mean square over the samples of each one's own)."""
+        if self.err2 is None or not self.samples:
             return None
-        return math.sqrt(self.err2[level] / self.norm2)
+        return math.sqrt(self.err2[level] / self.samples)
 
     def floor(self) -> int:
         """The most compressed level within the error budget: the one before the first rung whose error is
@@ -224,6 +237,26 @@ class LinkPolicy:
 
     def levels(self) -> dict[str, int]:
         return {name: link.level for name, link in self.links.items()}
+
+    _STATE = ("seconds_per_bit", "fixed", "payload", "roomy", "moments", "per_message", "err2", "samples")
+
+    def state(self) -> dict[str, Any]:
+        """What the policy has measured (JSON), for a checkpoint: a resumed run continues from it instead of
+        learning its links again."""
+        links = {name: {k: getattr(link, k) for k in self._STATE} for name, link in self.links.items()}
+        return {"budget": self.budget, "step_s": self.step_s, "steps": self.steps, "links": links}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state`; links this run does not have are skipped, and errors of another ladder."""
+        self.budget, self.step_s, self.steps = state["budget"], state["step_s"], int(state["steps"])
+        for name, saved in state["links"].items():
+            link = self.links.get(name)
+            if link is None:
+                continue
+            for k in self._STATE:
+                setattr(link, k, saved[k])
+            if link.err2 is not None and len(link.err2) != len(link.auto.ladder):
+                link.err2, link.samples = None, None
 
     def restore(self, levels: Mapping[str, int]) -> None:
         """The levels of a checkpoint (``{name: level}``), for a resumed run."""
@@ -280,13 +313,13 @@ class LinkPolicy:
     def _probed(link: _Link, stats: Mapping[str, float], direction: str) -> None:
         """Take the step's error probe of the link's sender (``stats``: its stage's row), if it made one."""
         keys = probe_keys(direction)
-        norm2 = float(stats.get(keys[-1], 0.0))
-        if norm2 <= 0:
+        samples = float(stats.get(keys[-1], 0.0))
+        if samples <= 0:
             return
         err2 = [float(stats[k]) for k in keys[: len(link.auto.ladder)]]
         old = link.err2 or err2
         link.err2 = [_smooth(o, e) for o, e in zip(old, err2)]
-        link.norm2 = _smooth(link.norm2, norm2)
+        link.samples = _smooth(link.samples, samples)
 
     def _choose(self, link: _Link, bits: float) -> int:
         def seconds(level: int) -> float:

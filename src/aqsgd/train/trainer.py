@@ -536,6 +536,7 @@ class Trainer:
                "data": self.task.data_info}
         if self.policy is not None:  # --forward/--backward auto: the links' levels continue on resume
             pos["link_levels"] = self.policy.levels()
+            pos["link_policy"] = self.policy.state()  # and what it measured of them
         step = self.position["step"]
         # a signal while the checkpoint is written is raised once it is complete (aqsgd.interrupts)
         with signals_held():
@@ -578,6 +579,8 @@ class Trainer:
                         ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items()))
         if self.policy is not None and trainer_state.get("link_levels"):  # before the schemes are loaded
             self.policy.restore(trainer_state["link_levels"])
+            if trainer_state.get("link_policy"):
+                self.policy.load_state(trainer_state["link_policy"])
             self._set_link_codecs(self.policy.specs())
         with naming_peer_failures(self.transport, f"loading {path}", self._suspects):
             state = load_checkpoint(path, self.engine)
@@ -855,7 +858,7 @@ class Trainer:
 
     def _link_errors(self, stats: list[dict[str, float]]) -> dict[str, dict[str, float]]:
         """Per auto link, each rung's relative error ``||x - x_hat|| / ||x||`` on the message its sender
-        probed this step (links that probed nothing are left out)."""
+        probed this step (the root mean square over its samples; links that probed nothing are left out)."""
         assert self.policy is not None
         out = {}
         for name, ladder in self.policy.probes().items():
