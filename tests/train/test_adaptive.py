@@ -304,6 +304,23 @@ def test_the_policy_follows_a_link_that_slows_down_during_the_run(tmp_path):
     assert after[0] <= 4 and after == sorted(after, reverse=True) and after[-1] == BITS["q2:l2"], sent
 
 
+def test_a_link_s_statistics_leave_out_the_evaluations_traffic(tmp_path):
+    # an evaluation between two steps sends fp32 over the same links; counted into the next step it would
+    # look like bytes no codec shrinks (and did: in bench adaptive a 20 Mbit/s link went back to bf16 after
+    # the evaluations). Every step sends the same q8 tensors: the same wire bytes, evaluated or not.
+    argv = ["train", "--task", "synthetic-lm", "--runtime", "distributed", "--stages", "2", "--forward",
+            "direct:q8", "--backward", "direct:q8", "--max-train-samples", "32", "--max-eval-samples", "8",
+            "--max-length", "32", "--hidden-size", "64", "--micro-batches", "2", "--micro-batch-size", "4",
+            "--warmup-epochs", "0", "--eval-every", "2", "--max-steps", "6", "--output-dir", str(tmp_path),
+            "--run-name", "r", "--no-progress", "--no-tensorboard"]
+    assert main(argv) == 0
+    rows = [json.loads(r) for r in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["kind"] == "eval" for r in rows) >= 2
+    wire = [r["links"][name]["wire_bytes"] for r in rows if r["kind"] == "train"
+            for name in ("b0.forward", "b0.backward")]
+    assert len(set(wire)) == 1, wire
+
+
 def test_aqsgd_caches_stay_identical_on_both_sides_across_changes_of_bits(tmp_path):
     # 8 samples, one step per epoch: from step 2 on AQ-SGD sends deltas against its cache, first with fp16,
     # then, the link dropping to 1 Mbit/s at step 3, with fewer bits. Sender and receiver must update their

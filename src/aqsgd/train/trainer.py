@@ -528,6 +528,8 @@ class Trainer:
             else:
                 metrics["perplexity"] = perplexity(metrics["loss"])
             out[name] = metrics
+        if self.transport is not None:  # the links' next statistics are the next step's alone, not the
+            self._links_seen = self.transport.stats  # evaluation's traffic (fp32, between two steps)
         return out
 
     # -- checkpoints -------------------------------------------------------------------------------------
