@@ -21,10 +21,16 @@ link's sender probes, on the first micro-batch of every step, what each rung of 
 tensor it sends (:meth:`~aqsgd.schemes.base.BoundaryScheme.set_probe`): the relative error
 ``||x - x_hat|| / ||x||`` of the tensor the receiver would compute with (for AQ-SGD ``x_hat = m + C(x - m)``,
 so the error is the delta's, which shrinks as training settles; in the uncompressed warm-up, where nothing is
-cached yet, the activation's own, an upper bound). A level whose error (an exponential mean over steps, as the
-other inputs) is over the budget is never chosen: the link's floor is the level before the first rung over it.
+cached yet, the activation's own, an upper bound). A level whose error is over the budget is never chosen: the
+link's floor is the level before the first rung over it. The error is the median of the last
+:data:`ERROR_WINDOW` steps' probes, not a mean: one batch can make an error that says nothing of the next
+(in ``aqsgd bench adaptive`` three of 120 batches had one sample whose gradient set every channel's scale and
+zeroed the other samples', probed at 87 % for every quantized rung; an exponential mean sent the gradient
+links back to bf16 for the 12-15 steps it took to forget it, 0.6 s of a 0.4 s step each on the 20 Mbit/s
+link), while an error that stays is followed after ``ERROR_WINDOW // 2 + 1`` steps.
 Going to more compression than now needs the rung's error under :data:`ERROR_MARGIN` times the budget, so
-that a rung near the budget does not flap; going back up when the error rises takes no patience. Before
+that a rung near the budget does not flap; going back up when the error rises takes no patience beyond the
+median's. Before
 anything is probed the time rule alone applies.
 
 The rule, after every step, for each link (boundary and direction), with ``t(L)`` the time one micro-batch's
@@ -80,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -95,6 +102,7 @@ BITS = {"fp16": 16.0, "bf16": 16.0, "q8": 8.0, "q6": 6.0, "q4": 4.0, "q3": 3.0, 
 UP_MARGIN = 0.7
 MAX_ERROR = 0.1  # the default error budget: a level's relative error at most this
 ERROR_MARGIN = 0.8  # a more compressed level is taken only with its error this far under the budget
+ERROR_WINDOW = 5  # a rung's error is the median of this many steps' probes
 TOLERANCE = 0.05  # the share of the step that all auto links together may spend above their floors
 PATIENCE = 3  # steps in a row that must leave room before a link takes fewer compression
 SMOOTHING = 0.3  # weight of the newest step in the exponential means
@@ -191,15 +199,15 @@ class _Link:
     # the regression y = per_message + x * seconds_per_bit that tells a per-message cost from bandwidth
     moments: list[float] | None = None
     per_message: float = 0.0  # seconds each message costs whatever its size, as last told apart
-    err2: list[float] | None = None  # each rung's summed squared relative error per probed sample (means)
-    samples: float | None = None  # ... and the number of samples probed (means)
+    # the last ERROR_WINDOW probes, oldest first: each rung's mean squared relative error over the samples
+    errors: list[list[float]] = dataclasses.field(default_factory=list)
 
     def error(self, level: int) -> float | None:
         """The relative error ``||x - x_hat|| / ||x||`` the rung ``level`` makes on this link, as probed (the
-        root mean square over the samples of each one's own)."""
-        if self.err2 is None or not self.samples:
+        root mean square over the samples of each one's own; the median of the last probes)."""
+        if not self.errors:
             return None
-        return math.sqrt(self.err2[level] / self.samples)
+        return math.sqrt(statistics.median(e[level] for e in self.errors))
 
     def floor(self) -> int:
         """The most compressed level within the error budget: the one before the first rung whose error is
@@ -207,7 +215,7 @@ class _Link:
         the budget). The ladder's last level while nothing is probed or there is no budget."""
         budget = self.auto.max_error
         last = len(self.auto.ladder) - 1
-        if budget is None or self.err2 is None:
+        if budget is None or not self.errors:
             return last
         for level in range(1, last + 1):
             err = self.error(level)
@@ -238,7 +246,7 @@ class LinkPolicy:
     def levels(self) -> dict[str, int]:
         return {name: link.level for name, link in self.links.items()}
 
-    _STATE = ("seconds_per_bit", "fixed", "payload", "roomy", "moments", "per_message", "err2", "samples")
+    _STATE = ("seconds_per_bit", "fixed", "payload", "roomy", "moments", "per_message", "errors")
 
     def state(self) -> dict[str, Any]:
         """What the policy has measured (JSON), for a checkpoint: a resumed run continues from it instead of
@@ -254,9 +262,12 @@ class LinkPolicy:
             if link is None:
                 continue
             for k in self._STATE:
-                setattr(link, k, saved[k])
-            if link.err2 is not None and len(link.err2) != len(link.auto.ladder):
-                link.err2, link.samples = None, None
+                if k in saved:
+                    setattr(link, k, saved[k])
+            if "errors" not in saved and saved.get("err2") and saved.get("samples"):  # an older checkpoint:
+                link.errors = [[e / saved["samples"] for e in saved["err2"]]]  # the probes' exponential means
+            if any(len(e) != len(link.auto.ladder) for e in link.errors):
+                link.errors = []
 
     def restore(self, levels: Mapping[str, int]) -> None:
         """The levels of a checkpoint (``{name: level}``), for a resumed run."""
@@ -316,10 +327,8 @@ class LinkPolicy:
         samples = float(stats.get(keys[-1], 0.0))
         if samples <= 0:
             return
-        err2 = [float(stats[k]) for k in keys[: len(link.auto.ladder)]]
-        old = link.err2 or err2
-        link.err2 = [_smooth(o, e) for o, e in zip(old, err2)]
-        link.samples = _smooth(link.samples, samples)
+        link.errors = [*link.errors, [float(stats[k]) / samples for k in keys[: len(link.auto.ladder)]]]
+        del link.errors[:-ERROR_WINDOW]
 
     def _choose(self, link: _Link, bits: float) -> int:
         def seconds(level: int) -> float:
