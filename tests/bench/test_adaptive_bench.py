@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from aqsgd.bench.adaptive import (AdaptiveBenchConfig, _run_record, bench_adaptive, bits_over_steps,
-                                  fixed_settings, format_scenario, smoothed, summarize, time_to_target)
+from aqsgd.bench.adaptive import (AdaptiveBenchConfig, _run_record, bench_adaptive, best_fixed,
+                                  bits_over_steps, combine, fixed_settings, format_scenario, smoothed,
+                                  summarize, time_to_target)
 
 
 def test_the_fixed_settings_are_the_rungs_of_autos_ladders():
@@ -99,13 +100,35 @@ def test_the_link_of_each_scenario_by_stages_and_steps():
     assert AdaptiveBenchConfig(stages=2, steps=8).link("drop") == "200mbit~20mbit@5"
 
 
+def test_repeats_are_combined_into_medians_with_never_as_the_longest():
+    fp32 = _run("fp32", [4.0, 3.0, 2.0, 1.0], [2.0] * 4, 10.0)
+    autos = [_run("auto", [4.0, 3.0, 2.0, 1.0], [t] * 4, p)
+             for t, p in ((0.9, 10.1), (1.2, 10.2), (1.0, 10.0))]
+    q8s = [_run("fixed q8", loss, [1.0] * 4, 10.0) for loss in ([4.0, 3.0, 2.0, 1.0], [4.0, 4.0, 4.0, 4.0],
+                                                                  [4.0, 4.0, 4.0, 4.0])]
+    summarize([fp32, *autos, *q8s])
+    auto, q8 = combine(autos), combine(q8s)
+    assert auto["time_to_target_s"] == pytest.approx(3.0)  # of 2.7, 3.6 and 3.0
+    assert auto["median_step_s"] == 1.0 and auto["perplexity_vs_fp32"] == pytest.approx(0.01)
+    assert [r["time_to_target_s"] for r in auto["repeats"]] == pytest.approx([2.7, 3.6, 3.0])
+    assert auto["loss"] == autos[0]["loss"]  # the per-step figures are the first repeat's
+    assert q8["time_to_target_s"] is None  # reached once in three: the median is never
+    assert best_fixed([fp32, auto, q8]) is None
+    assert combine([fp32]) == fp32 and "repeats" not in fp32
+    text = format_scenario("uneven", {"link": "x", "target_loss": 3.0, "target_at_step": 3,
+                                      "best_fixed": None, "runs": [fp32, auto, q8]})
+    assert "repeats: 2.70 s, 3.60 s, 3.00 s" in text and "repeats: 3.00 s, never, never" in text
+    with pytest.raises(ValueError, match="repeats: 0; at least 1"):
+        bench_adaptive(AdaptiveBenchConfig(repeats=0))
+
+
 def test_the_command_end_to_end_on_a_tiny_pipeline(tmp_path):
     from aqsgd.cli import main
 
     out = tmp_path / "adaptive.json"
     assert main(["bench", "adaptive", "--stages", "2", "--scenarios", "drop", "--settings", "fp32", "auto",
                  "--steps", "6", "--train-samples", "32", "--hidden", "64", "--seq-len", "32",
-                 "--json", str(out), "--png", str(tmp_path / "adaptive.png")]) == 0
+                 "--repeats", "2", "--json", str(out), "--png", str(tmp_path / "adaptive.png")]) == 0
     result = json.loads(out.read_text())
     drop = result["scenarios"]["drop"]
     assert drop["link"] == "200mbit~20mbit@4"
@@ -118,4 +141,5 @@ def test_the_command_end_to_end_on_a_tiny_pipeline(tmp_path):
     assert errors["fp16"] < errors["q8"] < errors["q4"]
     assert next(r for r in drop["runs"] if r["setting"] == "fp32")["link_errors"] is None
     assert len(auto["loss"]) == 6 and auto["final_perplexity"] > 1
+    assert len(auto["repeats"]) == 2 and "repeats" not in drop["runs"][0]  # fp32 runs once
     assert (tmp_path / "adaptive.png").stat().st_size > 10_000

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,9 @@ class AdaptiveBenchConfig:
     lr: float = 1e-3
     latency_ms: float = 0.0
     seed: int = 0
+    # every setting but fp32 (whose losses set the target, the same in every run) runs this many times, the
+    # settings in turn; times to target and step times are medians over the repeats
+    repeats: int = 1
 
     def link(self, scenario: str) -> str:
         """The scenario's ``--link``: 4 stages' links; 3 stages take the first two, 2 stages the middle one
@@ -177,9 +182,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         r["final_perplexity"] = r["final"]["perplexity"] if r["final"] else None
         ppl = late(r)
         r["perplexity_vs_fp32"] = None if ppl is None or ref is None else ppl / ref - 1
-    fixed = [r for r in runs if r["setting"].startswith("fixed") and r["time_to_target_s"] is not None]
-    best = min(fixed, key=lambda r: r["time_to_target_s"])["setting"] if fixed else None
-    return {"target_loss": target, "target_at_step": at + 1, "best_fixed": best}
+    return {"target_loss": target, "target_at_step": at + 1, "best_fixed": best_fixed(runs)}
 
 
 def bench_adaptive(cfg: AdaptiveBenchConfig, work_dir: str | None = None,
@@ -194,35 +197,91 @@ def bench_adaptive(cfg: AdaptiveBenchConfig, work_dir: str | None = None,
     bad = [s for s in cfg.scenarios if s not in SCENARIOS]
     if bad:
         raise ValueError(f"scenarios: unknown {', '.join(bad)}; valid: {', '.join(SCENARIOS)}")
+    if cfg.repeats < 1:
+        raise ValueError(f"repeats: {cfg.repeats}; at least 1")
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="aqsgd-bench-adaptive-") as tmp:
         for scenario in cfg.scenarios:
             root = str(Path(work_dir or tmp) / scenario)
-            plan = [(s, train_config(cfg, scenario, s, root)) for s in cfg.settings]
             if progress:
-                progress(f"{scenario}: links {cfg.link(scenario)}, {len(plan)} settings x {cfg.steps} steps")
-            runs = []
-            for setting, c in plan:
-                # one-off costs (kernels compiled at a codec's first use, allocator growth, first connections)
-                # are paid by a short copy of the run first, dropped
-                warm = c.replace(run_name=f"warm-up-{c.run.run_name}",
-                                 max_steps=min(cfg.steps, _epoch(cfg) + 2), eval_every=0)
-                error = None
-                try:
-                    launch_local(_bench_entry, cfg.stages, json.dumps([warm.to_json(), c.to_json()]),
-                                 run_id="aqsgd-bench-adaptive")
-                except StageFailedError as e:  # a diverged run: reported, and the next setting runs
-                    error = str(e).splitlines()[0]
-                    if progress:
-                        progress(f"  {setting}: failed: {error}")
-                metrics = Path(root) / c.run.run_name / "metrics.jsonl"
-                rows = ([json.loads(line) for line in metrics.read_text().splitlines()]
-                        if metrics.exists() else [])
-                runs.append(_run_record(setting, rows, error))
-            out[scenario] = {"link": cfg.link(scenario), "runs": runs, **summarize(runs)}
+                reps = f", {cfg.repeats} repeats of each but fp32" if cfg.repeats > 1 else ""
+                progress(f"{scenario}: links {cfg.link(scenario)}, {len(cfg.settings)} settings x "
+                         f"{cfg.steps} steps{reps}")
+            records: dict[str, list[dict[str, Any]]] = {s: [] for s in cfg.settings}
+            # the settings in turn, repeat after repeat: a machine that slows down for a while weighs on all
+            for rep in range(cfg.repeats):
+                for setting in cfg.settings:
+                    if rep and setting == "fp32":
+                        continue
+                    c = train_config(cfg, scenario, setting, root)
+                    if rep:
+                        c = c.replace(run_name=f"{c.run.run_name}-{rep + 1}")
+                    records[setting].append(_run_setting(cfg, setting, c, progress))
+            flat = [r for rs in records.values() for r in rs]
+            figures = summarize(flat)  # each run's figures against fp32's target
+            runs = [combine(rs) for rs in records.values()]
+            out[scenario] = {"link": cfg.link(scenario), "runs": runs, **figures,
+                             "best_fixed": best_fixed(runs)}
             if progress:
                 progress(format_scenario(scenario, out[scenario]))
     return out
+
+
+def _run_setting(cfg: AdaptiveBenchConfig, setting: str, c: TrainConfig,
+                 progress: Callable[[str], None] | None) -> dict[str, Any]:
+    """Run one setting (4 stage processes) and read its record from its ``metrics.jsonl``."""
+    # one-off costs (kernels compiled at a codec's first use, allocator growth, first connections) are paid by
+    # a short copy of the run first, dropped
+    warm = c.replace(run_name=f"warm-up-{c.run.run_name}", max_steps=min(cfg.steps, _epoch(cfg) + 2),
+                     eval_every=0)
+    error, started = None, time.perf_counter()
+    try:
+        launch_local(_bench_entry, cfg.stages, json.dumps([warm.to_json(), c.to_json()]),
+                     run_id="aqsgd-bench-adaptive")
+    except StageFailedError as e:  # a diverged run: reported, and the next setting runs
+        error = str(e).splitlines()[0]
+        if progress:
+            progress(f"  {setting}: failed: {error}")
+    metrics = Path(c.run.output_dir) / c.run.run_name / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    record = _run_record(setting, rows, error)
+    if progress and not error:  # what each run took: the bench runs for many minutes
+        steps = record["step_s"]
+        progress(f"  {setting}: median step {statistics.median(steps) if steps else float('nan'):.3f} s; "
+                 f"{time.perf_counter() - started:.0f} s with its warm-up copy")
+    return record
+
+
+_PER_REPEAT = ("time_to_target_s", "median_step_s", "late_perplexity", "perplexity_vs_fp32", "train_s",
+               "error")
+
+
+def combine(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One setting's record from its repeats (summarized): the first repeat's per-step figures, the medians of
+    the repeats' times to target (``never`` counted as the longest) and of all their step times, and each
+    repeat's figures under ``repeats``."""
+    out = dict(records[0])
+    if len(records) == 1:
+        return out
+    times = [math.inf if r["time_to_target_s"] is None else r["time_to_target_s"] for r in records]
+    ttt = statistics.median(times)
+    steps = [s for r in records for s in r["step_s"]]
+    ppl = [r["perplexity_vs_fp32"] for r in records if r["perplexity_vs_fp32"] is not None]
+    out.update(time_to_target_s=None if math.isinf(ttt) else ttt,
+               median_step_s=statistics.median(steps) if steps else None,
+               perplexity_vs_fp32=statistics.median(ppl) if ppl else None,
+               repeats=[{k: r.get(k) for k in _PER_REPEAT} for r in records])
+    return out
+
+
+def best_fixed(runs: list[dict[str, Any]]) -> str | None:
+    """The fixed setting that reached the target first (known only in hindsight), or None."""
+    fixed = [r for r in runs if r["setting"].startswith("fixed") and r["time_to_target_s"] is not None]
+    return min(fixed, key=lambda r: r["time_to_target_s"])["setting"] if fixed else None
+
+
+def _seconds(t: float | None) -> str:
+    return "never" if t is None else f"{t:.2f} s"
 
 
 def format_scenario(name: str, result: dict[str, Any]) -> str:
@@ -235,7 +294,9 @@ def format_scenario(name: str, result: dict[str, Any]) -> str:
                      f"median step {'-' if med is None else f'{med:.3f} s'}   late perplexity "
                      f"{'-' if ppl is None else f'{ppl:.4f}'}"
                      f" ({'-' if rel is None else f'{100 * rel:+.2f} %'} vs fp32)"
-                     + (f"   FAILED after {len(r['loss'])} steps: {r['error']}" if r.get("error") else ""))
+                     + (f"   FAILED after {len(r['loss'])} steps: {r['error']}" if r.get("error") else "")
+                     + ("   repeats: " + ", ".join(_seconds(x["time_to_target_s"]) for x in r["repeats"])
+                        if r.get("repeats") else ""))
     return "\n".join(lines)
 
 

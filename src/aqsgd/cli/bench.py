@@ -117,6 +117,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ad.add_argument("--seq-len", type=positive_int, default=da.seq_len,
                     help="tokens per sample (default: 128)")
     ad.add_argument("--micro-batches", type=positive_int, default=da.num_microbatches, help="(default: 4)")
+    ad.add_argument("--repeats", type=positive_int, default=da.repeats,
+                    help="runs of every setting but fp32 (whose losses, the same in every run, set the "
+                         "target), the settings in turn; times are medians over them (default: 1)")
     ad.add_argument("--latency-ms", type=float, default=da.latency_ms, help="one-way latency of every link "
                     "(default: 0)")
     ad.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON to PATH")
@@ -332,7 +335,7 @@ def run_adaptive(args: argparse.Namespace) -> int:
     cfg = AdaptiveBenchConfig(stages=args.stages, scenarios=args.scenarios, settings=args.settings,
                               steps=args.steps, train_samples=args.train_samples, evals=args.evals,
                               hidden=args.hidden, seq_len=args.seq_len, num_microbatches=args.micro_batches,
-                              latency_ms=args.latency_ms)
+                              latency_ms=args.latency_ms, repeats=args.repeats)
     console = Console(width=max(Console().width, 150))
     machine = machine_description(torch.device("cpu"))
     console.print(f"[bold]bits chosen per link[/] on {machine}: {cfg.stages} stages, Llama-style model "

@@ -90,8 +90,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "is_auto", "link_seconds", "parse_auto", "probe_keys",
-           "probe_row"]
+__all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "is_auto", "link_name", "link_seconds", "parse_auto",
+           "parse_link", "probe_keys", "probe_row"]
 
 LADDERS: dict[str, tuple[str, ...]] = {
     "forward": ("fp16", "q8", "q4", "q3", "q2:l2"),
@@ -117,6 +117,18 @@ def link_seconds(sent_busy_s: float, held_back_s: float) -> float:
     link whose backlog fits the socket buffers only shows at the receiver, where its messages arrive spaced
     by their time on the line."""
     return max(sent_busy_s, held_back_s)
+
+
+def link_name(boundary: int, direction: str) -> str:
+    """A link's name: boundary ``b`` (between stages ``b`` and ``b + 1``) and direction, ``b0.forward``."""
+    return f"b{boundary}.{direction}"
+
+
+def parse_link(name: str) -> tuple[int, str, int]:
+    """``b1.backward`` -> the boundary, the direction and the stage that sends on it (``b`` forward,
+    ``b + 1`` backward)."""
+    b, direction = name[1:].split(".")
+    return int(b), direction, int(b) + (direction == "backward")
 
 
 def is_auto(spec: str) -> bool:
@@ -237,7 +249,7 @@ class LinkPolicy:
         for b in range(boundaries):
             for auto in (forward, backward):
                 if auto is not None:
-                    self.links[f"b{b}.{auto.direction}"] = _Link(auto)
+                    self.links[link_name(b, auto.direction)] = _Link(auto)
 
     def specs(self) -> dict[str, str]:
         """Every link's current spec, by name (``b0.forward``)."""
@@ -292,9 +304,9 @@ class LinkPolicy:
         self.step_s = _smooth(self.step_s, max(float(s["step_s"]) for s in stages))
         changes = {}
         for name, link in self.links.items():
-            b = int(name[1:].split(".")[0])
+            b, _, sender = parse_link(name)
             forward = link.auto.direction == "forward"
-            st, d = (stages[b], "fw") if forward else (stages[b + 1], "bw")
+            st, d = stages[sender], ("fw" if forward else "bw")
             # what the receiving end saw held back: the stage after (forward) or before (backward)
             held = float(stages[b + 1]["in_fw_held_s"] if forward else stages[b]["in_bw_held_s"])
             busy = link_seconds(float(st[f"{d}_busy_s"]), held)

@@ -57,7 +57,8 @@ from aqsgd.pipeline.partition import partition_model, shared_parameters
 from aqsgd.schemes import Phase
 from aqsgd.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
                                     save_checkpoint)
-from aqsgd.train.adaptive import BITS, LinkPolicy, is_auto, link_seconds, parse_auto, probe_keys, probe_row
+from aqsgd.train.adaptive import (BITS, LinkPolicy, is_auto, link_name, link_seconds, parse_auto, parse_link,
+                                   probe_keys, probe_row)
 from aqsgd.train.balance import emulate_slow_stages, measure_split
 from aqsgd.train.config import TrainConfig, flatten_config
 from aqsgd.train.engine import OptimConfig, PipelineEngine
@@ -237,10 +238,10 @@ class Trainer:
         emulate_slow_stages(self.engine, self.cfg)
         if self.policy is not None:  # each auto link's sender measures every rung's error once per step
             for name, ladder in self.policy.probes().items():
-                b, direction = name[1:].split(".")
+                b, direction, _ = parse_link(name)
                 channel = FORWARD_CHANNEL if direction == "forward" else BACKWARD_CHANNEL
                 for runner in self.engine.runners.values():
-                    runner.set_probe(int(b), channel, ladder)
+                    runner.set_probe(b, channel, ladder)
         # every replica's last stage has a loss; one of them (replica 0's) writes the metrics
         self.holds_loss = self.grid is None or self.grid.stage == p.stages - 1
         self.writes_metrics = self.holds_loss and self.replica == 0
@@ -440,10 +441,10 @@ class Trainer:
     def _set_link_codecs(self, specs: Mapping[str, str]) -> None:
         """Apply ``{"b0.forward": spec}`` to this process's schemes of those links (before the next step)."""
         for name, spec in specs.items():
-            b, direction = name[1:].split(".")
+            b, direction, _ = parse_link(name)
             channel = FORWARD_CHANNEL if direction == "forward" else BACKWARD_CHANNEL
             for runner in self.engine.runners.values():
-                runner.set_codec(int(b), channel, spec)
+                runner.set_codec(b, channel, spec)
 
     def _link_deltas(self) -> tuple[float, ...]:
         """What this process's links carried since the last call (see
@@ -818,16 +819,20 @@ class Trainer:
         per_boundary, links = {}, {}
         emulated = self.link_schedules
         for b in range(self.cfg.pipeline.stages - 1):
-            per_boundary[f"b{b}.forward"] = int(stats[b]["fw_bytes"])
-            per_boundary[f"b{b}.backward"] = int(stats[b + 1]["bw_bytes"])
-            if self.transport is not None:  # what each link carried and how long it was busy doing it
-                for name, st, d, rx in ((f"b{b}.forward", stats[b], "fw", stats[b + 1]["in_fw_held_s"]),
-                                         (f"b{b}.backward", stats[b + 1], "bw", stats[b]["in_bw_held_s"])):
-                    wire, busy = st[f"{d}_wire_bytes"], link_seconds(st[f"{d}_busy_s"], rx)
-                    links[name] = {"wire_bytes": int(wire), "busy_s": st[f"{d}_busy_s"], "held_back_s": rx,
-                                   "mbit_s": 8e-6 * wire / busy if busy > 0 else None,
-                                   **({"emulated": str(emulated[b].at(self.position["step"]))}
-                                      if emulated else {})}
+            # each link's sender's row, and what its receiver saw held back
+            for direction, d, rx in (("forward", "fw", stats[b + 1]["in_fw_held_s"]),
+                                     ("backward", "bw", stats[b]["in_bw_held_s"])):
+                name = link_name(b, direction)
+                st = stats[parse_link(name)[2]]
+                per_boundary[name] = int(st[f"{d}_bytes"])
+                if self.transport is None:
+                    continue
+                # what each link carried and how long it was busy doing it
+                wire, busy = st[f"{d}_wire_bytes"], link_seconds(st[f"{d}_busy_s"], rx)
+                links[name] = {"wire_bytes": int(wire), "busy_s": st[f"{d}_busy_s"], "held_back_s": rx,
+                               "mbit_s": 8e-6 * wire / busy if busy > 0 else None,
+                               **({"emulated": str(emulated[b].at(self.position["step"]))}
+                                  if emulated else {})}
         tokens = self.task.tokens_per_sample
         skipped = self.engine.skipped
         row = {
@@ -864,9 +869,8 @@ class Trainer:
         assert self.policy is not None
         out = {}
         for name, ladder in self.policy.probes().items():
-            b, direction = name[1:].split(".")
-            row = stats[int(b)] if direction == "forward" else stats[int(b) + 1]
-            keys = probe_keys(direction)
+            _, direction, sender = parse_link(name)
+            row, keys = stats[sender], probe_keys(direction)
             if row[keys[-1]] > 0:
                 out[name] = {rung: math.sqrt(row[k] / row[keys[-1]]) for rung, k in zip(ladder, keys)}
         return out
