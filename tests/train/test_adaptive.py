@@ -328,6 +328,15 @@ def test_the_policy_follows_a_link_that_slows_down_during_the_run(tmp_path):
     # budget, can be large enough for q3 to fit at first: seen once in the floor CI job, q3 then q2:l2.)
     after = [BITS[c.split(":", 1)[1]] for c in sent[4:]]
     assert after[0] <= 4 and after == sorted(after, reverse=True) and after[-1] == BITS["q2:l2"], sent
+    # every row shows what the rule saw after its step: at the last, the slow link, t(L) in proportion to the
+    # bits (plus the fixed headers) and the floor of the error budget
+    seen = train[-1]["link_policy"]
+    assert seen["budget_ms"] > 0 and seen["share_ms"] > 0
+    link = seen["links"]["b0.forward"]
+    # (the throughput is a mean over steps: three after the drop it reads about 1 / (1 - 0.7^3) = 1.5 Mbit/s)
+    assert 0.8 < link["mbit_s"] < 2.0 and link["floor"] in ("q4", "q3", "q2:l2")
+    ms = link["ms"]
+    assert list(ms) == ["fp16", "q8", "q4", "q3", "q2:l2"] and ms["fp16"] > 1.8 * ms["q8"] > 3 * ms["q4"]
 
 
 def test_a_link_s_statistics_leave_out_the_evaluations_traffic(tmp_path):

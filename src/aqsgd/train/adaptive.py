@@ -342,10 +342,16 @@ class LinkPolicy:
         link.errors = [*link.errors, [float(stats[k]) / samples for k in keys[: len(link.auto.ladder)]]]
         del link.errors[:-ERROR_WINDOW]
 
+    @staticmethod
+    def _seconds(link: _Link, level: int) -> float:
+        """``t(L)``: the seconds one micro-batch's tensor takes on the link at ``level``, as measured."""
+        ratio = BITS[link.auto.ladder[level]] / BITS[link.auto.ladder[link.level]]
+        nbytes = link.fixed + link.payload * ratio  # type: ignore[operator]
+        return link.per_message + 8.0 * nbytes * link.seconds_per_bit  # type: ignore[operator]
+
     def _choose(self, link: _Link, bits: float) -> int:
         def seconds(level: int) -> float:
-            nbytes = link.fixed + link.payload * BITS[link.auto.ladder[level]] / bits  # type: ignore[operator]
-            return link.per_message + 8.0 * nbytes * link.seconds_per_bit  # type: ignore[operator]
+            return self._seconds(link, level)
 
         levels = range(link.floor() + 1)  # the rungs within the error budget
         budget = self.budget or 0.0
@@ -368,11 +374,23 @@ class LinkPolicy:
 
     def describe(self) -> dict[str, Any]:
         """What the policy knows of each link, for the metrics: its spec and level, throughput (Mbit/s,
-        besides the per-message cost), per-message cost (ms) and the level's relative error."""
+        besides the per-message cost), per-message cost (ms), the level's relative error, the error budget's
+        floor and every rung's ``t(L)`` (ms; None until the link is measured)."""
         return {name: {"spec": link.auto.spec(link.level), "level": link.level,
                        "mbit_s": None if link.seconds_per_bit is None else 1e-6 / link.seconds_per_bit,
-                       "per_message_ms": 1e3 * link.per_message, "error": link.error(link.level)}
+                       "per_message_ms": 1e3 * link.per_message, "error": link.error(link.level),
+                       "floor": link.auto.ladder[link.floor()],
+                       # t(L) of every rung, as the rule saw it after this step
+                       "ms": ({r: 1e3 * self._seconds(link, lv) for lv, r in enumerate(link.auto.ladder)}
+                              if link.seconds_per_bit is not None and link.payload is not None else None)}
                 for name, link in self.links.items()}
+
+    def overview(self) -> dict[str, Any]:
+        """The rule's inputs after a step, for each step's metrics row: the compute budget per micro-batch,
+        the share of the step each link may spend above its floor (both ms) and :meth:`describe`."""
+        return {"budget_ms": None if self.budget is None else 1e3 * self.budget,
+                "share_ms": 1e3 * TOLERANCE * (self.step_s or 0.0) / max(len(self.links), 1),
+                "links": self.describe()}
 
     def probes(self) -> dict[str, tuple[str, ...]]:
         """The codecs each link's sender probes (its whole ladder), by link name."""

@@ -854,6 +854,8 @@ class Trainer:
                      "wait": sum(s["wait_s"] for s in stats)},
             # ... and the relative error every rung of its ladder made on this step's probed message
             **({"link_errors": self._link_errors(stats)} if codecs else {}),
+            # ... and what the rule saw after this step: budget, each link's throughput, floor, t(L) per rung
+            **({"link_policy": self.policy.overview()} if self.policy is not None else {}),
             # per stage, the mean over its replicas: what one process of that stage sent and spent this step
             "stages": [{k: v / self.cfg.pipeline.data_parallel for k, v in s.items() if k not in _PROBE_KEYS}
                        for s in stats],
