@@ -89,7 +89,8 @@ import torch.distributed as dist
 from torch import nn
 
 from aqsgd.comm.link import LinkSpec
-from aqsgd.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
+from aqsgd.compress.bitpack import packed_nbytes
+from aqsgd.compress.packet import Packet
 from aqsgd.compress.quant import QuantCodec
 from aqsgd.errors import SpecError
 
@@ -339,25 +340,36 @@ class QuantizedSync(GradSync):
         return 2 * (self.world - 1) * self.payload_bytes(self.chunk_numel(numel))
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize ``x`` ([k, c]) row by row: ``(uint8 payloads [k, L], dequantized [k, c])``."""
+        """Quantize ``x`` ([k, c]) row by row: ``(uint8 payloads [k, L], dequantized [k, c])``, each row's
+        payload its blocks' fp16 scales, then its bit-packed codes. Through the codec's encode and decode, so
+        the device's kernels (:mod:`aqsgd.compress.kernels`) do the work: one encode and one decode of all
+        ``k`` rows where a row's codes fill whole bytes (a codec payload is all the scales, then all the
+        codes: the rows' parts are taken apart), a packet per row otherwise."""
         k, c = x.shape
-        scales, codes = self.codec.quantize(x.reshape(-1))
-        deq = self.codec.dequantize(scales, codes, (k * c,), torch.float32).view(k, c)
-        nsb = c // self.block
-        sv = scales.view(k, nsb).view(torch.uint8)
-        cv = codes.view(k, c)
-        payload = torch.cat([torch.cat([sv[i], pack_bits(cv[i], self.bits)]).unsqueeze(0) for i in range(k)])
-        return payload, deq
+        if not self._whole_bytes(c):
+            packets = [self.codec.encode(x[i]) for i in range(k)]
+            return (torch.stack([p.payload for p in packets]),
+                    torch.stack([self.codec.decode(p).float() for p in packets]))
+        packet = self.codec.encode(x.reshape(-1))
+        deq = self.codec.decode(packet).float().view(k, c)
+        nsb = 2 * (c // self.block)
+        p = packet.payload
+        return torch.cat([p[: k * nsb].view(k, nsb), p[k * nsb :].view(k, -1)], dim=1), deq
 
     def _decode(self, payloads: torch.Tensor, c: int) -> torch.Tensor:
         """Inverse of the payload part of :meth:`_encode`: [k, L] uint8 -> [k, c] float32."""
-        nsb = c // self.block
-        rows = []
-        for row in payloads:
-            scales = row[: 2 * nsb].view(torch.float16)
-            codes = unpack_bits(row[2 * nsb :], self.bits, c)
-            rows.append(self.codec.dequantize(scales, codes, (c,), torch.float32))
-        return torch.stack(rows)
+        k = payloads.shape[0]
+        if not self._whole_bytes(c):
+            return torch.stack([self.codec.decode(self._packet(row, (c,))).float() for row in payloads])
+        nsb = 2 * (c // self.block)
+        payload = torch.cat([payloads[:, :nsb].reshape(-1), payloads[:, nsb:].reshape(-1)])
+        return self.codec.decode(self._packet(payload, (k * c,))).float().view(k, c)
+
+    def _whole_bytes(self, c: int) -> bool:
+        return c * self.bits % 8 == 0
+
+    def _packet(self, payload: torch.Tensor, shape: tuple[int, ...]) -> Packet:
+        return Packet(self.codec.family, torch.float32, shape, self.codec.fingerprint, payload.contiguous())
 
     def _buffer(self, store: dict[int, torch.Tensor], index: int, numel: int) -> torch.Tensor:
         buf = store.get(index)
