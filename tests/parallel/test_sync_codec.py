@@ -11,9 +11,9 @@ from aqsgd.compress.quant import QuantCodec
 from aqsgd.parallel.sync import QuantizedSync
 
 
-def _sync(bits: int, block: int) -> QuantizedSync:
+def _sync(bits: int, block: int, backend: str | None = None) -> QuantizedSync:
     sync = QuantizedSync.__new__(QuantizedSync)  # the codec's part only: no process group needed
-    sync.codec = QuantCodec(bits, granularity="block", block=block)
+    sync.codec = QuantCodec(bits, granularity="block", block=block).using(backend)
     sync.bits, sync.block = bits, block
     return sync
 
@@ -40,8 +40,9 @@ def _reference_decode(sync: QuantizedSync, payloads: torch.Tensor, c: int) -> to
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("block,blocks", [(64, 5), (3, 7), (5, 3)])  # rows of whole bytes, and not
 @pytest.mark.parametrize("k", [1, 3])
-def test_payloads_and_values_are_the_per_row_construction(bits, block, blocks, k):
-    sync = _sync(bits, block)
+@pytest.mark.parametrize("backend", ["eager", None])  # None: the device's default (numba on this CPU)
+def test_payloads_and_values_are_the_per_row_construction(bits, block, blocks, k, backend):
+    sync = _sync(bits, block, backend)
     c = block * blocks
     x = torch.randn(k, c, generator=torch.Generator().manual_seed(bits * 100 + block + k)) * 1e-3
     x[0, :block] = 0.0  # a zero block: scale 0
