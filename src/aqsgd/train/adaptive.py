@@ -90,8 +90,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "is_auto", "link_name", "link_seconds", "parse_auto",
-           "parse_link", "probe_keys", "probe_row"]
+__all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "is_auto", "link_name", "link_row", "link_seconds",
+           "parse_auto", "parse_link", "probe_keys", "probe_row"]
 
 LADDERS: dict[str, tuple[str, ...]] = {
     "forward": ("fp16", "q8", "q4", "q3", "q2:l2"),
@@ -129,6 +129,15 @@ def parse_link(name: str) -> tuple[int, str, int]:
     ``b + 1`` backward)."""
     b, direction = name[1:].split(".")
     return int(b), direction, int(b) + (direction == "backward")
+
+
+def link_row(stages: Sequence[Mapping[str, float]], name: str) -> tuple[Mapping[str, float], str, float]:
+    """Link ``name``'s sender's row of a step's per-stage statistics, its keys' prefix (``fw``, ``bw``) and
+    the seconds its receiver (the stage after, forward; before, backward) saw the link hold messages back."""
+    b, direction, sender = parse_link(name)
+    if direction == "forward":
+        return stages[sender], "fw", float(stages[b + 1]["in_fw_held_s"])
+    return stages[sender], "bw", float(stages[b]["in_bw_held_s"])
 
 
 def is_auto(spec: str) -> bool:
@@ -304,11 +313,7 @@ class LinkPolicy:
         self.step_s = _smooth(self.step_s, max(float(s["step_s"]) for s in stages))
         changes = {}
         for name, link in self.links.items():
-            b, _, sender = parse_link(name)
-            forward = link.auto.direction == "forward"
-            st, d = stages[sender], ("fw" if forward else "bw")
-            # what the receiving end saw held back: the stage after (forward) or before (backward)
-            held = float(stages[b + 1]["in_fw_held_s"] if forward else stages[b]["in_bw_held_s"])
+            st, d, held = link_row(stages, name)
             busy = link_seconds(float(st[f"{d}_busy_s"]), held)
             wire, raw, sent = float(st[f"{d}_wire_bytes"]), float(st[f"{d}_raw"]), float(st[f"{d}_bytes"])
             if wire <= 0 or busy <= 0 or raw <= 0 or sent <= 0:
@@ -324,7 +329,7 @@ class LinkPolicy:
             link.fixed = _smooth(link.fixed, max(wire - sent, 0.0) / n)
             link.payload = _smooth(link.payload, (sent if compressed else raw * bits / 32.0) / n)
             self._probed(link, st, link.auto.direction)
-            new = self._choose(link, bits)
+            new = self._choose(link)
             if new != link.level:
                 # the payload scales with the bits: what the new level will send, until it is measured
                 link.payload *= BITS[link.auto.ladder[new]] / bits
@@ -349,13 +354,17 @@ class LinkPolicy:
         nbytes = link.fixed + link.payload * ratio  # type: ignore[operator]
         return link.per_message + 8.0 * nbytes * link.seconds_per_bit  # type: ignore[operator]
 
-    def _choose(self, link: _Link, bits: float) -> int:
+    def _share(self) -> float:
+        """The seconds of the step each link may spend above its floor."""
+        return TOLERANCE * (self.step_s or 0.0) / max(len(self.links), 1)
+
+    def _choose(self, link: _Link) -> int:
         def seconds(level: int) -> float:
             return self._seconds(link, level)
 
         levels = range(link.floor() + 1)  # the rungs within the error budget
         budget = self.budget or 0.0
-        share = TOLERANCE * (self.step_s or 0.0) / max(len(self.links), 1)
+        share = self._share()
         floor = seconds(levels[-1])
 
         def fits(level: int, margin: float = 1.0) -> bool:
@@ -389,7 +398,7 @@ class LinkPolicy:
         """The rule's inputs after a step, for each step's metrics row: the compute budget per micro-batch,
         the share of the step each link may spend above its floor (both ms) and :meth:`describe`."""
         return {"budget_ms": None if self.budget is None else 1e3 * self.budget,
-                "share_ms": 1e3 * TOLERANCE * (self.step_s or 0.0) / max(len(self.links), 1),
+                "share_ms": 1e3 * self._share(),
                 "links": self.describe()}
 
     def probes(self) -> dict[str, tuple[str, ...]]:

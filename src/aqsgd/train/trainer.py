@@ -57,8 +57,8 @@ from aqsgd.pipeline.partition import partition_model, shared_parameters
 from aqsgd.schemes import Phase
 from aqsgd.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
                                     save_checkpoint)
-from aqsgd.train.adaptive import (BITS, LinkPolicy, is_auto, link_name, link_seconds, parse_auto, parse_link,
-                                   probe_keys, probe_row)
+from aqsgd.train.adaptive import (BITS, LinkPolicy, is_auto, link_name, link_row, link_seconds, parse_auto,
+                                   parse_link, probe_keys, probe_row)
 from aqsgd.train.balance import emulate_slow_stages, measure_split
 from aqsgd.train.config import TrainConfig, flatten_config
 from aqsgd.train.engine import OptimConfig, PipelineEngine
@@ -819,11 +819,9 @@ class Trainer:
         per_boundary, links = {}, {}
         emulated = self.link_schedules
         for b in range(self.cfg.pipeline.stages - 1):
-            # each link's sender's row, and what its receiver saw held back
-            for direction, d, rx in (("forward", "fw", stats[b + 1]["in_fw_held_s"]),
-                                     ("backward", "bw", stats[b]["in_bw_held_s"])):
+            for direction in ("forward", "backward"):
                 name = link_name(b, direction)
-                st = stats[parse_link(name)[2]]
+                st, d, rx = link_row(stats, name)  # its sender's row, what its receiver saw held back
                 per_boundary[name] = int(st[f"{d}_bytes"])
                 if self.transport is None:
                     continue
@@ -871,8 +869,8 @@ class Trainer:
         assert self.policy is not None
         out = {}
         for name, ladder in self.policy.probes().items():
-            _, direction, sender = parse_link(name)
-            row, keys = stats[sender], probe_keys(direction)
+            row, _, _ = link_row(stats, name)
+            keys = probe_keys(parse_link(name)[1])
             if row[keys[-1]] > 0:
                 out[name] = {rung: math.sqrt(row[k] / row[keys[-1]]) for rung, k in zip(ladder, keys)}
         return out
