@@ -1,6 +1,7 @@
 """A pytest plugin for the GPU check's ``suite`` step (``-p benchmarks.pytest_failure_log``): with
 ``AQSGD_TEST_LOG=<file>``, each test that fails or errs is appended to that file as it happens, one line:
-where it failed (SETUP, CALL, TEARDOWN), the test, the first line of its error. A run cut short by a time
+where it failed (SETUP, CALL, TEARDOWN), the test, its error's lines joined by `` | `` (the first 1,500
+characters: a message whose first line says only "rank 0:" still says why). A run cut short by a time
 limit still says what failed, where pytest's own summary comes only at the end. Under pytest-xdist the
 controller writes it (the workers' reports reach it)."""
 
@@ -15,6 +16,6 @@ def pytest_runtest_logreport(report) -> None:
         return
     crash = getattr(report.longrepr, "reprcrash", None)
     message = crash.message if crash is not None else str(report.longrepr)
-    first = next((line for line in message.splitlines() if line.strip()), "")
+    lines = " | ".join(line.strip() for line in message.splitlines() if line.strip())
     with open(path, "a", encoding="utf-8") as f:
-        f.write(f"{report.when.upper()} {report.nodeid}: {first[:400]}\n")
+        f.write(f"{report.when.upper()} {report.nodeid}: {lines[:1500]}\n")

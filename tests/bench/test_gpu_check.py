@@ -54,7 +54,8 @@ def test_the_failure_log_names_each_failure_as_it_happens(tmp_path):
         "def test_ok():\n    assert True\n\n"
         "def test_bad():\n    assert 1 == 2, 'one is not two'\n\n"
         "@pytest.fixture\ndef broken():\n    raise RuntimeError('no fixture')\n\n"
-        "def test_err(broken):\n    pass\n")
+        "def test_err(broken):\n    pass\n\n"
+        "def test_lines():\n    assert False, 'rank 0:\\nthe reason'\n")
     log = tmp_path / "failures.txt"
     env = {**os.environ, "AQSGD_TEST_LOG": str(log), "PYTHONPATH": str(ROOT)}
     env.pop("PYTEST_XDIST_WORKER", None)
@@ -63,6 +64,7 @@ def test_the_failure_log_names_each_failure_as_it_happens(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout[-2000:]
     lines = log.read_text().splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert lines[0].startswith("CALL test_some.py::test_bad: AssertionError: one is not two")
     assert lines[1].startswith("SETUP test_some.py::test_err: RuntimeError: no fixture")
+    assert lines[2].startswith("CALL test_some.py::test_lines: AssertionError: rank 0: | the reason")

@@ -47,7 +47,7 @@ def test_bench_codecs_without_fused_kernels_has_no_eager_columns(tmp_path):
     path = tmp_path / "codecs.json"
     with kernels.defaulting_to("eager"):
         assert main(["bench", "codecs", "--codecs", "q4", "--shape", "2,8,16", "--repeats", "1", "--warmup",
-                     "1", "--json", str(path)]) == 0
+                     "1", "--device", "cpu", "--json", str(path)]) == 0
     (row,) = json.loads(path.read_text())["rows"]
     assert row["eager_encode_gbps"] is None and row["eager_decode_gbps"] is None
 

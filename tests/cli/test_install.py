@@ -5,6 +5,7 @@ exist."""
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -90,8 +91,9 @@ def test_python_dash_m_runs_the_command(module):
 @pytest.mark.parametrize("command", [["train"], ["codecs"], ["report"], ["data"], ["bench", "codecs"],
                                      ["bench", "pipeline"], ["bench", "convergence"], ["bench", "netem"]])
 def test_help_states_each_default_at_most_once(command):
+    keep = {k: v for k, v in os.environ.items() if k == "PYTHONPATH"}  # where aqsgd is found, not installed
     out = subprocess.run([sys.executable, "-m", "aqsgd", *command, "--help"], capture_output=True, text=True,
-                         env={"COLUMNS": "400", "PATH": ""})
+                         env={"COLUMNS": "400", "PATH": "", **keep})
     assert out.returncode == 0, out.stderr
     assert "(default: None)" not in out.stdout
     for line in out.stdout.splitlines():

@@ -177,20 +177,22 @@ def test_stages_follow_the_node_ranks_of_the_machines(tmp_path):
     assert all(want[r] != GridLayout(2, 2).coords(r) for r in want)
     done = _run_ranks(tmp_path, seats, "--data-parallel", "2")
     for rank, p in enumerate(done):
-        assert p.returncode == 0, f"rank {rank}:\n{p.stderr[-3000:]}"
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{p.stderr[-3000:]}"
     host = socket.gethostname()
     for rank, p in enumerate(done):
         stage, replica = want[rank]
         prefix = f"[stage {stage}/2 replica {replica}]"
         lines = [line for line in p.stderr.splitlines() if re.match(r"\d{4}-\d\d-\d\d ", line)]
-        assert lines and all(prefix in line for line in lines), f"rank {rank}:\n{p.stderr[-3000:]}"
+        stray = [line for line in lines if prefix not in line]
+        assert lines and not stray, f"rank {rank}: a line without {prefix}: {stray[:1]}\n{p.stderr[-3000:]}"
         position = replica * 2 + stage
         assert (f"{prefix} {NODE_RANK_ENV}={seats[rank][2]} on {host}: rank {position} of 4 (started as rank "
                 f"{rank})") in p.stderr
         # only the last stage of replica 0 writes the metrics: it logs the evaluation and prints the summary
         writes = (stage, replica) == (1, 0)
-        assert ("eval step" in p.stderr) is writes, f"rank {rank}:\n{p.stderr[-3000:]}"
-        assert bool(p.stdout.strip()) is writes, f"rank {rank}:\n{p.stdout[-3000:]}"
+        evaluates, prints = "eval step" in p.stderr, bool(p.stdout.strip())
+        assert evaluates is writes, f"rank {rank}: logs an evaluation: {evaluates}\n{p.stderr[-3000:]}"
+        assert prints is writes, f"rank {rank}: prints a summary: {prints}\n{p.stdout[-3000:]}"
     assert (tmp_path / "run" / "metrics.jsonl").exists()
 
 

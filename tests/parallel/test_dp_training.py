@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str]]) -> dict[str, dic
                      "writes_metrics": trainer.writes_metrics, "history": trainer.history,
                      "sync_bytes": sync.finish(trainer),
                      "buckets": len(trainer.engine.grad_sync.bucket_numels),
-                     "params": {n: p.detach().numpy().copy() for n, p in module.named_parameters()}}
+                     "params": {n: p.detach().cpu().numpy().copy() for n, p in module.named_parameters()}}
     return out
 
 
@@ -126,7 +126,7 @@ def test_uncompressed_dp_equals_one_pipeline_on_the_full_batch(dp_run):
         assert set(r["params"]) == set(params[stage])
         for name, value in r["params"].items():
             where = f"{name} stage {stage} replica {replica}"
-            torch.testing.assert_close(torch.from_numpy(value), params[stage][name].detach(), rtol=1e-5,
+            torch.testing.assert_close(torch.from_numpy(value), params[stage][name].detach().cpu(), rtol=1e-5,
                                        atol=1e-6, msg=lambda m, w=where: f"{w}: {m}")
     # replicas of one stage hold bit-identical parameters (they decode the same averaged gradient)
     for a, b in ((runs[0], runs[2]), (runs[1], runs[3])):

@@ -81,7 +81,9 @@ def test_the_diverging_command_stops_at_its_first_non_finite_step(tmp_path):
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, step)), line
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
-    assert "NaN" not in (tmp_path / "run" / "metrics.jsonl").read_text()
+    # no train row holds a NaN anywhere. An evaluation of the diverging weights may read inf or NaN (on a
+    # GPU in bf16 the file held a NaN, here perplexity inf): that is what the model gives, so it is logged
+    assert not any("NaN" in json.dumps(r) for r in rows)
     # the newest checkpoint is the one the message names, and it holds finite weights
     checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
     assert checkpoints and f"the last complete checkpoint is {checkpoints[-1]}" in line, line
