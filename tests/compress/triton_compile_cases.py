@@ -35,8 +35,12 @@ CASES = [
     ("steps", {"stored_ptr": F16, "step_ptr": F32, "flag_ptr": I32, "G": "i32", "divisor": "fp32"},
      {"BLOCK": 1024}),
     ("rowmax", MAX, {"SCALES": True, "HALF": True, "BLOCK_R": 16, "BLOCK_K": 128}),
-    ("colmax", MAX, {"SCALES": True, "HALF": True, "BLOCK_R": 16, "BLOCK_K": 128}),
-    ("colmax", {**MAX, "stored_ptr": F32}, {"SCALES": False, "HALF": False, "BLOCK_R": 16, "BLOCK_K": 128}),
+    ("colmax", {**MAX, "CHUNK": "i32"}, {"SCALES": True, "HALF": True, "PARTIAL": False, "BLOCK_R": 16,
+                                         "BLOCK_K": 128}),
+    ("colmax", {**MAX, "stored_ptr": F32, "CHUNK": "i32"}, {"SCALES": False, "HALF": False, "PARTIAL": True,
+                                                            "BLOCK_R": 16, "BLOCK_K": 128}),
+    ("colmax_finish", {"part_ptr": F32, "out_ptr": F32, "stored_ptr": F16, "flag_ptr": I32, "S": "i32",
+                       "K": "i32", "qmax": "fp32"}, {"SCALES": True, "HALF": True, "BLOCK_K": 128}),
     ("quant_pack", {"x_ptr": F32, "inv_ptr": F32, "noise_ptr": F32, "out_ptr": U8, "R": "i32", "K": "i32",
                     "offset": "fp32", "qmax": "fp32"},
      {"BY_COL": True, "BITS": 3, "NOISE": False, "BLOCK_R": 16, "BLOCK_G": 16}),
@@ -44,7 +48,8 @@ CASES = [
                         "mul": "fp32", "low": "fp32", "divisor": "fp32"},
      {"BY_COL": False, "BITS": 4, "SCALES": True, "BLOCK_R": 16, "BLOCK_G": 16}),
     ("delta_rowmax", DELTA, {"BF16": False, "BLOCK_R": 16, "BLOCK_K": 128}),
-    ("delta_colmax", {**DELTA, "st_ptr": "*i16"}, {"BF16": True, "BLOCK_R": 16, "BLOCK_K": 128}),
+    ("delta_colmax", {**DELTA, "st_ptr": "*i16", "CHUNK": "i32"}, {"BF16": True, "BLOCK_R": 16,
+                                                                   "BLOCK_K": 128}),
     ("delta_into", DELTA, {"BF16": False, "BLOCK_R": 16, "BLOCK_K": 128}),
     ("delta_quant_update", {"x_ptr": F32, "st_ptr": F32, "ids_ptr": I64, "inv_ptr": F32, "step_ptr": F32,
                             "out_ptr": U8, "R": "i32", "K": "i32", "rpb": "i32", "offset": "fp32",
@@ -97,5 +102,6 @@ def test_the_kernel_compiles_for_sm90(name, types, consts):
         assert "fma.rn.f32" in ptx  # tl.fma: one rounding, as the CPU's addcmul
     if name == "delta_dequant_update":  # m + level * step rounds twice, as the CPU's add of the decode
         assert "fma" not in ptx and ("mul.rn.f32" in ptx or "mul.f32" in ptx)
-    if name in ("scales", "steps", "unpack_dequant") or (name in ("rowmax", "colmax") and consts["SCALES"]):
+    if name in ("scales", "steps", "unpack_dequant") or (name in ("rowmax", "colmax", "colmax_finish")
+                                                          and consts["SCALES"]):
         assert "div.rn" in ptx  # correctly rounded, as PyTorch divides

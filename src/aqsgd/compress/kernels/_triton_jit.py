@@ -85,19 +85,48 @@ def rowmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexp
 
 
 @triton.jit
-def colmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexpr, HALF: tl.constexpr,
-           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Each column's max |x| (or, with ``SCALES``, its stored scale and ``inv``: see ``rowmax``)."""
+def colmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, CHUNK, SCALES: tl.constexpr, HALF: tl.constexpr,
+           PARTIAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each column's max |x| over rows ``[j * CHUNK, (j + 1) * CHUNK)`` (``j``: the grid's second axis;
+    CHUNK a multiple of BLOCK_R), NaN where one is NaN. ``PARTIAL``: into row ``j`` of ``out_ptr``
+    (``[splits, K]``, reduced by ``colmax_finish``); otherwise (one split) into ``out_ptr``, or with
+    ``SCALES`` its stored scale and ``inv`` (see ``rowmax``). Splitting the rows keeps a GPU busy: with
+    128 columns a program, a 768-wide activation had 6 programs, each looping over every row (315 us on an
+    H100 for 4096 rows)."""
     cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     cmask = cols < K
+    row0 = tl.program_id(1) * CHUNK
     best = tl.zeros([BLOCK_K], dtype=tl.float32)
     nans = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for start in range(0, R, BLOCK_R):
-        rows = start + tl.arange(0, BLOCK_R)
+    for start in range(0, CHUNK, BLOCK_R):
+        rows = row0 + start + tl.arange(0, BLOCK_R)
         m = (rows < R)[:, None] & cmask[None, :]
         x = tl.abs(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0))
         nans += tl.sum((x != x).to(tl.int32), axis=0)
         best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=0))
+    best = tl.where(nans > 0, float("nan"), best)
+    if PARTIAL:
+        tl.store(out_ptr + tl.program_id(1) * K + cols, best, mask=cmask)
+    else:
+        if SCALES:
+            best = _inv(_stored_scale(best, cols, cmask, stored_ptr, flag_ptr, HALF), qmax)
+        tl.store(out_ptr + cols, best, mask=cmask)
+
+
+@triton.jit
+def colmax_finish(part_ptr, out_ptr, stored_ptr, flag_ptr, S, K, qmax, SCALES: tl.constexpr,
+                  HALF: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The column maxes of ``S`` partial rows ``[S, K]`` (``colmax``'s, ``delta_colmax``'s), NaN where one
+    is NaN (a max is exact in any order: the same value as one pass); with ``SCALES`` the stored scale and
+    ``inv`` as ``colmax``'s last step."""
+    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cmask = cols < K
+    best = tl.zeros([BLOCK_K], dtype=tl.float32)
+    nans = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in range(0, S):
+        p = tl.load(part_ptr + j * K + cols, mask=cmask, other=0.0)
+        nans += (p != p).to(tl.int32)
+        best = tl.maximum(best, tl.where(p != p, 0.0, p))
     best = tl.where(nans > 0, float("nan"), best)
     if SCALES:
         best = _inv(_stored_scale(best, cols, cmask, stored_ptr, flag_ptr, HALF), qmax)
@@ -183,14 +212,17 @@ def delta_rowmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr,
     tl.store(out_ptr + rows, tl.where(nans > 0, float("nan"), best), mask=rmask)
 
 @triton.jit
-def delta_colmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+def delta_colmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, CHUNK, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_K: tl.constexpr):
+    """Each column's max |x - cache| over rows ``[j * CHUNK, (j + 1) * CHUNK)`` into row ``j`` of ``out_ptr``
+    (one split: the maxes; several: ``colmax_finish`` reduces them)."""
     cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     cmask = cols < K
+    row0 = tl.program_id(1) * CHUNK
     best = tl.zeros([BLOCK_K], dtype=tl.float32)
     nans = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for start in range(0, R, BLOCK_R):
-        rows = start + tl.arange(0, BLOCK_R)
+    for start in range(0, CHUNK, BLOCK_R):
+        rows = row0 + start + tl.arange(0, BLOCK_R)
         rmask = rows < R
         m = rmask[:, None] & cmask[None, :]
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
@@ -200,7 +232,7 @@ def delta_colmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr,
         d = tl.abs(x - c)
         nans += tl.sum((d != d).to(tl.int32), axis=0)
         best = tl.maximum(best, tl.max(tl.where(d != d, 0.0, d), axis=0))
-    tl.store(out_ptr + cols, tl.where(nans > 0, float("nan"), best), mask=cmask)
+    tl.store(out_ptr + tl.program_id(1) * K + cols, tl.where(nans > 0, float("nan"), best), mask=cmask)
 
 @triton.jit
 def delta_into(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -487,6 +519,6 @@ def cast_checked(x_ptr, y_ptr, flag_ptr, N, BF16: tl.constexpr, BLOCK: tl.conste
 
 
 KERNELS = {k.__name__: k for k in (
-    scales, rowmax, colmax, quant_pack, unpack_dequant, row_sumsq, split_rows, delta_rowmax, delta_colmax,
-    delta_into, delta_quant_update, delta_dequant_update, fwht_rows, topk_hist, topk_pick, topk_count,
-    topk_write, cast_checked, steps)}
+    scales, rowmax, colmax, colmax_finish, quant_pack, unpack_dequant, row_sumsq, split_rows, delta_rowmax,
+    delta_colmax, delta_into, delta_quant_update, delta_dequant_update, fwht_rows, topk_hist, topk_pick,
+    topk_count, topk_write, cast_checked, steps)}

@@ -121,6 +121,27 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# programs a column max aims at: its columns' programs times row splits (an H100 has 132 SMs)
+_MAX_PROGRAMS = 512
+
+
+def _row_splits(rows: int, k: int) -> tuple[int, int]:
+    """How a column max splits its rows: ``(splits, rows per split)``, the rows per split a multiple of
+    ``_BLOCK_R``; one split where the columns alone give ``_MAX_PROGRAMS`` programs or the rows are few."""
+    want = max(1, min(_cdiv(rows, _BLOCK_R), _MAX_PROGRAMS // _cdiv(k, _BLOCK_K)))
+    chunk = max(_cdiv(_cdiv(rows, want), _BLOCK_R), 1) * _BLOCK_R
+    return max(_cdiv(rows, chunk), 1), chunk
+
+
+def _finish_colmax(part: torch.Tensor, out: torch.Tensor, stored: torch.Tensor, flag: torch.Tensor,
+                   qmax: float, *, scales: bool) -> None:
+    """``out`` from the partial column maxes ``part`` ``[splits, K]`` (``colmax_finish``)."""
+    splits, k = part.shape
+    _kernels()["colmax_finish"][(_cdiv(k, _BLOCK_K),)](part, out, stored, flag, splits, k, qmax,
+                                                       SCALES=scales, HALF=stored.dtype == torch.float16,
+                                                       BLOCK_K=_BLOCK_K)
+
+
 def _bf16(store: RowStore) -> bool:
     return store.data.dtype == torch.bfloat16
 
@@ -156,10 +177,18 @@ class TritonKernels(Kernels):
              qmax: float, *, scales: bool) -> None:
         rows, k = x2.shape
         half = stored.dtype == torch.float16
-        kernel, programs = ((_kernels()["colmax"], _cdiv(k, _BLOCK_K)) if by_col
-                            else (_kernels()["rowmax"], _cdiv(rows, _BLOCK_R)))
-        kernel[(programs,)](x2, out, stored, flag, rows, k, qmax, SCALES=scales, HALF=half, BLOCK_R=_BLOCK_R,
-                            BLOCK_K=_BLOCK_K)
+        if not by_col:
+            _kernels()["rowmax"][(_cdiv(rows, _BLOCK_R),)](x2, out, stored, flag, rows, k, qmax,
+                                                           SCALES=scales, HALF=half, BLOCK_R=_BLOCK_R,
+                                                           BLOCK_K=_BLOCK_K)
+            return
+        splits, chunk = _row_splits(rows, k)
+        part = out if splits == 1 else torch.empty(splits, k, dtype=torch.float32, device=x2.device)
+        _kernels()["colmax"][(_cdiv(k, _BLOCK_K), splits)](
+            x2, part, stored, flag, rows, k, qmax, chunk, SCALES=scales, HALF=half, PARTIAL=splits > 1,
+            BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K)
+        if splits > 1:
+            _finish_colmax(part, out, stored, flag, qmax, scales=scales)
 
     def scales(self, s: torch.Tensor, stored: torch.Tensor, qmax: int, flag: torch.Tensor,
                step: torch.Tensor | None = None, divisor: int = 1) -> torch.Tensor:
@@ -332,10 +361,18 @@ class TritonKernels(Kernels):
             return None
         rows, k = x2.shape
         out = torch.empty(k if by_col else rows, dtype=torch.float32, device=x2.device)
-        name, grid = (("delta_colmax", (_cdiv(k, _BLOCK_K),)) if by_col
-                      else ("delta_rowmax", (_cdiv(rows, _BLOCK_R),)))
-        _kernels()[name][grid](x2, *_storage(store), out, rows, k, rpb, BF16=_bf16(store), BLOCK_R=_BLOCK_R,
-                               BLOCK_K=_BLOCK_K)
+        if not by_col:
+            _kernels()["delta_rowmax"][(_cdiv(rows, _BLOCK_R),)](x2, *_storage(store), out, rows, k, rpb,
+                                                                 BF16=_bf16(store), BLOCK_R=_BLOCK_R,
+                                                                 BLOCK_K=_BLOCK_K)
+            return out
+        splits, chunk = _row_splits(rows, k)
+        part = out if splits == 1 else torch.empty(splits, k, dtype=torch.float32, device=x2.device)
+        _kernels()["delta_colmax"][(_cdiv(k, _BLOCK_K), splits)](
+            x2, *_storage(store), part, rows, k, rpb, chunk, BF16=_bf16(store), BLOCK_R=_BLOCK_R,
+            BLOCK_K=_BLOCK_K)
+        if splits > 1:
+            _finish_colmax(part, out, out, out, 0.0, scales=False)
         return out
 
     def delta(self, x2: torch.Tensor, store: RowStore, rpb: int) -> torch.Tensor | None:
