@@ -339,12 +339,15 @@ def _importable(name: str) -> bool:
 
 def _codec_figures(path: Path) -> dict:
     try:
-        rows = json.loads(path.read_text())["rows"]
+        data = json.loads(path.read_text())
+        rows = data["rows"]
     except (OSError, ValueError, KeyError):
         return {}
     keep = ("codec", "encode_vs_clone", "decode_vs_clone", "eager_encode_gbps", "encode_gbps",
-            "encode_kernels", "encode_kernel_us", "decode_kernels", "decode_kernel_us", "ratio")
-    return {"rows": [{k: r.get(k) for k in keep if k in r} for r in rows]}
+            "encode_queued_gbps", "decode_queued_gbps", "clone_gbps", "encode_kernels", "encode_kernel_us",
+            "decode_kernels", "decode_kernel_us", "ratio")
+    return {"rows": [{k: r.get(k) for k in keep if k in r} for r in rows],
+            **({"launch_us": data["launch_us"]} if data.get("launch_us") else {})}
 
 
 def markdown(data: dict) -> str:

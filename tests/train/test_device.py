@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -132,8 +133,38 @@ def test_bench_codecs_runs_where_auto_says(capsys, tmp_path):
     out = tmp_path / "codecs.json"
     assert main(["bench", "codecs", "--codecs", "q4", "topk0.5", "--shape", "4,300", "--repeats", "1",
                  "--warmup", "1", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
     assert {r["device"].split(":")[0] for r in rows} == {"cuda" if torch.cuda.is_available() else "cpu"}
+    queued = [r["encode_queued_gbps"] for r in rows] + [r["decode_queued_gbps"] for r in rows]
+    if torch.cuda.is_available():  # a GPU's rates with calls queued, and what one launch costs
+        assert all(q > 0 for q in queued) and data["launch_us"]["triton_queued"] > 0
+    else:
+        assert queued == [None] * 4 and "launch_us" not in data
+
+
+def test_launch_costs_time_each_kind_of_call():
+    """Under Triton's interpreter on the CPU (the kernel runs in Python: the figures say nothing of a GPU,
+    the keys and the calls are what is checked); None where the Triton kernels do not run."""
+    import subprocess
+    import sys
+
+    from aqsgd.compress.kernels import triton as triton_kernels
+
+    if not triton_kernels.available("cpu"):
+        from aqsgd.bench.codecs import launch_costs
+
+        assert launch_costs(torch.device("cpu")) is None
+    pytest.importorskip("triton")
+    probe = ("import json, torch\nfrom aqsgd.bench.codecs import launch_costs\n"
+             "print(json.dumps(launch_costs(torch.device('cpu'), repeats=3)))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    costs = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(costs) == {"sync", "torch_add", "torch_empty", "triton", "triton_unfused", "torch_add_queued",
+                          "triton_queued", "triton_unfused_queued"}
+    assert all(v > 0 for v in costs.values())
 
 
 # ---------------------------------------------------------------------------- codecs

@@ -12,23 +12,30 @@ that never takes a kernel shows ~1.0x there.
 On CUDA each codec's encode and decode are also profiled once after the timing (``torch.profiler``): how many
 device operations (kernels, copies, fills) one call launches and their summed device time in microseconds
 (``encode_kernels``, ``encode_kernel_us``, ``decode_kernels``, ``decode_kernel_us``). Against the call's wall
-time this says whether the device or the host's launching sets the rate.
+time this says whether the device or the host's launching sets the rate. Also on CUDA: each call's rate when
+20 calls are queued back to back before one synchronisation (``encode_queued_gbps``, ``decode_queued_gbps``:
+what a training step sees, where the host runs ahead of the device), and what one launch costs
+(:func:`launch_costs`: a synchronisation, a one-value PyTorch operation, a one-value Triton kernel, each
+alone and queued).
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from aqsgd.bench.timing import interleaved_medians
+from aqsgd.bench.timing import interleaved_medians, sync
 from aqsgd.compress import kernels, make_codec
 
-__all__ = ["DEFAULT_CODECS", "CodecRow", "bench_codecs", "machine_description"]
+__all__ = ["DEFAULT_CODECS", "CodecRow", "bench_codecs", "launch_costs", "machine_description",
+           "queued_seconds"]
 
 DEFAULT_CODECS = (
     "fp16", "bf16", "q8", "q4", "q3", "q2", "q1", "q2:token", "q4:block64", "q2:stochastic", "q4:l2",
@@ -54,6 +61,8 @@ class CodecRow:
     rel_err: float
     eager_encode_gbps: float | None = None  # the same codec with the fused kernels off (None: they were off)
     eager_decode_gbps: float | None = None
+    encode_queued_gbps: float | None = None  # 20 calls queued before one synchronisation (CUDA only)
+    decode_queued_gbps: float | None = None
     encode_kernels: int | None = None  # device operations per call and their device time (CUDA only)
     encode_kernel_us: float | None = None
     decode_kernels: int | None = None
@@ -112,6 +121,8 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             calls["eager_encode"] = lambda: eager.encode(x, generator=g)
             calls["eager_decode"] = lambda: eager.decode(packet)
         t = interleaved_medians(calls, device=device, warmup=warmup, repeats=repeats)
+        queued = ({k: nbytes / queued_seconds(calls[k], device) / 1e9 for k in ("encode", "decode")}
+                  if device.type == "cuda" else {"encode": None, "decode": None})
         enc_ops = device_operations(calls["encode"], device) or (None, None)
         dec_ops = device_operations(calls["decode"], device) or (None, None)
         y = codec.decode(packet)
@@ -125,10 +136,51 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             max_abs_err=float((y - x).abs().max()), rel_err=float((y - x).norm() / x.norm()),
             eager_encode_gbps=nbytes / t["eager_encode"] / 1e9 if compare_eager else None,
             eager_decode_gbps=nbytes / t["eager_decode"] / 1e9 if compare_eager else None,
+            encode_queued_gbps=queued["encode"], decode_queued_gbps=queued["decode"],
             encode_kernels=enc_ops[0], encode_kernel_us=enc_ops[1],
             decode_kernels=dec_ops[0], decode_kernel_us=dec_ops[1],
         ))
     return rows
+
+
+def queued_seconds(fn, device: torch.device, *, calls: int = 20, rounds: int = 5) -> float:
+    """Seconds per call of ``fn`` with ``calls`` calls queued before one synchronisation, the median of
+    ``rounds`` rounds: where the host's launching is slower than the device's work, the host's time."""
+    samples = []
+    for _ in range(rounds):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples)
+
+
+def launch_costs(device: torch.device, *, repeats: int = 200) -> dict[str, float] | None:
+    """Microseconds per call, medians of ``repeats``: a synchronisation alone (``sync``); a one-value PyTorch
+    ``add_``, a one-value allocation and a launch of a one-value Triton kernel (``touch``), each between two
+    synchronisations and (``*_queued``) 20 queued before one; the Triton launch also as the codecs launch
+    (``enable_fp_fusion=False``). None where the Triton kernels do not run on ``device``."""
+    from aqsgd.compress.kernels import triton as triton_kernels
+
+    if not triton_kernels.available(device):
+        return None
+    from aqsgd.bench._launch_jit import touch
+
+    x = torch.zeros(16, device=device)
+    calls = {
+        "sync": lambda: None,
+        "torch_add": lambda: x.add_(1.0),
+        "torch_empty": lambda: torch.empty(1, device=device),
+        "triton": lambda: touch[(1,)](x, 1, BLOCK=16),
+        "triton_unfused": lambda: touch[(1,)](x, 1, BLOCK=16, enable_fp_fusion=False),
+    }
+    medians = interleaved_medians(calls, device=device, warmup=5, repeats=repeats)
+    out = {k: 1e6 * v for k, v in medians.items()}
+    for name in ("torch_add", "triton", "triton_unfused"):
+        out[f"{name}_queued"] = 1e6 * queued_seconds(calls[name], device, rounds=max(3, repeats // 20))
+    return out
 
 
 def device_operations(fn, device: torch.device) -> tuple[int, float] | None:
@@ -147,13 +199,15 @@ def device_operations(fn, device: torch.device) -> tuple[int, float] | None:
     return len(ops), float(sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) for e in ops))
 
 
-def write_json(rows: list[CodecRow], path: str | Path, *, device: torch.device, command: str) -> None:
+def write_json(rows: list[CodecRow], path: str | Path, *, device: torch.device, command: str,
+               launch_us: dict[str, float] | None = None) -> None:
     out = {
         "benchmark": "codecs",
         "command": command,
         "machine": machine_description(device),
         "versions": versions(),
         "rows": [asdict(r) for r in rows],
+        **({"launch_us": launch_us} if launch_us else {}),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1))

@@ -456,7 +456,7 @@ def run_overhead(args: argparse.Namespace) -> int:
 
 
 def run_codecs(args: argparse.Namespace) -> int:
-    from aqsgd.bench.codecs import DEFAULT_CODECS, bench_codecs, machine_description, write_json
+    from aqsgd.bench.codecs import DEFAULT_CODECS, bench_codecs, launch_costs, machine_description, write_json
     from aqsgd.comm.device import resolve_device
 
     if args.threads:
@@ -489,8 +489,12 @@ def run_codecs(args: argparse.Namespace) -> int:
                       f"{r.clone_gbps:.2f}", f"{r.encode_vs_clone:.2f}", f"{r.decode_vs_clone:.2f}", *extra,
                       f"{r.wire_bytes:,}", f"{r.ratio:.1f}x", f"{r.rel_err:.3g}")
     console.print(table)
+    launch = launch_costs(device) if device.type == "cuda" else None
+    if launch:
+        console.print("launch costs, µs per call (alone between two synchronisations / 20 queued): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in launch.items()))
     if args.json:
-        write_json(rows, args.json, device=device, command=args.command_line)
+        write_json(rows, args.json, device=device, command=args.command_line, launch_us=launch)
         console.print(f"wrote {args.json}")
     return 0
 
