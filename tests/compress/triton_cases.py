@@ -310,18 +310,19 @@ def _edgy(shape, seed=0):
 
 
 _SCALED = ["q4", "q4:token", "q2:l2", "q4:token:l2", "q4:token:step1.1", "q4:scale32", "q3:block64", "q1",
-           "q1:max", "q2:midrise", "q3:token:midrise", "q8", "q2:tensor", "q3:rot64:l2"]
+           "q1:max", "q2:midrise", "q3:token:midrise", "q8", "q2:tensor", "q3:rot64:l2", "q8:token",
+           "q2:block8", "q5:token:scale32", "q3:block16:midrise", "q2:rot32:token"]
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero")  # the interpreter computes 1 / (2 * 0), then drops it
 @pytest.mark.parametrize("spec", _SCALED)
 def test_scales_made_in_the_kernels_write_the_same_bytes(spec, monkeypatch):
     """Checks deferred (as on a GPU): the scales are made, stored and checked by the max kernel (``max``
-    scales) or one scales kernel (``l2``, ``step``); packets and decodes byte for byte the eager backend's
-    with checks made at once, the kernels really called."""
+    scales; by row, in the launch that quantizes too) or one scales kernel (``l2``, ``step``); packets and
+    decodes byte for byte the eager backend's with checks made at once, the kernels really called."""
     from aqsgd.compress.base import deferring_checks
 
-    calls = _recording(monkeypatch, "max_scales", "scales", "unpack_scaled")
+    calls = _recording(monkeypatch, "max_scales", "max_quantize_rows", "scales", "unpack_scaled")
     x = _edgy((3, 6, 64))
     want = make_codec(spec, backend="eager").encode(x)
     with deferring_checks(True):
@@ -336,8 +337,11 @@ def test_scales_made_in_the_kernels_write_the_same_bytes(spec, monkeypatch):
         assert calls == []
     elif codec.scale_mode == "mean":  # q1's mean |x|: PyTorch's reduction (its order) makes the scales
         assert calls == ["unpack_scaled"]
+    elif codec.scale_mode != "max":
+        assert calls == ["scales", "unpack_scaled"], calls
     else:
-        assert calls == ["max_scales" if codec.scale_mode == "max" else "scales", "unpack_scaled"], calls
+        by_row = codec.granularity != "channel" and codec.rounding == "nearest"
+        assert calls == ["max_quantize_rows" if by_row else "max_scales", "unpack_scaled"], calls
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero")

@@ -35,6 +35,9 @@ CASES = [
     ("steps", {"stored_ptr": F16, "step_ptr": F32, "flag_ptr": I32, "G": "i32", "divisor": "fp32"},
      {"BLOCK": 1024}),
     ("rowmax", MAX, {"SCALES": True, "HALF": True, "BLOCK_R": 16, "BLOCK_K": 128}),
+    ("row_max_quant_pack", {"x_ptr": F32, "stored_ptr": F16, "flag_ptr": I32, "out_ptr": U8, "R": "i32",
+                            "K": "i32", "offset": "fp32", "qmax": "fp32"},
+     {"HALF": True, "BITS": 4, "BLOCK_R": 16, "BLOCK_K": 128, "BLOCK_G": 16}),
     ("colmax", {**MAX, "CHUNK": "i32"}, {"SCALES": True, "HALF": True, "PARTIAL": False, "BLOCK_R": 16,
                                          "BLOCK_K": 128}),
     ("colmax", {**MAX, "stored_ptr": F32, "CHUNK": "i32"}, {"SCALES": False, "HALF": False, "PARTIAL": True,
@@ -98,10 +101,11 @@ def test_the_table_names_every_kernel():
 def test_the_kernel_compiles_for_sm90(name, types, consts):
     ptx = _ptx(name, types, consts)
     assert ".target sm_90" in ptx
-    if name in ("quant_pack", "delta_quant_update"):
+    if name in ("quant_pack", "delta_quant_update", "row_max_quant_pack"):
         assert "fma.rn.f32" in ptx  # tl.fma: one rounding, as the CPU's addcmul
     if name == "delta_dequant_update":  # m + level * step rounds twice, as the CPU's add of the decode
         assert "fma" not in ptx and ("mul.rn.f32" in ptx or "mul.f32" in ptx)
-    if name in ("scales", "steps", "unpack_dequant") or (name in ("rowmax", "colmax", "colmax_finish")
-                                                          and consts["SCALES"]):
+    scaled = name in ("scales", "steps", "unpack_dequant", "row_max_quant_pack") or (
+        name in ("rowmax", "colmax", "colmax_finish") and consts["SCALES"])
+    if scaled:
         assert "div.rn" in ptx  # correctly rounded, as PyTorch divides

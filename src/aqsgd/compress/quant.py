@@ -315,6 +315,11 @@ class QuantCodec(Codec):
         draws its noise as the general path does, after the scales, so the bytes are the same."""
         rows, k, by_col = plan
         x2 = self._fp32_rows(x, rows, k)
+        if (defers_checks(x.device) and not by_col and self.granularity != "tensor"
+                and self.scale_mode == "max" and self.rounding == "nearest" and ops.fuses_scales):
+            out = self._max_quantized_rows(ops, x2)
+            if out is not None:
+                return out
         fused = self._device_scales(ops, x2, x.shape, by_col) if defers_checks(x.device) else None
         if fused is not None:
             out, nsb, inv = fused
@@ -332,6 +337,22 @@ class QuantCodec(Codec):
                                    self.qmax / 2.0 + (0.5 if noise is None else 0.0), self.bits, self.qmax,
                                    out=out[nsb:].view(rows, -1), noise=noise)
         return None if packed is None else out
+
+    def _max_quantized_rows(self, ops: kernels.Kernels, x2: torch.Tensor) -> torch.Tensor | None:
+        """The payload of ``max`` scales per row (``token``, ``blockN``) with nearest rounding from one
+        operation of the backend (:meth:`~aqsgd.compress.kernels.Kernels.max_quantize_rows`: on a GPU one
+        launch, where the scales and the codes took two), the check deferred as a device flag; None where
+        the backend has no such operation. Same bytes."""
+        rows, k = x2.shape
+        nsb = rows * self.scale_dtype.itemsize
+        out = torch.empty(nsb + rows * k * self.bits // 8, dtype=torch.uint8, device=x2.device)
+        flag = torch.zeros(1, dtype=torch.int32, device=x2.device)
+        if not ops.max_quantize_rows(x2, out[:nsb].view(self.scale_dtype), self.qmax, flag,
+                                     self.qmax / 2.0 + 0.5, self.bits, out[nsb:].view(rows, -1)):
+            return None
+        if self.check_finite:
+            defer_check(flag, non_finite_message(self.spec))
+        return out
 
     def _device_scales(self, ops: kernels.Kernels, x2: torch.Tensor, shape: Sequence[int], by_col: bool
                        ) -> tuple[torch.Tensor, int, torch.Tensor] | None:

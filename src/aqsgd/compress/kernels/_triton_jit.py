@@ -85,6 +85,41 @@ def rowmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexp
 
 
 @triton.jit
+def row_max_quant_pack(x_ptr, stored_ptr, flag_ptr, out_ptr, R, K, offset, qmax, HALF: tl.constexpr,
+                       BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_G: tl.constexpr):
+    """``rowmax`` with ``SCALES`` and then ``quant_pack`` by row, in one launch: each program finds its rows'
+    maxima, stores their scales, raises the flag, and quantizes and packs the same rows with the ``inv`` it
+    made (held in registers, the value ``rowmax`` would write and ``quant_pack`` read): the same bytes."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    best = tl.zeros([BLOCK_R], dtype=tl.float32)
+    nans = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        m = rmask[:, None] & (cols < K)[None, :]
+        x = tl.abs(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0))
+        nans += tl.sum((x != x).to(tl.int32), axis=1)
+        best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=1))
+    best = tl.where(nans > 0, float("nan"), best)
+    inv = _inv(_stored_scale(best, rows, rmask, stored_ptr, flag_ptr, HALF), qmax)[:, None, None]
+    lane = tl.arange(0, 8)
+    nb = K * BITS // 8
+    for g0 in range(0, K // 8, BLOCK_G):
+        groups = g0 + tl.arange(0, BLOCK_G)
+        cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
+        m = rmask[:, None, None] & (cols < K)[None, :, :]
+        x = tl.load(x_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
+        t = tl.minimum(tl.maximum(tl.fma(x, inv, offset), 0.0), qmax)
+        code = t.to(tl.int32).to(tl.int64)
+        word = tl.sum(code << (lane[None, None, :].to(tl.int64) * BITS), axis=2)  # [R, G]: disjoint bits
+        gm = rmask[:, None] & (groups < K // 8)[None, :]
+        for b in tl.static_range(BITS):
+            tl.store(out_ptr + rows[:, None] * nb + groups[None, :] * BITS + b,
+                     ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
+
+
+@triton.jit
 def colmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, CHUNK, SCALES: tl.constexpr, HALF: tl.constexpr,
            PARTIAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Each column's max |x| over rows ``[j * CHUNK, (j + 1) * CHUNK)`` (``j``: the grid's second axis;
@@ -519,6 +554,6 @@ def cast_checked(x_ptr, y_ptr, flag_ptr, N, BF16: tl.constexpr, BLOCK: tl.conste
 
 
 KERNELS = {k.__name__: k for k in (
-    scales, rowmax, colmax, colmax_finish, quant_pack, unpack_dequant, row_sumsq, split_rows, delta_rowmax,
-    delta_colmax, delta_into, delta_quant_update, delta_dequant_update, fwht_rows, topk_hist, topk_pick,
-    topk_count, topk_write, cast_checked, steps)}
+    scales, rowmax, row_max_quant_pack, colmax, colmax_finish, quant_pack, unpack_dequant, row_sumsq,
+    split_rows, delta_rowmax, delta_colmax, delta_into, delta_quant_update, delta_dequant_update, fwht_rows,
+    topk_hist, topk_pick, topk_count, topk_write, cast_checked, steps)}

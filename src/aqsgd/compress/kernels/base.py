@@ -124,6 +124,14 @@ class Kernels:
         rounded), ``flag`` (int32 ``[1]``) raised where a scale is not finite or is negative."""
         return None
 
+    def max_quantize_rows(self, x2: torch.Tensor, stored: torch.Tensor, qmax: int, flag: torch.Tensor,
+                          offset: float, bits: int, out: torch.Tensor) -> bool:
+        """:meth:`max_scales` by row and :meth:`quantize_pack` with nearest rounding in one operation (on a
+        GPU one launch, where two cost two launches' host time): each row's scale into ``stored``, the flag
+        raised as there, the codes into ``out`` (``uint8 [R, K * bits / 8]``). The same bytes as the two.
+        False where the backend has no such kernel (nothing written)."""
+        return False
+
     def quantize_pack(self, x2: torch.Tensor, inv: torch.Tensor, by_col: bool, offset: float, bits: int,
                       qmax: int, out: torch.Tensor | None = None,
                       noise: torch.Tensor | None = None) -> torch.Tensor | None:

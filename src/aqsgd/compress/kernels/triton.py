@@ -15,7 +15,10 @@ the max kernel's last step stores each group's scale at the payload's head (fp16
 fp32), writes ``inv`` and raises the NaN/Inf flag (``max_scales``; ``scales`` for ``l2``/``step``), and the
 decode kernel reads the stored scales, divides them and flags bad ones itself (``unpack_scaled``). A ``q4``
 encode is then two launches plus two allocations and a zeroed flag, where it was about twenty operations; a
-decode one launch, where it was about twelve (counted on the CPU under the interpreter). The scale arithmetic
+decode one launch, where it was about twelve (counted on the CPU under the interpreter). Scales by row
+(``token``, ``blockN``) take one launch for the scales and the codes (``row_max_quant_pack``: a program owns
+whole rows); scales by column two or three (the column max over row ranges, their reduction with the scales,
+then the codes: a column's max needs every row before any code). The scale arithmetic
 is PyTorch's, operation for operation: ``store_scales``'s rounding, ``reciprocal(2 * s) * qmax`` and the
 decode's ``s / divisor`` correctly rounded (``tl.math.div_rn``; Triton 3.2's flushes fp32 subnormals, which
 only a ``scale32`` scale below 1.2e-38 could be).
@@ -206,6 +209,14 @@ class TritonKernels(Kernels):
 
     stochastic = True
     fuses_scales = True
+
+    def max_quantize_rows(self, x2: torch.Tensor, stored: torch.Tensor, qmax: int, flag: torch.Tensor,
+                          offset: float, bits: int, out: torch.Tensor) -> bool:
+        rows, k = x2.shape
+        _kernels()["row_max_quant_pack"][(_cdiv(rows, _BLOCK_R),)](
+            x2, stored, flag, out, rows, k, float(offset), float(qmax), HALF=stored.dtype == torch.float16,
+            BITS=bits, BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K, BLOCK_G=_BLOCK_G)
+        return True
 
     def quantize_pack(self, x2: torch.Tensor, inv: torch.Tensor, by_col: bool, offset: float, bits: int,
                       qmax: int, out: torch.Tensor | None = None,
