@@ -27,13 +27,16 @@ WARMUP_STEPS = 2  # one epoch: 16 samples in global batches of 2 micro-batches x
 
 
 def _cfg(tmp: Path, **kw: Any) -> TrainConfig:
+    # on the CPU: the fp32 equalities below would not hold under a GPU's default bf16 autocast (the GPU
+    # check's dp-gloo step trains data-parallel on a GPU)
     base = TrainConfig.of(
         task="synthetic-lm", model="tiny-llama", model_layers=4, hidden_size=32, vocab_size=64, max_length=16,
         max_train_samples=16, max_eval_samples=8, stages=S, layers=[2, 2], micro_batches=2,
         micro_batch_size=2, forward="delta:q2", backward="direct:q4", warmup_epochs=1, epochs=4,
         max_steps=STEPS, lr=3e-3, lr_warmup=0.0, runtime="distributed", data_parallel=D,
         grad_sync="allreduce", timeout=60.0, eval_every=0, checkpoint_every=0, output_dir=str(tmp / "runs"),
-        overwrite=True, progress=False, tensorboard=False, cache_dir=str(tmp / "cache"))
+        overwrite=True, progress=False, tensorboard=False, cache_dir=str(tmp / "cache"),
+        device="cpu")
     return base.replace(**kw)
 
 
