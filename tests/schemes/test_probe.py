@@ -92,3 +92,21 @@ def test_the_probe_measures_each_sample_against_its_own_norm():
     assert samples == 3 and (err / samples) ** 0.5 > 0.8
     c = make_codec("q4")
     assert float((x - c.decode(c.encode(x))).norm() / x.norm()) < 0.15
+
+
+def test_a_step_not_probed_measures_nothing_and_sends_the_same():
+    """``probe_now(False)``: the trainer probes every few steps (adaptive.PROBE_EVERY); between them the
+    slot-0 message is sent as it would be, with no probe."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 8, 32, generator=g)
+    probed = make_scheme("direct", "q4", "sender")
+    probed.set_probe(LADDER)
+    probed.probe_now(False)
+    quiet = probed.send(x, phase=Phase.TRAIN, slot=0)
+    assert probed.take_probe() is None
+    probed.probe_now(True)
+    loud = probed.send(x, phase=Phase.TRAIN, slot=0)
+    errs, samples = probed.take_probe()
+    assert samples == 4 and errs == pytest.approx([_error2(c, x) for c in LADDER], rel=1e-5)
+    assert [p.to_bytes() for p in quiet] == [p.to_bytes() for p in loud]
+

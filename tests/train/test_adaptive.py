@@ -318,6 +318,10 @@ def test_the_policy_follows_a_link_that_slows_down_during_the_run(tmp_path):
     assert all(r["links"]["b0.forward"]["mbit_s"] < 1.05 for r in train[3:])  # measured: the slow link
     sent = [r["codecs"]["b0.forward"] for r in train]  # what each step sent with
     assert [r["link_bits"]["b0.forward"] for r in train] == [BITS[c.split(":", 1)[1]] for c in sent]
+    # the error probes ran at steps 1 and 5 (every PROBE_EVERY steps), and only there: the gradients' (the
+    # activations' probe takes a delta against cached rows, and in this first epoch every sample is new)
+    assert [sorted(r["link_errors"]) for r in train] == [
+        ["b0.backward"] if LinkPolicy.probes_at(step) else [] for step in range(1, 8)]
     # Before the drop, loopback: on an idle machine no compression is needed (fp16). On a loaded one a
     # message can stall for tens of ms waiting for a core, which the policy counts as the link's time (it
     # cannot tell a per-message cost from bandwidth), so a step may go a rung or two down; never to the floor.

@@ -208,6 +208,7 @@ class StageRunner:
         self.schemes: dict[SchemeKey, BoundaryScheme] = {}
         self._built_for: dict[SchemeKey, dict[str, Any]] = {}  # the shape and dtype each scheme was built for
         self.probes: dict[tuple[int, int], list[str]] = {}  # (boundary, channel) -> codecs (set_probe)
+        self.probing = True  # whether this step's probes run (probe_now)
         self.stats = StepStats()
         self.kept_logits: dict[int, torch.Tensor] = {}
         self.pending_checks = PendingChecks()  # the checks of this step's receives left on the device
@@ -256,12 +257,20 @@ class StageRunner:
                 scheme.set_codec(d.codec)
 
     def set_probe(self, b: int, channel: int, codecs: Sequence[str] | None) -> None:
-        """The sender of one direction of boundary ``b`` measures each of ``codecs``' error once per step
-        (:meth:`~aqsgd.schemes.base.BoundaryScheme.set_probe`): now if it is built, else when it is."""
+        """The sender of one direction of boundary ``b`` measures each of ``codecs``' error once per probed
+        step (:meth:`~aqsgd.schemes.base.BoundaryScheme.set_probe`): now if it is built, else when it is."""
         self.probes[(b, channel)] = list(codecs or ())
         scheme = self.schemes.get((b, channel, "sender"))
         if scheme is not None:
             scheme.set_probe(self.probes[(b, channel)])
+
+    def probe_now(self, on: bool) -> None:
+        """Whether the senders given probes (:meth:`set_probe`) probe this step's message."""
+        self.probing = on
+        for b, channel in self.probes:
+            scheme = self.schemes.get((b, channel, "sender"))
+            if scheme is not None:
+                scheme.probe_now(on)
 
     def _scheme(self, key: SchemeKey, shape: tuple[int, ...], dtype: torch.dtype) -> BoundaryScheme:
         if key not in self.schemes:
@@ -270,6 +279,7 @@ class StageRunner:
                                                       dtype=dtype, device=self.device, replica=self.replica)
             if side == "sender" and (b, channel) in self.probes:
                 self.schemes[key].set_probe(self.probes[(b, channel)])
+                self.schemes[key].probe_now(self.probing)
             self._built_for[key] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
         return self.schemes[key]
 

@@ -121,6 +121,7 @@ class BoundaryScheme(abc.ABC):
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._probe: list[Codec] = []  # see set_probe
+        self._probe_on = True  # see probe_now
         self._probe_sums: torch.Tensor | None = None
 
     # -- error probe ---------------------------------------------------------------------------------
@@ -135,6 +136,11 @@ class BoundaryScheme(abc.ABC):
         self._probe = [make_codec(c) if isinstance(c, str) else c for c in codecs or ()]
         self._probe_sums = None
 
+    def probe_now(self, on: bool) -> None:
+        """Whether this step's slot-0 message is probed (where :meth:`set_probe` gave codecs): the probe
+        encodes and decodes the message once per rung, so the trainer probes only every few steps."""
+        self._probe_on = on
+
     def take_probe(self) -> tuple[list[float], float] | None:
         """The probe's sums since the last call (each codec's summed squared relative error, and the number of
         samples), or None if nothing was probed; resets them."""
@@ -145,7 +151,7 @@ class BoundaryScheme(abc.ABC):
         return values[:-1], values[-1]
 
     def _probing(self, slot: int) -> bool:
-        return bool(self._probe) and slot == 0
+        return bool(self._probe) and slot == 0 and self._probe_on
 
     def _measure(self, d: torch.Tensor, x: torch.Tensor) -> None:
         """Add each probe codec's per-sample ``||d_s - C(d)_s||^2 / ||x_s||^2`` and the number of samples:

@@ -17,7 +17,9 @@ the error budget (below; default :data:`MAX_ERROR`, ``err=none`` for none); both
 
 **The error budget.** Fewer bits cost progress per step, which seconds alone do not show (in ``aqsgd bench
 adaptive`` a fixed q3 stepped 3 % faster than q4 and reached the target loss 34 % later). So every auto
-link's sender probes, on the first micro-batch of every step, what each rung of its ladder would make of the
+link's sender probes, on the first micro-batch of every :data:`PROBE_EVERY`-th step (an encode and a decode
+per rung, on the pipeline's fill: 1.9 ms of a 0.4 s step per activation link in ``aqsgd bench adaptive``),
+what each rung of its ladder would make of the
 tensor it sends (:meth:`~aqsgd.schemes.base.BoundaryScheme.set_probe`): the relative error
 ``||x - x_hat|| / ||x||`` of the tensor the receiver would compute with (for AQ-SGD ``x_hat = m + C(x - m)``,
 so the error is the delta's, which shrinks as training settles; in the uncompressed warm-up, where nothing is
@@ -27,7 +29,7 @@ link's floor is the level before the first rung over it. The error is the median
 (in ``aqsgd bench adaptive`` three of 120 batches had one sample whose gradient set every channel's scale and
 zeroed the other samples', probed at 87 % for every quantized rung; an exponential mean sent the gradient
 links back to bf16 for the 12-15 steps it took to forget it, 0.6 s of a 0.4 s step each on the 20 Mbit/s
-link), while an error that stays is followed after ``ERROR_WINDOW // 2 + 1`` steps.
+link), while an error that stays is followed after ``ERROR_WINDOW // 2 + 1`` probes.
 Going to more compression than now needs the rung's error under :data:`ERROR_MARGIN` times the budget, so
 that a rung near the budget does not flap; going back up when the error rises takes no patience beyond the
 median's. Before
@@ -102,7 +104,8 @@ BITS = {"fp16": 16.0, "bf16": 16.0, "q8": 8.0, "q6": 6.0, "q4": 4.0, "q3": 3.0, 
 UP_MARGIN = 0.7
 MAX_ERROR = 0.1  # the default error budget: a level's relative error at most this
 ERROR_MARGIN = 0.8  # a more compressed level is taken only with its error this far under the budget
-ERROR_WINDOW = 5  # a rung's error is the median of this many steps' probes
+ERROR_WINDOW = 5  # a rung's error is the median of this many probes
+PROBE_EVERY = 4  # steps from one probe to the next (the first step probes)
 TOLERANCE = 0.05  # the share of the step that all auto links together may spend above their floors
 PATIENCE = 3  # steps in a row that must leave room before a link takes fewer compression
 SMOOTHING = 0.3  # weight of the newest step in the exponential means
@@ -400,6 +403,11 @@ class LinkPolicy:
         return {"budget_ms": None if self.budget is None else 1e3 * self.budget,
                 "share_ms": 1e3 * self._share(),
                 "links": self.describe()}
+
+    @staticmethod
+    def probes_at(step: int) -> bool:
+        """Whether the links' senders probe at ``step`` (counted from 1): every :data:`PROBE_EVERY`-th."""
+        return (step - 1) % PROBE_EVERY == 0
 
     def probes(self) -> dict[str, tuple[str, ...]]:
         """The codecs each link's sender probes (its whole ladder), by link name."""

@@ -236,7 +236,7 @@ class Trainer:
             self.cfg = self.cfg.replace(layers=self.balance["layers"])
         self.engine = self._build_engine()
         emulate_slow_stages(self.engine, self.cfg)
-        if self.policy is not None:  # each auto link's sender measures every rung's error once per step
+        if self.policy is not None:  # each auto link's sender measures every rung's error (every few steps)
             for name, ladder in self.policy.probes().items():
                 b, direction, _ = parse_link(name)
                 channel = FORWARD_CHANNEL if direction == "forward" else BACKWARD_CHANNEL
@@ -703,6 +703,9 @@ class Trainer:
         d = self.cfg.pipeline.data_parallel
         step = self.position["step"] + 1
         self._follow_link_schedules(step)
+        if self.policy is not None:  # the error probes run every few steps (adaptive.PROBE_EVERY)
+            for runner in self.engine.runners.values():
+                runner.probe_now(self.policy.probes_at(step))
         with naming_peer_failures(self.transport, f"training step {step}", self._suspects):
             try:
                 loss = self.engine.train_step(self._passes([self._shard(g) for g in group]), phase)
