@@ -64,12 +64,9 @@ def steps(stored_ptr, step_ptr, flag_ptr, G, divisor, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def rowmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexpr, HALF: tl.constexpr,
-           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Each row's max |x| into ``out_ptr``; with ``SCALES``, its stored scale into ``stored_ptr`` and its
-    ``inv`` into ``out_ptr`` instead."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < R
+def _row_max_abs(x_ptr, rows, rmask, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each of ``rows``' max |x| over its ``K`` values, NaN where one is NaN (a helper of ``rowmax`` and
+    ``row_max_quant_pack``: Triton inlines it)."""
     best = tl.zeros([BLOCK_R], dtype=tl.float32)
     nans = tl.zeros([BLOCK_R], dtype=tl.int32)
     for start in range(0, K, BLOCK_K):
@@ -78,7 +75,17 @@ def rowmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexp
         x = tl.abs(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0))
         nans += tl.sum((x != x).to(tl.int32), axis=1)
         best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=1))
-    best = tl.where(nans > 0, float("nan"), best)
+    return tl.where(nans > 0, float("nan"), best)
+
+
+@triton.jit
+def rowmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexpr, HALF: tl.constexpr,
+           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each row's max |x| into ``out_ptr``; with ``SCALES``, its stored scale into ``stored_ptr`` and its
+    ``inv`` into ``out_ptr`` instead."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    best = _row_max_abs(x_ptr, rows, rmask, K, BLOCK_R, BLOCK_K)
     if SCALES:
         best = _inv(_stored_scale(best, rows, rmask, stored_ptr, flag_ptr, HALF), qmax)
     tl.store(out_ptr + rows, best, mask=rmask)
@@ -93,15 +100,7 @@ def row_max_quant_pack(x_ptr, stored_ptr, flag_ptr, out_ptr, R, K, offset, qmax,
     made (held in registers, the value ``rowmax`` would write and ``quant_pack`` read): the same bytes."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    best = tl.zeros([BLOCK_R], dtype=tl.float32)
-    nans = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        m = rmask[:, None] & (cols < K)[None, :]
-        x = tl.abs(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0))
-        nans += tl.sum((x != x).to(tl.int32), axis=1)
-        best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=1))
-    best = tl.where(nans > 0, float("nan"), best)
+    best = _row_max_abs(x_ptr, rows, rmask, K, BLOCK_R, BLOCK_K)
     inv = _inv(_stored_scale(best, rows, rmask, stored_ptr, flag_ptr, HALF), qmax)[:, None, None]
     lane = tl.arange(0, 8)
     nb = K * BITS // 8
