@@ -7,8 +7,8 @@ import json
 import pytest
 
 from aqsgd.bench.adaptive import (AdaptiveBenchConfig, _run_record, bench_adaptive, best_fixed,
-                                  bits_over_steps, combine, fixed_settings, format_scenario, smoothed,
-                                  summarize, time_to_target)
+                                  bits_over_steps, combine, fixed_settings, format_scenario, setting_specs,
+                                  smoothed, summarize, time_to_target, train_config)
 
 
 def test_the_fixed_settings_are_the_rungs_of_autos_ladders():
@@ -91,6 +91,18 @@ def test_bad_settings_and_scenarios_are_refused_in_one_line():
         bench_adaptive(AdaptiveBenchConfig(scenarios=("flat",)))
     with pytest.raises(ValueError, match="2 to 4 stages"):
         bench_adaptive(AdaptiveBenchConfig(stages=5))
+    with pytest.raises(ValueError, match="setting 'fixed q5': valid are fp32, auto, fixed fp16"):
+        bench_adaptive(AdaptiveBenchConfig(settings=("fp32", "fixed q5")))
+    with pytest.raises(ValueError, match="auto:err=1.5: err= takes a relative error"):
+        bench_adaptive(AdaptiveBenchConfig(settings=("fp32", "auto:err=1.5")))
+
+
+def test_auto_with_another_error_budget_is_a_setting_of_its_own():
+    assert setting_specs("auto:err=0.15") == ("auto:err=0.15", "auto:err=0.15")
+    assert setting_specs("fixed q4") == ("delta:q4", "direct:q6")
+    c = train_config(AdaptiveBenchConfig(), "uneven", "auto:err=0.15", "/tmp/x")
+    assert (c.compression.forward, c.compression.backward) == ("auto:err=0.15", "auto:err=0.15")
+    assert c.run.run_name == "auto-err=0.15"
 
 
 def test_the_link_of_each_scenario_by_stages_and_steps():

@@ -8,6 +8,7 @@ Mbit/s halfway). In each scenario every setting trains the same random tiny Llam
 
 * ``fp32``: nothing compressed;
 * ``auto``: AQ-SGD with the bits of each link chosen while training (:mod:`aqsgd.train.adaptive`);
+  ``auto:err=E`` the same with the error budget ``E`` (to compare budgets side by side);
 * ``fixed <rung>``: every link at one rung of the same ladders (activations ``delta:<rung>``, gradients the
   gradient ladder's rung of the same index, its last one past its end), the choices ``auto`` picks from.
 
@@ -45,7 +46,7 @@ from typing import Any
 from aqsgd.bench.pipeline import _bench_entry
 from aqsgd.comm.launch import launch_local
 from aqsgd.errors import StageFailedError
-from aqsgd.train.adaptive import BITS, LADDERS
+from aqsgd.train.adaptive import BITS, LADDERS, parse_auto
 from aqsgd.train.config import TrainConfig
 
 __all__ = ["AdaptiveBenchConfig", "SCENARIOS", "bench_adaptive", "fixed_settings", "plot", "summarize",
@@ -70,6 +71,19 @@ def fixed_settings() -> dict[str, tuple[str, str]]:
 
 def all_settings() -> dict[str, tuple[str, str]]:
     return {"fp32": ("none", "none"), "auto": ("auto", "auto"), **fixed_settings()}
+
+
+def setting_specs(name: str) -> tuple[str, str]:
+    """A setting's ``(--forward, --backward)``: one of :func:`all_settings`, or ``auto:err=E`` (auto on both
+    directions with the error budget ``E``, or ``none``: to compare budgets in one run); ValueError naming
+    the setting otherwise."""
+    known = all_settings()
+    if name in known:
+        return known[name]
+    if name.startswith("auto:err="):
+        parse_auto(name, "forward")  # a bad budget: its own message
+        return name, name
+    raise ValueError(f"setting {name!r}: valid are {', '.join(known)} and auto:err=E (E in (0, 1) or none)")
 
 
 @dataclasses.dataclass
@@ -103,7 +117,7 @@ class AdaptiveBenchConfig:
 
 
 def train_config(cfg: AdaptiveBenchConfig, scenario: str, setting: str, output_dir: str) -> TrainConfig:
-    forward, backward = all_settings()[setting]
+    forward, backward = setting_specs(setting)
     batch = cfg.microbatch_size * cfg.num_microbatches
     return TrainConfig.of(
         task="synthetic-lm", model="tiny-llama", model_layers=cfg.layers, hidden_size=cfg.hidden,
@@ -146,7 +160,7 @@ def _run_record(setting: str, rows: list[dict[str, Any]], error: str | None = No
     steps = max((r["step"] for r in rows if "step" in r), default=0)
     late = [e["uncompressed"]["perplexity"] for e in evals if e["step"] >= TARGET_AT * steps]
     return {
-        "setting": setting, "forward": all_settings()[setting][0], "backward": all_settings()[setting][1],
+        "setting": setting, "forward": setting_specs(setting)[0], "backward": setting_specs(setting)[1],
         "loss": [r["loss"] for r in train], "step_s": [r["time"]["step"] for r in train],
         "codecs": [r.get("codecs") for r in train],
         # auto: every rung's relative error on each link's probed micro-batch (aqsgd.train.adaptive)
@@ -188,10 +202,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def bench_adaptive(cfg: AdaptiveBenchConfig, work_dir: str | None = None,
                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every scenario of ``cfg`` with every setting; ``{scenario: {"link", "runs", "target_loss", ...}}``."""
-    unknown = [s for s in cfg.settings if s not in all_settings()]
-    if unknown or "fp32" not in cfg.settings:
-        raise ValueError(f"settings: {', '.join(unknown) or 'fp32 is needed (the target loss is its)'}; "
-                         f"valid: {', '.join(all_settings())}")
+    for name in cfg.settings:
+        setting_specs(name)
+    if "fp32" not in cfg.settings:
+        raise ValueError("settings: fp32 is needed (the target loss is its); valid: "
+                         f"{', '.join(all_settings())} and auto:err=E")
     if not 2 <= cfg.stages <= 4:
         raise ValueError(f"stages: {cfg.stages}; the scenarios have links for 2 to 4 stages")
     bad = [s for s in cfg.scenarios if s not in SCENARIOS]

@@ -103,8 +103,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                      "auto gave each link over time (a plot).")
     ad.add_argument("--scenarios", type=lambda t: t.split(","), default=list(da.scenarios),
                     help=f"of {', '.join(f'{k} ({v})' for k, v in SCENARIOS.items())} (default: all)")
-    ad.add_argument("--settings", nargs="+", choices=list(all_settings()), default=list(da.settings),
-                    metavar="SETTING", help=f"of {', '.join(all_settings())} (default: all; fp32 is needed)")
+    ad.add_argument("--settings", nargs="+", type=_adaptive_setting, default=list(da.settings),
+                    metavar="SETTING", help=f"of {', '.join(all_settings())}, and auto:err=E (auto with the "
+                    "error budget E, to compare budgets) (default: all but auto:err=E; fp32 is needed)")
     ad.add_argument("--stages", type=positive_int, default=da.stages, help="2 to 4 (default: 4)")
     ad.add_argument("--steps", type=positive_int, default=da.steps, help="training steps (default: 40)")
     ad.add_argument("--train-samples", type=positive_int, default=da.train_samples,
@@ -281,6 +282,16 @@ def _ints(text: str) -> list[int]:
         return [int(t) for t in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _adaptive_setting(text: str) -> str:
+    from aqsgd.bench.adaptive import setting_specs
+
+    try:
+        setting_specs(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _floats(text: str) -> list[float]:

@@ -29,11 +29,16 @@ link's floor is the level before the first rung over it. The error is the median
 (in ``aqsgd bench adaptive`` three of 120 batches had one sample whose gradient set every channel's scale and
 zeroed the other samples', probed at 87 % for every quantized rung; an exponential mean sent the gradient
 links back to bf16 for the 12-15 steps it took to forget it, 0.6 s of a 0.4 s step each on the 20 Mbit/s
-link), while an error that stays is followed after ``ERROR_WINDOW // 2 + 1`` probes.
-Going to more compression than now needs the rung's error under :data:`ERROR_MARGIN` times the budget, so
-that a rung near the budget does not flap; going back up when the error rises takes no patience beyond the
-median's. Before
-anything is probed the time rule alone applies.
+link), while an error that stays is followed after ``ERROR_WINDOW // 2 + 1`` probes. While fewer than
+:data:`ERROR_WINDOW` probes are in (a run's first steps), an even count takes the lower of its two middle
+probes, not their mean: in the 4-stage ``uneven`` run of ``aqsgd bench adaptive`` two of the spikes above
+were the probes of steps 13 and 17, the window then held four (steps 5-17: step 1's probe was dropped with
+its timing), and the mean of a spike and a plain probe (61 %) sent the gradient links back to bf16 for 4
+steps (0.06 s a step). The run's first step, left out of the link's timing (one-time work), now gives its
+probe. Going to more compression than now needs the rung's
+error under :data:`ERROR_MARGIN` times the budget, so that a rung near the budget does not flap; going back
+up when the error rises takes no patience beyond the median's. Before anything is probed the time rule alone
+applies.
 
 The rule, after every step, for each link (boundary and direction), with ``t(L)`` the time one micro-batch's
 tensor takes on the link at level ``L``::
@@ -228,10 +233,11 @@ class _Link:
 
     def error(self, level: int) -> float | None:
         """The relative error ``||x - x_hat|| / ||x||`` the rung ``level`` makes on this link, as probed (the
-        root mean square over the samples of each one's own; the median of the last probes)."""
+        root mean square over the samples of each one's own; the median of the last probes, the lower middle
+        one of an even count: two lone batches' spikes among four probes are still ignored)."""
         if not self.errors:
             return None
-        return math.sqrt(statistics.median(e[level] for e in self.errors))
+        return math.sqrt(statistics.median_low(e[level] for e in self.errors))
 
     def floor(self) -> int:
         """The most compressed level within the error budget: the one before the first rung whose error is
@@ -308,7 +314,9 @@ class LinkPolicy:
         step. ``compressed``: whether the step sent the links' codecs (in the uncompressed warm-up only the
         throughput is learnt; the payload then follows from the raw bytes)."""
         self.steps += 1
-        if self.steps == 1:  # one-time work (kernels built, buffers allocated): not a sample of the link
+        if self.steps == 1:  # one-time work (kernels built, buffers allocated): not a sample of the link,
+            for name, link in self.links.items():  # but its probe is one of the errors (the first probe)
+                self._probed(link, link_row(stages, name)[0], link.auto.direction)
             return {}
         n = max(micro_batches, 1)
         self.fills = max(fills, 1)
