@@ -10,8 +10,10 @@ On the GPU machine, from a copy of the working tree with ``.gpu/`` carried along
     python3 -m benchmarks.gpu_check run --budget 470 --out "$OUT"
 
 With a session's 15 minutes of device time (starting the machine took about 40 s of it): ``--budget 500`` in a
-first call (every step; the suite gets what is left, about 2 minutes), then ``--only suite --budget 240`` in a
-second call on the still-warm machine: the whole suite with 14 workers took about 4 minutes there.
+first call (every step; the suite gets what is left, about 2 minutes), then ``--only suite --budget 240
+--suite-reverse`` in a second call on the still-warm machine: the whole suite with 14 workers took more than
+4 minutes there (cut at 91 % twice), so the second call runs it from its end, and the two calls together
+cover it.
 
 ``prepare`` puts into ``.gpu/`` what such a machine lacks: wheels of the base dependencies its image has not
 (``isal``, ``zstandard``, ``gguf``, for its Python), the MiniLM weights cast to fp16 (so that the tree stays
@@ -213,9 +215,11 @@ def _make_model(folder: Path, tokenizer: Path, hidden: int, layers: int) -> None
                                      + "\n")
 
 
-def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool = False) -> dict:
+def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool = False,
+        suite_reverse: bool = False) -> dict:
     """The check (module docstring). ``only``: the steps to run; ``smoke``: tiny settings, for a CPU run that
-    checks the check itself."""
+    checks the check itself; ``suite_reverse``: the suite in reverse order (the tests a time limit cut off
+    first)."""
     out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "aqsgd-gpu-check"
     shutil.rmtree(work, ignore_errors=True)
@@ -317,8 +321,11 @@ def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool =
         failures = out / "suite-failures.txt"  # written as tests fail, so kept on a timeout
         failures.unlink(missing_ok=True)
         env["AQSGD_TEST_LOG"] = str(failures)
+        if suite_reverse:
+            env["AQSGD_TEST_REVERSE"] = "1"
         r = check.step("suite", 420, [*argv, *(["tests/compress/test_registry.py"] if smoke else ["tests"])])
         env.pop("AQSGD_TEST_LOG", None)
+        env.pop("AQSGD_TEST_REVERSE", None)
         r["figures"] = _pytest_counts(r.get("output", ""))
         if failures.exists():
             r["figures"]["failures"] = failures.read_text().splitlines()
@@ -373,11 +380,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the report goes (default: $OUT)")
     r.add_argument("--only", default=None, help="comma-separated steps to run (default: all)")
     r.add_argument("--smoke", action="store_true", help="tiny settings: check the check itself on a CPU")
+    r.add_argument("--suite-reverse", action="store_true",
+                   help="run the suite's tests in reverse order: a second call reaches first what the first "
+                        "call's time limit cut off")
     args = parser.parse_args(argv)
     if args.what == "prepare":
         prepare()
         return 0
-    data = run(args.budget, args.out, only=set(args.only.split(",")) if args.only else None, smoke=args.smoke)
+    data = run(args.budget, args.out, only=set(args.only.split(",")) if args.only else None, smoke=args.smoke,
+               suite_reverse=args.suite_reverse)
     failed = [s["name"] for s in data["steps"] if s.get("rc") not in (0, None) and s["name"] != "dp-nccl"]
     print(f"report: {args.out / 'gpu-check.md'}"
           + (f"; steps that failed: {', '.join(failed)}" if failed else ""))

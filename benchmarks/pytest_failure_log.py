@@ -3,11 +3,20 @@
 where it failed (SETUP, CALL, TEARDOWN), the test, its error's lines joined by `` | `` (the first 1,500
 characters: a message whose first line says only "rank 0:" still says why). A run cut short by a time
 limit still says what failed, where pytest's own summary comes only at the end. Under pytest-xdist the
-controller writes it (the workers' reports reach it)."""
+controller writes it (the workers' reports reach it).
+
+With ``AQSGD_TEST_REVERSE=1`` the tests run in reverse collection order (every xdist worker reverses the same
+collection, and the scheduler hands out its items in that order): the GPU check's second call reaches first
+the tests that the first call's time limit cut off."""
 
 from __future__ import annotations
 
 import os
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    if os.environ.get("AQSGD_TEST_REVERSE") == "1":
+        items.reverse()
 
 
 def pytest_runtest_logreport(report) -> None:

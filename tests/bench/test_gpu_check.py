@@ -68,3 +68,11 @@ def test_the_failure_log_names_each_failure_as_it_happens(tmp_path):
     assert lines[0].startswith("CALL test_some.py::test_bad: AssertionError: one is not two")
     assert lines[1].startswith("SETUP test_some.py::test_err: RuntimeError: no fixture")
     assert lines[2].startswith("CALL test_some.py::test_lines: AssertionError: rank 0: | the reason")
+    # reversed (the GPU check's second call): the same failures, the last test's first
+    log.unlink()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                           "benchmarks.pytest_failure_log", str(tmp_path / "test_some.py")],
+                          cwd=tmp_path, env={**env, "AQSGD_TEST_REVERSE": "1"}, capture_output=True,
+                          text=True, timeout=120)
+    assert [line.split(":")[2] for line in log.read_text().splitlines()] == ["test_lines", "test_err",
+                                                                            "test_bad"], proc.stdout[-2000:]
