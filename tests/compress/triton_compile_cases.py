@@ -26,6 +26,8 @@ F32, F16, U8, I32, I64 = "*fp32", "*fp16", "*u8", "*i32", "*i64"
 MAX = {"x_ptr": F32, "out_ptr": F32, "stored_ptr": F16, "flag_ptr": I32, "R": "i32", "K": "i32",
        "qmax": "fp32"}
 DELTA = {"x_ptr": F32, "st_ptr": F16, "ids_ptr": I64, "out_ptr": F32, "R": "i32", "K": "i32", "rpb": "i32"}
+TOPK_HIST = {"x_ptr": I32, "phist_ptr": I32, "pprev_ptr": I32, "state_ptr": I32, "hist_ptr": I32, "n": "i32",
+             "chunk": "i32", "k": "i32"}
 # (kernel, argument types, constexprs): every kernel, the variants the library launches where they differ
 CASES = [
     ("scales", {"s_ptr": F32, "stored_ptr": F16, "inv_ptr": F32, "step_ptr": F32, "flag_ptr": I32, "G": "i32",
@@ -63,11 +65,15 @@ CASES = [
      {"BY_COL": False, "BITS": 4, "BF16": False, "BLOCK_R": 16, "BLOCK_G": 16}),
     ("fwht_rows", {"x_ptr": F32, "s_ptr": F32, "out_ptr": F32, "c": "fp32", "R": "i32"},
      {"G": 64, "LOG_G": 6, "INVERSE": False, "BLOCK_R": 64}),
-    ("topk_hist", {"x_ptr": I32, "state_ptr": I32, "hist_ptr": I32, "n": "i32", "chunk": "i32"},
-     {"SHIFT": 20, "NB": 2048, "HIGH": 0, "BLOCK": 1024}),
-    ("topk_pick", {"hist_ptr": I32, "state_ptr": I32, "k": "i32"}, {"SHIFT": 20, "NB": 2048, "FIRST": True}),
-    ("topk_count", {"x_ptr": I32, "state_ptr": I32, "counts_ptr": I32, "n": "i32", "chunk": "i32",
-                    "nchunk": "i32"}, {"BLOCK": 1024}),
+    ("topk_hist", TOPK_HIST, {"SHIFT": 20, "NB": 2048, "HIGH": 0, "PICK": False, "PSHIFT": 20, "PNB": 2048,
+                              "PFIRST": False, "BLOCK": 1024}),
+    ("topk_hist", TOPK_HIST, {"SHIFT": 9, "NB": 2048, "HIGH": 0x7FF00000, "PICK": True, "PSHIFT": 20,
+                              "PNB": 2048, "PFIRST": True, "BLOCK": 1024}),
+    ("topk_hist", TOPK_HIST, {"SHIFT": 0, "NB": 512, "HIGH": 0x7FFFFE00, "PICK": True, "PSHIFT": 9,
+                              "PNB": 2048, "PFIRST": False, "BLOCK": 1024}),
+    ("topk_count", {"x_ptr": I32, "phist_ptr": I32, "pprev_ptr": I32, "state_ptr": I32, "counts_ptr": I32,
+                    "n": "i32", "chunk": "i32", "nchunk": "i32", "k": "i32"},
+     {"PSHIFT": 0, "PNB": 512, "BLOCK": 1024}),
     ("topk_write", {"x_ptr": I32, "state_ptr": I32, "counts_ptr": I32, "idx_ptr": I64, "vals_ptr": F16,
                     "ib_ptr": U8, "bad_ptr": I32, "n": "i32", "k": "i32", "chunk": "i32", "nchunk": "i32"},
      {"PACK": True, "FMT": 1, "WIDTH": 2, "BLOCK": 1024, "CBLOCK": 128}),

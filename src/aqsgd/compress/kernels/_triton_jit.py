@@ -383,14 +383,42 @@ def fwht_rows(x_ptr, s_ptr, out_ptr, c, R, G: tl.constexpr, LOG_G: tl.constexpr,
     tl.store(out_ptr + rows[:, None] * G + cols[None, :], y, mask=m)
 
 # -- TopK: the k-th largest magnitude key of each row by radix selection (three digits of the 31-bit key,
-# each a histogram over the row's keys that share the digits found so far), then the exact selection
+# each a histogram over the row's keys that share the digits found so far), then the exact selection. The
+# digit of a pass is picked from its histogram by every program of the next kernel (the next pass's histogram,
+# or the count), each for itself: a 2,048-bin prefix sum is nothing next to a launch, and the pick needs no
+# launch of its own. The programs of a row's first chunk store what they picked for the kernel after.
 @triton.jit
-def topk_hist(x_ptr, state_ptr, hist_ptr, n, chunk, SHIFT: tl.constexpr, NB: tl.constexpr,
-              HIGH: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_pick(hist_ptr, prev_ptr, row, k, SHIFT: tl.constexpr, NB: tl.constexpr, FIRST: tl.constexpr):
+    """The digits found so far with this pass's (``prefix``) and how many keys equal to the prefix's are
+    still to take (``need``), from the pass's histogram and the previous pick (``prev``: [R, 2] int32)."""
+    bins = tl.arange(0, NB)
+    h = tl.load(hist_ptr + row * NB + bins)
+    if FIRST:
+        prefix = 0
+        need = k
+    else:
+        prefix = tl.load(prev_ptr + row * 2)
+        need = tl.load(prev_ptr + row * 2 + 1)
+    above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # keys in the bins above each bin
+    hit = (above < need) & (above + h >= need)  # the bin of the need-th largest key
+    digit = tl.sum(tl.where(hit, bins, 0), axis=0)
+    return prefix | (digit << SHIFT), need - tl.sum(tl.where(hit, above, 0), axis=0)
+
+@triton.jit
+def topk_hist(x_ptr, phist_ptr, pprev_ptr, state_ptr, hist_ptr, n, chunk, k, SHIFT: tl.constexpr,
+              NB: tl.constexpr, HIGH: tl.constexpr, PICK: tl.constexpr, PSHIFT: tl.constexpr,
+              PNB: tl.constexpr, PFIRST: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     start = tl.program_id(1) * chunk
     base = x_ptr + row.to(tl.int64) * n
-    prefix = tl.load(state_ptr + row * 2) & HIGH  # the digits found so far (none in the first pass)
+    if PICK:  # the previous pass's digit, from its histogram (phist) and the pick before it (pprev)
+        prefix, need = _topk_pick(phist_ptr, pprev_ptr, row, k, PSHIFT, PNB, PFIRST)
+        first = tl.program_id(1) == 0
+        tl.store(state_ptr + row * 2, prefix, mask=first)
+        tl.store(state_ptr + row * 2 + 1, need, mask=first)
+        prefix = prefix & HIGH
+    else:
+        prefix = 0  # the digits found so far: none in the first pass
     acc = tl.zeros([NB], dtype=tl.int32)
     bins = tl.arange(0, NB)
     for off in range(0, chunk, BLOCK):
@@ -404,29 +432,16 @@ def topk_hist(x_ptr, state_ptr, hist_ptr, n, chunk, SHIFT: tl.constexpr, NB: tl.
     tl.atomic_add(hist_ptr + row * NB + bins, acc)
 
 @triton.jit
-def topk_pick(hist_ptr, state_ptr, k, SHIFT: tl.constexpr, NB: tl.constexpr, FIRST: tl.constexpr):
-    row = tl.program_id(0)
-    bins = tl.arange(0, NB)
-    h = tl.load(hist_ptr + row * NB + bins)
-    if FIRST:
-        prefix = 0
-        need = k
-    else:
-        prefix = tl.load(state_ptr + row * 2)
-        need = tl.load(state_ptr + row * 2 + 1)
-    above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # keys in the bins above each bin
-    hit = (above < need) & (above + h >= need)  # the bin of the need-th largest key
-    digit = tl.sum(tl.where(hit, bins, 0), axis=0)
-    tl.store(state_ptr + row * 2, prefix | (digit << SHIFT))
-    tl.store(state_ptr + row * 2 + 1, need - tl.sum(tl.where(hit, above, 0), axis=0))
-
-@triton.jit
-def topk_count(x_ptr, state_ptr, counts_ptr, n, chunk, nchunk, BLOCK: tl.constexpr):
+def topk_count(x_ptr, phist_ptr, pprev_ptr, state_ptr, counts_ptr, n, chunk, nchunk, k, PSHIFT: tl.constexpr,
+               PNB: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
     start = c * chunk
     base = x_ptr + row.to(tl.int64) * n
-    kth = tl.load(state_ptr + row * 2)
+    # the last pass's digit: the k-th largest key, and how many keys equal to it are kept
+    kth, ties = _topk_pick(phist_ptr, pprev_ptr, row, k, PSHIFT, PNB, False)
+    tl.store(state_ptr + row * 2, kth, mask=c == 0)
+    tl.store(state_ptr + row * 2 + 1, ties, mask=c == 0)
     gt = 0
     eq = 0
     for off in range(0, chunk, BLOCK):
@@ -555,4 +570,4 @@ def cast_checked(x_ptr, y_ptr, flag_ptr, N, BF16: tl.constexpr, BLOCK: tl.conste
 KERNELS = {k.__name__: k for k in (
     scales, rowmax, row_max_quant_pack, colmax, colmax_finish, quant_pack, unpack_dequant, row_sumsq,
     split_rows, delta_rowmax, delta_colmax, delta_into, delta_quant_update, delta_dequant_update, fwht_rows,
-    topk_hist, topk_pick, topk_count, topk_write, cast_checked, steps)}
+    topk_hist, topk_count, topk_write, cast_checked, steps)}

@@ -1,4 +1,5 @@
-"""The ``triton`` backend: the codecs' operations as Triton kernels, one read and one write each (TopK: five).
+"""The ``triton`` backend: the codecs' operations as Triton kernels, one read and one write each (TopK: five
+reads in five launches).
 
 What runs here: max-abs per group, quantize-and-pack (nearest and stochastic rounding, every bit width 1-8,
 channel/token/block groups, ``midrise``), unpack-and-dequantize, the Hadamard tiles of ``rot<G>``, TopK's
@@ -18,7 +19,9 @@ encode is then two launches plus two allocations and a zeroed flag, where it was
 decode one launch, where it was about twelve (counted on the CPU under the interpreter). Scales by row
 (``token``, ``blockN``) take one launch for the scales and the codes (``row_max_quant_pack``: a program owns
 whole rows); scales by column two or three (the column max over row ranges, their reduction with the scales,
-then the codes: a column's max needs every row before any code). The scale arithmetic
+then the codes: a column's max needs every row before any code). TopK's selection is three histogram passes,
+a count and the write: five launches (it was eight, with a launch of its own for each pass's pick, which the
+next kernel's programs now make for themselves). The scale arithmetic
 is PyTorch's, operation for operation: ``store_scales``'s rounding, ``reciprocal(2 * s) * qmax`` and the
 decode's ``s / divisor`` correctly rounded (``tl.math.div_rn``; Triton 3.2's flushes fp32 subnormals, which
 only a ``scale32`` scale below 1.2e-38 could be).
@@ -280,21 +283,27 @@ class TritonKernels(Kernels):
     # -- TopK (aqsgd.compress.topk): exact selection on the device, no host synchronisation
     def _topk_kth(self, xi: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The k-th largest key of each row of the int32 view ``xi`` [R, n] and how many keys equal to it
-        are kept (``state`` [R, 2] int32), each chunk's count of keys above and equal to it (``counts``),
-        and the number of chunks."""
+        are kept (``state[-1]`` [R, 2] int32), each chunk's count of keys above and equal to it
+        (``counts``), and the number of chunks. Four launches: a histogram per digit, each but the first
+        picking the previous digit in its programs, then the count, which picks the last."""
         rows, n = xi.shape
         k = int(k)
         nchunk = _cdiv(n, _TOPK_CHUNK)
         hist = torch.zeros(len(_TOPK_DIGITS), rows, _TOPK_BINS, dtype=torch.int32, device=xi.device)
-        state = torch.empty(rows, 2, dtype=torch.int32, device=xi.device)
+        state = torch.empty(len(_TOPK_DIGITS), rows, 2, dtype=torch.int32, device=xi.device)  # each pick
         ks = _kernels()
         for p, (shift, nbits, high) in enumerate(_TOPK_DIGITS):
-            ks["topk_hist"][(rows, nchunk)](xi, state, hist[p], n, _TOPK_CHUNK, SHIFT=shift, NB=1 << nbits,
-                                            HIGH=high, BLOCK=_TOPK_BLOCK)
-            ks["topk_pick"][(rows,)](hist[p], state, k, SHIFT=shift, NB=1 << nbits, FIRST=p == 0)
+            before = max(p - 1, 0)  # the pass whose digit this one's programs pick (none for the first)
+            pshift, pnbits, _ = _TOPK_DIGITS[before]
+            ks["topk_hist"][(rows, nchunk)](xi, hist[before], state[max(p - 2, 0)], state[before], hist[p], n,
+                                            _TOPK_CHUNK, k, SHIFT=shift, NB=1 << nbits, HIGH=high, PICK=p > 0,
+                                            PSHIFT=pshift, PNB=1 << pnbits, PFIRST=p == 1, BLOCK=_TOPK_BLOCK)
+        last = len(_TOPK_DIGITS) - 1
+        lshift, lnbits, _ = _TOPK_DIGITS[last]
         counts = torch.empty(rows, nchunk, 2, dtype=torch.int32, device=xi.device)
-        ks["topk_count"][(rows, nchunk)](xi, state, counts, n, _TOPK_CHUNK, nchunk, BLOCK=_TOPK_BLOCK)
-        return state, counts, nchunk
+        ks["topk_count"][(rows, nchunk)](xi, hist[last], state[last - 1], state[last], counts, n, _TOPK_CHUNK,
+                                         nchunk, k, PSHIFT=lshift, PNB=1 << lnbits, BLOCK=_TOPK_BLOCK)
+        return state[last], counts, nchunk
 
     def _topk_supported(self, x2: torch.Tensor, k: int) -> bool:
         rows, n = x2.shape
