@@ -352,7 +352,7 @@ def _codec_figures(path: Path) -> dict:
         return {}
     keep = ("codec", "encode_vs_clone", "decode_vs_clone", "eager_encode_gbps", "encode_gbps",
             "encode_queued_gbps", "decode_queued_gbps", "clone_gbps", "encode_kernels", "encode_kernel_us",
-            "decode_kernels", "decode_kernel_us", "ratio")
+            "decode_kernels", "decode_kernel_us", "encode_slowest", "decode_slowest", "ratio")
     return {"rows": [{k: r.get(k) for k in keep if k in r} for r in rows],
             **({"launch_us": data["launch_us"]} if data.get("launch_us") else {})}
 

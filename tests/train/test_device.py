@@ -139,8 +139,18 @@ def test_bench_codecs_runs_where_auto_says(capsys, tmp_path):
     queued = [r["encode_queued_gbps"] for r in rows] + [r["decode_queued_gbps"] for r in rows]
     if torch.cuda.is_available():  # a GPU's rates with calls queued, and what one launch costs
         assert all(q > 0 for q in queued) and data["launch_us"]["triton_queued"] > 0
+        assert all(r["encode_slowest"] and r["encode_slowest"][0][1] > 0 for r in rows)
     else:
         assert queued == [None] * 4 and "launch_us" not in data
+        assert [r["encode_slowest"] for r in rows] == [None, None]
+
+
+def test_the_slowest_device_operations_are_summed_by_name():
+    from aqsgd.bench.codecs import slowest
+
+    ops = [("topk_hist", 40.0), ("fill", 2.0), ("topk_hist", 50.0), ("topk_write", 60.0), ("copy", 1.0)]
+    assert slowest(ops) == [["topk_hist", 90.0, 2], ["topk_write", 60.0, 1], ["fill", 2.0, 1]]
+    assert slowest([]) == []
 
 
 def test_launch_costs_time_each_kind_of_call():

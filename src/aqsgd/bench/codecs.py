@@ -12,11 +12,12 @@ that never takes a kernel shows ~1.0x there.
 On CUDA each codec's encode and decode are also profiled once after the timing (``torch.profiler``): how many
 device operations (kernels, copies, fills) one call launches and their summed device time in microseconds
 (``encode_kernels``, ``encode_kernel_us``, ``decode_kernels``, ``decode_kernel_us``). Against the call's wall
-time this says whether the device or the host's launching sets the rate. Also on CUDA: each call's rate when
-20 calls are queued back to back before one synchronisation (``encode_queued_gbps``, ``decode_queued_gbps``:
-what a training step sees, where the host runs ahead of the device), and what one launch costs
-(:func:`launch_costs`: a synchronisation, a one-value PyTorch operation, a one-value Triton kernel, each
-alone and queued).
+time this says whether the device or the host's launching sets the rate; the slowest three by name with their
+microseconds (``encode_slowest``, ``decode_slowest``) say which kernel to look at. Also on CUDA: each call's
+rate when 20 calls are queued back to back before one synchronisation (``encode_queued_gbps``,
+``decode_queued_gbps``: what a training step sees, where the host runs ahead of the device), and what one
+launch costs (:func:`launch_costs`: a synchronisation, a one-value PyTorch operation, a one-value Triton
+kernel, each alone and queued).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class CodecRow:
     encode_kernel_us: float | None = None
     decode_kernels: int | None = None
     decode_kernel_us: float | None = None
+    encode_slowest: list | None = None  # a call's longest device operations: [[name, us, calls], ...]
+    decode_slowest: list | None = None
 
 
 def versions() -> dict[str, str | None]:
@@ -123,8 +126,8 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
         t = interleaved_medians(calls, device=device, warmup=warmup, repeats=repeats)
         queued = ({k: nbytes / queued_seconds(calls[k], device) / 1e9 for k in ("encode", "decode")}
                   if device.type == "cuda" else {"encode": None, "decode": None})
-        enc_ops = device_operations(calls["encode"], device) or (None, None)
-        dec_ops = device_operations(calls["decode"], device) or (None, None)
+        enc_ops = device_operations(calls["encode"], device) or (None, None, None)
+        dec_ops = device_operations(calls["decode"], device) or (None, None, None)
         y = codec.decode(packet)
         clone = nbytes / t["clone"] / 1e9
         enc, dec = nbytes / t["encode"] / 1e9, nbytes / t["decode"] / 1e9
@@ -139,6 +142,7 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             encode_queued_gbps=queued["encode"], decode_queued_gbps=queued["decode"],
             encode_kernels=enc_ops[0], encode_kernel_us=enc_ops[1],
             decode_kernels=dec_ops[0], decode_kernel_us=dec_ops[1],
+            encode_slowest=enc_ops[2], decode_slowest=dec_ops[2],
         ))
     return rows
 
@@ -183,9 +187,10 @@ def launch_costs(device: torch.device, *, repeats: int = 200) -> dict[str, float
     return out
 
 
-def device_operations(fn, device: torch.device) -> tuple[int, float] | None:
-    """``(operations, microseconds)``: the device operations one call of ``fn`` launches on a CUDA device and
-    their summed device time, from ``torch.profiler``; None elsewhere."""
+def device_operations(fn, device: torch.device) -> tuple[int, float, list] | None:
+    """``(operations, microseconds, slowest)``: the device operations one call of ``fn`` launches on a CUDA
+    device, their summed device time, and the :func:`slowest` of them by name, from ``torch.profiler``; None
+    elsewhere."""
     if device.type != "cuda":
         return None
     from torch.autograd import DeviceType
@@ -195,8 +200,20 @@ def device_operations(fn, device: torch.device) -> tuple[int, float] | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(device)
-    ops = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return len(ops), float(sum(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) for e in ops))
+    ops = [(e.name, float(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)))
+           for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return len(ops), sum(us for _, us in ops), slowest(ops)
+
+
+def slowest(ops: Sequence[tuple[str, float]], n: int = 3) -> list[list]:
+    """The ``n`` names with the most device time, ``[[name, microseconds, calls], ...]``, longest first: the
+    operations of one name (a kernel launched once per pass) summed."""
+    total: dict[str, list] = {}
+    for name, us in ops:
+        entry = total.setdefault(name, [name, 0.0, 0])
+        entry[1] += us
+        entry[2] += 1
+    return sorted(total.values(), key=lambda e: -e[1])[:n]
 
 
 def write_json(rows: list[CodecRow], path: str | Path, *, device: torch.device, command: str,
