@@ -22,6 +22,7 @@ under what a remote call carries) and the BBC articles. ``run`` installs the whe
 limit inside ``--budget`` seconds (a step that would not fit is skipped and said so):
 
 * ``codecs``: ``aqsgd bench codecs --device cuda`` (each codec's rate against a same-tensor ``clone()``);
+  ``codecs-topk8`` the TopK rows again with 8-bit radix digits (``AQSGD_TOPK_DIGIT_BITS=8``);
 * ``no-sync``: no host synchronisation inside an encode or a decode on the GPU, NaN input and corrupt packets
   included (the CUDA tests of ``tests/compress/test_deferred_checks.py`` under
   ``torch.cuda.set_sync_debug_mode("error")``; Triton kernels compile in it);
@@ -261,6 +262,15 @@ def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool =
         r = check.step("codecs", 100, [*aq, "bench", "codecs", "--device", device, *shape, "--json",
                                       str(out / "codecs.json")])
         r["figures"] = _codec_figures(out / "codecs.json")
+    if wanted("codecs-topk8"):
+        # TopK's radix in four passes of 8-bit digits, beside the default three of 11 in the codecs step: the
+        # histogram's cost depends on Triton's lowering (aqsgd.compress.kernels.triton)
+        env["AQSGD_TOPK_DIGIT_BITS"] = "8"
+        topk = ["--shape", "4,16,64", "--repeats", "2"] if smoke else []
+        topk += ["--codecs", "topk0.1", "topk0.1+q8", "--json", str(out / "codecs-topk8.json")]
+        r = check.step("codecs-topk8", 45, [*aq, "bench", "codecs", "--device", device, *topk])
+        env.pop("AQSGD_TOPK_DIGIT_BITS", None)
+        r["figures"] = _codec_figures(out / "codecs-topk8.json")
     if wanted("no-sync"):
         r = check.step("no-sync", 120, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                        "-rfEs", "tests/compress/test_deferred_checks.py", "-k", "cuda"])

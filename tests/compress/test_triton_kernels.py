@@ -84,3 +84,25 @@ def test_a_column_max_splits_its_rows_to_keep_a_gpu_busy():
     for rows, k in ((4096, 768), (40, 136), (900, 16), (17, 65536), (1, 8), (100000, 4096)):
         splits, chunk = _row_splits(rows, k)
         assert chunk % _BLOCK_R == 0 and (splits - 1) * chunk < max(rows, 1) <= splits * chunk, (rows, k)
+
+
+def test_the_topk_radix_digits_cover_the_key_from_its_top(monkeypatch):
+    """Every layout's digits tile the 31-bit magnitude key from its top bit down, each digit's mask the bits
+    above it; the default is the three 11-bit passes the kernels had; a layout not offered is refused in one
+    line naming the variable."""
+    from aqsgd.compress.kernels.triton import TOPK_DIGIT_BITS, _topk_digits, topk_digits
+
+    assert topk_digits(11) == ((20, 11, 0), (9, 11, 0x7FF00000), (0, 9, 0x7FFFFE00))
+    assert topk_digits(8) == ((23, 8, 0), (15, 8, 0x7F800000), (7, 8, 0x7FFF8000), (0, 7, 0x7FFFFF80))
+    for bits in TOPK_DIGIT_BITS:
+        digits = topk_digits(bits)
+        assert sum(n for _, n, _ in digits) == 31 and digits[-1][0] == 0
+        for (shift, nbits, high), (nshift, nnbits, nhigh) in zip(digits, digits[1:]):
+            assert nshift + nnbits == shift and nhigh == high | (((1 << nbits) - 1) << shift)
+    monkeypatch.delenv("AQSGD_TOPK_DIGIT_BITS", raising=False)
+    assert _topk_digits() == topk_digits(11)
+    monkeypatch.setenv("AQSGD_TOPK_DIGIT_BITS", "8")
+    assert _topk_digits() == topk_digits(8)
+    monkeypatch.setenv("AQSGD_TOPK_DIGIT_BITS", "6")
+    with pytest.raises(ValueError, match="^AQSGD_TOPK_DIGIT_BITS=6: one of 11, 8$"):
+        _topk_digits()

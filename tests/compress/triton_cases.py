@@ -180,8 +180,14 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(triton_kernels, "_TOPK_CBLOCK", 2)
 
 
+@pytest.fixture(params=["11", "8"])
+def digit_bits(request, monkeypatch):
+    """Both radix layouts: three passes of 11-bit digits (the default) and four of 8."""
+    monkeypatch.setenv("AQSGD_TOPK_DIGIT_BITS", request.param)
+
+
 @pytest.mark.parametrize("rows,n,k", [(3, 700, 70), (1, 1000, 1), (2, 300, 299), (4, 64, 16)])
-def test_topk_selection_equals_the_cpu_rule(rows, n, k, small_chunks):
+def test_topk_selection_equals_the_cpu_rule(rows, n, k, small_chunks, digit_bits):
     from aqsgd.compress.topk import topk_indices
 
     x = _ties((rows, n), seed=n)
@@ -192,7 +198,7 @@ def test_topk_selection_equals_the_cpu_rule(rows, n, k, small_chunks):
 
 @pytest.mark.parametrize("spec", ["topk0.1", "topk0.05+fp32", "topk0.2+bf16", "topk0.1:tensor", "topk0.1+q8",
                                   "topk0.3+q3:token"])
-def test_topk_packets_equal_the_other_backends(spec, small_chunks, monkeypatch):
+def test_topk_packets_equal_the_other_backends(spec, small_chunks, digit_bits, monkeypatch):
     calls = _recording(monkeypatch, "topk_payload", "topk_select")
     x = _ties((3, 4, 80), seed=1)
     x[1, 2, 5] = -1e4  # beyond bf16's fine steps, within fp16's range

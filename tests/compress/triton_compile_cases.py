@@ -20,7 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     pytest.skip("compiles for a device: run without TRITON_INTERPRET", allow_module_level=True)
 
-from aqsgd.compress.kernels._triton_jit import KERNELS  # noqa: E402
+from aqsgd.compress.kernels._triton_jit import HIST_MASKED, KERNELS  # noqa: E402
 
 F32, F16, U8, I32, I64 = "*fp32", "*fp16", "*u8", "*i32", "*i64"
 MAX = {"x_ptr": F32, "out_ptr": F32, "stored_ptr": F16, "flag_ptr": I32, "R": "i32", "K": "i32",
@@ -66,11 +66,14 @@ CASES = [
     ("fwht_rows", {"x_ptr": F32, "s_ptr": F32, "out_ptr": F32, "c": "fp32", "R": "i32"},
      {"G": 64, "LOG_G": 6, "INVERSE": False, "BLOCK_R": 64}),
     ("topk_hist", TOPK_HIST, {"SHIFT": 20, "NB": 2048, "HIGH": 0, "PICK": False, "PSHIFT": 20, "PNB": 2048,
-                              "PFIRST": False, "BLOCK": 1024}),
+                              "PFIRST": False, "MASKED": False, "BLOCK": 1024}),
     ("topk_hist", TOPK_HIST, {"SHIFT": 9, "NB": 2048, "HIGH": 0x7FF00000, "PICK": True, "PSHIFT": 20,
-                              "PNB": 2048, "PFIRST": True, "BLOCK": 1024}),
+                              "PNB": 2048, "PFIRST": True, "MASKED": HIST_MASKED, "BLOCK": 1024}),
     ("topk_hist", TOPK_HIST, {"SHIFT": 0, "NB": 512, "HIGH": 0x7FFFFE00, "PICK": True, "PSHIFT": 9,
-                              "PNB": 2048, "PFIRST": False, "BLOCK": 1024}),
+                              "PNB": 2048, "PFIRST": False, "MASKED": HIST_MASKED, "BLOCK": 1024}),
+    # 8-bit digits (AQSGD_TOPK_DIGIT_BITS=8)
+    ("topk_hist", TOPK_HIST, {"SHIFT": 7, "NB": 256, "HIGH": 0x7FFF8000, "PICK": True, "PSHIFT": 15,
+                              "PNB": 256, "PFIRST": False, "MASKED": HIST_MASKED, "BLOCK": 1024}),
     ("topk_count", {"x_ptr": I32, "phist_ptr": I32, "pprev_ptr": I32, "state_ptr": I32, "counts_ptr": I32,
                     "n": "i32", "chunk": "i32", "nchunk": "i32", "k": "i32"},
      {"PSHIFT": 0, "PNB": 512, "BLOCK": 1024}),

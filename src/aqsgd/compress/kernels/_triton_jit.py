@@ -10,8 +10,15 @@ What each kernel computes, and why its bytes equal the other backends', is said 
 :mod:`aqsgd.compress.kernels.triton`.
 """
 
+import inspect
+
 import triton
 import triton.language as tl
+
+# tl.histogram takes a mask from Triton 3.3 or so (3.6 and 3.9 do, 3.2 does not). Triton 3.9 counts each value
+# with an atomic add in shared memory: without a mask, the TopK passes after the first put every key outside
+# the prefix found so far (nearly all of them) into bin 0, one address, and took them out again after.
+HIST_MASKED = "mask" in inspect.signature(tl.histogram).parameters
 
 @triton.jit
 def _stored_scale(s, idx, mask, stored_ptr, flag_ptr, HALF: tl.constexpr):
@@ -407,7 +414,7 @@ def _topk_pick(hist_ptr, prev_ptr, row, k, SHIFT: tl.constexpr, NB: tl.constexpr
 @triton.jit
 def topk_hist(x_ptr, phist_ptr, pprev_ptr, state_ptr, hist_ptr, n, chunk, k, SHIFT: tl.constexpr,
               NB: tl.constexpr, HIGH: tl.constexpr, PICK: tl.constexpr, PSHIFT: tl.constexpr,
-              PNB: tl.constexpr, PFIRST: tl.constexpr, BLOCK: tl.constexpr):
+              PNB: tl.constexpr, PFIRST: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     start = tl.program_id(1) * chunk
     base = x_ptr + row.to(tl.int64) * n
@@ -427,8 +434,10 @@ def topk_hist(x_ptr, phist_ptr, pprev_ptr, state_ptr, hist_ptr, n, chunk, k, SHI
         key = tl.load(base + at, mask=m, other=0) & 0x7FFFFFFF
         match = m & ((key & HIGH) == prefix)
         digit = tl.where(match, (key >> SHIFT) & (NB - 1), 0)
-        # the keys that do not match were counted in bin 0: take them out again
-        acc += tl.histogram(digit, NB) - tl.where(bins == 0, BLOCK - tl.sum(match.to(tl.int32)), 0)
+        if MASKED:  # the keys that match only (HIST_MASKED)
+            acc += tl.histogram(digit, NB, mask=match)
+        else:  # the keys that do not match were counted in bin 0: take them out again
+            acc += tl.histogram(digit, NB) - tl.where(bins == 0, BLOCK - tl.sum(match.to(tl.int32)), 0)
     tl.atomic_add(hist_ptr + row * NB + bins, acc)
 
 @triton.jit

@@ -70,9 +70,34 @@ _FWHT_VALUES = 4096  # values per program of the Hadamard kernel (rows of a tile
 _TOPK_CHUNK = 16384  # values of a row per program of the TopK kernels
 _TOPK_BLOCK = 1024  # values per step within a chunk
 _TOPK_CBLOCK = 128  # chunk counts summed per step
-_TOPK_BINS = 2048
-# the radix digits of the 31-bit magnitude key: (shift, bits, mask of the digits above it)
-_TOPK_DIGITS = ((20, 11, 0), (9, 11, 0x7FF00000), (0, 9, 0x7FFFFE00))
+# The radix digits of the 31-bit magnitude key, (shift, bits, mask of the digits above it), from the top: by
+# default 11 bits (three passes, 2,048 bins). What a histogram costs depends on Triton's lowering: 3.2-3.6
+# count with warp ballots, about 3,000 PTX instructions per 1,024 keys at 2,048 bins and 860 at 256 (compiled
+# for sm_90 here); 3.9 with one shared-memory atomic per key whatever the bins. AQSGD_TOPK_DIGIT_BITS=8 (four
+# passes of 256 bins) is there to measure the other side of that trade on a GPU (the GPU check runs both).
+TOPK_DIGIT_BITS = (11, 8)
+
+
+@functools.lru_cache(maxsize=None)
+def topk_digits(bits: int) -> tuple[tuple[int, int, int], ...]:
+    """The digits of ``bits`` bits each (the last one what is left), from the key's top bit down."""
+    out, top = [], 31
+    while top > 0:
+        nbits = min(bits, top)
+        out.append((top - nbits, nbits, (0x7FFFFFFF >> top) << top))
+        top -= nbits
+    return tuple(out)
+
+
+def _topk_digits() -> tuple[tuple[int, int, int], ...]:
+    text = os.environ.get("AQSGD_TOPK_DIGIT_BITS", "11")
+    if not text.isdigit() or int(text) not in TOPK_DIGIT_BITS:
+        raise ValueError(f"AQSGD_TOPK_DIGIT_BITS={text}: one of {', '.join(map(str, TOPK_DIGIT_BITS))}")
+    return topk_digits(int(text))
+
+
+_TOPK_BINS = 2048  # the most bins of a digit (the histograms' row stride)
+_TOPK_DIGITS = topk_digits(11)
 
 
 def interpreting() -> bool:
@@ -284,22 +309,27 @@ class TritonKernels(Kernels):
     def _topk_kth(self, xi: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The k-th largest key of each row of the int32 view ``xi`` [R, n] and how many keys equal to it
         are kept (``state[-1]`` [R, 2] int32), each chunk's count of keys above and equal to it
-        (``counts``), and the number of chunks. Four launches: a histogram per digit, each but the first
-        picking the previous digit in its programs, then the count, which picks the last."""
+        (``counts``), and the number of chunks. A launch per digit's histogram, each but the first picking
+        the previous digit in its programs, then the count, which picks the last: four launches with 11-bit
+        digits."""
         rows, n = xi.shape
         k = int(k)
+        digits = _topk_digits()
         nchunk = _cdiv(n, _TOPK_CHUNK)
-        hist = torch.zeros(len(_TOPK_DIGITS), rows, _TOPK_BINS, dtype=torch.int32, device=xi.device)
-        state = torch.empty(len(_TOPK_DIGITS), rows, 2, dtype=torch.int32, device=xi.device)  # each pick
+        hist = torch.zeros(len(digits), rows, _TOPK_BINS, dtype=torch.int32, device=xi.device)
+        state = torch.empty(len(digits), rows, 2, dtype=torch.int32, device=xi.device)  # each pick
         ks = _kernels()
-        for p, (shift, nbits, high) in enumerate(_TOPK_DIGITS):
+        from aqsgd.compress.kernels._triton_jit import HIST_MASKED
+
+        for p, (shift, nbits, high) in enumerate(digits):
             before = max(p - 1, 0)  # the pass whose digit this one's programs pick (none for the first)
-            pshift, pnbits, _ = _TOPK_DIGITS[before]
+            pshift, pnbits, _ = digits[before]
             ks["topk_hist"][(rows, nchunk)](xi, hist[before], state[max(p - 2, 0)], state[before], hist[p], n,
                                             _TOPK_CHUNK, k, SHIFT=shift, NB=1 << nbits, HIGH=high, PICK=p > 0,
-                                            PSHIFT=pshift, PNB=1 << pnbits, PFIRST=p == 1, BLOCK=_TOPK_BLOCK)
-        last = len(_TOPK_DIGITS) - 1
-        lshift, lnbits, _ = _TOPK_DIGITS[last]
+                                            PSHIFT=pshift, PNB=1 << pnbits, PFIRST=p == 1, MASKED=HIST_MASKED,
+                                            BLOCK=_TOPK_BLOCK)
+        last = len(digits) - 1
+        lshift, lnbits, _ = digits[last]
         counts = torch.empty(rows, nchunk, 2, dtype=torch.int32, device=xi.device)
         ks["topk_count"][(rows, nchunk)](xi, hist[last], state[last - 1], state[last], counts, n, _TOPK_CHUNK,
                                          nchunk, k, PSHIFT=lshift, PNB=1 << lnbits, BLOCK=_TOPK_BLOCK)
