@@ -408,19 +408,21 @@ def test_two_spikes_among_a_run_s_first_probes_do_not_move_a_link():
     assert levels[-1] == "direct:bf16", levels
 
 
-def test_a_step_that_is_not_timed_gives_its_probe_and_nothing_else():
-    # right after an evaluation a stage's first sends wait for its receiver to finish evaluating: in bench
-    # adaptive the 1 Gbit/s link read as 2.5-50 Mbit/s on each such step, and its activations went down a rung
+def test_a_resumed_policy_s_first_step_gives_its_probe_and_nothing_else():
+    # a resumed run's first step does one-time work (kernels built, buffers allocated), as a new run's does
     policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
     before = _run(policy, 4, mbit=[1000.0, 1000.0], compute_s=0.05, errors=[FW_ERRORS, BW_ERRORS])[-1]
-    seen = policy.describe()
-    probes = len(policy.links["b0.forward"].errors)
+    resumed = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
+    resumed.restore(policy.levels())
+    resumed.load_state(policy.state())
+    seen = resumed.describe()
+    probes = len(resumed.links["b0.forward"].errors)
     slow = _stats([RAW / 2, RAW / 2], [0.1, 0.1], compute_s=0.05, errors=[FW_ERRORS, BW_ERRORS])
-    assert policy.step(slow, 1, compressed=True, timed=False) == {}
-    assert policy.specs() == before and policy.describe() == {
-        name: {**link, "error": policy.describe()[name]["error"]} for name, link in seen.items()}
-    assert len(policy.links["b0.forward"].errors) == probes + 1
-    assert policy.step(slow, 1, compressed=True) != {}  # the same step, timed: the links go down
+    assert resumed.step(slow, 1, compressed=True) == {}
+    assert resumed.specs() == before and resumed.describe() == {
+        name: {**link, "error": resumed.describe()[name]["error"]} for name, link in seen.items()}
+    assert len(resumed.links["b0.forward"].errors) == probes + 1
+    assert resumed.step(slow, 1, compressed=True) != {}  # the same step, timed: the links go down
 
 
 def test_the_step_after_an_evaluation_measures_the_links_as_the_others_do(tmp_path):

@@ -85,7 +85,7 @@ steps in a row in which a level fits with margin, both rules with their right-ha
 (hysteresis: a link near the edge, or a noisy measurement, does not make it flip every step).
 
 Not every step is a sample of the links: the first step of a run, or of a resumed one, does one-time work
-(kernels built, buffers allocated) and gives its error probes and nothing else (``timed=False``). The trainer
+(kernels built, buffers allocated) and gives its error probes and nothing else. The trainer
 keeps the other steps comparable: after an evaluation or a checkpoint every process waits for the others
 (:meth:`~aqsgd.train.trainer.Trainer._resync`), as after every step's metrics all-reduce. Without that, in
 ``aqsgd bench adaptive`` every step after an evaluation measured the 1 Gbit/s link at 2.5-50 Mbit/s (a stage
@@ -272,6 +272,7 @@ class LinkPolicy:
         self.step_s: float | None = None  # the step time
         self.fills = 1  # pipeline passes per step
         self.steps = 0
+        self.timing = False  # whether step() takes the steps' times: not this process's first (one-time work)
         for b in range(boundaries):
             for auto in (forward, backward):
                 if auto is not None:
@@ -314,18 +315,19 @@ class LinkPolicy:
                 self.links[name].level = min(int(level), len(self.links[name].auto.ladder) - 1)
 
     def step(self, stages: Sequence[Mapping[str, float]], micro_batches: int, *, compressed: bool,
-             fills: int = 1, timed: bool = True) -> dict[str, str]:
+             fills: int = 1) -> dict[str, str]:
         """Take one step's per-stage statistics (the trainer's gathered rows: ``fw_raw``, ``fw_bytes``,
         ``fw_wire_bytes``, ``fw_busy_s``, the same for ``bw``, ``compute_s``, and what a stage's receivers saw
         held back, ``in_fw_held_s`` and ``in_bw_held_s``, and ``step_s``) and return the links whose spec
         changes, with their new spec. ``micro_batches``: in the whole step; ``fills``: pipeline passes per
         step. ``compressed``: whether the step sent the links' codecs (in the uncompressed warm-up only the
-        throughput is learnt; the payload then follows from the raw bytes). ``timed``: False for a step whose
-        times are not a sample of the links (a resumed run's first, see the module's docstring); its probes
-        are taken, nothing else, and no level changes."""
+        throughput is learnt; the payload then follows from the raw bytes). The first step of a policy (of a
+        run, or of a resumed one after :meth:`load_state`) gives its probes and nothing else: see the module's
+        docstring."""
         self.steps += 1
-        if self.steps == 1 or not timed:  # one-time work (kernels built, buffers allocated) or another's
-            for name, link in self.links.items():  # tail: not a sample of the link, but its probe counts
+        if not self.timing:  # one-time work (kernels built, buffers allocated): not a sample of the links,
+            self.timing = True
+            for name, link in self.links.items():  # but its probe counts
                 self._probed(link, link_row(stages, name)[0], link.auto.direction)
             return {}
         n = max(micro_batches, 1)

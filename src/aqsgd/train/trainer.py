@@ -250,7 +250,6 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None
         self._done = {"eval": -1, "checkpoint": -1}  # the steps of the last evaluation and checkpoint
-        self._started_at = -1  # the step this process's training loop started after
         self._skipped_in_a_row = 0  # steps in a row not applied for a non-finite loss or gradient norm
         self._links_seen: dict[Any, Any] = {}  # the transport's counters at the last step (see _link_deltas)
 
@@ -530,14 +529,13 @@ class Trainer:
             else:
                 metrics["perplexity"] = perplexity(metrics["loss"])
             out[name] = metrics
-        if self.transport is not None:  # the links' next statistics are the next step's alone, not the
-            self._links_seen = self.transport.stats  # evaluation's traffic (fp32, between two steps)
         return out
 
     def _resync(self) -> None:
         """After work between two steps (an evaluation, a checkpoint): every process waits for the others, so
         that the next step starts on all of them together, as a step does after the previous one's metrics
-        all-reduce, and the links' statistics restart from here. Without it a stage that leaves such work
+        all-reduce, and the links' statistics restart from here (the next step's alone, not the evaluation's
+        fp32 traffic). Without it a stage that leaves such work
         first sends the next step's first messages while its receiver is still at it, and the wait reads as
         the link's time: in ``aqsgd bench adaptive`` every step after an evaluation measured the 1 Gbit/s
         link at 2.5-50 Mbit/s, and its activations went a rung or two down each time (fp16 to q8 at steps 16
@@ -668,7 +666,6 @@ class Trainer:
         cfg = self.cfg
         # None: at the end of every epoch; 0: never (not even at the end); N: every N optimizer steps
         eval_every, checkpoint_every = cfg.run.eval_every, cfg.run.checkpoint_every
-        self._started_at = self.position["step"]  # this process's first step is not a sample of the links
         for epoch in range(self.position["epoch"], cfg.optim.epochs):
             phase = self._phase(epoch)
             batches = self._train_batches(epoch)
@@ -820,10 +817,8 @@ class Trainer:
         if self.policy is not None:  # the same statistics on every process: the same choice everywhere
             codecs = self.policy.specs()  # what this step sent with
             passes = self.cfg.pipeline.micro_batches * self.cfg.optim.grad_accum
-            # this process's first step (after a start or a resume) does one-time work: not a sample
-            timed = self.position["step"] - 1 != self._started_at
             changes = self.policy.step(stats, passes, compressed=phase != Phase.WARMUP,
-                                       fills=self.cfg.optim.grad_accum, timed=timed)
+                                       fills=self.cfg.optim.grad_accum)
             self._set_link_codecs(changes)
             if changes and self.writes_metrics:
                 log.info("step %d: links now %s", self.position["step"],

@@ -97,7 +97,6 @@ def _topk_digits() -> tuple[tuple[int, int, int], ...]:
 
 
 _TOPK_BINS = 2048  # the most bins of a digit (the histograms' row stride)
-_TOPK_DIGITS = topk_digits(11)
 
 
 def interpreting() -> bool:
