@@ -77,7 +77,13 @@ with ``fills`` the pipeline passes per step (gradient accumulation), ``step`` th
 ``links`` the number of auto links: together the links spend at most :data:`TOLERANCE` of the step on carrying
 more bits than their floors. (Without the second rule, measured by ``aqsgd bench adaptive`` on the CPU, auto
 kept 8-16 bits where the link allowed it and reached the target loss 1.08-1.14x later than the best fixed
-rung.)
+rung.) The levels that may fit run from the floor up to the link's *ceiling* only: the most compressed level
+whose error is within :data:`QUIET` times the budget (level 0 while nothing is probed or there is no
+budget; becoming a ceiling more compressed than the current level takes ``ERROR_MARGIN`` times that, as for
+the floor). Bits above the floor buy a smaller error, which is worth time only while the error is a good part
+of the budget: in ``aqsgd bench adaptive`` the tolerance kept the 1 Gbit/s link's gradients at bf16 (error
+0.2 %) where q8 errs by 1-2 % and the floor, q6, by 5-9 %; their ceiling is q8. A floor whose own error is
+under ``QUIET`` times the budget is its ceiling: the link takes it however fast it is.
 
 The level goes at once to the least compressed ``L`` that fits when the current one no longer fits or is
 over the error budget (the floor if none fits), and back up to less compression only after :data:`PATIENCE`
@@ -117,6 +123,7 @@ BITS = {"fp16": 16.0, "bf16": 16.0, "q8": 8.0, "q6": 6.0, "q4": 4.0, "q3": 3.0, 
 UP_MARGIN = 0.7
 MAX_ERROR = 0.1  # the default error budget: a level's relative error at most this
 ERROR_MARGIN = 0.8  # a more compressed level is taken only with its error this far under the budget
+QUIET = 0.5  # an error under this share of the budget is not worth time to lower further
 ERROR_WINDOW = 5  # a rung's error is the median of this many probes
 PROBE_EVERY = 4  # steps from one probe to the next (the first step probes)
 TOLERANCE = 0.05  # the share of the step that all auto links together may spend above their floors
@@ -261,6 +268,20 @@ class _Link:
                 return level - 1
         return last
 
+    def ceiling(self) -> int:
+        """The least compressed level worth time above the floor: the most compressed one (the floor at most)
+        whose error is within ``QUIET`` times the budget (``ERROR_MARGIN`` under that for a level more
+        compressed than the current one, as :meth:`floor`). Level 0 while nothing is probed or there is no
+        budget."""
+        budget = self.auto.max_error
+        if budget is None or not self.errors:
+            return 0
+        for level in range(self.floor(), 0, -1):
+            err = self.error(level)
+            if err is not None and err <= QUIET * budget * (1.0 if level <= self.level else ERROR_MARGIN):
+                return level
+        return 0
+
 
 class LinkPolicy:
     """The levels of every link of a run (``boundaries`` stage boundaries, the directions given as
@@ -385,7 +406,8 @@ class LinkPolicy:
         def seconds(level: int) -> float:
             return self._seconds(link, level)
 
-        levels = range(link.floor() + 1)  # the rungs within the error budget
+        # the rungs within the error budget, down to the first whose error is too small to be worth lowering
+        levels = range(link.ceiling(), link.floor() + 1)
         budget = self.budget or 0.0
         share = self._share()
         floor = seconds(levels[-1])
@@ -400,18 +422,18 @@ class LinkPolicy:
             fastest = min(seconds(lv) for lv in levels)
             return next((lv for lv in levels if fits(lv)),
                         next(lv for lv in levels if seconds(lv) <= 1.05 * fastest))
-        roomy = next((lv for lv in range(link.level) if fits(lv, UP_MARGIN)), None)
+        roomy = next((lv for lv in range(levels[0], link.level) if fits(lv, UP_MARGIN)), None)
         link.roomy = link.roomy + 1 if roomy is not None else 0
         return roomy if roomy is not None and link.roomy >= PATIENCE else link.level
 
     def describe(self) -> dict[str, Any]:
         """What the policy knows of each link, for the metrics: its spec and level, throughput (Mbit/s,
         besides the per-message cost), per-message cost (ms), the level's relative error, the error budget's
-        floor and every rung's ``t(L)`` (ms; None until the link is measured)."""
+        floor, the ceiling and every rung's ``t(L)`` (ms; None until the link is measured)."""
         return {name: {"spec": link.auto.spec(link.level), "level": link.level,
                        "mbit_s": None if link.seconds_per_bit is None else 1e-6 / link.seconds_per_bit,
                        "per_message_ms": 1e3 * link.per_message, "error": link.error(link.level),
-                       "floor": link.auto.ladder[link.floor()],
+                       "floor": link.auto.ladder[link.floor()], "ceiling": link.auto.ladder[link.ceiling()],
                        # t(L) of every rung, as the rule saw it after this step
                        "ms": ({r: 1e3 * self._seconds(link, lv) for lv, r in enumerate(link.auto.ladder)}
                               if link.seconds_per_bit is not None and link.payload is not None else None)}
