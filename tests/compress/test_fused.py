@@ -77,13 +77,58 @@ def test_shapes_outside_the_kernels_take_the_eager_path(shape):
 
 
 def test_plan():
-    assert kernels.plan((2, 3, 16), "channel", 0) == (6, 16, True)
-    assert kernels.plan((2, 3, 16), "token", 0) == (6, 16, False)
-    assert kernels.plan((2, 3, 16), "tensor", 0) == (6, 16, False)
-    assert kernels.plan((4, 16), "block", 32) == (2, 32, False)
-    assert kernels.plan((4, 16), "block", 48) is None  # does not divide the tensor
-    assert kernels.plan((4, 12), "channel", 0) is None  # rows would not end on a byte
-    assert kernels.plan((0, 16), "channel", 0) is None
+    assert kernels.plan((2, 3, 16), "channel", 0, 3) == (6, 16, True)
+    assert kernels.plan((2, 3, 16), "token", 0, 3) == (6, 16, False)
+    assert kernels.plan((2, 3, 16), "tensor", 0, 3) == (6, 16, False)
+    assert kernels.plan((4, 16), "block", 32, 3) == (2, 32, False)
+    assert kernels.plan((4, 16), "block", 48, 3) is None  # does not divide the tensor
+    assert kernels.plan((4, 12), "channel", 0, 3) is None  # rows would not end on a byte
+    assert kernels.plan((0, 16), "channel", 0, 3) is None
+    # rows whose codes fill whole bytes, though not whole groups of 8 codes: the last group is short
+    assert kernels.plan((4, 10), "token", 0, 8) == (4, 10, False)
+    assert kernels.plan((4, 10), "channel", 0, 4) == (4, 10, True)
+    assert kernels.plan((4, 12), "channel", 0, 6) == (4, 12, True)
+    assert kernels.plan((4, 12), "block", 12, 2) == (4, 12, False)
+    assert kernels.plan((4, 10), "token", 0, 3) is None and kernels.plan((4, 6), "token", 0, 6) is None
+
+
+# (shape, specs): rows whose codes end on a byte, but whose last group of 8 codes is short
+SHORT_ROWS = [((3, 10), ("q8", "q8:token", "q4", "q4:token:l2", "q4:midrise")),
+              ((2, 5, 18), ("q8:token", "q4:channel", "q4:token:scale32")),
+              ((4, 12), ("q2:token", "q2", "q6:token", "q6:l2", "q2:l2:midrise")),
+              ((2, 26), ("q8", "q4:token"))]
+
+
+@pytest.mark.parametrize("shape, specs", SHORT_ROWS)
+def test_rows_with_a_short_last_group_take_the_kernels(shape, specs, monkeypatch):
+    calls = []
+    for name in ("quantize_pack", "unpack_dequantize"):
+        real = getattr(fused.NumbaKernels, name)
+        monkeypatch.setattr(fused.NumbaKernels, name, lambda self, *a, _r=real, _n=name, **k: (
+            calls.append(_n) or _r(self, *a, **k)))
+    x = _data(shape)
+    for spec in specs:
+        codec = make_codec(spec)
+        calls.clear()
+        (pa, da), (pb, db) = _both(lambda: (codec.encode(x), codec.decode(codec.encode(x))))
+        assert torch.equal(pa.payload, pb.payload), spec
+        assert torch.equal(da, db), spec
+        assert calls.count("quantize_pack") == 2 and calls.count("unpack_dequantize") == 1, (spec, calls)
+
+
+def test_topk_then_q8_quantizes_its_kept_values_in_the_kernels(monkeypatch):
+    # 100 values a row, 10 kept: rows of 10 values, which the kernels took only in whole groups of 8 before
+    calls = []
+    real = fused.NumbaKernels.quantize_pack
+    monkeypatch.setattr(fused.NumbaKernels, "quantize_pack",
+                        lambda self, *a, **k: calls.append(a[0].shape) or real(self, *a, **k))
+    x = _data((4, 100))
+    codec = make_codec("topk0.1+q8:token")
+    a, b = _both(lambda: codec.encode(x).payload)
+    assert torch.equal(a, b)
+    assert calls and calls[0][1] % 8, calls
+    (da, db) = _both(lambda: codec.decode(codec.encode(x)))
+    assert torch.equal(da, db)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

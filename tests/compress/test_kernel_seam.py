@@ -47,7 +47,7 @@ def test_a_missing_operation_falls_back_to_the_general_path():
     x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1))
     ops = Nothing(torch.device("cpu"))
     codec = make_codec("q3:token")
-    assert codec._encode_planned(ops, x, kernels.plan(x.shape, "token", 0)) is None
+    assert codec._encode_planned(ops, x, kernels.plan(x.shape, "token", 0, 3)) is None
     assert ops.unpack_dequantize(torch.zeros(2, 3, dtype=torch.uint8), torch.ones(2), False, 3, 1, 3) is None
     assert torch.equal(codec.encode(x).payload, make_codec("q3:token", backend="eager").encode(x).payload)
 

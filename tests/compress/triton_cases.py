@@ -437,3 +437,47 @@ def test_the_aqsgd_steps_with_scales_in_the_kernels_equal_the_other_backends(spe
     for got, want in ((tri[2], ref[2]), (tri[3], ref[3])):
         assert torch.equal(got.view(torch.int16) if storage != torch.float32 else got,
                            want.view(torch.int16) if storage != torch.float32 else want)
+
+
+# -- rows whose codes end on a byte but whose last group of 8 codes is short (q8 rows of 10 values: TopK's
+# kept values, ``topk0.1+q8:token``) ------------------------------------------------------------------------
+_SHORT = [((3, 10), ("q8", "q8:token", "q4", "q4:token:l2")), ((2, 5, 18), ("q8:token", "q4:channel")),
+          ((4, 12), ("q2:token", "q6:token", "q6:l2")), ((20, 26), ("q8", "q4:token"))]
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")
+@pytest.mark.parametrize("shape, specs", _SHORT, ids=lambda v: "x".join(map(str, v)) if v and
+                         isinstance(v[0], int) else None)
+def test_rows_with_a_short_last_group_equal_the_other_backends(shape, specs, monkeypatch):
+    from aqsgd.compress.base import deferring_checks
+
+    calls = _recording(monkeypatch, "quantize_pack", "max_quantize_rows", "max_scales", "scales",
+                       "unpack_scaled")
+    x = _data(shape)
+    for spec in specs:
+        want = make_codec(spec, backend="eager").encode(x)
+        numba = make_codec(spec, backend="numba").encode(x)
+        for deferred in (False, True):  # checks made at once (the CPU's way) or in the kernels (a GPU's)
+            calls.clear()
+            with deferring_checks(deferred):
+                got = make_codec(spec, backend="triton").encode(x)
+            assert torch.equal(got.payload, want.payload) and torch.equal(got.payload, numba.payload), spec
+            assert set(calls) & {"quantize_pack", "max_quantize_rows"}, (spec, deferred, calls)
+        calls.clear()
+        decoded = make_codec(spec, backend="triton").decode(want)
+        assert calls == ["unpack_scaled"], (spec, calls)
+        assert torch.equal(decoded, make_codec(spec, backend="eager").decode(want)), spec
+
+
+@pytest.mark.parametrize("spec", ["q8", "q4:token", "q6:token"])
+def test_the_aqsgd_steps_on_short_rows_equal_the_other_backends(spec, monkeypatch):
+    calls = _recording(monkeypatch, "delta_encode_update", "delta_decode_update")
+    shape = (6, 2, 12)  # rows of 12 values: a full group of 8 codes and a short one
+    tri = _aqsgd_steps(spec, torch.float16, "triton", shape=shape)
+    assert calls.count("delta_encode_update") >= 2 and calls.count("delta_decode_update") >= 2
+    for other in ("eager", "numba"):
+        ref = _aqsgd_steps(spec, torch.float16, other, shape=shape)
+        assert all(torch.equal(a, b) for a, b in zip(tri[0], ref[0])), other
+        assert all(torch.equal(a, b) for pa, pb in zip(tri[1], ref[1]) for a, b in zip(pa, pb)), other
+        assert torch.equal(tri[2].view(torch.int16), ref[2].view(torch.int16)), other
+        assert torch.equal(tri[3].view(torch.int16), ref[3].view(torch.int16)), other

@@ -301,7 +301,7 @@ class QuantCodec(Codec):
             return torch.empty(0, dtype=torch.uint8, device=x.device)
         ops = kernels.for_tensor(x, self.backend)
         if ops.quantizes(x.dtype, self.rounding):
-            plan = kernels.plan(x.shape, self.granularity, self.block)
+            plan = kernels.plan(x.shape, self.granularity, self.block, self.bits)
             out = None if plan is None else self._encode_planned(ops, x, plan, generator)
             if out is not None:
                 return out
@@ -442,7 +442,7 @@ class QuantCodec(Codec):
     def _delta_plan(self, shape: Sequence[int], store: kernels.RowStore) -> tuple[int, int, bool, int] | None:
         """``(rows, k, by_col, rows per sample)`` for the fused AQ-SGD step, or None (the caller goes step by
         step)."""
-        plan = kernels.plan(shape, self.granularity, self.block)
+        plan = kernels.plan(shape, self.granularity, self.block, self.bits)
         if plan is None or not shape or int(shape[0]) != store.ids.shape[0]:
             return None
         rows, k, by_col = plan
@@ -613,7 +613,7 @@ class QuantCodec(Codec):
         ops = kernels.for_device(payload.device, self.backend)
         if not ops.fuses_scales or self.granularity == "tensor" or out_dtype == torch.float64:
             return None
-        plan = kernels.plan(shape, self.granularity, self.block)
+        plan = kernels.plan(shape, self.granularity, self.block, self.bits)
         if plan is None:
             return None
         rows, k, by_col = plan
@@ -654,7 +654,8 @@ class QuantCodec(Codec):
                           out_dtype: torch.dtype) -> torch.Tensor:
         """Stored scales and packed codes (flat uint8) to a tensor of ``shape``: the kernels' operation where
         it applies (:mod:`aqsgd.compress.kernels`), else the general path."""
-        plan = kernels.plan(shape, self.granularity, self.block) if out_dtype != torch.float64 else None
+        plan = (kernels.plan(shape, self.granularity, self.block, self.bits) if out_dtype != torch.float64
+                else None)
         if plan is not None:
             rows, k, by_col = plan
             mul, low, step = self._levels(scales, torch.float32)

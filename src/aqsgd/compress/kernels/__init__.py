@@ -22,8 +22,9 @@ The default for a device is the first of its backends that is installed: numba t
 triton then eager on CUDA. A codec built with ``backend="eager"`` (``make_codec(spec, backend=...)``) uses
 that one wherever it runs: benchmarks compare backends side by side that way, and tests compare their packets.
 
-Operations (``x2``: a contiguous fp32 ``[R, K]`` view with ``K % 8 == 0``, whose scale groups are its columns
-(``by_col``) or its rows; per-group vectors are fp32 of length ``K`` or ``R``):
+Operations (``x2``: a contiguous fp32 ``[R, K]`` view whose rows' codes fill whole bytes, ``K * bits % 8 ==
+0`` (:func:`plan`), and whose scale groups are its columns (``by_col``) or its rows; per-group vectors are
+fp32 of length ``K`` or ``R``):
 
 * ``max_abs(x2, by_col)``: each group's max ``|x|`` (NaN where the group holds one);
 * ``quantize_pack(x2, inv, by_col, offset, bits, qmax)``: the codes ``trunc(clamp(fma(x, inv, offset), 0,

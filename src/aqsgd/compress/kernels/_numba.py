@@ -1,7 +1,8 @@
 """numba kernels behind :mod:`aqsgd.compress.kernels.numba` (importing this module needs numba).
 
-Every kernel works on a C-contiguous 2-D view ``[R, K]`` with ``K % 8 == 0``, so each row's packed codes
-start on a byte boundary and the rows can be split over threads. Rows go to threads in contiguous chunks;
+Every kernel works on a C-contiguous 2-D view ``[R, K]`` with ``K * bits % 8 == 0``, so each row's packed
+codes start on a byte boundary and the rows can be split over threads (a row's last group of 8 codes may be
+short). Rows go to threads in contiguous chunks;
 each chunk keeps one small code buffer. Codes are packed the same way as :mod:`aqsgd.compress.bitpack`
 (code ``j`` at bits ``[j*bits, (j+1)*bits)`` of the little-endian stream), through word views of the code
 buffer so that LLVM vectorizes the shifts.
@@ -140,68 +141,71 @@ def _chunks(rows: int, threads: int) -> tuple[int, int]:
 
 @njit(inline="always")
 def _code_buffer(k):
-    """A chunk's buffer for one row of ``k`` codes (``k % 8 == 0``) and its word views:
-    ``(c, c16, c32, c64)`` as :func:`_pack` and :func:`_unpack` take them."""
-    c64 = np.empty(k // 8, np.uint64)
+    """A chunk's buffer for one row of ``k`` codes and its word views: ``(c, c16, c32, c64)`` as
+    :func:`_pack` and :func:`_unpack` take them (``ceil(k / 8)`` words: a row's last group of 8 codes may be
+    short, and the lanes past ``k`` are never packed)."""
+    c64 = np.empty(-(-k // 8), np.uint64)
     return c64.view(np.uint8), c64.view(np.uint16), c64.view(np.uint32), c64
 
 
 @njit(inline="always")
 def _pack(c, c16, c32, c64, o, r, bits):
-    """Pack the codes ``c`` (uint8 [K]; c16/c32/c64 are word views of it) into row ``r`` of ``o``."""
-    k = c.shape[0]
+    """Pack the codes ``c`` (uint8, at least the row's; c16/c32/c64 are word views of it) into row ``r`` of
+    ``o``, whose ``nb`` bytes bound the row (``K * bits / 8``: the row's codes end on a byte)."""
+    nb = o.shape[1]
     if bits == 8:
-        for j in range(k):
+        for j in range(nb):
             o[r, j] = c[j]
     elif bits == 4:
-        for j in range(k // 2):
+        for j in range(nb):
             v = c16[j]
             o[r, j] = np.uint8((v | (v >> 4)) & 0xFF)
     elif bits == 2:
-        for j in range(k // 4):
+        for j in range(nb):
             v = c32[j]
             o[r, j] = np.uint8((v | (v >> 6) | (v >> 12) | (v >> 18)) & 0xFF)
     elif bits == 1:
-        for j in range(k // 8):
+        for j in range(nb):
             v = c64[j]
             o[r, j] = np.uint8((v | (v >> 7) | (v >> 14) | (v >> 21) | (v >> 28) | (v >> 35) | (v >> 42)
                                 | (v >> 49)) & 0xFF)
-    else:  # 3, 5, 6, 7 bits: 8 codes -> `bits` bytes through one 64-bit word
+    else:  # 3, 5, 6, 7 bits: 8 codes -> `bits` bytes through one 64-bit word (the last group's up to nb)
         m = np.uint64((1 << bits) - 1)
-        for j in range(k // 8):
+        for j in range(-(-nb // bits)):
             v = c64[j]
             a = v & m
             for i in range(1, 8):
                 a |= (v >> np.uint64((8 - bits) * i)) & (m << np.uint64(bits * i))
-            for b in range(bits):
+            for b in range(min(bits, nb - j * bits)):
                 o[r, j * bits + b] = np.uint8((a >> np.uint64(8 * b)) & np.uint64(0xFF))
 
 
 @njit(inline="always")
 def _unpack(p, r, c, c16, c32, c64, bits):
-    """Codes of row ``r`` of the packed ``p`` into ``c`` (uint8 [K]; c16/c32/c64 are word views of it)."""
-    k = c.shape[0]
+    """Codes of row ``r`` of the packed ``p`` (``nb`` bytes a row) into ``c`` (uint8, at least the row's;
+    c16/c32/c64 are word views of it; lanes past the row's codes are left undefined)."""
+    nb = p.shape[1]
     if bits == 8:
-        for j in range(k):
+        for j in range(nb):
             c[j] = p[r, j]
     elif bits == 4:
-        for j in range(k // 2):
+        for j in range(nb):
             v = np.uint16(p[r, j])
             c16[j] = (v | (v << 4)) & np.uint16(0x0F0F)
     elif bits == 2:
-        for j in range(k // 4):
+        for j in range(nb):
             v = np.uint32(p[r, j])
             c32[j] = (v | (v << 6) | (v << 12) | (v << 18)) & np.uint32(0x03030303)
     elif bits == 1:
-        for j in range(k // 8):
+        for j in range(nb):
             v = np.uint64(p[r, j])
             c64[j] = ((v | (v << 7) | (v << 14) | (v << 21) | (v << 28) | (v << 35) | (v << 42) | (v << 49))
                       & np.uint64(0x0101010101010101))
     else:
         m = np.uint64((1 << bits) - 1)
-        for j in range(k // 8):
+        for j in range(-(-nb // bits)):
             a = np.uint64(0)
-            for b in range(bits):
+            for b in range(min(bits, nb - j * bits)):
                 a |= np.uint64(p[r, j * bits + b]) << np.uint64(8 * b)
             v = a & m
             for i in range(1, 8):

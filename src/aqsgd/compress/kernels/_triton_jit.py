@@ -111,7 +111,7 @@ def row_max_quant_pack(x_ptr, stored_ptr, flag_ptr, out_ptr, R, K, offset, qmax,
     inv = _inv(_stored_scale(best, rows, rmask, stored_ptr, flag_ptr, HALF), qmax)[:, None, None]
     lane = tl.arange(0, 8)
     nb = K * BITS // 8
-    for g0 in range(0, K // 8, BLOCK_G):
+    for g0 in range(0, (K + 7) // 8, BLOCK_G):
         groups = g0 + tl.arange(0, BLOCK_G)
         cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
         m = rmask[:, None, None] & (cols < K)[None, :, :]
@@ -119,10 +119,10 @@ def row_max_quant_pack(x_ptr, stored_ptr, flag_ptr, out_ptr, R, K, offset, qmax,
         t = tl.minimum(tl.maximum(tl.fma(x, inv, offset), 0.0), qmax)
         code = t.to(tl.int32).to(tl.int64)
         word = tl.sum(code << (lane[None, None, :].to(tl.int64) * BITS), axis=2)  # [R, G]: disjoint bits
-        gm = rmask[:, None] & (groups < K // 8)[None, :]
+        at = groups * BITS  # each group's first byte in its row (a row's last group may be short)
         for b in tl.static_range(BITS):
-            tl.store(out_ptr + rows[:, None] * nb + groups[None, :] * BITS + b,
-                     ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
+            tl.store(out_ptr + rows[:, None] * nb + at[None, :] + b,
+                     ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=rmask[:, None] & (at + b < nb)[None, :])
 
 
 @triton.jit
@@ -196,10 +196,10 @@ def quant_pack(x_ptr, inv_ptr, noise_ptr, out_ptr, R, K, offset, qmax, BY_COL: t
     code = t.to(tl.int32).to(tl.int64)
     word = tl.sum(code << (lane[None, None, :].to(tl.int64) * BITS), axis=2)  # [R, G]: disjoint bits
     nb = K * BITS // 8
-    gm = rmask[:, None] & (groups < K // 8)[None, :]
+    at = groups * BITS  # each group's first byte in its row (a row's last group may be short)
     for b in tl.static_range(BITS):
-        tl.store(out_ptr + rows[:, None] * nb + groups[None, :] * BITS + b,
-                 ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
+        tl.store(out_ptr + rows[:, None] * nb + at[None, :] + b,
+                 ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=rmask[:, None] & (at + b < nb)[None, :])
 
 @triton.jit
 def unpack_dequant(p_ptr, step_ptr, out_ptr, flag_ptr, R, K, mul, low, divisor, BY_COL: tl.constexpr,
@@ -210,11 +210,12 @@ def unpack_dequant(p_ptr, step_ptr, out_ptr, flag_ptr, R, K, mul, low, divisor, 
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     rmask = rows < R
-    gm = rmask[:, None] & (groups < K // 8)[None, :]
     nb = K * BITS // 8
+    at = groups * BITS  # each group's first byte in its row (a row's last group may be short)
     word = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.int64)
     for b in tl.static_range(BITS):
-        byte = tl.load(p_ptr + rows[:, None] * nb + groups[None, :] * BITS + b, mask=gm, other=0)
+        byte = tl.load(p_ptr + rows[:, None] * nb + at[None, :] + b,
+                       mask=rmask[:, None] & (at + b < nb)[None, :], other=0)
         word |= byte.to(tl.int64) << (8 * b)
     lane = tl.arange(0, 8)
     code = (word[:, :, None] >> (lane[None, None, :].to(tl.int64) * BITS)) & ((1 << BITS) - 1)
@@ -323,10 +324,10 @@ def delta_quant_update(x_ptr, st_ptr, ids_ptr, inv_ptr, step_ptr, out_ptr, R, K,
         tl.store(st_ptr + where, new.to(st_ptr.dtype.element_ty), mask=m)
     word = tl.sum(code.to(tl.int64) << (lane[None, None, :].to(tl.int64) * BITS), axis=2)
     nb = K * BITS // 8
-    gm = rmask[:, None] & (groups < K // 8)[None, :]
+    at = groups * BITS  # each group's first byte in its row (a row's last group may be short)
     for b in tl.static_range(BITS):
-        tl.store(out_ptr + rows[:, None] * nb + groups[None, :] * BITS + b,
-                 ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
+        tl.store(out_ptr + rows[:, None] * nb + at[None, :] + b,
+                 ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=rmask[:, None] & (at + b < nb)[None, :])
 
 @triton.jit
 def delta_dequant_update(p_ptr, st_ptr, ids_ptr, step_ptr, out_ptr, R, K, rpb, mul, low,
@@ -335,11 +336,12 @@ def delta_dequant_update(p_ptr, st_ptr, ids_ptr, step_ptr, out_ptr, R, K, rpb, m
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     rmask = rows < R
-    gm = rmask[:, None] & (groups < K // 8)[None, :]
     nb = K * BITS // 8
+    at = groups * BITS  # each group's first byte in its row (a row's last group may be short)
     word = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.int64)
     for b in tl.static_range(BITS):
-        byte = tl.load(p_ptr + rows[:, None] * nb + groups[None, :] * BITS + b, mask=gm, other=0)
+        byte = tl.load(p_ptr + rows[:, None] * nb + at[None, :] + b,
+                       mask=rmask[:, None] & (at + b < nb)[None, :], other=0)
         word |= byte.to(tl.int64) << (8 * b)
     lane = tl.arange(0, 8)
     code = (word[:, :, None] >> (lane[None, None, :].to(tl.int64) * BITS)) & ((1 << BITS) - 1)

@@ -15,10 +15,12 @@ BACKENDS = ("eager", "numba", "triton")
 STORE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # a cache row's storage format
 
 
-def plan(shape: Sequence[int], granularity: str, block: int) -> tuple[int, int, bool] | None:
+def plan(shape: Sequence[int], granularity: str, block: int, bits: int) -> tuple[int, int, bool] | None:
     """``(rows, row_length, scale_per_column)`` of the 2-D view the quantizer's kernels work on, or None where
-    they do not apply (the general path): the last dimension (or, for ``blockN``, the block, which must divide
-    the tensor) a multiple of 8, so that every row's packed codes start on a byte."""
+    they do not apply (the general path): the codes of a row (the last dimension, or for ``blockN`` the
+    block, which must divide the tensor) must fill whole bytes (``row_length * bits`` a multiple of 8), so
+    that every row's packed codes start on a byte and the rows packed one by one are the general path's
+    stream. A row's last group of 8 codes may be short (q8 rows of any length, q4 of even ones)."""
     numel = 1
     for d in shape:
         numel *= int(d)
@@ -26,10 +28,10 @@ def plan(shape: Sequence[int], granularity: str, block: int) -> tuple[int, int, 
         return None
     cols = int(shape[-1])
     if granularity == "block":
-        if block % 8 or numel % block:
+        if block * bits % 8 or numel % block:
             return None
         return numel // block, block, False
-    if cols % 8:
+    if cols * bits % 8:
         return None
     return numel // cols, cols, granularity == "channel"
 

@@ -30,13 +30,15 @@ The kernels themselves are in :mod:`aqsgd.compress.kernels._triton_jit` (importe
 launch has floating-point contraction off (:class:`_Unfused`): ``tests/compress/triton_compile_cases.py``
 compiles each for an H100 without a GPU and reads the rounding in its PTX.
 
-Each kernel works on the quantizer's 2-D view ``[R, K]`` (``K % 8 == 0``), a tile of rows times a tile of
-*groups of 8 codes* per program: 8 codes of ``bits`` bits fill exactly ``bits`` bytes, so every group packs
-into a 64-bit word (code ``i`` shifted to bit ``bits * i``) whose low ``bits`` bytes are stored, the layout of
-:func:`~aqsgd.compress.bitpack.pack_bits`. Quantizing is ``trunc(clamp(fma(x, inv, offset), 0, qmax))`` with
-one rounding (``tl.fma``), as the CPU computes it, so the bytes equal the numba and eager backends' on the
-CPU; decoding is ``(code * mul - low) * step`` (exact small integers, then one rounding). There is no host
-synchronisation inside a kernel launch.
+Each kernel works on the quantizer's 2-D view ``[R, K]`` (``K * bits % 8 == 0``: every row's codes start
+on a byte), a tile of rows times a tile of *groups of 8 codes* per program: 8 codes of ``bits`` bits fill
+exactly ``bits`` bytes, so every group packs into a 64-bit word (code ``i`` shifted to bit ``bits * i``) whose
+low ``bits`` bytes are stored, the layout of :func:`~aqsgd.compress.bitpack.pack_bits`. A row's last group may
+be short (``K % 8`` codes: q8 rows of any length, such as TopK's kept values): each byte is stored or loaded
+only where it lies inside the row's ``K * bits / 8``. Quantizing is ``trunc(clamp(fma(x, inv, offset), 0,
+qmax))`` with one rounding (``tl.fma``), as the CPU computes it, so the bytes equal the numba and eager
+backends' on the CPU; decoding is ``(code * mul - low) * step`` (exact small integers, then one rounding).
+There is no host synchronisation inside a kernel launch.
 
 Bit for bit: the Hadamard butterflies are the PyTorch path's additions in the same order (the products by
 the +-1 signs are exact, so contracting one into an fma changes nothing); stochastic rounding adds the
@@ -255,7 +257,7 @@ class TritonKernels(Kernels):
         rows, k = x2.shape
         if out is None:
             out = torch.empty(rows, k * bits // 8, dtype=torch.uint8, device=x2.device)
-        grid = (_cdiv(rows, _BLOCK_R), _cdiv(k // 8, _BLOCK_G))
+        grid = (_cdiv(rows, _BLOCK_R), _cdiv(_cdiv(k, 8), _BLOCK_G))
         _kernels()["quant_pack"][grid](x2, inv, x2 if noise is None else noise, out, rows, k, float(offset),
                                        float(qmax), BY_COL=by_col, BITS=bits, NOISE=noise is not None,
                                        BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
@@ -275,7 +277,7 @@ class TritonKernels(Kernels):
         rows = packed.shape[0]
         k = packed.shape[1] * 8 // bits
         out = torch.empty(rows, k, dtype=torch.float32, device=packed.device)
-        grid = (_cdiv(rows, _BLOCK_R), _cdiv(k // 8, _BLOCK_G))
+        grid = (_cdiv(rows, _BLOCK_R), _cdiv(_cdiv(k, 8), _BLOCK_G))
         _kernels()["unpack_dequant"][grid](packed, step, out, flag, rows, k, float(mul), float(low),
                                            float(divisor), BY_COL=by_col, BITS=bits, SCALES=scales,
                                            BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
@@ -442,7 +444,7 @@ class TritonKernels(Kernels):
         rows, k = x2.shape
         if out is None:
             out = torch.empty(rows, k * bits // 8, dtype=torch.uint8, device=x2.device)
-        grid = (_cdiv(rows, _BLOCK_R), _cdiv(k // 8, _BLOCK_G))
+        grid = (_cdiv(rows, _BLOCK_R), _cdiv(_cdiv(k, 8), _BLOCK_G))
         _kernels()["delta_quant_update"][grid](x2, *_storage(store), inv, step, out, rows, k, rpb,
                                                float(offset), float(qmax), float(mul), float(low),
                                                BY_COL=by_col, BITS=bits, BF16=_bf16(store), BLOCK_R=_BLOCK_R,
@@ -456,7 +458,7 @@ class TritonKernels(Kernels):
         rows = packed.shape[0]
         k = packed.shape[1] * 8 // bits
         out = torch.empty(rows, k, dtype=torch.float32, device=packed.device)
-        grid = (_cdiv(rows, _BLOCK_R), _cdiv(k // 8, _BLOCK_G))
+        grid = (_cdiv(rows, _BLOCK_R), _cdiv(_cdiv(k, 8), _BLOCK_G))
         _kernels()["delta_dequant_update"][grid](packed, *_storage(store), step, out, rows, k, rpb,
                                                  float(mul), float(low), BY_COL=by_col, BITS=bits,
                                                  BF16=_bf16(store), BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
