@@ -150,6 +150,15 @@ def test_no_level_over_the_error_budget_however_slow_the_link():
     assert _run(policy, 5, mbit=[0.1, 100.0], compute_s=0.05)[-1] == {"b0.forward": "delta:q2:l2"}
 
 
+def _levels_under_noise(seed: int, low: float, high: float, rungs, mbit: float, steps: int = 40) -> list[str]:
+    """The forward link's spec over ``steps`` steps whose probe gives ``rungs(e)`` (every rung's error), ``e``
+    drawn uniformly from ``[low, high]`` each step, over a link of ``mbit`` Mbit/s."""
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
+    rng = random.Random(seed)
+    return [_run(policy, 1, mbit=[mbit, 100.0], compute_s=0.05,
+                 errors=[rungs(rng.uniform(low, high)), []])[-1]["b0.forward"] for _ in range(steps)]
+
+
 def test_more_bits_than_the_floor_only_where_the_floor_s_error_is_worth_lowering():
     # a fast link (1 Gbit/s, long steps): time allows every rung. With the errors probed, the links take more
     # bits than their floors (q4, q6) only up to the most compressed rung whose error is under QUIET x the
@@ -177,14 +186,7 @@ def test_the_ceiling_does_not_flap_near_its_threshold():
     # q4's error wanders between 4.2 % and 5.8 % around QUIET x 10 %: once q8 is the ceiling, q4 becomes it
     # again only under ERROR_MARGIN x 5 %, which this noise never reaches; at q4 (where a link starts if it
     # went there) a rise does not force a move either: the ceiling only bounds how far up a link may go
-    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
-    rng = random.Random(2)
-    history = []
-    for _ in range(40):
-        e = rng.uniform(0.042, 0.058)
-        history += _run(policy, 1, mbit=[1000.0, 1000.0], compute_s=0.05,
-                        errors=[[0.0002, 0.004, e, 0.2, 0.3], []])
-    levels = [h["b0.forward"] for h in history]
+    levels = _levels_under_noise(2, 0.042, 0.058, lambda e: [0.0002, 0.004, e, 0.2, 0.3], mbit=1000.0)
     assert sum(a != b for a, b in zip(levels, levels[1:])) <= 2, levels
     assert ERROR_MARGIN * QUIET * MAX_ERROR < 0.042
 
@@ -224,14 +226,7 @@ def test_one_batch_s_error_does_not_move_a_link():
 def test_a_rung_near_the_budget_does_not_flap():
     # q3's error wanders between 8.5 % and 11.5 % around the 10 % budget: once at q4 (error over the budget),
     # it only goes back to q3 when the mean is under ERROR_MARGIN x 10 %, which this noise never reaches
-    policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
-    rng = random.Random(1)
-    history = []
-    for _ in range(40):
-        e = rng.uniform(0.085, 0.115)
-        history += _run(policy, 1, mbit=[0.1, 100.0], compute_s=0.05,
-                        errors=[[0.0002, 0.004, 0.04, e, 2 * e], []])
-    levels = [h["b0.forward"] for h in history]
+    levels = _levels_under_noise(1, 0.085, 0.115, lambda e: [0.0002, 0.004, 0.04, e, 2 * e], mbit=0.1)
     assert sum(a != b for a, b in zip(levels, levels[1:])) <= 2, levels
     assert ERROR_MARGIN * MAX_ERROR < 0.085
 

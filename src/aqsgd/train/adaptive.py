@@ -268,15 +268,15 @@ class _Link:
                 return level - 1
         return last
 
-    def ceiling(self) -> int:
-        """The least compressed level worth time above the floor: the most compressed one (the floor at most)
-        whose error is within ``QUIET`` times the budget (``ERROR_MARGIN`` under that for a level more
-        compressed than the current one, as :meth:`floor`). Level 0 while nothing is probed or there is no
-        budget."""
+    def ceiling(self, floor: int) -> int:
+        """The least compressed level worth time above the ``floor`` (:meth:`floor`): the most compressed one,
+        the floor at most, whose error is within ``QUIET`` times the budget (``ERROR_MARGIN`` under that for a
+        level more compressed than the current one, as for the floor). Level 0 while nothing is probed or
+        there is no budget."""
         budget = self.auto.max_error
         if budget is None or not self.errors:
             return 0
-        for level in range(self.floor(), 0, -1):
+        for level in range(floor, 0, -1):
             err = self.error(level)
             if err is not None and err <= QUIET * budget * (1.0 if level <= self.level else ERROR_MARGIN):
                 return level
@@ -407,7 +407,8 @@ class LinkPolicy:
             return self._seconds(link, level)
 
         # the rungs within the error budget, down to the first whose error is too small to be worth lowering
-        levels = range(link.ceiling(), link.floor() + 1)
+        lowest = link.floor()
+        levels = range(link.ceiling(lowest), lowest + 1)
         budget = self.budget or 0.0
         share = self._share()
         floor = seconds(levels[-1])
@@ -433,7 +434,8 @@ class LinkPolicy:
         return {name: {"spec": link.auto.spec(link.level), "level": link.level,
                        "mbit_s": None if link.seconds_per_bit is None else 1e-6 / link.seconds_per_bit,
                        "per_message_ms": 1e3 * link.per_message, "error": link.error(link.level),
-                       "floor": link.auto.ladder[link.floor()], "ceiling": link.auto.ladder[link.ceiling()],
+                       "floor": link.auto.ladder[link.floor()],
+                       "ceiling": link.auto.ladder[link.ceiling(link.floor())],
                        # t(L) of every rung, as the rule saw it after this step
                        "ms": ({r: 1e3 * self._seconds(link, lv) for lv, r in enumerate(link.auto.ladder)}
                               if link.seconds_per_bit is not None and link.payload is not None else None)}
