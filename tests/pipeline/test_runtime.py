@@ -270,3 +270,69 @@ def test_a_refused_aqsgd_send_is_a_refusal_not_its_own_decode_error(deferred):
         pipe.step(mbs, phase="train")
     assert str(e.value) == ("the activations that stage 0 sends across boundary 0 (forward) hold NaN or Inf "
                             "(micro-batch 0, codec q4)")
+
+
+class _LateRecv:
+    """A receive whose message has not arrived when the runner looks (``done`` False); its ``wait`` calls
+    ``on_wait`` first."""
+
+    def __init__(self, handle, on_wait):
+        self.handle, self.on_wait = handle, on_wait
+
+    def done(self):
+        return False
+
+    def wait(self, timeout=None):
+        self.on_wait()
+        return self.handle.wait(timeout)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_error_probes_run_while_a_stage_waits_or_at_the_step_end(schedule, monkeypatch):
+    """A sender's error probe (set_probe) is measured where its stage would wait anyway: before a receive
+    whose message has not arrived, or, where every message was there (the local runtime), at the step's end
+    before the sends are waited for. The step's numbers and the probe's are those of a step with no probe."""
+    case = CASES["mlp"]()
+    comp = CompressionConfig.simple("q8", "q8")
+    plain = LocalPipeline(partition_model(copy.deepcopy(case.model), 3), copy.deepcopy(comp),
+                          schedule=schedule)
+    pipe = LocalPipeline(partition_model(case.model, 3), comp, schedule=schedule)
+    for r in pipe.runners:
+        for b, channel in ((r.stage, FORWARD_CHANNEL), (r.stage - 1, BACKWARD_CHANNEL)):
+            if 0 <= b < 2:
+                r.set_probe(b, channel, ["q4", "q2"])
+    seen = []  # (stage, what): where each stage's probes ran
+
+    def late(runner):  # stage 0's receives (of gradients) have not arrived when it comes to them
+        real = runner.transport.irecv
+
+        def irecv(src, channel):
+            return _LateRecv(real(src, channel), lambda: seen.append(
+                (runner.stage, "wait", [k for k, s in runner.schemes.items() if s.probe_pending])))
+        return irecv
+
+    monkeypatch.setattr(pipe.runners[0].transport, "irecv", late(pipe.runners[0]))
+    ends = {}
+    for r in pipe.runners:
+        real_end = r.end_step
+
+        def end_step(r=r, real_end=real_end):
+            ends[r.stage] = [k for k, s in r.schemes.items() if s.probe_pending]
+            out = real_end()
+            assert not any(s.probe_pending for s in r.schemes.values())
+            return out
+        monkeypatch.setattr(r, "end_step", end_step)
+    mbs = split_batch(case.batch, 4)
+    loss, ref = pipe.step(mbs), plain.step(mbs)
+    assert torch.equal(loss, ref)
+    # stage 0 measured its activations' probe before its first wait for a gradient, so nothing was left for
+    # its step's end; the other stages' receives were there, so theirs waited for the step's end
+    assert seen[0] == (0, "wait", []) and ends[0] == []
+    assert ends[1] == [(1, FORWARD_CHANNEL, "sender"), (0, BACKWARD_CHANNEL, "sender")]
+    assert ends[2] == [(1, BACKWARD_CHANNEL, "sender")]
+    for r, keys in ((pipe.runners[0], [(0, FORWARD_CHANNEL)]),
+                    (pipe.runners[1], [(1, FORWARD_CHANNEL), (0, BACKWARD_CHANNEL)]),
+                    (pipe.runners[2], [(1, BACKWARD_CHANNEL)])):
+        for b, channel in keys:
+            errs, samples = r.schemes[(b, channel, "sender")].take_probe()
+            assert samples > 0 and 0 < errs[0] < errs[1]

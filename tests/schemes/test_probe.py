@@ -110,3 +110,28 @@ def test_a_step_not_probed_measures_nothing_and_sends_the_same():
     assert samples == 4 and errs == pytest.approx([_error2(c, x) for c in LADDER], rel=1e-5)
     assert [p.to_bytes() for p in quiet] == [p.to_bytes() for p in loud]
 
+
+
+def test_a_send_records_its_message_and_the_probe_runs_later(monkeypatch):
+    """The probe's encodes and decodes are off the message's path: ``send`` records the message, and
+    ``run_probe`` (the runner: while the stage waits) or ``take_probe`` measures it, with the same sums."""
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(4))
+    s = make_scheme("direct", "q6", "sender")
+    s.set_probe(LADDER)
+    encodes = []
+    for c in s._probe:
+        real = c.encode
+        monkeypatch.setattr(c, "encode", lambda t, real=real, **kw: encodes.append(t) or real(t, **kw))
+    s.send(x, phase=Phase.TRAIN, slot=0)
+    assert s.probe_pending and not encodes  # recorded, not measured
+    assert s.run_probe() and len(encodes) == len(LADDER) and not s.probe_pending
+    assert not s.run_probe()  # nothing left
+    errs, samples = s.take_probe()
+    assert samples == 4 and errs == pytest.approx([_error2(c, x) for c in LADDER], rel=1e-5)
+    s.send(x, phase=Phase.TRAIN, slot=0)
+    errs2, _ = s.take_probe()  # not run yet: take_probe runs it
+    assert errs2 == errs
+    s.send(x, phase=Phase.TRAIN, slot=0)
+    s.send(2 * x, phase=Phase.TRAIN, slot=0)  # a second message before the first was measured: both count
+    errs3, samples3 = s.take_probe()
+    assert samples3 == 8 and errs3 == pytest.approx([2 * e for e in errs], rel=1e-5)

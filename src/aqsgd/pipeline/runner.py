@@ -101,6 +101,12 @@ class Transport(Protocol):
     def irecv(self, src: int, channel: int) -> Handle: ...
 
 
+def _ready(handle: Handle) -> bool:
+    """Whether a receive's message is there (a handle that cannot tell, as the local runtime's, is)."""
+    done = getattr(handle, "done", None)
+    return done is None or done()
+
+
 class _Done:
     def __init__(self, value: Any = None) -> None:
         self.value = value
@@ -212,6 +218,7 @@ class StageRunner:
         self.stats = StepStats()
         self.kept_logits: dict[int, torch.Tensor] = {}
         self.pending_checks = PendingChecks()  # the checks of this step's receives left on the device
+        self._unprobed: list[tuple[BoundaryScheme, int, int]] = []  # see begin_step
         self._sent_checks: list[PendingChecks] = []  # those of the pending sends (of their own decodes)
         # an emulated slower stage (benchmarks and tests, --emulate-slow-stage): after each forward and
         # backward it sleeps (slowdown - 1) times what the computation took
@@ -335,6 +342,8 @@ class StageRunner:
         self._sent_checks = []
         self.recvs: dict[tuple[ActionKind, int], Handle] = {}
         self._prefetched: set[int] = set()  # micro-batches whose cache rows were prefetched this step
+        # senders with a message recorded for the error probe, not run yet (their channel and micro-batch)
+        self._unprobed: list[tuple[BoundaryScheme, int, int]] = []
         for a in plan:
             if a.kind is RECV_F:
                 self.recvs[(RECV_F, a.microbatch)] = self.transport.irecv(self.ranks[self.stage - 1],
@@ -371,8 +380,26 @@ class StageRunner:
                                else f"stage{self.stage} {what} mb{mb}")
 
     def run(self, action: Action) -> None:
+        if self._unprobed and action.kind in (RECV_F, RECV_B) and not _ready(
+                self.recvs[(action.kind, action.microbatch)]):
+            self._run_probes()  # the stage would wait for the message: the error probes fill the wait
         with self._label(action.kind.name, action.microbatch):
             self._run(action)
+
+    def _run_probes(self) -> None:
+        """Measure the messages this step's senders recorded for their error probes
+        (:meth:`~aqsgd.schemes.base.BoundaryScheme.run_probe`), counted as encoding time; their checks of
+        what they decoded are the step's, as a send's."""
+        t0 = time.perf_counter()
+        unprobed, self._unprobed = self._unprobed, []
+        with self._label("probe"), collecting_pending_checks(self.pending_checks):
+            for scheme, channel, mb in unprobed:
+                try:
+                    scheme.run_probe()
+                except NonFiniteError as e:  # a message its own codec does not check (fp32 in the warm-up)
+                    self._raise_pending()
+                    raise self._refused(str(e), self.stage, channel, mb) from None
+        self.stats.encode_s += time.perf_counter() - t0
 
     def _run(self, action: Action) -> None:
         mb, kind = action.microbatch, action.kind
@@ -508,8 +535,8 @@ class StageRunner:
         own = PendingChecks()  # of the sender's decode of its own packet (AQ-SGD, error feedback)
         with self._label(f"encode {name[0].upper()}", mb), collecting_pending_checks(own):
             try:
-                packets = self.scheme(channel, "sender", x.shape, x.dtype).send(x, self._ids(mb),
-                                                                                phase=self.phase, slot=mb)
+                scheme = self.scheme(channel, "sender", x.shape, x.dtype)
+                packets = scheme.send(x, self._ids(mb), phase=self.phase, slot=mb)
                 if not getattr(self.transport, "reads_deferred_checks", False):
                     for p in packets:  # checks a codec deferred (on a GPU): read at the hand-over
                         p.raise_deferred()
@@ -518,6 +545,8 @@ class StageRunner:
                 raise self._refused(str(e), self.stage, channel, mb) from None
         self.stats.encode_s += time.perf_counter() - t0
         self.pending_sends.append(self.transport.isend(packets, dst, channel))
+        if scheme.probe_pending:
+            self._unprobed.append((scheme, channel, mb))
         self._sent.append((channel, mb, name))
         if own:
             self._sent_checks.append(own)
@@ -529,6 +558,8 @@ class StageRunner:
         """Finish a step: wait for outstanding sends, then raise the error of a failed check of received data
         left on the device (on a GPU one host read, where the loss and gradient norm are read next anyway);
         the last stage returns the mean micro-batch loss."""
+        if self._unprobed:  # no receive waited for them: while the sends go
+            self._run_probes()
         t0 = time.perf_counter()
         with self._label("wait sends"):
             self._wait_sends()

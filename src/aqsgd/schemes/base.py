@@ -123,6 +123,7 @@ class BoundaryScheme(abc.ABC):
         self._probe: list[Codec] = []  # see set_probe
         self._probe_on = True  # see probe_now
         self._probe_sums: torch.Tensor | None = None
+        self._probe_pending: tuple[torch.Tensor, torch.Tensor] | None = None  # see _measure
 
     # -- error probe ---------------------------------------------------------------------------------
     def set_probe(self, codecs: Sequence[Codec | str] | None) -> None:
@@ -132,31 +133,34 @@ class BoundaryScheme(abc.ABC):
         :meth:`take_probe` (the bits chosen per link read it once per step, :mod:`aqsgd.train.adaptive`).
         ``x_hat`` is what the receiver would compute with: ``C(x)`` (``direct``), ``m + C(x - m)`` (AQ-SGD).
         Per sample, because one sample's large values can set the scales that zero another's: an error
-        relative to the whole tensor's norm would hide that. None or empty: no probe."""
+        relative to the whole tensor's norm would hide that. None or empty: no probe.
+
+        The message is only recorded when it is sent; its encodes and decodes run at :meth:`run_probe`
+        (the pipeline runner calls it where the stage would wait anyway: before a receive whose message has
+        not arrived, else at the step's end) or at :meth:`take_probe`. Off the message's path: on the first
+        micro-batch they held up the pipeline's fill at every boundary. The tensor sent must not be changed
+        in place until then (the runner's activations and gradients are not)."""
         self._probe = [make_codec(c) if isinstance(c, str) else c for c in codecs or ()]
         self._probe_sums = None
+        self._probe_pending = None
 
     def probe_now(self, on: bool) -> None:
         """Whether this step's slot-0 message is probed (where :meth:`set_probe` gave codecs): the probe
         encodes and decodes the message once per rung, so the trainer probes only every few steps."""
         self._probe_on = on
 
-    def take_probe(self) -> tuple[list[float], float] | None:
-        """The probe's sums since the last call (each codec's summed squared relative error, and the number of
-        samples), or None if nothing was probed; resets them."""
-        sums, self._probe_sums = self._probe_sums, None
-        if sums is None:
-            return None
-        values = sums.tolist()  # the one host read, at the step's end
-        return values[:-1], values[-1]
+    @property
+    def probe_pending(self) -> bool:
+        """Whether a message was recorded for the probe and not yet measured (:meth:`run_probe`)."""
+        return self._probe_pending is not None
 
-    def _probing(self, slot: int) -> bool:
-        return bool(self._probe) and slot == 0 and self._probe_on
-
-    def _measure(self, d: torch.Tensor, x: torch.Tensor) -> None:
-        """Add each probe codec's per-sample ``||d_s - C(d)_s||^2 / ||x_s||^2`` and the number of samples:
-        ``d`` is what the codec encodes, ``x`` the tensor the receiver reconstructs (``x - x_hat = d - C(d)``,
-        for AQ-SGD's delta as for ``direct``). No host synchronisation."""
+    def run_probe(self) -> bool:
+        """Measure the recorded message with each probe codec now (see :meth:`set_probe`); False where none
+        was pending."""
+        pending, self._probe_pending = self._probe_pending, None
+        if pending is None:
+            return False
+        d, x = pending
         with torch.no_grad():
             rows = x.shape[0] if x.dim() else 1
             norm2 = x.float().reshape(rows, -1).square().sum(dim=1)
@@ -168,6 +172,28 @@ class BoundaryScheme(abc.ABC):
             parts.append(live.sum().float())
             sums = torch.stack(parts).to(torch.float64)
         self._probe_sums = sums if self._probe_sums is None else self._probe_sums + sums
+        return True
+
+    def take_probe(self) -> tuple[list[float], float] | None:
+        """The probe's sums since the last call (each codec's summed squared relative error, and the number of
+        samples), or None if nothing was probed; resets them (a pending probe is run first)."""
+        self.run_probe()
+        sums, self._probe_sums = self._probe_sums, None
+        if sums is None:
+            return None
+        values = sums.tolist()  # the one host read, at the step's end
+        return values[:-1], values[-1]
+
+    def _probing(self, slot: int) -> bool:
+        return bool(self._probe) and slot == 0 and self._probe_on
+
+    def _measure(self, d: torch.Tensor, x: torch.Tensor) -> None:
+        """Record a message for the probe (run later, :meth:`run_probe`): each probe codec's per-sample
+        ``||d_s - C(d)_s||^2 / ||x_s||^2`` and the number of samples, ``d`` what the codec encodes, ``x``
+        the tensor the receiver reconstructs (``x - x_hat = d - C(d)``, for AQ-SGD's delta as for
+        ``direct``). No host synchronisation."""
+        self.run_probe()  # one not run yet (a step that stopped before its end) is measured, not dropped
+        self._probe_pending = (d, x)
 
     # -- public API ----------------------------------------------------------------------------------
     def send(self, x: torch.Tensor, sample_ids: torch.Tensor | Sequence[int] | None = None, *,
