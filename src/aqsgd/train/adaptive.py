@@ -17,10 +17,11 @@ the error budget (below; default :data:`MAX_ERROR`, ``err=none`` for none); both
 
 **The error budget.** Fewer bits cost progress per step, which seconds alone do not show (in ``aqsgd bench
 adaptive`` a fixed q3 stepped 3 % faster than q4 and reached the target loss 34 % later). So every auto
-link's sender probes, on the first micro-batch of every :data:`PROBE_EVERY`-th step (an encode and a decode
-per rung, on the pipeline's fill: 1.9 ms of a 0.4 s step per activation link in ``aqsgd bench adaptive``),
-what each rung of its ladder would make of the
-tensor it sends (:meth:`~aqsgd.schemes.base.BoundaryScheme.set_probe`): the relative error
+link's sender probes, on the first micro-batch of every :data:`PROBE_EVERY`-th step, what each rung of its
+ladder would make of the tensor it sends (:meth:`~aqsgd.schemes.base.BoundaryScheme.set_probe`; an encode
+and a decode per rung, 1.9 ms per activation link of a 0.4 s step in ``aqsgd bench adaptive``, run where the
+stage would wait anyway: the message is recorded when it is sent and measured before a receive whose message
+has not arrived, else at the step's end, :meth:`~aqsgd.pipeline.runner.StageRunner.run`): the relative error
 ``||x - x_hat|| / ||x||`` of the tensor the receiver would compute with (for AQ-SGD ``x_hat = m + C(x - m)``,
 so the error is the delta's, which shrinks as training settles; in the uncompressed warm-up, where nothing is
 cached yet, the activation's own, an upper bound). A level whose error is over the budget is never chosen: the
