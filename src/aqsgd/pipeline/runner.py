@@ -17,8 +17,9 @@ can receive while the stage computes.
 
 Every action runs inside ``torch.profiler.record_function(f"stage{i} {KIND} mb{m}")`` (``KIND`` one of
 ``FORWARD``, ``BACKWARD``, ``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``), with the waits, decodes and
-encodes within it labelled ``stage{i} wait F mb{m}``, ``stage{i} decode B mb{m}``, ``stage{i} encode F mb{m}``
-and the wait for a step's outstanding sends ``stage{i} wait sends``: a :class:`torch.profiler.profile` around
+encodes within it labelled ``stage{i} wait F mb{m}``, ``stage{i} decode B mb{m}``,
+``stage{i} encode F mb{m}``, the wait for a step's outstanding sends ``stage{i} wait sends``, and the error
+probes of auto links (:meth:`StageRunner.run`) ``stage{i} probe``: a :class:`torch.profiler.profile` around
 training shows the schedule of every stage (``export_chrome_trace`` writes it for chrome://tracing or
 Perfetto). Outside a profiler no label is made (each costs a dispatcher call on entry and exit, tens of
 microseconds per action when the caches are cold).
@@ -380,6 +381,9 @@ class StageRunner:
                                else f"stage{self.stage} {what} mb{mb}")
 
     def run(self, action: Action) -> None:
+        """Run one action of the plan. Before a receive whose message has not arrived, the error probes this
+        step's sends recorded run first (:meth:`_run_probes`): the stage would only wait there. On the first
+        micro-batch's path, where they ran before, they held up the pipeline's fill at every boundary."""
         if self._unprobed and action.kind in (RECV_F, RECV_B) and not _ready(
                 self.recvs[(action.kind, action.microbatch)]):
             self._run_probes()  # the stage would wait for the message: the error probes fill the wait
