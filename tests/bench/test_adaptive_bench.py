@@ -14,7 +14,8 @@ from aqsgd.bench.adaptive import (AdaptiveBenchConfig, _run_record, bench_adapti
 def test_the_fixed_settings_are_the_rungs_of_autos_ladders():
     assert fixed_settings() == {
         "fixed fp16": ("delta:fp16", "direct:bf16"), "fixed q8": ("delta:q8", "direct:q8"),
-        "fixed q4": ("delta:q4", "direct:q6"), "fixed q3": ("delta:q3", "direct:q4"),
+        "fixed q6": ("delta:q6", "direct:q6"), "fixed q4": ("delta:q4", "direct:q6"),
+        "fixed q3": ("delta:q3", "direct:q4"),
         "fixed q2:l2": ("delta:q2:l2", "direct:q4")}
 
 
@@ -149,7 +150,7 @@ def test_the_command_end_to_end_on_a_tiny_pipeline(tmp_path):
     assert all(c["b0.forward"].startswith("delta:") for c in auto["codecs"])
     # the probed errors of every rung, per step: more bits, less error (the warm-up probes the activation)
     errors = auto["link_errors"][0]["b0.forward"]
-    assert list(errors) == ["fp16", "q8", "q4", "q3", "q2:l2"]
+    assert list(errors) == ["fp16", "q8", "q6", "q4", "q3", "q2:l2"]
     assert errors["fp16"] < errors["q8"] < errors["q4"]
     assert next(r for r in drop["runs"] if r["setting"] == "fp32")["link_errors"] is None
     assert len(auto["loss"]) == 6 and auto["final_perplexity"] > 1

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from aqsgd.cli import main
 from aqsgd.errors import SpecError
-from aqsgd.train.adaptive import (BITS, ERROR_MARGIN, ERROR_WINDOW, MAX_ERROR, PATIENCE, QUIET, LinkPolicy,
-                                   parse_auto, probe_keys)
+from aqsgd.train.adaptive import (BITS, ERROR_MARGIN, ERROR_WINDOW, LADDERS, LADDERS_BEFORE_Q6, MAX_ERROR,
+                                   PATIENCE, QUIET, LinkPolicy, parse_auto, probe_keys)
 from aqsgd.train.config import TrainConfig
 
 RAW = 40_000.0  # fp32 bytes per step of each direction (one micro-batch)
@@ -128,7 +128,7 @@ def test_a_link_that_slows_down_is_not_read_as_a_per_message_cost():
 
 # relative errors of each rung as a probe might measure them: activations fp16 q8 q4 q3 q2:l2 (AQ-SGD's
 # delta, relative to the activation), gradients bf16 q8 q6 q4
-FW_ERRORS = [0.0002, 0.006, 0.06, 0.15, 0.3]
+FW_ERRORS = [0.0002, 0.006, 0.02, 0.06, 0.15, 0.3]
 BW_ERRORS = [0.002, 0.018, 0.07, 0.2]
 
 
@@ -162,15 +162,16 @@ def _levels_under_noise(seed: int, low: float, high: float, rungs, mbit: float, 
 def test_more_bits_than_the_floor_only_where_the_floor_s_error_is_worth_lowering():
     # a fast link (1 Gbit/s, long steps): time allows every rung. With the errors probed, the links take more
     # bits than their floors (q4, q6) only up to the most compressed rung whose error is under QUIET x the
-    # budget (q8 for both: 0.6 % and 1.8 %), not to fp16/bf16 whose lower errors buy nothing worth the time
+    # budget (q6 for the activations: 2 %; q8 for the gradients: 1.8 %), not to q8/fp16/bf16 whose lower
+    # errors buy nothing worth the time
     policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
     history = _run(policy, 5, mbit=[1000.0, 1000.0], compute_s=0.05, errors=[FW_ERRORS, BW_ERRORS])
-    assert history[-1] == {"b0.forward": "delta:q8", "b0.backward": "direct:q8"}
+    assert history[-1] == {"b0.forward": "delta:q6", "b0.backward": "direct:q8"}
     seen = policy.describe()
-    assert (seen["b0.forward"]["floor"], seen["b0.forward"]["ceiling"]) == ("q4", "q8")
+    assert (seen["b0.forward"]["floor"], seen["b0.forward"]["ceiling"]) == ("q4", "q6")
     assert (seen["b0.backward"]["floor"], seen["b0.backward"]["ceiling"]) == ("q6", "q8")
     # a floor whose own error is under QUIET x the budget: no bits above it, however fast the link
-    quiet = [0.0002, 0.002, 0.02, 0.04, 0.2]  # q3 at 4 % of a 10 % budget
+    quiet = [0.0002, 0.002, 0.008, 0.02, 0.04, 0.2]  # q3 at 4 % of a 10 % budget
     assert QUIET * MAX_ERROR > 0.04 / ERROR_MARGIN
     policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
     assert _run(policy, 5, mbit=[1000.0, 1000.0], compute_s=0.05, errors=[quiet, []])[-1] == {
@@ -183,10 +184,11 @@ def test_more_bits_than_the_floor_only_where_the_floor_s_error_is_worth_lowering
 
 
 def test_the_ceiling_does_not_flap_near_its_threshold():
-    # q4's error wanders between 4.2 % and 5.8 % around QUIET x 10 %: once q8 is the ceiling, q4 becomes it
-    # again only under ERROR_MARGIN x 5 %, which this noise never reaches; at q4 (where a link starts if it
-    # went there) a rise does not force a move either: the ceiling only bounds how far up a link may go
-    levels = _levels_under_noise(2, 0.042, 0.058, lambda e: [0.0002, 0.004, e, 0.2, 0.3], mbit=1000.0)
+    # q6's error wanders between 4.2 % and 5.8 % around QUIET x 10 % (q4 over the budget: q6 is the floor):
+    # once q8 is the ceiling, q6 becomes it again only under ERROR_MARGIN x 5 %, which this noise never
+    # reaches; at q6 (where a link starts if it went there) a rise does not force a move either: the ceiling
+    # only bounds how far up a link may go
+    levels = _levels_under_noise(2, 0.042, 0.058, lambda e: [0.0002, 0.004, e, 0.2, 0.3, 0.4], mbit=1000.0)
     assert sum(a != b for a, b in zip(levels, levels[1:])) <= 2, levels
     assert ERROR_MARGIN * QUIET * MAX_ERROR < 0.042
 
@@ -226,7 +228,7 @@ def test_one_batch_s_error_does_not_move_a_link():
 def test_a_rung_near_the_budget_does_not_flap():
     # q3's error wanders between 8.5 % and 11.5 % around the 10 % budget: once at q4 (error over the budget),
     # it only goes back to q3 when the mean is under ERROR_MARGIN x 10 %, which this noise never reaches
-    levels = _levels_under_noise(1, 0.085, 0.115, lambda e: [0.0002, 0.004, 0.04, e, 2 * e], mbit=0.1)
+    levels = _levels_under_noise(1, 0.085, 0.115, lambda e: [0.0002, 0.004, 0.01, 0.04, e, 2 * e], mbit=0.1)
     assert sum(a != b for a, b in zip(levels, levels[1:])) <= 2, levels
     assert ERROR_MARGIN * MAX_ERROR < 0.085
 
@@ -249,9 +251,22 @@ def test_less_compression_only_after_room_for_several_steps_and_no_flapping_on_n
 
 
 def test_levels_survive_a_restore():
+    # a checkpoint holds every link's spec (policy.specs()): restored by name, whatever the rung's index
     policy = LinkPolicy(2, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
-    policy.restore({"b1.forward": 3, "b0.backward": 9})  # past the end: the floor
-    assert policy.specs()["b1.forward"] == "delta:q3" and policy.specs()["b0.backward"] == "direct:q4"
+    policy.restore({"b1.forward": "delta:q6", "b0.backward": "direct:q4", "b7.forward": "delta:q2:l2"})
+    assert policy.specs() == {"b0.forward": "delta:fp16", "b0.backward": "direct:q4",
+                              "b1.forward": "delta:q6", "b1.backward": "direct:bf16"}
+    # a resume with a floor above the saved rung: the floor
+    floored = LinkPolicy(2, parse_auto("auto:q4", "forward"), None)
+    floored.restore({"b1.forward": "delta:q2:l2"})
+    assert floored.specs()["b1.forward"] == "delta:q4"
+    # an older checkpoint saved indices into the ladders of its time (no q6 among the activations'): index 2
+    # was q4 there, and 9 past the end the floor
+    old = LinkPolicy(2, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
+    old.restore({"b1.forward": 2, "b0.forward": 3, "b0.backward": 9})
+    assert old.specs() == {"b0.forward": "delta:q3", "b0.backward": "direct:q4",
+                           "b1.forward": "delta:q4", "b1.backward": "direct:bf16"}
+    assert LADDERS_BEFORE_Q6["forward"][2] == "q4" and LADDERS["forward"][2] == "q6"
 
 
 def test_what_the_policy_measured_survives_a_checkpoint():
@@ -260,7 +275,7 @@ def test_what_the_policy_measured_survives_a_checkpoint():
     _run(policy, 3, mbit=[1000.0, 1000.0], compute_s=0.015, per_message_s=0.02, compressed=False)
     _run(policy, 3, mbit=[1000.0, 1000.0], compute_s=0.015, per_message_s=0.02, errors=[FW_ERRORS, BW_ERRORS])
     resumed = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
-    resumed.restore(policy.levels())
+    resumed.restore(policy.specs())
     resumed.load_state(json.loads(json.dumps(policy.state())))
     assert resumed.links["b0.forward"].per_message == policy.links["b0.forward"].per_message > 0.01
     for mbit in ([1000.0, 1000.0], [0.2, 0.2], [0.2, 0.2]):  # including a drop that the budget limits
@@ -322,7 +337,7 @@ def test_a_distributed_run_compresses_its_slow_link_more_and_resumes_with_its_ch
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     last = train[-1]["codecs"]
-    order = ("delta:fp16", "delta:q8", "delta:q4", "delta:q3", "delta:q2:l2")
+    order = ("delta:fp16", "delta:q8", "delta:q6", "delta:q4", "delta:q3", "delta:q2:l2")
     assert order.index(last["b1.forward"]) > order.index(last["b0.forward"]), last
     # the gradients: the slow link's at the error budget's floor; the fast link's no more compressed, and
     # above its floor only where the floor's error is worth lowering (up to its ceiling)
@@ -387,7 +402,7 @@ def test_the_policy_follows_a_link_that_slows_down_during_the_run(tmp_path):
     # (the throughput is a mean over steps: three after the drop it reads about 1 / (1 - 0.7^3) = 1.5 Mbit/s)
     assert 0.8 < link["mbit_s"] < 2.0 and link["floor"] in ("q4", "q3", "q2:l2")
     ms = link["ms"]
-    assert list(ms) == ["fp16", "q8", "q4", "q3", "q2:l2"] and ms["fp16"] > 1.8 * ms["q8"] > 3 * ms["q4"]
+    assert list(ms) == list(LADDERS["forward"]) and ms["fp16"] > 1.8 * ms["q8"] > 3 * ms["q4"]
 
 
 def test_a_link_s_statistics_leave_out_the_evaluations_traffic(tmp_path):
@@ -455,7 +470,7 @@ def test_a_resumed_policy_s_first_step_gives_its_probe_and_nothing_else():
     policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
     before = _run(policy, 4, mbit=[1000.0, 1000.0], compute_s=0.05, errors=[FW_ERRORS, BW_ERRORS])[-1]
     resumed = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
-    resumed.restore(policy.levels())
+    resumed.restore(policy.specs())
     resumed.load_state(policy.state())
     seen = resumed.describe()
     probes = len(resumed.links["b0.forward"].errors)

@@ -10,7 +10,8 @@ Mbit/s halfway). In each scenario every setting trains the same random tiny Llam
 * ``auto``: AQ-SGD with the bits of each link chosen while training (:mod:`aqsgd.train.adaptive`);
   ``auto:err=E`` the same with the error budget ``E`` (to compare budgets side by side);
 * ``fixed <rung>``: every link at one rung of the same ladders (activations ``delta:<rung>``, gradients the
-  gradient ladder's rung of the same index, its last one past its end), the choices ``auto`` picks from.
+  rung :data:`FIXED_BACKWARD` pairs with it: ``fixed q4`` sends ``direct:q6``), the choices ``auto`` picks
+  from.
 
 All settings start with the same uncompressed warm-up epoch (AQ-SGD fills its cache there). Per run:
 
@@ -62,11 +63,15 @@ SCENARIOS: dict[str, str] = {
 }
 
 
+# the gradients' rung beside each activation rung in ``fixed <rung>``: as many bits or more, and 6 beside 4
+# (AQ-SGD's usual pairing: gradients need more bits than activation deltas)
+FIXED_BACKWARD = {"fp16": "bf16", "q8": "q8", "q6": "q6", "q4": "q6", "q3": "q4", "q2:l2": "q4"}
+
+
 def fixed_settings() -> dict[str, tuple[str, str]]:
     """``fixed <rung>`` -> (forward, backward) for every rung of the activation ladder."""
-    fw, bw = LADDERS["forward"], LADDERS["backward"]
-    return {f"fixed {rung}": (f"delta:{rung}", f"direct:{bw[min(i, len(bw) - 1)]}")
-            for i, rung in enumerate(fw)}
+    return {f"fixed {rung}": (f"delta:{rung}", f"direct:{FIXED_BACKWARD[rung]}")
+            for rung in LADDERS["forward"]}
 
 
 def all_settings() -> dict[str, tuple[str, str]]:

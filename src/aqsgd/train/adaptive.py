@@ -5,7 +5,11 @@ micro-batch, from the links as they are measured while training.
 The ladders (one scheme per direction, so a change of bits never invalidates state: AQ-SGD's caches hold
 activations, not codes):
 
-* activations, AQ-SGD (``delta``): fp16 -> q8 -> q4 -> q3 -> q2:l2;
+* activations, AQ-SGD (``delta``): fp16 -> q8 -> q6 -> q4 -> q3 -> q2:l2. Each bit fewer about doubles the
+  error, so a rung two bits down errs about 4x: q6 is the rung for a link whose q4 is over the error budget
+  (below) and whose q8 is more than it needs. Without it, the 50 Mbit/s link of ``aqsgd bench adaptive``'s
+  ``uneven`` sent q8 for 40 steps after the warm-up (q4 erred by 11-13 %, over the budget's margin; q6 errs
+  about a quarter of that), and the fast links q8 where q6 was within half the budget;
 * activation gradients, ``direct``: bf16 -> q8 -> q6 -> q4. Not fp16: activation gradients have no bound
   that fp16's range (65504) respects. In a 4-block Llama of width 256 (``aqsgd bench adaptive``) they grew
   about 100x per stage going backward and reached 3e4 in fp32 training, 1.6e5 in a run that sent them as fp16,
@@ -116,6 +120,11 @@ __all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "is_auto", "link_name", 
            "parse_auto", "parse_link", "probe_keys", "probe_row"]
 
 LADDERS: dict[str, tuple[str, ...]] = {
+    "forward": ("fp16", "q8", "q6", "q4", "q3", "q2:l2"),
+    "backward": ("bf16", "q8", "q6", "q4"),
+}
+# the ladders of checkpoints that saved each link's level as an index (before the activations' q6 rung)
+LADDERS_BEFORE_Q6: dict[str, tuple[str, ...]] = {
     "forward": ("fp16", "q8", "q4", "q3", "q2:l2"),
     "backward": ("bf16", "q8", "q6", "q4"),
 }
@@ -304,9 +313,6 @@ class LinkPolicy:
         """Every link's current spec, by name (``b0.forward``)."""
         return {name: link.auto.spec(link.level) for name, link in self.links.items()}
 
-    def levels(self) -> dict[str, int]:
-        return {name: link.level for name, link in self.links.items()}
-
     _STATE = ("seconds_per_bit", "fixed", "payload", "roomy", "moments", "per_message", "errors")
 
     def state(self) -> dict[str, Any]:
@@ -330,11 +336,22 @@ class LinkPolicy:
             if any(len(e) != len(link.auto.ladder) for e in link.errors):
                 link.errors = []
 
-    def restore(self, levels: Mapping[str, int]) -> None:
-        """The levels of a checkpoint (``{name: level}``), for a resumed run."""
-        for name, level in levels.items():
-            if name in self.links:
-                self.links[name].level = min(int(level), len(self.links[name].auto.ladder) - 1)
+    def restore(self, levels: Mapping[str, str | int]) -> None:
+        """The levels of a checkpoint, for a resumed run: ``{name: spec}`` (:meth:`specs`), or, from a
+        checkpoint written before the activations' ladder had q6, ``{name: level}`` with the level an index
+        into :data:`LADDERS_BEFORE_Q6`. A rung past the ladder's floor (a resume with ``auto:FLOOR``) is the
+        floor."""
+        for name, saved in levels.items():
+            link = self.links.get(name)
+            if link is None:
+                continue
+            ladder = link.auto.ladder
+            if isinstance(saved, str):
+                rung = saved.split(":", 1)[1]
+            else:
+                old = LADDERS_BEFORE_Q6[link.auto.direction]
+                rung = old[min(int(saved), len(old) - 1)]
+            link.level = ladder.index(rung) if rung in ladder else len(ladder) - 1
 
     def step(self, stages: Sequence[Mapping[str, float]], micro_batches: int, *, compressed: bool,
              fills: int = 1) -> dict[str, str]:

@@ -550,7 +550,7 @@ class Trainer:
         pos = {**self.position, "totals": self.totals, "config": self.cfg.to_dict(),
                "data": self.task.data_info}
         if self.policy is not None:  # --forward/--backward auto: the links' levels continue on resume
-            pos["link_levels"] = self.policy.levels()
+            pos["link_levels"] = self.policy.specs()  # by spec: an index would change meaning with the ladder
             pos["link_policy"] = self.policy.state()  # and what it measured of them
         step = self.position["step"]
         # a signal while the checkpoint is written is raised once it is complete (aqsgd.interrupts)
