@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from aqsgd.cli import main
 from aqsgd.errors import SpecError
 from aqsgd.train.adaptive import (BITS, ERROR_MARGIN, ERROR_WINDOW, LADDERS, LADDERS_BEFORE_Q6, MAX_ERROR,
-                                   PATIENCE, QUIET, LinkPolicy, parse_auto, probe_keys)
+                                   PATIENCE, PROBE_EVERY, QUIET, LinkPolicy, parse_auto, probe_keys)
 from aqsgd.train.config import TrainConfig
 
 RAW = 40_000.0  # fp32 bytes per step of each direction (one micro-batch)
@@ -383,7 +383,7 @@ def test_the_policy_follows_a_link_that_slows_down_during_the_run(tmp_path):
     # the error probes ran at steps 1 and 5 (every PROBE_EVERY steps), and only there: the gradients' (the
     # activations' probe takes a delta against cached rows, and in this first epoch every sample is new)
     assert [sorted(r["link_errors"]) for r in train] == [
-        ["b0.backward"] if LinkPolicy.probes_at(step) else [] for step in range(1, 8)]
+        ["b0.backward"] if (step - 1) % PROBE_EVERY == 0 else [] for step in range(1, 8)]
     # Before the drop, loopback: on an idle machine no compression is needed (fp16). On a loaded one a
     # message can stall for tens of ms waiting for a core, which the policy counts as the link's time (it
     # cannot tell a per-message cost from bandwidth), so a step may go a rung or two down; never to the floor.
@@ -463,6 +463,20 @@ def test_two_spikes_among_a_run_s_first_probes_do_not_move_a_link():
     levels = [_run(policy, 1, mbit=[100.0, 0.1], compute_s=0.05, errors=[[], e])[-1]["b0.backward"]
               for e in (BW_ERRORS, spike, spike, spike)]
     assert levels[-1] == "direct:bf16", levels
+
+
+def test_a_policy_probes_its_first_step_whatever_its_number():
+    # a resumed run's first step probes even off the PROBE_EVERY grid: a checkpoint written before the q6 rung
+    # has its errors dropped (another ladder), and the first step's probe refills them before any choice
+    policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
+    assert policy.probes_at(7) and policy.probes_at(1)
+    five_rungs = FW_ERRORS[:2] + FW_ERRORS[3:]
+    old = {"budget": 0.05, "step_s": 0.4, "steps": 6, "links": {"b0.forward": {"errors": [five_rungs]}}}
+    policy.load_state(old)
+    assert policy.links["b0.forward"].errors == []
+    _run(policy, 1, mbit=[1000.0, 1000.0], compute_s=0.05, errors=[FW_ERRORS, BW_ERRORS])
+    assert len(policy.links["b0.forward"].errors) == 1
+    assert not policy.probes_at(8) and policy.probes_at(9)
 
 
 def test_a_resumed_policy_s_first_step_gives_its_probe_and_nothing_else():

@@ -466,10 +466,12 @@ class LinkPolicy:
                 "share_ms": 1e3 * self._share(),
                 "links": self.describe()}
 
-    @staticmethod
-    def probes_at(step: int) -> bool:
-        """Whether the links' senders probe at ``step`` (counted from 1): every :data:`PROBE_EVERY`-th."""
-        return (step - 1) % PROBE_EVERY == 0
+    def probes_at(self, step: int) -> bool:
+        """Whether the links' senders probe at ``step`` (counted from 1): every :data:`PROBE_EVERY`-th, and
+        the first step this policy takes (a resumed run's, whatever its number), so that its probes are in
+        before its first choice: a checkpoint's errors of another ladder (one written before the activations'
+        q6 rung) are dropped, and the first step makes no choice but gives its probes."""
+        return (step - 1) % PROBE_EVERY == 0 or not self.timing
 
     def probes(self) -> dict[str, tuple[str, ...]]:
         """The codecs each link's sender probes (its whole ladder), by link name."""
