@@ -126,7 +126,7 @@ def test_a_link_that_slows_down_is_not_read_as_a_per_message_cost():
     assert policy.links["b0.forward"].per_message < 1e-3
 
 
-# relative errors of each rung as a probe might measure them: activations fp16 q8 q4 q3 q2:l2 (AQ-SGD's
+# relative errors of each rung as a probe might measure them: activations fp16 q8 q6 q4 q3 q2:l2 (AQ-SGD's
 # delta, relative to the activation), gradients bf16 q8 q6 q4
 FW_ERRORS = [0.0002, 0.006, 0.02, 0.06, 0.15, 0.3]
 BW_ERRORS = [0.002, 0.018, 0.07, 0.2]

@@ -123,7 +123,8 @@ LADDERS: dict[str, tuple[str, ...]] = {
     "forward": ("fp16", "q8", "q6", "q4", "q3", "q2:l2"),
     "backward": ("bf16", "q8", "q6", "q4"),
 }
-# the ladders of checkpoints that saved each link's level as an index (before the activations' q6 rung)
+# the ladders of checkpoints that saved each link's level as an index (before the activations' q6 rung):
+# written out, not derived from LADDERS: they must keep what those checkpoints meant if LADDERS changes
 LADDERS_BEFORE_Q6: dict[str, tuple[str, ...]] = {
     "forward": ("fp16", "q8", "q4", "q3", "q2:l2"),
     "backward": ("bf16", "q8", "q6", "q4"),
