@@ -115,6 +115,56 @@ def test_warmup_fills_cache_then_only_deltas_travel():
     assert [p.kind for p in packets] == [Kind.DELTA]
 
 
+@pytest.mark.parametrize("cache", ["memory", "memory:fp32", "lowbit4"])
+def test_a_compressed_warmup_sends_the_codec_and_both_sides_cache_what_was_decoded(cache):
+    # --forward auto: the warm-up and the first visits go as C(x), not in full; both caches hold decode(C(x))
+    n = 23
+    s, r = pair("delta", "q6", num_samples=n, cache=cache, row_shape=(6, 16))
+    for scheme in (s, r):
+        scheme.compress_warmup()
+    data = DriftingActivations(n)
+    q6 = make_codec("q6")
+    ids = torch.arange(5)
+    x = data(ids, 0)
+    packets = s.send(x, ids, phase="warmup")
+    assert [p.kind for p in packets] == [Kind.DIRECT]
+    assert packets[0].nbytes == q6.wire_bytes((5, 6, 16))
+    y = r.recv(packets, ids, phase="warmup")
+    assert torch.equal(y, q6.decode(q6.encode(x)))
+    assert 0 < float((y - x).norm() / x.norm()) < 0.05
+    assert_caches_equal(s, r, n)
+    # a mixed batch after the warm-up: the seen rows' deltas, then the new rows as C(x)
+    ids2 = torch.tensor([3, 7, 4, 9])
+    x2 = data(ids2, 1)
+    packets = s.send(x2, ids2)
+    assert [p.kind for p in packets] == [Kind.DELTA, Kind.DIRECT]
+    assert packets[1].nbytes == q6.wire_bytes((2, 6, 16))
+    r.recv(packets, ids2)
+    assert_caches_equal(s, r, n)
+    # later visits correct the first visit's error: AQ-SGD's update does whatever m starts from
+    first = float((r.cache.get(ids) - x).norm() / x.norm())
+    for _ in range(3):
+        r.recv(s.send(x, ids), ids)
+    assert_caches_equal(s, r, n)
+    if cache != "lowbit4":  # (whose own 4-bit rows are the floor of what it holds)
+        assert float((r.cache.get(ids) - x).norm() / x.norm()) < first / 4
+
+
+def test_a_compressed_warmup_of_direct_and_the_schemes_that_refuse_it():
+    s, r = pair("direct", "q8")
+    for scheme in (s, r):
+        scheme.compress_warmup()
+    x = torch.randn(4, 32)
+    packets = s.send(x, phase="warmup")
+    assert [p.kind for p in packets] == [Kind.DIRECT]
+    assert torch.equal(r.recv(packets, phase="warmup"), make_codec("q8").decode(packets[0]))
+    with pytest.raises(PacketMismatchError, match="kinds"):  # a receiver that expects the warm-up in full
+        make_scheme("direct", "q8", "receiver").recv(packets, phase="warmup")
+    for name in ("ef", "ef21"):
+        with pytest.raises(SchemeError, match=f"a {name} scheme sends its warm-up in full"):
+            make_scheme(name, "topk0.3", "sender").compress_warmup()
+
+
 def test_eval_phases_leave_state_untouched():
     n = 6
     s, r = pair("delta", "q2", num_samples=n, cache="memory:fp32")

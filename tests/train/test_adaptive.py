@@ -422,14 +422,17 @@ def test_a_link_s_statistics_leave_out_the_evaluations_traffic(tmp_path):
     assert len(set(wire)) == 1, wire
 
 
-def test_aqsgd_caches_stay_identical_on_both_sides_across_changes_of_bits(tmp_path):
-    # 8 samples, one step per epoch: from step 2 on AQ-SGD sends deltas against its cache, first with fp16,
-    # then, the link dropping to 1 Mbit/s at step 3, with fewer bits. Sender and receiver must update their
-    # caches identically whatever the bits (the cache holds activations, not codes).
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_aqsgd_caches_stay_identical_on_both_sides_across_changes_of_bits(tmp_path, warmup):
+    # 8 samples, one step per epoch: step 1 sends the first visits (or the warm-up epoch) with the ladder's
+    # top, fp16, not in full: an auto link's warm-up follows its level. Then AQ-SGD sends deltas against its
+    # cache, first with fp16, then, the link dropping to 1 Mbit/s at step 3, with fewer bits. Sender and
+    # receiver must update their caches identically whatever the bits (the cache holds activations, not
+    # codes), and from what a compressed first visit decoded to.
     argv = ["train", "--task", "synthetic-lm", "--runtime", "distributed", "--stages", "2", "--link",
             "inf~1mbit@3", "--forward", "auto", "--backward", "auto", "--max-train-samples", "8", "--epochs",
             "6", "--max-eval-samples", "2", "--max-length", "32", "--hidden-size", "128", "--micro-batches",
-            "2", "--micro-batch-size", "4", "--warmup-epochs", "0", "--output-dir", str(tmp_path),
+            "2", "--micro-batch-size", "4", "--warmup-epochs", str(warmup), "--output-dir", str(tmp_path),
             "--run-name", "r", "--no-progress", "--no-tensorboard"]
     assert main(argv) == 0
     run = tmp_path / "r"
@@ -439,6 +442,7 @@ def test_aqsgd_caches_stay_identical_on_both_sides_across_changes_of_bits(tmp_pa
     assert len(train) == 6 and sent[1] != sent[-1] and BITS[sent[-1].split(":", 1)[1]] < 8, sent
     assert all(r["loss"] == r["loss"] for r in train)  # finite: every step decoded what was sent
     wire = [r["links"]["b0.forward"]["wire_bytes"] for r in train]
+    assert wire[0] < 0.6 * 8 * 32 * 128 * 4, wire  # step 1: 8 samples' activations at fp16, not fp32
     assert wire[-1] < wire[1] / 2, wire  # the last steps sent fewer-bit deltas than step 2's fp16 ones
     last = sorted((run / "checkpoints").iterdir())[-1]
     sender = load_file(last / "stage0" / "schemes" / "b0-forward-sender" / "cache" / "cache.safetensors")

@@ -216,6 +216,7 @@ class StageRunner:
         self._built_for: dict[SchemeKey, dict[str, Any]] = {}  # the shape and dtype each scheme was built for
         self.probes: dict[tuple[int, int], list[str]] = {}  # (boundary, channel) -> codecs (set_probe)
         self.probing = True  # whether this step's probes run (probe_now)
+        self.warmup_codec: set[tuple[int, int]] = set()  # (boundary, channel) that compress_warmup
         self.stats = StepStats()
         self.kept_logits: dict[int, torch.Tensor] = {}
         self.pending_checks = PendingChecks()  # the checks of this step's receives left on the device
@@ -280,6 +281,15 @@ class StageRunner:
             if scheme is not None:
                 scheme.probe_now(on)
 
+    def compress_warmup(self, b: int, channel: int) -> None:
+        """Both sides of one direction of boundary ``b`` send the warm-up (and AQ-SGD's first visits) with
+        their codec instead of in full (:meth:`~aqsgd.schemes.base.BoundaryScheme.compress_warmup`): now
+        where they are built, else when they are."""
+        self.warmup_codec.add((b, channel))
+        for (kb, kc, _), scheme in self.schemes.items():
+            if (kb, kc) == (b, channel):
+                scheme.compress_warmup()
+
     def _scheme(self, key: SchemeKey, shape: tuple[int, ...], dtype: torch.dtype) -> BoundaryScheme:
         if key not in self.schemes:
             b, channel, side = key
@@ -288,6 +298,8 @@ class StageRunner:
             if side == "sender" and (b, channel) in self.probes:
                 self.schemes[key].set_probe(self.probes[(b, channel)])
                 self.schemes[key].probe_now(self.probing)
+            if (b, channel) in self.warmup_codec:
+                self.schemes[key].compress_warmup()
             self._built_for[key] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
         return self.schemes[key]
 

@@ -124,6 +124,25 @@ class BoundaryScheme(abc.ABC):
         self._probe_on = True  # see probe_now
         self._probe_sums: torch.Tensor | None = None
         self._probe_pending: tuple[torch.Tensor, torch.Tensor] | None = None  # see _measure
+        self.warmup_compressed = False  # see compress_warmup
+
+    # -- what the warm-up sends --------------------------------------------------------------------
+    warmup_codec_allowed: ClassVar[bool] = False  # whether compress_warmup may be turned on
+
+    def compress_warmup(self, on: bool = True) -> None:
+        """Send with the scheme's codec what is otherwise sent in full: the warm-up (and, for AQ-SGD, the
+        first visit of a sample, whose decoded rows both sides cache). Both sides of a link must agree; the
+        bits chosen per link (:mod:`aqsgd.train.adaptive`) turn it on for every auto link, whose codec the
+        error budget and the link's time choose in the warm-up as after it. Schemes whose state is built from
+        the warm-up's exact values (EF, EF21) do not take it: :class:`SchemeError`."""
+        if on and not self.warmup_codec_allowed:
+            raise SchemeError(f"{self.label}: a {self.name} scheme sends its warm-up in full; only direct "
+                              "and delta can compress it")
+        self.warmup_compressed = on
+
+    def _first(self) -> tuple[Kind, Codec]:
+        """The kind and codec of what goes in full unless :meth:`compress_warmup` is on."""
+        return (Kind.DIRECT, self.codec) if self.warmup_compressed else (Kind.RAW, self.raw)
 
     # -- error probe ---------------------------------------------------------------------------------
     def set_probe(self, codecs: Sequence[Codec | str] | None) -> None:

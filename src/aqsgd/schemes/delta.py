@@ -12,6 +12,10 @@ For every sample id ``i`` both sides keep ``m(i)`` in an :class:`~aqsgd.schemes.
   its own cache, so nothing but the packets crosses the wire.
 * ``WARMUP`` sends everything in full and (re)writes every row: the reference implementation's
   uncompressed first epoch, which also fills the cache.
+* With :meth:`~aqsgd.schemes.base.BoundaryScheme.compress_warmup` (every ``--forward auto`` link), what
+  goes in full above goes as ``C(x)`` (kind DIRECT) instead, and both sides cache ``decode(C(x))``: the
+  first visit's error is the first delta's to correct (``x - m`` is sent at the next visit), which AQ-SGD's
+  update does whatever ``m`` starts from.
 
 Outputs have the cache's compute dtype (``cache.dtype``) in ``TRAIN``; choose it equal to the activations'.
 """
@@ -32,6 +36,7 @@ __all__ = ["DeltaScheme"]
 class DeltaScheme(BoundaryScheme):
     name = "delta"
     needs_ids = True
+    warmup_codec_allowed = True
 
     def __init__(self, codec: Codec | str, side: Side | str, *, cache: ActivationCache,
                  label: str = "boundary", seed: int = 0, device: torch.device | str = "cpu") -> None:
@@ -54,8 +59,7 @@ class DeltaScheme(BoundaryScheme):
         if phase == Phase.WARMUP:
             if self._probing(slot):  # no row is cached yet: the delta against an empty cache, x itself
                 self._measure(x, x)
-            self.cache.put(ids, x)
-            return [self._tagged(self.raw.encode(x), 0, Kind.RAW)]
+            return [self._send_first(x, ids)]
         seen, new = self._split(ids)
         packets = []
         # seen and new are ascending positions: when one of them covers the whole micro-batch it is
@@ -69,19 +73,30 @@ class DeltaScheme(BoundaryScheme):
         if new.numel():
             whole = new.numel() == ids.numel()
             rows = x if whole else x[index_on(new, x.device)]
-            self.cache.put(ids if whole else ids[new], rows)
-            packets.append(self._tagged(self.raw.encode(rows), 0, Kind.RAW))
+            packets.append(self._send_first(rows, ids if whole else ids[new]))
         return packets
+
+    def _send_first(self, x: torch.Tensor, ids: torch.Tensor) -> Packet:
+        """The rows of a first visit (or of the warm-up): in full, cached as they are; or, with
+        :meth:`compress_warmup`, ``C(x)``, cached as the receiver decodes it."""
+        kind, codec = self._first()
+        packet = codec.encode(x, generator=self.generator)
+        self.cache.put(ids, codec.decode(packet) if self.warmup_compressed else x)
+        return self._tagged(packet, 0, kind)
+
+    def _recv_first(self, packet: Packet, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._first()[1].decode(packet)
+        self.cache.put(ids, rows)
+        return rows
 
     def _recv(self, packets: list[Packet], ids: torch.Tensor | None, phase: Phase, slot: int) -> torch.Tensor:
         assert ids is not None
+        first = self._first()[0]
         if phase == Phase.WARMUP:
-            self._expect_kinds(packets, [Kind.RAW], phase)
-            x = self.raw.decode(packets[0])
-            self.cache.put(ids, x)
-            return x
+            self._expect_kinds(packets, [first], phase)
+            return self._recv_first(packets[0], ids)
         seen, new = self._split(ids)
-        kinds = ([Kind.DELTA] if seen.numel() else []) + ([Kind.RAW] if new.numel() else [])
+        kinds = ([Kind.DELTA] if seen.numel() else []) + ([first] if new.numel() else [])
         self._expect_kinds(packets, kinds, phase)
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         for packet, idx in zip(packets, [i for i in (seen, new) if i.numel()]):
@@ -94,13 +109,11 @@ class DeltaScheme(BoundaryScheme):
             if packet.kind == Kind.DELTA:
                 parts.append((idx, self._recv_delta(packet, ids[idx])))
             else:
-                rows = self.raw.decode(packet)
-                self.cache.put(ids[idx], rows)
-                parts.append((idx, rows))
-        first = parts[0][1]
+                parts.append((idx, self._recv_first(packet, ids[idx])))
+        head = parts[0][1]
         if kinds == [Kind.DELTA]:  # every row seen: positions 0..n-1, and the new rows are a fresh tensor
-            return first.to(self.cache.dtype)
-        out = torch.empty((ids.numel(), *first.shape[1:]), dtype=self.cache.dtype, device=first.device)
+            return head.to(self.cache.dtype)
+        out = torch.empty((ids.numel(), *head.shape[1:]), dtype=self.cache.dtype, device=head.device)
         for idx, rows in parts:
             out[index_on(idx, out.device)] = rows.to(out.dtype)
         return out

@@ -236,12 +236,13 @@ class Trainer:
             self.cfg = self.cfg.replace(layers=self.balance["layers"])
         self.engine = self._build_engine()
         emulate_slow_stages(self.engine, self.cfg)
-        if self.policy is not None:  # each auto link's sender measures every rung's error (every few steps)
-            for name, ladder in self.policy.probes().items():
+        if self.policy is not None:  # each auto link's sender measures every rung's error (every few steps),
+            for name, ladder in self.policy.probes().items():  # and its level applies in the warm-up too
                 b, direction, _ = parse_link(name)
                 channel = FORWARD_CHANNEL if direction == "forward" else BACKWARD_CHANNEL
                 for runner in self.engine.runners.values():
                     runner.set_probe(b, channel, ladder)
+                    runner.compress_warmup(b, channel)
         # every replica's last stage has a loss; one of them (replica 0's) writes the metrics
         self.holds_loss = self.grid is None or self.grid.stage == p.stages - 1
         self.writes_metrics = self.holds_loss and self.replica == 0
@@ -258,7 +259,7 @@ class Trainer:
         (once per run), since the summary would otherwise just show no saving."""
         c = self.cfg.compression
         asked = [f"--{name} {spec}" for name, spec in (("forward", c.forward), ("backward", c.backward))
-                 if is_auto(spec) or DirectionSpec.parse(spec).codec != "none"]
+                 if not is_auto(spec) and DirectionSpec.parse(spec).codec != "none"]  # auto: warm-up too
         warm = self.steps_per_epoch * c.warmup_epochs
         if not asked or self.total_steps > warm or (self.grid is not None and self.grid.rank != 0):
             return
@@ -817,8 +818,8 @@ class Trainer:
         if self.policy is not None:  # the same statistics on every process: the same choice everywhere
             codecs = self.policy.specs()  # what this step sent with
             passes = self.cfg.pipeline.micro_batches * self.cfg.optim.grad_accum
-            changes = self.policy.step(stats, passes, compressed=phase != Phase.WARMUP,
-                                       fills=self.cfg.optim.grad_accum)
+            changes = self.policy.step(stats, passes, fills=self.cfg.optim.grad_accum)  # auto links compress
+            # the warm-up too (_build_engine): every step sent their codecs
             self._set_link_codecs(changes)
             if changes and self.writes_metrics:
                 log.info("step %d: links now %s", self.position["step"],
