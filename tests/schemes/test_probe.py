@@ -77,6 +77,23 @@ def test_delta_probe_in_the_warmup_measures_the_tensor_itself():
     assert errs == pytest.approx([_error2("q8", x), _error2("q4", x)], rel=1e-5)
 
 
+def test_delta_probe_measures_first_visits_after_the_warmup_as_the_tensor_itself():
+    # --warmup-epochs 0: a micro-batch of seen and new samples; the probe sums the seen rows' delta errors and
+    # the new rows' own (an auto link sends them with its codec, so the choice needs their error too)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, 16, generator=g)
+    s = make_scheme("delta", "q4", "sender", num_samples=8, row_shape=(6, 16))
+    s.set_probe(["q8", "q4"])
+    s.send(x[:2], torch.arange(2), phase=Phase.TRAIN, slot=0)  # every row new
+    errs, samples = s.take_probe()
+    assert samples == 2 and errs == pytest.approx([_error2(c, x[:2]) for c in ("q8", "q4")], rel=1e-5)
+    m = s.cache.get(torch.arange(2))
+    s.send(x, torch.arange(4), phase=Phase.TRAIN, slot=0)  # rows 0, 1 seen, 2, 3 new
+    errs, samples = s.take_probe()
+    want = [_error2(c, x[:2] - m, x[:2]) + _error2(c, x[2:]) for c in ("q8", "q4")]
+    assert samples == 4 and errs == pytest.approx(want, rel=1e-5)
+
+
 def test_the_probe_measures_each_sample_against_its_own_norm():
     # one sample 1000x larger than the others sets every channel's scale: the others quantize to zero. Their
     # error is 100 % of their own values, which an error relative to the whole tensor would hide: that one is

@@ -73,6 +73,8 @@ class DeltaScheme(BoundaryScheme):
         if new.numel():
             whole = new.numel() == ids.numel()
             rows = x if whole else x[index_on(new, x.device)]
+            if self._probing(slot):  # a first visit's error is its own C(x)'s, as in the warm-up (summed
+                self._measure(rows, rows)  # with the seen rows' deltas': the probe is per sample)
             packets.append(self._send_first(rows, ids if whole else ids[new]))
         return packets
 
