@@ -324,8 +324,10 @@ def test_a_link_that_only_its_receiver_sees_slow_is_compressed_too():
 
 
 def test_a_distributed_run_compresses_its_slow_link_more_and_resumes_with_its_choices(tmp_path):
+    # the activations without an error budget: their first epoch is first visits, sent with the link's codec,
+    # whose own error puts q4 and below over the default budget (11-13 %) on both links alike
     argv = ["train", "--task", "synthetic-lm", "--runtime", "distributed", "--stages", "3", "--link",
-            "inf/4mbit", "--forward", "auto", "--backward", "auto", "--max-train-samples", "64",
+            "inf/4mbit", "--forward", "auto:err=none", "--backward", "auto", "--max-train-samples", "64",
             "--max-eval-samples", "2",  # its fp32 evaluation crosses the 4 Mbit/s link too
             # 64 tokens of hidden 256: 64 KB of fp16 per micro-batch, a few ms on loopback, 130 ms at 4 Mbit/s
             "--max-length", "64", "--hidden-size", "256", "--micro-batches", "2", "--micro-batch-size", "4",
@@ -368,10 +370,10 @@ def test_the_policy_follows_a_link_that_slows_down_during_the_run(tmp_path):
     # 2 stages over loopback; the link drops to 1 Mbit/s from step 4 on (32 KB of fp16 activations per
     # micro-batch: a few ms before, 0.26 s after, far above the tiny model's compute per micro-batch)
     argv = ["train", "--task", "synthetic-lm", "--runtime", "distributed", "--stages", "2", "--link",
-            "inf~1mbit@4", "--forward", "auto", "--backward", "auto", "--max-train-samples", "64",
+            "inf~1mbit@4", "--forward", "auto:err=none", "--backward", "auto", "--max-train-samples", "64",
             "--max-eval-samples", "2", "--max-length", "32", "--hidden-size", "128", "--micro-batches", "2",
             "--micro-batch-size", "4", "--warmup-epochs", "0", "--output-dir", str(tmp_path), "--run-name",
-            "r", "--no-progress", "--no-tensorboard", "--max-steps", "7"]
+            "r", "--no-progress", "--no-tensorboard", "--max-steps", "7"]  # (the activations: the time rule)
     assert main(argv) == 0
     rows = [json.loads(r) for r in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
@@ -380,10 +382,10 @@ def test_the_policy_follows_a_link_that_slows_down_during_the_run(tmp_path):
     assert all(r["links"]["b0.forward"]["mbit_s"] < 1.05 for r in train[3:])  # measured: the slow link
     sent = [r["codecs"]["b0.forward"] for r in train]  # what each step sent with
     assert [r["link_bits"]["b0.forward"] for r in train] == [BITS[c.split(":", 1)[1]] for c in sent]
-    # the error probes ran at steps 1 and 5 (every PROBE_EVERY steps), and only there: the gradients' (the
-    # activations' probe takes a delta against cached rows, and in this first epoch every sample is new)
+    # the error probes ran at steps 1 and 5 (every PROBE_EVERY steps), and only there (the activations' on
+    # their first visits, every sample being new in this first epoch: the error of their own C(x))
     assert [sorted(r["link_errors"]) for r in train] == [
-        ["b0.backward"] if (step - 1) % PROBE_EVERY == 0 else [] for step in range(1, 8)]
+        ["b0.backward", "b0.forward"] if (step - 1) % PROBE_EVERY == 0 else [] for step in range(1, 8)]
     # Before the drop, loopback: on an idle machine no compression is needed (fp16). On a loaded one a
     # message can stall for tens of ms waiting for a core, which the policy counts as the link's time (it
     # cannot tell a per-message cost from bandwidth), so a step may go a rung or two down; never to the floor.
@@ -400,7 +402,7 @@ def test_the_policy_follows_a_link_that_slows_down_during_the_run(tmp_path):
     assert seen["budget_ms"] > 0 and seen["share_ms"] > 0
     link = seen["links"]["b0.forward"]
     # (the throughput is a mean over steps: three after the drop it reads about 1 / (1 - 0.7^3) = 1.5 Mbit/s)
-    assert 0.8 < link["mbit_s"] < 2.0 and link["floor"] in ("q4", "q3", "q2:l2")
+    assert 0.8 < link["mbit_s"] < 2.0 and link["floor"] == "q2:l2"  # (no error budget)
     ms = link["ms"]
     assert list(ms) == list(LADDERS["forward"]) and ms["fp16"] > 1.8 * ms["q8"] > 3 * ms["q4"]
 

@@ -13,7 +13,8 @@ Mbit/s halfway). In each scenario every setting trains the same random tiny Llam
   rung :data:`FIXED_BACKWARD` pairs with it: ``fixed q4`` sends ``direct:q6``), the choices ``auto`` picks
   from.
 
-All settings start with the same uncompressed warm-up epoch (AQ-SGD fills its cache there). Per run:
+All settings start with a warm-up epoch (AQ-SGD fills its cache there): uncompressed for fp32 and the fixed
+settings, at each link's chosen level for auto (:mod:`aqsgd.train.adaptive`). Per run:
 
 * ``time_to_target_s``: training seconds (the sum of the step times, warm-up included) until the training
   loss, as a mean over :data:`SMOOTH` steps, is at or below the *target*: the loss ``fp32`` reaches (the same
@@ -102,7 +103,7 @@ class AdaptiveBenchConfig:
     vocab: int = 512
     microbatch_size: int = 4
     num_microbatches: int = 4
-    train_samples: int = 64  # 4 steps per epoch: the uncompressed warm-up, then AQ-SGD revisits its cache
+    train_samples: int = 64  # 4 steps per epoch: the warm-up, then AQ-SGD revisits its cache
     steps: int = 40
     evals: int = 8  # evaluations per run, every steps / evals steps
     eval_samples: int = 32
@@ -137,7 +138,7 @@ def train_config(cfg: AdaptiveBenchConfig, scenario: str, setting: str, output_d
 
 
 def _epoch(cfg: AdaptiveBenchConfig) -> int:
-    """Steps per epoch (the uncompressed warm-up's length)."""
+    """Steps per epoch (the warm-up's length)."""
     return -(-cfg.train_samples // (cfg.microbatch_size * cfg.num_microbatches))
 
 

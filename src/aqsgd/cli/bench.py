@@ -110,7 +110,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ad.add_argument("--steps", type=positive_int, default=da.steps, help="training steps (default: 40)")
     ad.add_argument("--train-samples", type=positive_int, default=da.train_samples,
                     help="synthetic training samples (default: 64, 4 steps per epoch; the first epoch "
-                         "is the uncompressed warm-up)")
+                         "is the warm-up, uncompressed but for auto's links)")
     ad.add_argument("--evals", type=positive_int, default=da.evals,
                     help="evaluations per run, evenly spaced; quality is the mean perplexity of those in the "
                          "last quarter of the steps (default: 8)")

@@ -195,7 +195,7 @@ class CompressionSection:
     ef_key: str = "slot"
     """error-feedback state key: slot or sample"""
     warmup_epochs: int = 1
-    """epochs without compression first (AQ-SGD fills its cache there)"""
+    """epochs without compression first (AQ-SGD fills its cache there), but for auto links"""
 
 
 @dataclasses.dataclass(kw_only=True)
