@@ -818,8 +818,8 @@ class Trainer:
         if self.policy is not None:  # the same statistics on every process: the same choice everywhere
             codecs = self.policy.specs()  # what this step sent with
             passes = self.cfg.pipeline.micro_batches * self.cfg.optim.grad_accum
-            changes = self.policy.step(stats, passes, fills=self.cfg.optim.grad_accum)  # auto links compress
-            # the warm-up too (_build_engine): every step sent their codecs
+            # (compressed: every step sent the links' codecs, the warm-up's too: see _build_engine)
+            changes = self.policy.step(stats, passes, fills=self.cfg.optim.grad_accum)
             self._set_link_codecs(changes)
             if changes and self.writes_metrics:
                 log.info("step %d: links now %s", self.position["step"],
