@@ -47,16 +47,14 @@ def _stats(sent: list[float], mbit: list[float], compute_s: float, overhead: flo
 
 def _run(policy: LinkPolicy, steps: int, mbit: list[float], compute_s: float,
          step_s: float | None = None, fills: int = 1, errors: list[list[float]] | None = None,
-         per_message_s: float = 0.0, compressed: bool = True) -> list[dict[str, str]]:
+         per_message_s: float = 0.0) -> list[dict[str, str]]:
     out = []
     for _ in range(steps):
         specs = policy.specs()
-        sent = [RAW * BITS[specs[n].split(":", 1)[1]] / 32 if n in specs and compressed else RAW / 2
+        sent = [RAW * BITS[specs[n].split(":", 1)[1]] / 32 if n in specs else RAW / 2
                 for n in ("b0.forward", "b0.backward")]
-        if not compressed:  # the warm-up sends fp32
-            sent = [RAW, RAW]
         policy.step(_stats(sent, mbit, compute_s, step_s=step_s, errors=errors, per_message_s=per_message_s),
-                    1, compressed=compressed, fills=fills)
+                    1, fills=fills)
         out.append(policy.specs())
     return out
 
@@ -91,15 +89,18 @@ def test_the_floor_is_never_passed():
 def test_a_per_message_cost_is_told_apart_from_bandwidth():
     # 1 Gbit/s, but every message costs 20 ms whatever its size (a message waiting for a busy core, a long
     # round trip), over 15 ms of compute per micro-batch: no level fits, and fewer bits would save 0.3 ms of
-    # 20. Once messages of two sizes were seen (the warm-up's fp32, then fp16) the link stays at fp16.
+    # 20. Once messages of two sizes were seen (a run resumed at q8: it tries q4, then goes back to fp16) the
+    # link stays at fp16.
     policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
-    _run(policy, 4, mbit=[1000.0, 1000.0], compute_s=0.015, per_message_s=0.02, compressed=False)
+    policy.restore({"b0.forward": "delta:q8"})  # resumed at q8: its first steps send another size
+    _run(policy, 4, mbit=[1000.0, 1000.0], compute_s=0.015, per_message_s=0.02)
     history = _run(policy, 8, mbit=[1000.0, 1000.0], compute_s=0.015, per_message_s=0.02)
     assert {h["b0.forward"] for h in history} == {"delta:fp16"}, history
     assert policy.links["b0.forward"].per_message == pytest.approx(0.02, rel=0.02)
     # the same time per message from bandwidth alone (0.64 Mbit/s: 20 KB in 0.25 s): fewer bits do save it
     policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
-    _run(policy, 4, mbit=[0.64, 1000.0], compute_s=0.015, compressed=False)
+    policy.restore({"b0.forward": "delta:q8"})
+    _run(policy, 4, mbit=[0.64, 1000.0], compute_s=0.015)
     history = _run(policy, 8, mbit=[0.64, 1000.0], compute_s=0.015)
     assert history[-1]["b0.forward"] == "delta:q2:l2" and policy.links["b0.forward"].per_message < 1e-3
     # messages all of one size cannot tell the two apart: the whole time is taken as bandwidth (q8 would
@@ -117,7 +118,8 @@ def test_a_link_that_slows_down_is_not_read_as_a_per_message_cost():
     # mixed in one regression that would read as a large cost per message and no cost per bit. The change
     # restarts the regression: the slow link goes where a policy that only knew it slow puts it.
     policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
-    _run(policy, 4, mbit=[200.0, 1000.0], compute_s=0.015, compressed=False)
+    policy.restore({"b0.forward": "delta:q8"})
+    _run(policy, 4, mbit=[200.0, 1000.0], compute_s=0.015)
     _run(policy, 6, mbit=[200.0, 1000.0], compute_s=0.015)
     slow = _run(policy, 6, mbit=[0.5, 1000.0], compute_s=0.015)
     fresh = LinkPolicy(1, parse_auto("auto", "forward"), None)
@@ -272,7 +274,8 @@ def test_levels_survive_a_restore():
 def test_what_the_policy_measured_survives_a_checkpoint():
     # a resumed run continues from the saved means (JSON in the checkpoint), deciding as the run would have
     policy = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
-    _run(policy, 3, mbit=[1000.0, 1000.0], compute_s=0.015, per_message_s=0.02, compressed=False)
+    policy.restore({"b0.forward": "delta:q8"})
+    _run(policy, 3, mbit=[1000.0, 1000.0], compute_s=0.015, per_message_s=0.02)
     _run(policy, 3, mbit=[1000.0, 1000.0], compute_s=0.015, per_message_s=0.02, errors=[FW_ERRORS, BW_ERRORS])
     resumed = LinkPolicy(1, parse_auto("auto", "forward"), parse_auto("auto", "backward"))
     resumed.restore(policy.specs())
@@ -318,7 +321,7 @@ def test_a_link_that_only_its_receiver_sees_slow_is_compressed_too():
     for _ in range(3):
         stats = _stats([RAW / 2, 0.0], [1000.0, 1000.0], compute_s=0.05)
         stats[1]["in_fw_held_s"] = 8 * (RAW / 2 + 100.0) / 1e6  # the forward bytes at 1 Mbit/s
-        policy.step(stats, 1, compressed=True)
+        policy.step(stats, 1)
     assert policy.specs()["b0.forward"] == "delta:q2:l2"  # 0.16 s of fp16 per micro-batch: to the floor
     assert policy.describe()["b0.forward"]["mbit_s"] == pytest.approx(1.0)
 
@@ -495,11 +498,11 @@ def test_a_resumed_policy_s_first_step_gives_its_probe_and_nothing_else():
     seen = resumed.describe()
     probes = len(resumed.links["b0.forward"].errors)
     slow = _stats([RAW / 2, RAW / 2], [0.1, 0.1], compute_s=0.05, errors=[FW_ERRORS, BW_ERRORS])
-    assert resumed.step(slow, 1, compressed=True) == {}
+    assert resumed.step(slow, 1) == {}
     assert resumed.specs() == before and resumed.describe() == {
         name: {**link, "error": resumed.describe()[name]["error"]} for name, link in seen.items()}
     assert len(resumed.links["b0.forward"].errors) == probes + 1
-    assert resumed.step(slow, 1, compressed=True) != {}  # the same step, timed: the links go down
+    assert resumed.step(slow, 1) != {}  # the same step, timed: the links go down
 
 
 def test_the_step_after_an_evaluation_measures_the_links_as_the_others_do(tmp_path):

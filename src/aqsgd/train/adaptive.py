@@ -362,15 +362,15 @@ class LinkPolicy:
                 rung = old[min(int(saved), len(old) - 1)]
             link.level = ladder.index(rung) if rung in ladder else len(ladder) - 1
 
-    def step(self, stages: Sequence[Mapping[str, float]], micro_batches: int, *, compressed: bool = True,
+    def step(self, stages: Sequence[Mapping[str, float]], micro_batches: int, *,
              fills: int = 1) -> dict[str, str]:
         """Take one step's per-stage statistics (the trainer's gathered rows: ``fw_raw``, ``fw_bytes``,
         ``fw_wire_bytes``, ``fw_busy_s``, the same for ``bw``, ``compute_s``, and what a stage's receivers saw
         held back, ``in_fw_held_s`` and ``in_bw_held_s``, and ``step_s``) and return the links whose spec
         changes, with their new spec. ``micro_batches``: in the whole step; ``fills``: pipeline passes per
-        step. ``compressed``: whether the step sent the links' codecs (the trainer's auto links do, in the
-        warm-up too; a step sent in full teaches the throughput, the payload then follows from the raw
-        bytes). The first step of a policy (of a run, or of a resumed one after :meth:`load_state`) gives its
+        step. Every message of an auto link is sent with its level's codec, in the warm-up too
+        (:meth:`~aqsgd.schemes.base.BoundaryScheme.compress_warmup`), so the codec bytes are the level's
+        payload. The first step of a policy (of a run, or of a resumed one after :meth:`load_state`) gives its
         probes and nothing else: see the module's docstring."""
         self.steps += 1
         if not self.timing:  # one-time work (kernels built, buffers allocated): not a sample of the links,
@@ -398,7 +398,7 @@ class LinkPolicy:
             bandwidth_s = max(busy - n * link.per_message, 0.0) or busy
             link.seconds_per_bit = _smooth(link.seconds_per_bit, bandwidth_s / (8.0 * wire))
             link.fixed = _smooth(link.fixed, max(wire - sent, 0.0) / n)
-            link.payload = _smooth(link.payload, (sent if compressed else raw * bits / 32.0) / n)
+            link.payload = _smooth(link.payload, sent / n)
             self._probed(link, st, link.auto.direction)
             new = self._choose(link)
             if new != link.level:
