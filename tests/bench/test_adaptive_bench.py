@@ -104,6 +104,16 @@ def test_auto_with_another_error_budget_is_a_setting_of_its_own():
     c = train_config(AdaptiveBenchConfig(), "uneven", "auto:err=0.15", "/tmp/x")
     assert (c.compression.forward, c.compression.backward) == ("auto:err=0.15", "auto:err=0.15")
     assert c.run.run_name == "auto-err=0.15"
+    # a fixed setting with a warm-up codec of its own
+    assert setting_specs("fixed q4 warmup q8") == ("delta:q4", "direct:q6")
+    c = train_config(AdaptiveBenchConfig(), "uneven", "fixed q4 warmup q8", "/tmp/x")
+    assert c.compression.warmup_codec == "q8" and c.run.run_name == "fixed-q4-warmup-q8"
+    plain = train_config(AdaptiveBenchConfig(), "uneven", "fixed q4", "/tmp/x")
+    assert plain.compression.warmup_codec == "none"
+    for bad, needle in (("auto warmup q8", "valid are fp32"),
+                        ("fixed q4 warmup q9", "invalid codec spec 'q9'")):
+        with pytest.raises(ValueError, match=f"setting '{bad}': {needle}"):
+            setting_specs(bad)
 
 
 def test_the_link_of_each_scenario_by_stages_and_steps():

@@ -165,6 +165,40 @@ def test_a_compressed_warmup_of_direct_and_the_schemes_that_refuse_it():
             make_scheme(name, "topk0.3", "sender").compress_warmup()
 
 
+def test_a_warmup_codec_of_its_own():
+    # --warmup-codec q8 on a fixed delta:q2 / direct:q4: the warm-up and first visits go as q8, the rest as
+    # the scheme's codec; both caches hold what q8 decodes to
+    n = 12
+    s, r = pair("delta", "q2", num_samples=n, cache="memory:fp32", row_shape=(6, 16))
+    for scheme in (s, r):
+        scheme.compress_warmup(codec="q8")
+    q2, q8 = make_codec("q2"), make_codec("q8")
+    data = DriftingActivations(n)
+    ids = torch.arange(4)
+    x = data(ids, 0)
+    packets = s.send(x, ids, phase="warmup")
+    assert [(p.kind, p.nbytes) for p in packets] == [(Kind.DIRECT, q8.wire_bytes((4, 6, 16)))]
+    assert torch.equal(r.recv(packets, ids, phase="warmup"), q8.decode(q8.encode(x)))
+    assert_caches_equal(s, r, n)
+    ids2 = torch.tensor([2, 5, 3])
+    packets = s.send(data(ids2, 1), ids2)
+    assert [(p.kind, p.nbytes) for p in packets] == [(Kind.DELTA, q2.wire_bytes((2, 6, 16))),
+                                                     (Kind.DIRECT, q8.wire_bytes((1, 6, 16)))]
+    r.recv(packets, ids2)
+    assert_caches_equal(s, r, n)
+    other = make_scheme("delta", "q2", "receiver", num_samples=n, cache="memory:fp32", row_shape=(6, 16))
+    other.compress_warmup(codec="q6")  # sides that disagree on the warm-up codec fail by name
+    with pytest.raises(PacketMismatchError, match="another codec"):
+        other.recv(s.send(data(ids, 0), ids, phase="warmup"), ids, phase="warmup")
+    ds, dr = pair("direct", "q4")
+    for scheme in (ds, dr):
+        scheme.compress_warmup(codec="q8")
+    g = torch.randn(4, 32)
+    assert ds.send(g, phase="warmup")[0].nbytes == q8.wire_bytes((4, 32))
+    assert torch.equal(dr.recv(ds.send(g, phase="warmup"), phase="warmup"), q8.decode(q8.encode(g)))
+    assert torch.equal(dr.recv(ds.send(g)), make_codec("q4").decode(make_codec("q4").encode(g)))
+
+
 def test_eval_phases_leave_state_untouched():
     n = 6
     s, r = pair("delta", "q2", num_samples=n, cache="memory:fp32")

@@ -79,6 +79,36 @@ def test_invalid_values_name_the_option(tmp_path, field, value, needle):
         _cfg(tmp_path, **{field: value}).validate()
 
 
+@pytest.mark.parametrize("kw, needle", [
+    (dict(warmup_codec="q9"), "--warmup-codec: .*q9"),
+    (dict(warmup_codec="q8", backward="ef:q4"), "--warmup-codec: --backward ef:q4: ef keeps the warm-up's"),
+    (dict(warmup_codec="q8", forward="none", backward="none"),
+     "--warmup-codec: is for directions compressed"),
+    (dict(warmup_codec="q8", runtime="distributed", forward="auto", backward="auto"),
+     "--forward auto and --backward auto have none"),
+])
+def test_a_warmup_codec_needs_a_fixed_direct_or_delta_direction(tmp_path, kw, needle):
+    with pytest.raises(SpecError, match=needle):
+        _cfg(tmp_path, **kw).validate()
+    _cfg(tmp_path, warmup_codec="q8", backward="none").validate()  # one such direction is enough
+
+
+def test_a_warmup_codec_compresses_the_warmup_and_the_first_visits(tmp_path):
+    # the warm-up epoch's activations and gradients go as q8 (a quarter of fp32, plus scales and headers),
+    # where the plain run sends them in full; after it both send the same codecs
+    runs = {}
+    for name, kw in (("full", {}), ("q8", dict(warmup_codec="q8"))):
+        summary = Trainer(_cfg(tmp_path, run_name=name, epochs=2, **kw)).run()
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = ([r for r in rows if r["kind"] == "train"], summary)
+    (full, full_summary), (q8, q8_summary) = runs["full"], runs["q8"]
+    assert full[0]["ratio"] == pytest.approx(1.0, rel=0.05) and 3.2 < q8[0]["ratio"] < 4
+    assert [r["phase"] for r in q8] == [r["phase"] for r in full]
+    assert q8[-1]["ratio"] == pytest.approx(full[-1]["ratio"], rel=0.01)
+    assert q8_summary["traffic_saved"] > full_summary["traffic_saved"] + 0.1
+    assert q8[-1]["loss"] < q8[0]["loss"]
+
+
 def test_eval_set_larger_than_the_training_set(tmp_path):
     """Evaluation sample ids go beyond the AQ-SGD caches' capacity (one row per training sample): evaluation
     must not touch (or prefetch from) the caches."""
@@ -139,6 +169,7 @@ def test_hooks_run_before_every_step_and_evaluation_and_checkpoints_can_be_off(t
     (dict(epochs=3, max_steps=7), False),
     (dict(epochs=1, warmup_epochs=0), False),
     (dict(epochs=1, forward="none", backward="none"), False),  # nothing to compress: nothing to say
+    (dict(epochs=1, warmup_codec="q8"), False),  # the warm-up itself is compressed
 ])
 def test_a_run_that_will_never_compress_says_so(tmp_path, caplog, kw, warned):
     with caplog.at_level("WARNING", logger="aqsgd.train.trainer"):

@@ -11,10 +11,11 @@ Mbit/s halfway). In each scenario every setting trains the same random tiny Llam
   ``auto:err=E`` the same with the error budget ``E`` (to compare budgets side by side);
 * ``fixed <rung>``: every link at one rung of the same ladders (activations ``delta:<rung>``, gradients the
   rung :data:`FIXED_BACKWARD` pairs with it: ``fixed q4`` sends ``direct:q6``), the choices ``auto`` picks
-  from.
+  from; ``fixed <rung> warmup <codec>`` the same with ``--warmup-codec <codec>``.
 
 All settings start with a warm-up epoch (AQ-SGD fills its cache there): uncompressed for fp32 and the fixed
-settings, at each link's chosen level for auto (:mod:`aqsgd.train.adaptive`). Per run:
+settings (``<codec>`` with ``warmup <codec>``), at each link's chosen level for auto
+(:mod:`aqsgd.train.adaptive`). Per run:
 
 * ``time_to_target_s``: training seconds (the sum of the step times, warm-up included) until the training
   loss, as a mean over :data:`SMOOTH` steps, is at or below the *target*: the loss ``fp32`` reaches (the same
@@ -47,6 +48,7 @@ from typing import Any
 
 from aqsgd.bench.pipeline import _bench_entry
 from aqsgd.comm.launch import launch_local
+from aqsgd.compress import make_codec
 from aqsgd.errors import StageFailedError
 from aqsgd.train.adaptive import BITS, LADDERS, parse_auto
 from aqsgd.train.config import TrainConfig
@@ -81,15 +83,33 @@ def all_settings() -> dict[str, tuple[str, str]]:
 
 def setting_specs(name: str) -> tuple[str, str]:
     """A setting's ``(--forward, --backward)``: one of :func:`all_settings`, or ``auto:err=E`` (auto on both
-    directions with the error budget ``E``, or ``none``: to compare budgets in one run); ValueError naming
-    the setting otherwise."""
+    directions with the error budget ``E``, or ``none``: to compare budgets in one run), or ``fixed <rung>
+    warmup <codec>`` (that fixed setting with ``--warmup-codec <codec>``); ValueError naming the setting
+    otherwise."""
     known = all_settings()
-    if name in known:
-        return known[name]
+    base, codec = _split_warmup(name)
+    if base in known and (codec is None or base.startswith("fixed ")):
+        if codec is not None:
+            try:
+                make_codec(codec)
+            except ValueError as e:
+                raise ValueError(f"setting {name!r}: {e}") from None
+        return known[base]
     if name.startswith("auto:err="):
         parse_auto(name, "forward")  # a bad budget: its own message
         return name, name
-    raise ValueError(f"setting {name!r}: valid are {', '.join(known)} and auto:err=E (E in (0, 1) or none)")
+    raise ValueError(f"setting {name!r}: valid are {', '.join(known)}, auto:err=E (E in (0, 1) or none) and "
+                     "'fixed RUNG warmup CODEC'")
+
+
+def warmup_codec(name: str) -> str:
+    """The ``--warmup-codec`` of a setting (``fixed q4 warmup q8``: q8), ``none`` where it names none."""
+    return _split_warmup(name)[1] or "none"
+
+
+def _split_warmup(name: str) -> tuple[str, str | None]:
+    base, sep, codec = name.partition(" warmup ")
+    return (base, codec.strip()) if sep else (name, None)
 
 
 @dataclasses.dataclass
@@ -130,6 +150,7 @@ def train_config(cfg: AdaptiveBenchConfig, scenario: str, setting: str, output_d
         vocab_size=cfg.vocab, max_length=cfg.seq_len, max_train_samples=cfg.train_samples,
         max_eval_samples=cfg.eval_samples, stages=cfg.stages, micro_batches=cfg.num_microbatches,
         micro_batch_size=cfg.microbatch_size, forward=forward, backward=backward, warmup_epochs=1,
+        warmup_codec=warmup_codec(setting),
         epochs=-(-cfg.steps * batch // cfg.train_samples), max_steps=cfg.steps, lr=cfg.lr, lr_warmup=0.0,
         seed=cfg.seed, eval_every=max(1, cfg.steps // max(cfg.evals, 1)), checkpoint_every=0, progress=False,
         tensorboard=False,
@@ -167,6 +188,7 @@ def _run_record(setting: str, rows: list[dict[str, Any]], error: str | None = No
     late = [e["uncompressed"]["perplexity"] for e in evals if e["step"] >= TARGET_AT * steps]
     return {
         "setting": setting, "forward": setting_specs(setting)[0], "backward": setting_specs(setting)[1],
+        "warmup_codec": warmup_codec(setting),
         "loss": [r["loss"] for r in train], "step_s": [r["time"]["step"] for r in train],
         "codecs": [r.get("codecs") for r in train],
         # auto: every rung's relative error on each link's probed micro-batch (aqsgd.train.adaptive)

@@ -104,8 +104,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ad.add_argument("--scenarios", type=lambda t: t.split(","), default=list(da.scenarios),
                     help=f"of {', '.join(f'{k} ({v})' for k, v in SCENARIOS.items())} (default: all)")
     ad.add_argument("--settings", nargs="+", type=_adaptive_setting, default=list(da.settings),
-                    metavar="SETTING", help=f"of {', '.join(all_settings())}, and auto:err=E (auto with the "
-                    "error budget E, to compare budgets) (default: all but auto:err=E; fp32 is needed)")
+                    metavar="SETTING", help=f"of {', '.join(all_settings())}, auto:err=E (auto with the "
+                    "error budget E, to compare budgets) and 'fixed RUNG warmup CODEC' (a fixed setting with "
+                    "--warmup-codec CODEC) (default: all of the first list; fp32 is needed)")
     ad.add_argument("--stages", type=positive_int, default=da.stages, help="2 to 4 (default: 4)")
     ad.add_argument("--steps", type=positive_int, default=da.steps, help="training steps (default: 40)")
     ad.add_argument("--train-samples", type=positive_int, default=da.train_samples,

@@ -71,6 +71,9 @@ class CompressionConfig:
         cache_dir: directory for disk caches.
         ef_key: ``slot`` or ``sample`` keying of EF/EF21 state.
         seed: base seed of the schemes' random generators (stochastic rounding).
+        warmup: channel -> the codec spec its schemes send the warm-up and AQ-SGD's first visits with
+            (:meth:`~aqsgd.schemes.base.BoundaryScheme.compress_warmup`); a channel not in it sends them in
+            full.
     """
 
     default: BoundarySpec = dataclasses.field(default_factory=BoundarySpec)
@@ -80,6 +83,7 @@ class CompressionConfig:
     cache_dir: str | None = None
     ef_key: str = "slot"
     seed: int = 0
+    warmup: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def simple(cls, forward: str = "none", backward: str = "none", **kw: Any) -> CompressionConfig:
@@ -104,11 +108,14 @@ class CompressionConfig:
                 raise SpecError("a disk cache needs cache_dir")
             path = Path(self.cache_dir) / f"boundary{b}-{name}-{side}.bin"
             path.parent.mkdir(parents=True, exist_ok=True)
-        return make_scheme(
+        scheme = make_scheme(
             d.scheme, d.codec, side, num_samples=self.num_samples, cache=self.cache, cache_path=path,
             row_shape=row_shape, key=self.ef_key, dtype=dtype, label=f"boundary {b} {name}",
             seed=self.scheme_seed(b, channel, replica), device=device,
         )
+        if channel in self.warmup:
+            scheme.compress_warmup(codec=self.warmup[channel])
+        return scheme
 
     def scheme_seed(self, b: int, channel: int, replica: int = 0) -> int:
         """Seed of one direction's random generator (stochastic rounding, only the sender draws): distinct per
@@ -127,6 +134,8 @@ class CompressionConfig:
                                "backward": str(self.for_boundary(b).backward)}
                            for b in range(num_boundaries)},
             "num_samples": self.num_samples, "cache": self.cache, "ef_key": self.ef_key, "seed": self.seed,
+            **({"warmup": {("forward" if c == FORWARD_CHANNEL else "backward"): make_codec(spec).spec
+                           for c, spec in sorted(self.warmup.items())}} if self.warmup else {}),
         }
 
     def fingerprint(self, num_boundaries: int) -> str:

@@ -125,24 +125,30 @@ class BoundaryScheme(abc.ABC):
         self._probe_sums: torch.Tensor | None = None
         self._probe_pending: tuple[torch.Tensor, torch.Tensor] | None = None  # see _measure
         self.warmup_compressed = False  # see compress_warmup
+        self.warmup_codec: Codec | None = None
 
     # -- what the warm-up sends --------------------------------------------------------------------
     warmup_codec_allowed: ClassVar[bool] = False  # whether compress_warmup may be turned on
 
-    def compress_warmup(self, on: bool = True) -> None:
-        """Send with the scheme's codec what is otherwise sent in full: the warm-up (and, for AQ-SGD, the
-        first visit of a sample, whose decoded rows both sides cache). Both sides of a link must agree; the
-        bits chosen per link (:mod:`aqsgd.train.adaptive`) turn it on for every auto link, whose codec the
-        error budget and the link's time choose in the warm-up as after it. Schemes whose state is built from
-        the warm-up's exact values (EF, EF21) do not take it: :class:`SchemeError`."""
+    def compress_warmup(self, on: bool = True, *, codec: Codec | str | None = None) -> None:
+        """Send compressed what is otherwise sent in full: the warm-up (and, for AQ-SGD, the first visit of a
+        sample, whose decoded rows both sides cache). ``codec``: what it is sent with (a fixed setting's
+        ``--warmup-codec``, e.g. q8 where the scheme's own codec is a 2-bit delta's); None: the scheme's own
+        codec, whichever it is at the time (the bits chosen per link, :mod:`aqsgd.train.adaptive`, turn this
+        on for every auto link, whose codec the error budget and the link's time choose in the warm-up as
+        after it). Both sides of a link must agree. Schemes whose state is built from the warm-up's exact
+        values (EF, EF21) do not take it: :class:`SchemeError`."""
         if on and not self.warmup_codec_allowed:
             raise SchemeError(f"{self.label}: a {self.name} scheme sends its warm-up in full; only direct "
                               "and delta can compress it")
         self.warmup_compressed = on
+        self.warmup_codec = make_codec(codec) if isinstance(codec, str) else codec
 
     def _first(self) -> tuple[Kind, Codec]:
         """The kind and codec of what goes in full unless :meth:`compress_warmup` is on."""
-        return (Kind.DIRECT, self.codec) if self.warmup_compressed else (Kind.RAW, self.raw)
+        if not self.warmup_compressed:
+            return Kind.RAW, self.raw
+        return Kind.DIRECT, self.warmup_codec or self.codec
 
     # -- error probe ---------------------------------------------------------------------------------
     def set_probe(self, codecs: Sequence[Codec | str] | None) -> None:

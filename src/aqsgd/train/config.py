@@ -185,9 +185,9 @@ class CompressionSection:
 
     forward: str = "delta:q2:l2"
     """activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`), or auto[:FLOOR][:err=E]:
-    AQ-SGD with the bits of each boundary chosen from its measured link (fp16, q8, q4, q3, q2:l2; distributed)
-    and each level's measured relative error at most E (default 0.1; none: no budget); the default is AQ-SGD
-    at 2 bits with MSE-clipped per-channel scales"""
+    AQ-SGD with the bits of each boundary chosen from its measured link (fp16, q8, q6, q4, q3, q2:l2;
+    distributed) and each level's measured relative error at most E (default 0.1; none: no budget); the
+    default is AQ-SGD at 2 bits with MSE-clipped per-channel scales"""
     backward: str = "direct:q4"
     """activation gradients: [SCHEME:]CODEC, or auto[:FLOOR][:err=E] (bf16, q8, q6, q4 chosen per link)"""
     cache: str = "memory"
@@ -195,7 +195,12 @@ class CompressionSection:
     ef_key: str = "slot"
     """error-feedback state key: slot or sample"""
     warmup_epochs: int = 1
-    """epochs without compression first (AQ-SGD fills its cache there), but for auto links"""
+    """epochs without compression first (AQ-SGD fills its cache there), but for auto links and a
+    --warmup-codec"""
+    warmup_codec: str = "none"
+    """what the warm-up epochs and AQ-SGD's first visits send on every direction compressed with a fixed
+    direct or delta setting: none (in full, as in the AQ-SGD paper) or a codec such as q8 (AQ-SGD then caches
+    what it decodes to, and its next visit's delta carries the difference); auto links send their level"""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -445,6 +450,7 @@ class TrainConfig:
     def validate(self) -> Self:
         """Check every value; raise SpecError naming the option (as it is spelled on the command line)."""
         from aqsgd.comm.link import parse_links
+        from aqsgd.compress import make_codec
         from aqsgd.train.adaptive import is_auto, parse_auto
         from aqsgd.parallel.sync import parse_grad_sync
         from aqsgd.pipeline.balance import parse_slow_stages
@@ -528,6 +534,18 @@ class TrainConfig:
                               "needs --runtime distributed (the local runtime has no links)")
             else:
                 parsed(direction, DirectionSpec.parse)
+        if v["warmup_codec"] != "none":
+            parsed("warmup_codec", make_codec)
+            fixed = {d: DirectionSpec.parse(v[d]) for d in ("forward", "backward") if not is_auto(v[d])}
+            fixed = {d: spec for d, spec in fixed.items() if spec.codec != "none"}
+            for d, spec in fixed.items():
+                if spec.scheme not in ("direct", "delta"):
+                    raise bad("warmup_codec", f"--{d} {v[d]}: {spec.scheme} keeps the warm-up's exact values "
+                              "(error feedback); only direct and delta directions take a warm-up codec")
+            if not fixed:
+                raise bad("warmup_codec", f"is for directions compressed with a fixed setting; --forward "
+                          f"{v['forward']} and --backward {v['backward']} have none (auto links send their "
+                          "level in the warm-up)")
         if not v["cache"].startswith("disk"):
             parsed("cache", lambda spec: make_cache(spec, 1, row_shape=(1,), path="/dev/null"))
         if v["layers"] is not None and len(v["layers"]) != v["stages"]:

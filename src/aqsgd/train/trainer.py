@@ -254,6 +254,17 @@ class Trainer:
         self._skipped_in_a_row = 0  # steps in a row not applied for a non-finite loss or gradient norm
         self._links_seen: dict[Any, Any] = {}  # the transport's counters at the last step (see _link_deltas)
 
+    def _warmup_codecs(self) -> dict[int, str]:
+        """``--warmup-codec``: the channels whose warm-up and first visits it compresses (every direction with
+        a fixed compressed setting; validated to be direct or delta) and the codec; auto links send their
+        level instead (see the policy's compress_warmup below)."""
+        c = self.cfg.compression
+        if c.warmup_codec == "none":
+            return {}
+        return {channel: c.warmup_codec
+                for channel, spec in ((FORWARD_CHANNEL, c.forward), (BACKWARD_CHANNEL, c.backward))
+                if not is_auto(spec) and DirectionSpec.parse(spec).codec != "none"}
+
     def _warn_if_never_compressed(self) -> None:
         """Compression was asked for, but the uncompressed warm-up epochs cover every step of the run: say so
         (once per run), since the summary would otherwise just show no saving."""
@@ -261,7 +272,8 @@ class Trainer:
         asked = [f"--{name} {spec}" for name, spec in (("forward", c.forward), ("backward", c.backward))
                  if not is_auto(spec) and DirectionSpec.parse(spec).codec != "none"]  # auto: warm-up too
         warm = self.steps_per_epoch * c.warmup_epochs
-        if not asked or self.total_steps > warm or (self.grid is not None and self.grid.rank != 0):
+        if (not asked or c.warmup_codec != "none" or self.total_steps > warm
+                or (self.grid is not None and self.grid.rank != 0)):
             return
         log.warning("no step of this run will be compressed: its %d steps all fall in the %d uncompressed "
                     "warm-up epoch(s) (--warmup-epochs %d, %d steps each), so %s will not be used; lower "
@@ -293,7 +305,8 @@ class Trainer:
         fw, bw = (a.spec(0) if a else spec for a, spec in ((autos["forward"], c.forward),
                                                             (autos["backward"], c.backward)))
         comp = CompressionConfig.simple(fw, bw, num_samples=len(self.task.train),
-                                        cache=c.cache, cache_dir=cache_dir, ef_key=c.ef_key, seed=o.seed)
+                                        cache=c.cache, cache_dir=cache_dir, ef_key=c.ef_key, seed=o.seed,
+                                        warmup=self._warmup_codecs())
         if profiling:  # no codec and no cache: neither takes time nor writes files while stages are timed
             comp = CompressionConfig.simple("none", "none")
         autocast = torch.bfloat16 if compute_dtype(o.dtype, device) == "bf16" else None
