@@ -86,11 +86,14 @@ def test_invalid_values_name_the_option(tmp_path, field, value, needle):
      "--warmup-codec: is for directions compressed"),
     (dict(warmup_codec="q8", runtime="distributed", forward="auto", backward="auto"),
      "--forward auto and --backward auto have none"),
+    (dict(warmup_codec="q8", warmup_epochs=0, forward="direct:q4"),
+     "--warmup-codec: with --warmup-epochs 0 "),
 ])
 def test_a_warmup_codec_needs_a_fixed_direct_or_delta_direction(tmp_path, kw, needle):
     with pytest.raises(SpecError, match=needle):
         _cfg(tmp_path, **kw).validate()
     _cfg(tmp_path, warmup_codec="q8", backward="none").validate()  # one such direction is enough
+    _cfg(tmp_path, warmup_codec="q8", warmup_epochs=0).validate()  # delta's first visits
 
 
 def test_a_warmup_codec_compresses_the_warmup_and_the_first_visits(tmp_path):

@@ -546,6 +546,9 @@ class TrainConfig:
                 raise bad("warmup_codec", f"is for directions compressed with a fixed setting; --forward "
                           f"{v['forward']} and --backward {v['backward']} have none (auto links send their "
                           "level in the warm-up)")
+            if v["warmup_epochs"] == 0 and all(spec.scheme != "delta" for spec in fixed.values()):
+                raise bad("warmup_codec", "with --warmup-epochs 0 only AQ-SGD's first visits go in full, and "
+                          "no direction here is delta: nothing would be sent with it")
         if not v["cache"].startswith("disk"):
             parsed("cache", lambda spec: make_cache(spec, 1, row_shape=(1,), path="/dev/null"))
         if v["layers"] is not None and len(v["layers"]) != v["stages"]:
