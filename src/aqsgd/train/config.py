@@ -202,6 +202,17 @@ class CompressionSection:
     direct or delta setting: none (in full, as in the AQ-SGD paper) or a codec such as q8 (AQ-SGD then caches
     what it decodes to, and its next visit's delta carries the difference); auto links send their level"""
 
+    def fixed_compressed(self) -> dict[str, Any]:
+        """The directions compressed with a fixed setting (not auto, codec not none), by name (forward,
+        backward), as parsed :class:`~aqsgd.pipeline.compression.DirectionSpec`: where ``--warmup-codec``
+        applies, and what an uncompressed warm-up keeps from being used."""
+        from aqsgd.pipeline.compression import DirectionSpec
+        from aqsgd.train.adaptive import is_auto
+
+        texts = {"forward": self.forward, "backward": self.backward}
+        specs = {d: DirectionSpec.parse(text) for d, text in texts.items() if not is_auto(text)}
+        return {d: spec for d, spec in specs.items() if spec.codec != "none"}
+
 
 @dataclasses.dataclass(kw_only=True)
 class OptimSection:
@@ -536,8 +547,7 @@ class TrainConfig:
                 parsed(direction, DirectionSpec.parse)
         if v["warmup_codec"] != "none":
             parsed("warmup_codec", make_codec)
-            fixed = {d: DirectionSpec.parse(v[d]) for d in ("forward", "backward") if not is_auto(v[d])}
-            fixed = {d: spec for d, spec in fixed.items() if spec.codec != "none"}
+            fixed = self.compression.fixed_compressed()
             for d, spec in fixed.items():
                 if spec.scheme not in ("direct", "delta"):
                     raise bad("warmup_codec", f"--{d} {v[d]}: {spec.scheme} keeps the warm-up's exact values "

@@ -51,7 +51,7 @@ from aqsgd.interrupts import signals_held
 from aqsgd.parallel import ProcessGrid, make_grad_sync
 from aqsgd.parallel.grid import check_same_settings
 from aqsgd.pipeline.checkpointing import checkpoint_blocks
-from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig, DirectionSpec
+from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig
 from aqsgd.pipeline.materialize import load_weights, materialize_stage
 from aqsgd.pipeline.partition import partition_model, shared_parameters
 from aqsgd.schemes import Phase
@@ -261,16 +261,14 @@ class Trainer:
         c = self.cfg.compression
         if c.warmup_codec == "none":
             return {}
-        return {channel: c.warmup_codec
-                for channel, spec in ((FORWARD_CHANNEL, c.forward), (BACKWARD_CHANNEL, c.backward))
-                if not is_auto(spec) and DirectionSpec.parse(spec).codec != "none"}
+        return {FORWARD_CHANNEL if d == "forward" else BACKWARD_CHANNEL: c.warmup_codec
+                for d in c.fixed_compressed()}
 
     def _warn_if_never_compressed(self) -> None:
         """Compression was asked for, but the uncompressed warm-up epochs cover every step of the run: say so
         (once per run), since the summary would otherwise just show no saving."""
         c = self.cfg.compression
-        asked = [f"--{name} {spec}" for name, spec in (("forward", c.forward), ("backward", c.backward))
-                 if not is_auto(spec) and DirectionSpec.parse(spec).codec != "none"]  # auto: warm-up too
+        asked = [f"--{d} {getattr(c, d)}" for d in c.fixed_compressed()]  # auto: warm-up too
         warm = self.steps_per_epoch * c.warmup_epochs
         if (not asked or c.warmup_codec != "none" or self.total_steps > warm
                 or (self.grid is not None and self.grid.rank != 0)):
