@@ -30,3 +30,81 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# aten operations after which the host waits for a CUDA device whatever the sizes: a value read to the host,
+# or an output whose size depends on the data (``repeat_interleave`` only without ``output_size``; indexing
+# only with a boolean mask)
+_WAITS_FOR_THE_DEVICE = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2",
+                                   "unique_dim", "unique_consecutive", "bincount", "equal", "is_nonzero"})
+
+
+def _waits_for_the_device(func, args, kwargs) -> bool:
+    name = func.overloadpacket.__name__
+    if name in _WAITS_FOR_THE_DEVICE:
+        return True
+    if name == "repeat_interleave":
+        return isinstance(args[0] if args else kwargs.get("repeats"), torch.Tensor) and (
+            kwargs.get("output_size") is None and func._overloadname in ("Tensor", "self_Tensor"))
+    if name in ("index", "index_put", "index_put_"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+    return False
+
+
+@pytest.fixture
+def device_waits():
+    """``with device_waits() as waits:`` records in ``waits`` the names of the aten operations inside the
+    block that would make the host wait for a CUDA device (what ``torch.cuda.set_sync_debug_mode("error")``
+    refuses on a GPU), whatever device the tensors are on: so that CPU-only CI checks what the GPU tests
+    check, for the code paths the CPU takes. Operations inside a Triton kernel run by the interpreter
+    (``TRITON_INTERPRET=1``: its copies of the kernel's arguments) are not the library's and are left out."""
+    import contextlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    inside_kernel = [0]
+
+    class Record(TorchDispatchMode):
+        def __init__(self, waits):
+            super().__init__()
+            self.waits = waits
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if not inside_kernel[0] and _waits_for_the_device(func, args, kwargs):
+                self.waits.append(func.overloadpacket.__name__)
+            return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def waits():
+        found: list[str] = []
+        with contextlib.ExitStack() as stack:
+            interpreter = _triton_interpreter()
+            if interpreter is not None:
+                real = interpreter.GridExecutor.__call__
+
+                def call(executor, *a, **k):
+                    inside_kernel[0] += 1
+                    try:
+                        return real(executor, *a, **k)
+                    finally:
+                        inside_kernel[0] -= 1
+
+                interpreter.GridExecutor.__call__ = call
+                stack.callback(setattr, interpreter.GridExecutor, "__call__", real)
+            stack.enter_context(Record(found))
+            yield found
+
+    return waits
+
+
+def _triton_interpreter():
+    """Triton's interpreter module where the Triton kernels run under it in this process, else None."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return None
+    try:
+        import triton.runtime.interpreter as interpreter
+    except ImportError:
+        return None
+    return interpreter if hasattr(interpreter, "GridExecutor") else None

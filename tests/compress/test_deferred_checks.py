@@ -105,6 +105,51 @@ def test_the_fused_aqsgd_step_defers_too(spec):
 CUDA_SPECS = ["q4", "q2:token", "q8:block64", "q4:midrise", "q3", "fp16", "bf16", "topk0.1"]
 
 
+def test_the_device_waits_fixture_sees_what_would_wait_for_a_gpu(device_waits):
+    """The CPU's stand-in for torch's sync debug mode (tests/conftest.py) records a value read to the host and
+    the outputs sized by the data, and nothing else."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    with device_waits() as waits:
+        (x * 2 + 1).abs().amax(dim=0).clamp_(min=1e-3)
+        x[torch.tensor([0, 2])]
+        x.repeat_interleave(2, dim=0)
+        x.view(-1)[:3].sum()
+    assert waits == []
+    with device_waits() as waits:
+        float(x.max())
+        bool(x.isnan().any())
+        x[x > 0]
+        torch.nonzero(x)
+        torch.repeat_interleave(torch.tensor([1, 2]))
+        torch.unique(x)
+    assert waits == ["_local_scalar_dense", "_local_scalar_dense", "index", "nonzero", "repeat_interleave",
+                     "_unique2"]
+
+
+# the same on the CPU by the operations called (the device_waits fixture), for the eager backend: a GPU's
+# fallback where Triton is missing (the Triton backend's cases run under Triton's interpreter, in
+# triton_cases.py). TopK is left out: on the CPU its selection takes the host's own path.
+EAGER_WAIT_FREE = ["q4", "q2:token", "q8:block64", "q4:midrise", "q3", "q1", "fp16", "bf16", "q4:rot32",
+                   "q4:stochastic", "q4:l2", "q2:token:l2", "q8:scale32", "q4:tensor", "tah", "tah6"]
+
+
+@pytest.mark.parametrize("spec", EAGER_WAIT_FREE)
+def test_no_operation_that_waits_for_a_gpu_inside_an_eager_encode_or_decode(spec, device_waits):
+    codec = make_codec(spec, backend="eager")
+    x = _bad()
+    fine = x.nan_to_num()
+    with deferring_checks():
+        with collecting_pending_checks():
+            codec.decode(codec.encode(fine))  # first calls (the rotation's signs) outside the region
+        with device_waits() as waits:
+            refused = codec.encode(x)
+            good = codec.encode(fine)
+            with collecting_pending_checks() as pending:
+                codec.decode(good)
+    assert waits == []
+    assert refused.refusal() is not None and good.refusal() is None and pending.failure() is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("spec", CUDA_SPECS)
 def test_no_host_synchronisation_inside_an_encode_on_cuda(spec):

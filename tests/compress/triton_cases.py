@@ -481,3 +481,69 @@ def test_the_aqsgd_steps_on_short_rows_equal_the_other_backends(spec, monkeypatc
         assert all(torch.equal(a, b) for pa, pb in zip(tri[1], ref[1]) for a, b in zip(pa, pb)), other
         assert torch.equal(tri[2].view(torch.int16), ref[2].view(torch.int16)), other
         assert torch.equal(tri[3].view(torch.int16), ref[3].view(torch.int16)), other
+
+
+# -- no operation that waits for the device: what the CUDA tests check with torch's sync debug mode
+# (test_deferred_checks.py), checked here by the operations called (the ``device_waits`` fixture, which
+# leaves the interpreter's own copies out). Not covered: the outlier rows' encode and the entropy stages (:rc,
+# :zstd), which synchronise by design (kernels' docstring), and the code that runs only on a GPU (pinned
+# memory).
+_WAIT_FREE = ["q4", "q2:token", "q8:block64", "q4:midrise", "q3", "q1", "fp16", "bf16", "q4:rot32",
+              "q4:stochastic", "q4:l2", "q2:token:l2", "q8:scale32", "q4:tensor", "topk0.1", "topk0.1+q4",
+              "topk0.1+q8:token", "tah", "tah6"]
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero", "ignore:overflow encountered in cast")
+@pytest.mark.parametrize("spec", _WAIT_FREE)
+def test_no_operation_that_waits_for_a_gpu_inside_encode_or_decode(spec, device_waits):
+    """Checks deferred and collected, as on a GPU: an encode of NaN input, one of good input and the decode
+    of its packet call nothing that would make the host wait; the first packet refuses, the decode equals
+    the eager backend's of the same packet."""
+    from aqsgd.compress.base import collecting_pending_checks, deferring_checks
+
+    codec = make_codec(spec, backend="triton")
+    fine = _data((4, 6, 32))
+    bad = fine.clone()
+    bad[2, 3, 7] = float("nan")
+    with deferring_checks(True):
+        with collecting_pending_checks():
+            codec.decode(codec.encode(fine))  # first calls (the rotation's signs) outside the region
+        with device_waits() as waits:
+            refused = codec.encode(bad)
+            good = codec.encode(fine)
+            with collecting_pending_checks() as pending:
+                y = codec.decode(good)
+    assert waits == []
+    assert refused.refusal() is not None and good.refusal() is None and pending.failure() is None
+    assert torch.equal(y, make_codec(spec, backend="eager").decode(good))
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")
+@pytest.mark.parametrize("spec", ["q4", "q2:l2", "q4:token"])
+def test_no_operation_that_waits_for_a_gpu_inside_the_fused_aqsgd_steps(spec, device_waits):
+    """The sender's and the receiver's fused step against a cache's rows (the rows' store made outside, as
+    the scheme makes it), NaN input included (into a cache of its own: a refused send stops the run, and
+    the cache it wrote into is not used again): nothing waits; both caches end as the eager backend's
+    step-by-step path (get, decode, add, put) leaves the receiver's."""
+    from aqsgd.compress.base import collecting_pending_checks, deferring_checks
+    from aqsgd.schemes.cache.memory import MemoryCache
+
+    codec = make_codec(spec, backend="triton")
+    caches = [MemoryCache(8, (6, 32), storage_dtype=torch.float16) for _ in range(4)]
+    ids = torch.arange(4)
+    for cache in caches:
+        cache.put(ids, _data((4, 6, 32), seed=1))
+    x = _data((4, 6, 32), seed=2)
+    bad = x.clone()
+    bad[1, 2, 3] = float("nan")
+    stores = [cache.row_store(ids) for cache in caches]
+    with deferring_checks(True), device_waits() as waits:
+        refused = codec.encode_delta(bad, stores[0])
+        packet = codec.encode_delta(x, stores[1])
+        with collecting_pending_checks() as pending:
+            codec.decode_delta(packet, stores[2])
+    assert waits == []
+    assert refused.refusal() is not None and packet.refusal() is None and pending.failure() is None
+    caches[3].put(ids, caches[3].get(ids) + make_codec(spec, backend="eager").decode(packet))  # step by step
+    assert torch.equal(caches[1].get(ids), caches[2].get(ids))
+    assert torch.equal(caches[2].get(ids), caches[3].get(ids))

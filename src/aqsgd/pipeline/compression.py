@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -127,17 +126,3 @@ class CompressionConfig:
             return base
         digest = hashlib.sha256(f"{base}/replica{replica}".encode()).digest()
         return int.from_bytes(digest[:4], "little")
-
-    def describe(self, num_boundaries: int) -> dict[str, Any]:
-        return {
-            "boundaries": {b: {"forward": str(self.for_boundary(b).forward),
-                               "backward": str(self.for_boundary(b).backward)}
-                           for b in range(num_boundaries)},
-            "num_samples": self.num_samples, "cache": self.cache, "ef_key": self.ef_key, "seed": self.seed,
-            **({"warmup": {("forward" if c == FORWARD_CHANNEL else "backward"): make_codec(spec).spec
-                           for c, spec in sorted(self.warmup.items())}} if self.warmup else {}),
-        }
-
-    def fingerprint(self, num_boundaries: int) -> str:
-        text = json.dumps(self.describe(num_boundaries), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
