@@ -57,6 +57,8 @@ SETTINGS: dict[str, Setting] = {
     # the same with its warm-up epoch and AQ-SGD's first visits sent as 8-bit codes instead of fp32
     # (--warmup-codec q8): the warm-up is most of a short fine-tuning's traffic
     "aqsgd fw2/bw4 l2 warmup q8": Setting("delta:q2:l2", "direct:q4", {"warmup_codec": "q8"}),
+    # ... with one scale per token: on SmolLM2 the attention-sink position sets every per-channel scale
+    "aqsgd fw2/bw4 l2 warmup q8 token": Setting("delta:q2:l2", "direct:q4", {"warmup_codec": "q8:token"}),
     # all four 2-bit codes (no zero level) with a scale per token: on SmolLM2 the attention-sink position
     # (~100x the others) sets every per-channel scale, and a midrise grid then sends the other positions'
     # near-zero values of those channels as +-step/2 (benchmarks/boundary_errors.py)
