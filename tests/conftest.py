@@ -43,9 +43,8 @@ def _waits_for_the_device(func, args, kwargs) -> bool:
     name = func.overloadpacket.__name__
     if name in _WAITS_FOR_THE_DEVICE:
         return True
-    if name == "repeat_interleave":
-        return isinstance(args[0] if args else kwargs.get("repeats"), torch.Tensor) and (
-            kwargs.get("output_size") is None and func._overloadname in ("Tensor", "self_Tensor"))
+    if name == "repeat_interleave":  # (output_size is keyword-only)
+        return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
     if name in ("index", "index_put", "index_put_"):
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
@@ -97,6 +96,28 @@ def device_waits():
             yield found
 
     return waits
+
+
+@pytest.fixture
+def round_trip_waits(device_waits):
+    """``round_trip_waits(codec, fine, bad)``: as on a GPU (checks deferred, the decode's collected), an
+    encode of ``bad``, one of ``fine`` and the decode of the latter's packet, after a first round trip outside
+    the recorded region (a rotation's signs are made there); returns ``(waits, refused, good, decoded,
+    pending)``: what :func:`device_waits` recorded, the two packets, the decode and the collected checks."""
+    from aqsgd.compress.base import collecting_pending_checks, deferring_checks
+
+    def run(codec, fine, bad):
+        with deferring_checks(True):
+            with collecting_pending_checks():
+                codec.decode(codec.encode(fine))
+            with device_waits() as waits:
+                refused = codec.encode(bad)
+                good = codec.encode(fine)
+                with collecting_pending_checks() as pending:
+                    decoded = codec.decode(good)
+        return waits, refused, good, decoded, pending
+
+    return run
 
 
 def _triton_interpreter():

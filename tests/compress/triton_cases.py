@@ -495,24 +495,14 @@ _WAIT_FREE = ["q4", "q2:token", "q8:block64", "q4:midrise", "q3", "q1", "fp16", 
 
 @pytest.mark.filterwarnings("ignore:divide by zero", "ignore:overflow encountered in cast")
 @pytest.mark.parametrize("spec", _WAIT_FREE)
-def test_no_operation_that_waits_for_a_gpu_inside_encode_or_decode(spec, device_waits):
+def test_no_operation_that_waits_for_a_gpu_inside_encode_or_decode(spec, round_trip_waits):
     """Checks deferred and collected, as on a GPU: an encode of NaN input, one of good input and the decode
     of its packet call nothing that would make the host wait; the first packet refuses, the decode equals
     the eager backend's of the same packet."""
-    from aqsgd.compress.base import collecting_pending_checks, deferring_checks
-
-    codec = make_codec(spec, backend="triton")
     fine = _data((4, 6, 32))
     bad = fine.clone()
     bad[2, 3, 7] = float("nan")
-    with deferring_checks(True):
-        with collecting_pending_checks():
-            codec.decode(codec.encode(fine))  # first calls (the rotation's signs) outside the region
-        with device_waits() as waits:
-            refused = codec.encode(bad)
-            good = codec.encode(fine)
-            with collecting_pending_checks() as pending:
-                y = codec.decode(good)
+    waits, refused, good, y, pending = round_trip_waits(make_codec(spec, backend="triton"), fine, bad)
     assert waits == []
     assert refused.refusal() is not None and good.refusal() is None and pending.failure() is None
     assert torch.equal(y, make_codec(spec, backend="eager").decode(good))
