@@ -62,8 +62,8 @@ def signals_held() -> Iterator[None]:
 def stop_on_signals(*, again: str = "exit") -> Iterator[None]:
     """Within the block, SIGINT and SIGTERM raise :class:`~aqsgd.errors.Interrupted` in the main thread;
     ``again``: what a later signal does (``exit`` at once with 128 + its number, or ``ignore`` it). The
-    previous handlers come back when the block ends. Outside the main thread (where Python cannot install
-    handlers) the block runs unchanged."""
+    previous handlers come back when the block ends, however it ends (also where installing them failed
+    part-way). Outside the main thread (where Python cannot install handlers) the block runs unchanged."""
     if again not in ("exit", "ignore"):
         raise ValueError(f"again must be 'exit' or 'ignore', got {again!r}")
     if threading.current_thread() is not threading.main_thread():
@@ -86,9 +86,9 @@ def stop_on_signals(*, again: str = "exit") -> Iterator[None]:
             return
         raise Interrupted(signum)
 
-    for s in STOP_SIGNALS:
-        signal.signal(s, handler)
     try:
+        for s in STOP_SIGNALS:  # (within the try: one that cannot be installed puts back those that were)
+            signal.signal(s, handler)
         yield
     finally:
         for s, h in previous.items():

@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from aqsgd.cli import main
@@ -76,3 +77,108 @@ def test_bench_codecs_records_versions_and_profiles_only_on_cuda(tmp_path):
     assert data["versions"]["torch"] == torch.__version__
     (row,) = data["rows"]
     assert row["encode_kernels"] is None and row["decode_kernel_us"] is None  # the profile is CUDA's
+
+
+# ---------------------------------------------------------------------------- --help is plain text
+def _commands(parser, path=()):
+    """The argv prefix of every command and subcommand (``()``: ``aqsgd`` itself)."""
+    import argparse
+
+    yield path
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*path, name))
+
+
+_REST_MARKUP = (":class:", ":func:", ":mod:", ":meth:", ":attr:", "``")
+
+
+def test_no_help_shows_rest_markup(capsys):
+    from aqsgd.cli import build_parser
+
+    commands = list(_commands(build_parser()))
+    assert ("train",) in commands and ("bench", "codecs") in commands and ("eval",) in commands
+    for command in commands:
+        with pytest.raises(SystemExit) as exit_:
+            main([*command, "--help"])
+        assert exit_.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: aqsgd")
+        shown = [m for m in _REST_MARKUP if m in out]
+        assert not shown, f"aqsgd {' '.join(command)} --help shows {shown}"
+
+
+def test_train_help_names_the_config_class_and_keeps_the_example_block(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "Every field of the nested TrainConfig is an option" in out
+    # the literal block keeps its lines (and its indent) under a line that ends in one colon
+    assert "stage), e.g.:\n\n    AQSGD_NODE_RANK=$NODE torchrun " in out
+
+
+def test_option_help_from_a_docstring_is_plain_text(capsys, monkeypatch):
+    import dataclasses
+
+    from aqsgd.cli import train
+    from aqsgd.train.config import options
+
+    first, *rest = options()
+    marked = dataclasses.replace(first, help="as :class:`~aqsgd.train.config.TrainConfig` says; ``none``: "
+                                             "unset (see :func:`aqsgd.train.config.options`)")
+    monkeypatch.setattr(train, "options", lambda: (marked, *rest))
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "as TrainConfig says; none: unset (see aqsgd.train.config.options)" in out
+
+
+@pytest.mark.parametrize(("text", "plain"), [
+    (":class:`~a.b.C` and :func:`x.y`", "C and x.y"),
+    (":py:meth:`a.B.c` or :ref:`the guide <guide>`", "a.B.c or the guide"),
+    ("``--lr`` and ``a\nb``", "--lr and a\nb"),
+    ("For example::\n\n    ``kept`` :class:`kept`\n\nthen ``x``",
+     "For example:\n\n    ``kept`` :class:`kept`\n\nthen x"),
+    ("As shown ::\n\n  run it\n", "As shown\n\n  run it\n"),
+    ("::\n\n  code\n", "\n\n  code\n"),
+])
+def test_plain_text(text, plain):
+    from aqsgd.cli.options import plain_text
+
+    assert plain_text(text) == plain
+
+
+# ---------------------------------------------------------------------------- values that start with "-"
+def test_a_negative_value_reaches_the_options_own_check(capsys):
+    # argparse alone takes "-5mbit" (and "-1e-3", which is no plain negative number) for an unknown option
+    assert main(["train", "--runtime", "distributed", "--link", "-5mbit"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aqsgd: error: --link: invalid bandwidth '-5mbit'"), err
+    assert "expected one argument" not in err
+    assert main(["train", "--lr", "-1e-3"]) == 2
+    assert capsys.readouterr().err.strip() == "aqsgd: error: --lr: must be > 0, got -0.001"
+    assert main(["train", "--lr", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "aqsgd: error: --lr: must be > 0, got -1.0"
+
+
+def test_a_dash_value_of_a_string_option_is_a_plain_string(capsys):
+    from aqsgd.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--run-name", "-x", "--forward", "-q2"])
+    assert args.run_name == "-x" and type(args.run_name) is str and type(args.forward) is str
+    args = build_parser().parse_args(["bench", "codecs", "--codecs", "-q9", "q2", "--shape", "2,3"])
+    assert args.codecs == ["-q9", "q2"] and all(type(c) is str for c in args.codecs)
+
+
+def test_an_option_after_an_option_is_still_an_option(capsys):
+    # a known option (or an ambiguous prefix of some) is never taken for the value of the one before it
+    with pytest.raises(SystemExit):
+        main(["train", "--lr", "--epochs", "2"])
+    assert "argument --lr: expected one argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--run-name", "--l", "x"])
+    assert "ambiguous option: --l could match" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

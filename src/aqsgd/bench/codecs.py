@@ -2,7 +2,10 @@
 
 Throughput is bytes of the fp32 input per second. ``clone`` (a plain copy of the same tensor, measured in
 the same run, interleaved with the codecs) is the memory-bandwidth reference; ``encode_vs_clone`` is
-``encode_gbps / clone_gbps``. Medians over repeats after warm-up.
+``encode_gbps / clone_gbps``. Medians over repeats after warm-up. The clone is timed anew beside every
+codec: where its rate varies more than :data:`CLONE_SPREAD_LIMIT` times between codecs, other work shared the
+machine, and the ratios read too low for some codecs and not others; :func:`clone_spread_warning` says so,
+as a logged warning and under ``warnings`` in the JSON.
 
 Where the device's kernels are compiled ones (:mod:`aqsgd.compress.kernels`: numba on the CPU, Triton on
 CUDA), every codec is also timed with the ``eager`` backend, in the same interleaved rounds
@@ -23,6 +26,7 @@ kernel, each alone and queued).
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import statistics
 import time
@@ -35,8 +39,14 @@ import torch
 from aqsgd.bench.timing import interleaved_medians, sync
 from aqsgd.compress import kernels, make_codec
 
-__all__ = ["DEFAULT_CODECS", "CodecRow", "bench_codecs", "launch_costs", "machine_description",
-           "queued_seconds"]
+__all__ = ["CLONE_SPREAD_LIMIT", "DEFAULT_CODECS", "CodecRow", "bench_codecs", "clone_spread_warning",
+           "launch_costs", "machine_description", "queued_seconds"]
+
+log = logging.getLogger(__name__)
+
+# how much the clone rate may vary between the codecs of one run (max / min of their clone medians) before
+# the ratios against it are said to be unreliable: on an idle machine it varies by a few percent
+CLONE_SPREAD_LIMIT = 2.0
 
 DEFAULT_CODECS = (
     "fp16", "bf16", "q8", "q4", "q3", "q2", "q1", "q2:token", "q4:block64", "q2:stochastic", "q4:l2",
@@ -144,7 +154,27 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             decode_kernels=dec_ops[0], decode_kernel_us=dec_ops[1],
             encode_slowest=enc_ops[2], decode_slowest=dec_ops[2],
         ))
+    warning = clone_spread_warning(rows)
+    if warning:
+        log.warning(warning)
     return rows
+
+
+def clone_spread_warning(rows: Sequence[CodecRow], limit: float = CLONE_SPREAD_LIMIT) -> str | None:
+    """A one-line warning where the clone rate measured beside the codecs varied more than ``limit`` times
+    between them (the largest of the rows' clone medians over the smallest), else None. Each codec's ratios
+    are against the clone of its own rounds, so a machine busy with other work during some codecs' rounds
+    makes their ratios read low, and the table's comparison between codecs unreliable."""
+    if len(rows) < 2:
+        return None
+    slow = min(rows, key=lambda r: r.clone_gbps)
+    fast = max(rows, key=lambda r: r.clone_gbps)
+    spread = fast.clone_gbps / slow.clone_gbps if slow.clone_gbps > 0 else float("inf")
+    if spread <= limit:
+        return None
+    return (f"the clone rate varied {spread:.1f}x between codecs ({slow.clone_gbps:.2f} GB/s beside "
+            f"{slow.codec}, {fast.clone_gbps:.2f} GB/s beside {fast.codec}): the machine was busy; the "
+            "ratios are unreliable")
 
 
 def queued_seconds(fn, device: torch.device, *, calls: int = 20, rounds: int = 5) -> float:
@@ -224,6 +254,7 @@ def write_json(rows: list[CodecRow], path: str | Path, *, device: torch.device, 
         "machine": machine_description(device),
         "versions": versions(),
         "rows": [asdict(r) for r in rows],
+        "warnings": [w for w in (clone_spread_warning(rows),) if w],  # (empty: none)
         **({"launch_us": launch_us} if launch_us else {}),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
