@@ -1,4 +1,6 @@
 import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -129,3 +131,28 @@ def _triton_interpreter():
     except ImportError:
         return None
     return interpreter if hasattr(interpreter, "GridExecutor") else None
+
+
+# Signals whose handlers a test must leave as it found them: a handler left behind outlives the test (one that
+# turns SIGTERM into an exception swallowed somewhere keeps ``timeout`` from ending the suite).
+_WATCHED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT",
+                                                            "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """After each test: the handlers of :data:`_WATCHED_SIGNALS` are those it started with. One left changed
+    is put back (so the next tests run with the usual handlers) and fails the test that changed it."""
+    before = {s: signal.getsignal(s) for s in _WATCHED_SIGNALS}
+    yield
+    if threading.current_thread() is not threading.main_thread():  # (only the main thread sets handlers)
+        return
+    changed = []
+    for s, handler in before.items():
+        now = signal.getsignal(s)
+        if now != handler:
+            changed.append(f"{signal.Signals(s).name}: {now!r} (was {handler!r})")
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    if changed:
+        pytest.fail("the test left signal handlers changed (put back now): " + "; ".join(changed),
+                    pytrace=False)

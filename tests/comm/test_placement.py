@@ -7,6 +7,7 @@ the node ranks, and check which stage each process ran.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -69,6 +70,18 @@ def test_a_node_rank_on_some_machines_only_is_refused():
 def test_a_node_rank_that_is_not_one_is_named(bad):
     with pytest.raises(SpecError, match=rf"AQSGD_NODE_RANK='{re.escape(bad)}' on host1 \(rank 1\) is not a "):
         positions(_claims((0, "0", 0), (1, bad, 0)))
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_node_rank_is_unset(monkeypatch, empty):
+    # AQSGD_NODE_RANK=$NODE with NODE unset in a launch script: no placement asked for, as when it is unset
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv(NODE_RANK_ENV, empty)
+    claim = Claim.here()
+    assert claim.node_rank is None
+    assert positions([dataclasses.replace(claim, rank=0), claim]) == [0, 1]
+    monkeypatch.setenv(NODE_RANK_ENV, "0")
+    assert Claim.here().node_rank == "0"
 
 
 def test_node_ranks_that_differ_within_a_machine_are_refused():

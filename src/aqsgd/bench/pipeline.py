@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 import torch.distributed as dist
 
 from aqsgd.bench import speedmodel
@@ -130,10 +128,7 @@ def _bench_entry(configs_json: str) -> list[list[dict[str, Any]] | None]:
     writes the metrics returns each run's train rows."""
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    # Share the cores between the local processes: with every process on all cores, OpenMP threads spin
-    # against each other and one row's compute time was seen inflated 20x (4 processes on 2 cores).
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    # (the launcher shares the cores between the local processes: aqsgd.comm.launch.threads)
     results = []
     for cfg_json in json.loads(configs_json):
         trainer = Trainer(TrainConfig.from_dict(json.loads(cfg_json)))

@@ -28,8 +28,14 @@ The process stays until the run ends, so the launcher does not stop the other pr
 they get to report too, which finding the process at fault needs. A watchdog thread
 (:mod:`aqsgd.comm.launch.watchdog`) ends the processes that can no longer report.
 
+Threads: the processes share this machine's cores (:mod:`aqsgd.comm.launch.threads`). Each computes on
+``max(1, cores // processes)`` threads (``threads``, the run's ``--threads``, or an ``OMP_NUM_THREADS`` set in
+the environment instead), set in its environment (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``,
+``NUMBA_NUM_THREADS``, where unset) and in PyTorch before ``fn`` runs; the launcher says so in one line.
+
 SIGINT or SIGTERM to the launching process: PyTorch's launcher forwards the signal to every process, waits up
 to 3 s for them to end (then SIGKILL), and :func:`launch_local` raises :class:`~aqsgd.errors.Interrupted`.
+The launcher installs its signal handlers for the launch; they are put back as they were when it ends.
 
 Where the details go: every process's outcome, the launcher's ``ChildFailedError`` and PyTorch's launcher log
 are written to a file (``failure_log``, default a new ``RUN_ID-*-failure.log`` in the temp directory) whose
@@ -49,13 +55,16 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from aqsgd.comm.launch.forensics import UNGUARDED, failure_report, stage_failed
 from aqsgd.comm.launch.rank import exit_without_finalizing, leave_process_group
+from aqsgd.comm.launch.threads import apply_threads, thread_share
 from aqsgd.comm.launch.watchdog import Watchdog
 from aqsgd.errors import Interrupted
 
@@ -68,11 +77,15 @@ _SHUTDOWN_S = 3  # SIGTERM-to-SIGKILL grace when the launcher is interrupted (La
 _TORCH_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 _KEEP_ALIVE: list[Any] = []  # the workers' store server that rank 0 opened: it lives as long as the process
 _CTL_ENV = "AQSGD_LAUNCH_CTL"  # the launch's control directory, inherited by the processes it spawns
+# the signals PyTorch's launcher may take over during a launch (TORCHELASTIC_SIGNALS_TO_HANDLE, whose default
+# is the first four)
+_LAUNCHER_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1",
+                                                        "SIGUSR2") if hasattr(signal, n))
 
 
 def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | None = None,
                  rank_names: Callable[[int], str] | None = None, grace_s: float = 5.0,
-                 failure_log: str | os.PathLike[str] | None = None) -> list[Any]:
+                 failure_log: str | os.PathLike[str] | None = None, threads: int | None = None) -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` spawned processes on this machine; their return values in rank order.
 
     ``fn`` must be a picklable module-level function that initializes ``torch.distributed`` from the
@@ -82,7 +95,8 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
     peer's ``PeerFailure`` gave it). ``grace_s``: after the first failure, how long the launcher
     waits without news from any process before it kills those that neither returned nor reported (a stopped
     process is not waited for; see the module docstring). ``failure_log``: where the details of a failure are
-    written (default: a new file in the temp directory).
+    written (default: a new file in the temp directory). ``threads``: the threads each process computes with
+    (default: its share of this machine's cores, or ``OMP_NUM_THREADS`` where set; see the module docstring).
 
     Raises :class:`~aqsgd.errors.StageFailedError` if any process fails, naming the process at fault, with
     that process's exit status (the ``exit_code`` of its exception, where it has one). Raises
@@ -95,6 +109,8 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    share = thread_share(nprocs, threads=threads)
+    log.info("%s", share.describe())
     run_id = run_id or f"aqsgd-{os.getpid()}"
     ctl = tempfile.mkdtemp(prefix=f"{run_id}-launch-")
     torch_log: list[str] = []
@@ -114,10 +130,11 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
         watchdog = Watchdog(ctl, nprocs, grace_s)
         out: dict[int, Any] = {}
         failure: ChildFailedError | None = None
-        with _environ(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **{_CTL_ENV: ctl}), _torch_logs_to(torch_log):
+        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", _CTL_ENV: ctl, **share.child_environ(os.environ)}
+        with _environ(**env), _torch_logs_to(torch_log), _signal_handlers_kept():
             watchdog.start()
             try:
-                out = elastic_launch(config, _stage_entry)(ctl, fn, tuple(args))
+                out = elastic_launch(config, _stage_entry)(ctl, fn, tuple(args), share.threads)
             except ChildFailedError as e:
                 failure = e
             except SignalException as e:  # the launcher's handler: the processes got the signal and ended
@@ -151,9 +168,12 @@ def _refuse_nested_launch() -> None:
     raise RuntimeError(UNGUARDED)
 
 
-def _stage_entry(ctl: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bool, Any]:
-    """One process: bind to loopback, run ``fn``; on an exception write a report, leave the process group and
-    return a failure marker (the process stays until the launcher ends the run: see the module docstring)."""
+def _stage_entry(ctl: str, fn: Callable[..., Any], args: tuple[Any, ...],
+                 threads: int | None = None) -> tuple[bool, Any]:
+    """One process: take its ``threads``, bind to loopback, run ``fn``; on an exception write a report, leave
+    the process group and return a failure marker (the process stays until the launcher ends the run: see the
+    module docstring)."""
+    apply_threads(threads)  # first: no parallel work has run in this process yet (the inter-op pool's size)
     rank = int(os.environ["RANK"])
     _bind_to_loopback(rank)
     _write(ctl, f"pid-{rank}", str(os.getpid()))
@@ -261,6 +281,23 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """The signal handlers of this process as they were before the block, after it: PyTorch's launcher
+    installs its own (which raise its ``SignalException``) and leaves them installed, so a later SIGTERM or
+    SIGINT to this process would be turned into that exception long after the launch."""
+    if threading.current_thread() is not threading.main_thread():  # (only the main thread sets handlers)
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in _LAUNCHER_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if signal.getsignal(s) is not handler:
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 class _Capture(logging.Handler):

@@ -8,7 +8,8 @@ it goes:
 * ``AQSGD_NODE_RANK=N`` (set on every machine, ``0..M-1`` over the M machines): the processes are ordered by
   ``(node rank, LOCAL_RANK)`` and take ranks in that order, so machine 0 holds ranks ``0..L-1`` (stage 0
   upwards), machine 1 the next ones, and so on;
-* unset everywhere: each process keeps the rank it was started with (today's order; the local launcher's).
+* unset (or empty) everywhere: each process keeps the rank it was started with (today's order; the local
+  launcher's).
 
 :func:`take_seat` meets the job's store (the ``env://`` rendezvous that ``init_process_group`` would open),
 and every process publishes a :class:`Claim` (its started rank, host, machine, node rank and local rank)
@@ -32,7 +33,7 @@ from typing import Any
 
 from aqsgd.errors import ConfigMismatchError, SpecError
 
-__all__ = ["NODE_RANK_ENV", "Claim", "Seat", "positions", "take_seat"]
+__all__ = ["NODE_RANK_ENV", "Claim", "Seat", "node_rank_given", "positions", "take_seat"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,14 @@ class Claim:
         group = os.environ.get("GROUP_RANK")
         return cls(rank=int(os.environ["RANK"]), host=host,
                    machine=host if group is None else f"{host}/group {group}",
-                   node_rank=os.environ.get(NODE_RANK_ENV), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+                   node_rank=node_rank_given(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def node_rank_given() -> str | None:
+    """This process's ``AQSGD_NODE_RANK`` as given, or None where it is unset or empty: ``AQSGD_NODE_RANK=``
+    (a script's ``AQSGD_NODE_RANK=$NODE`` with NODE unset) asks for no placement, as an unset one does."""
+    value = os.environ.get(NODE_RANK_ENV)
+    return value if value is not None and value.strip() else None
 
 
 @dataclasses.dataclass(frozen=True)
