@@ -11,6 +11,7 @@ Wire it into a parser with :func:`register`::
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -53,13 +54,14 @@ def _size(n: int) -> str:
     return f"{n / 1e6:,.1f} MB" if n >= 1e5 else f"{n / 1e3:,.1f} kB"
 
 
+_COLUMNS = ("name", "prepared", "size", "licence", "origin", "description")
+
+
 def run_list(args: argparse.Namespace) -> int:
-    """``aqsgd data list``."""
+    """``aqsgd data list``: a table on a terminal; plain lines otherwise (piped, redirected), where a table
+    would be cut to 80 columns and fold every description over many lines."""
     cache = args.cache_dir if args.cache_dir is not None else default_cache_dir()
-    table = Table(title=f"offline sources in {cache}")
-    for col in ("name", "prepared", "size", "licence", "origin", "description"):
-        table.add_column(col, justify="right" if col == "size" else "left",
-                         overflow="fold" if col in ("description", "licence") else "ellipsis")
+    rows = []
     for name, src in SOURCES.items():
         path = locate(name, cache)
         marker = read_marker(path) if path is not None else None
@@ -68,9 +70,31 @@ def run_list(args: argparse.Namespace) -> int:
         else:
             size = f"~{_size(src.download_bytes)} dl"
         prepared = "yes" if path is not None else "no"
-        table.add_row(name, prepared, size, src.licence, src.origin, src.description)
+        rows.append((name, prepared, size, src.licence, src.origin, src.description))
+    title = f"offline sources in {cache}"
+    if not sys.stdout.isatty():
+        print("\n".join(_plain_lines(title, rows)))
+        return 0
+    table = Table(title=title)
+    for col in _COLUMNS:
+        table.add_column(col, justify="right" if col == "size" else "left",
+                         overflow="fold" if col in ("description", "licence") else "ellipsis")
+    for row in rows:
+        table.add_row(*row)
     Console().print(table)
     return 0
+
+
+def _plain_lines(title: str, rows: list[tuple[str, ...]]) -> list[str]:
+    """The title, then (indented under it) a header and one line per source, in columns padded to their
+    widest value (the last one, the description, as it is): nothing cut, one source per line for ``grep``."""
+    table = [_COLUMNS, *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(_COLUMNS) - 1)]
+    lines = [title]
+    for row in table:
+        cells = [c.rjust(w) if col == "size" else c.ljust(w) for col, c, w in zip(_COLUMNS, row, widths)]
+        lines.append("  " + "  ".join([*cells, row[-1]]))
+    return lines
 
 
 def run_prepare(args: argparse.Namespace) -> int:

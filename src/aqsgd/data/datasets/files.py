@@ -2,8 +2,8 @@
 (:func:`load_hub_dataset`), read the way Hugging Face's ``run_clm.py`` / ``run_glue.py`` examples read them.
 
 * **Formats** (:data:`SUPPORTED_EXTENSIONS`, chosen by the file's extension; see :func:`read_records`):
-  ``.jsonl``, ``.json``, ``.csv``, ``.tsv``, ``.txt`` (one document per line, column ``text``) and
-  ``.parquet`` (needs ``pyarrow``).
+  ``.jsonl``, ``.json``, ``.csv``, ``.tsv``, ``.txt`` (column ``text``: one document per line, or per
+  paragraph, or the whole file, as ``txt_unit`` says) and ``.parquet`` (needs ``pyarrow``).
 * **Task**: a label column makes the data sequence classification (``label_column``, or ``label`` where the
   training data have that column); without one the data are causal-LM text.
 * **Classification**: labels may be strings or integers. The classes are the sorted distinct labels of the
@@ -39,7 +39,6 @@ from aqsgd.data.datasets.base import DictDataset, PathLike
 from aqsgd.data.datasets.batching import _rng, stratified_split
 from aqsgd.data.datasets.hub import _hub_probe
 from aqsgd.data.datasets.records import (
-    MAX_LINE_BYTES,
     SUPPORTED_EXTENSIONS,
     Records,
     _combine,
@@ -87,6 +86,7 @@ def load_text_files(
     seed: int = 0,
     max_train_samples: int | None = None,
     max_eval_samples: int | None = None,
+    txt_unit: str = "line",
 ) -> tuple[DictDataset, DictDataset]:
     """The (train, eval) datasets of the user's data files (any of :data:`SUPPORTED_EXTENSIONS`).
 
@@ -110,27 +110,36 @@ def load_text_files(
         seed: seed of the hold-out.
         max_train_samples, max_eval_samples: keep only the first N samples (LM: chunks) of each split;
             ``None`` keeps all.
+        txt_unit: how a ``.txt`` file is cut into documents (:data:`~aqsgd.data.datasets.records.TXT_UNITS`):
+            ``line`` (one per line), ``paragraph`` (lines up to a blank line) or ``file`` (the whole file).
 
     Both datasets' ``info`` hold ``kind`` (``causal-lm`` / ``sequence-classification``), ``num_labels`` and
     ``label_names`` (``None`` for LM), ``source`` (``files``), ``train_file``, ``eval_file``, the columns,
-    ``fingerprint`` (:func:`data_fingerprint` of the training file, and of the evaluation file if given),
-    ``fingerprints`` (per file), ``rows_read`` (rows read per file), ``rows`` (source rows in this split),
+    ``fingerprint`` (:func:`data_fingerprint` of the training file, and of the evaluation file if given,
+    combined with ``txt_unit`` where a ``.txt`` file is read otherwise than by line: the same file read as
+    other documents gives other samples), ``fingerprints`` (per file), ``txt_unit`` (``None`` without a
+    ``.txt`` file), ``rows_read`` (rows read per file), ``rows`` (source rows in this split),
     ``split``, ``seed``, ``eval_split`` (``None`` with an evaluation file), plus the builders' metadata.
 
     Raises a one-line :class:`~aqsgd.errors.DataFileError` for bad data, a
     :class:`~aqsgd.errors.SpecError` for a bad argument.
     """
-    train = read_records(train_file, option="--train-file")
-    evals = None if eval_file is None else read_records(eval_file, option="--eval-file")
+    train = read_records(train_file, option="--train-file", txt_unit=txt_unit)
+    evals = None if eval_file is None else read_records(eval_file, option="--eval-file", txt_unit=txt_unit)
     digests = {"train": _sha256(train_file)}
     if eval_file is not None:
         digests["eval"] = _sha256(eval_file)
+    fingerprint = digests["train"] if eval_file is None else _combine(list(digests.values()))
+    has_txt = any(str(f).lower().endswith(".txt") for f in (train_file, eval_file) if f is not None)
+    if has_txt and txt_unit != "line":  # by line, as files were always read: the fingerprint stays the bytes'
+        fingerprint = _combine([fingerprint, f"txt_unit={txt_unit}"])
     info = {
         "source": "files",
         "train_file": str(train_file),
         "eval_file": None if eval_file is None else str(eval_file),
-        "fingerprint": digests["train"] if eval_file is None else _combine(list(digests.values())),
+        "fingerprint": fingerprint,
         "fingerprints": digests,
+        "txt_unit": txt_unit if has_txt else None,
     }
     return _logged(train, evals, tokenizer=tokenizer, tokenizer_for=tokenizer_for, max_length=max_length,
                    text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
@@ -216,9 +225,8 @@ def _hub_records(ds: Any, spec: str, split: str, wanted: Sequence[str]) -> Recor
 def _logged(train: Records, evals: Records | None, **kw: Any) -> tuple[DictDataset, DictDataset]:
     """:func:`_build`, with what was read and what it became in the log (tokenizing a large file takes a
     while)."""
-    log.info("%s %s: %d %ss with columns %s%s; tokenizing", train.option, train.source, len(train),
-             train.unit, ", ".join(train.column_names),
-             "" if evals is None else f" (evaluation: {len(evals)} {evals.unit}s)")
+    log.info("%s %s: %s%s; tokenizing", train.option, train.source, train.read_as,
+             "" if evals is None else f" (evaluation: {evals.read_as})")
     out = _build(train, evals, **kw)
     log.info("data: %d training and %d evaluation samples (%s)", len(out[0]), len(out[1]),
              out[0].info.get("kind"))
@@ -392,10 +400,11 @@ def _texts(records: Records, column: str) -> list[str]:
             raise records.error(f"{records.where(i)} has no {column!r} value (null or missing)")
         if not isinstance(v, str):
             raise records.error(f"{records.where(i)}: the {column!r} value is {_describe(v)}, not a string")
-        if len(v) > MAX_LINE_BYTES:
+        limit = records.text_limit
+        if limit is not None and len(v) > limit:
             raise records.error(f"{records.where(i)}: the {column!r} value is {len(v):,} characters long, "
-                                f"over the limit of {MAX_LINE_BYTES:,} for one text; split long documents "
-                                "into paragraphs")
+                                f"over the limit of {limit:,} for one text; split long documents into "
+                                "paragraphs")
     return values
 
 

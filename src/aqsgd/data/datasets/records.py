@@ -1,15 +1,17 @@
 """Reading the user's data files into rows (:func:`read_records`), and fingerprints of their bytes.
 
 * **Formats** (:data:`SUPPORTED_EXTENSIONS`, chosen by the file's extension): ``.jsonl``, ``.json``, ``.csv``,
-  ``.tsv``, ``.txt`` (one document per line, column ``text``) and ``.parquet`` (needs ``pyarrow``).
+  ``.tsv``, ``.txt`` (column ``text``: one document per line, per paragraph or the whole file, see
+  :data:`TXT_UNITS`) and ``.parquet`` (needs ``pyarrow``).
 * **Only regular files** are read: a directory, a FIFO, a device or a socket is refused at once (a FIFO would
   block the reader forever), and so is a symbolic link that loops or points nowhere.
 * **Bounded lines**: the line-based formats (``.jsonl``, ``.csv``, ``.tsv``, ``.txt``) are read line by line,
   at most :data:`MAX_LINE_BYTES` (4 MiB) at a time; a longer line, or a longer text value in a ``.json`` or
-  ``.parquet`` file, is an error naming its line (or record, or row). Tokenizers take about 140 bytes of
-  memory per byte of text in one piece (a 45 MB line grew past 6 GB), so one document must stay well below
-  that; split longer documents into paragraphs, one per line. A ``.json`` file is parsed whole and may be at
-  most :data:`MAX_JSON_BYTES` (1 GiB); larger data go in ``.jsonl``.
+  ``.parquet`` file, is an error naming its line (or record, or row), so that a file that never ends a line
+  (a sparse file of zero bytes) is refused at once, not read whole. A ``.txt`` document of many lines (a
+  paragraph, the whole file) may be longer: a long document is tokenized in bounded pieces
+  (:mod:`aqsgd.data.datasets.pieces`). A ``.json`` file is parsed whole and may be at most
+  :data:`MAX_JSON_BYTES` (1 GiB); larger data go in ``.jsonl``.
 * **Progress**: reading a large file logs how far it got every few seconds.
 
 Bad input raises a one-line :class:`~aqsgd.errors.DataFileError` naming the option, the file, the problem and,
@@ -37,8 +39,8 @@ from aqsgd.data.datasets.base import PathLike
 from aqsgd.errors import DataFileError, SpecError
 from aqsgd.logs import ProgressLog
 
-__all__ = ["MAX_JSON_BYTES", "MAX_LINE_BYTES", "SUPPORTED_EXTENSIONS", "Records", "data_fingerprint",
-           "read_records"]
+__all__ = ["MAX_JSON_BYTES", "MAX_LINE_BYTES", "SUPPORTED_EXTENSIONS", "TXT_UNITS", "Records",
+           "data_fingerprint", "read_records"]
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".csv", ".tsv", ".txt", ".parquet")
 """The data file types :func:`read_records` reads, by extension (case-insensitive)."""
@@ -47,6 +49,10 @@ MAX_LINE_BYTES = 4 << 20
 characters."""
 MAX_JSON_BYTES = 1 << 30
 """The largest ``.json`` file (1 GiB): it is parsed whole; larger data go in ``.jsonl``, read line by line."""
+TXT_UNITS = {"line": "one per line", "paragraph": "one per paragraph: lines up to a blank line",
+             "file": "the whole file as one document"}
+"""How a ``.txt`` file is cut into documents (``txt_unit``), and how the log says it: ``line`` (the default),
+``paragraph`` (blank-line separated) or ``file``."""
 
 log = logging.getLogger(__name__)
 _Fail = Callable[[str], DataFileError]
@@ -70,17 +76,26 @@ class Records:
             may name more than ``columns`` holds).
         lines: for each row, its 1-based line number in the file (``.jsonl``, ``.csv``, ``.tsv``, ``.txt``),
             or its 1-based position (``.json`` record or row, ``.parquet`` row, hub row); ``unit`` says which.
-        unit: ``"line"``, ``"record"`` or ``"row"``: what the numbers in ``lines`` count.
+        unit: ``"line"``, ``"record"`` or ``"row"``: what the numbers in ``lines`` count (a ``.txt``
+            paragraph's or file's number is its first line).
+        text_limit: the longest text value, in characters (None: any length): :data:`MAX_LINE_BYTES`, but
+            none for the documents of several lines of a ``.txt`` file (each line is bounded as it is read).
+        read_as: how the rows were read, for the log (``4,512 lines read as 310 documents (...)``); by
+            default the number of rows and the columns.
     """
 
     def __init__(self, source: str, option: str, columns: Mapping[str, list[Any]], lines: Sequence[int], *,
-                 unit: str = "line", column_names: Sequence[str] | None = None) -> None:
+                 unit: str = "line", column_names: Sequence[str] | None = None,
+                 text_limit: int | None = MAX_LINE_BYTES, read_as: str | None = None) -> None:
         self.source = source
         self.option = option
         self.columns: dict[str, list[Any]] = dict(columns)
         self.lines: list[int] = list(lines)
         self.unit = unit
         self.column_names: list[str] = list(self.columns if column_names is None else column_names)
+        self.text_limit = text_limit
+        self.read_as = read_as or f"{len(self.lines):,} {_plural(len(self.lines), unit)} with columns " \
+                                  f"{', '.join(self.column_names)}"
 
     def __len__(self) -> int:
         return len(self.lines)
@@ -104,7 +119,7 @@ class Records:
         return self.columns[name]
 
 
-def read_records(path: PathLike, *, option: str = "--train-file") -> Records:
+def read_records(path: PathLike, *, option: str = "--train-file", txt_unit: str = "line") -> Records:
     """The rows of a data file, by its extension (one of :data:`SUPPORTED_EXTENSIONS`).
 
     * ``.jsonl``: one JSON object per line; blank lines are skipped. Rows may differ in their keys (a missing
@@ -114,13 +129,19 @@ def read_records(path: PathLike, *, option: str = "--train-file") -> Records:
       is read as ``.jsonl``.
     * ``.csv`` / ``.tsv``: a header row, then one row per line (comma / tab separated, ``"`` quoting,
       quoted fields may span lines); blank lines are skipped; every value is a string.
-    * ``.txt``: one document per line in the column ``text``; blank lines are skipped.
+    * ``.txt``: documents in the column ``text``, as ``txt_unit`` (:data:`TXT_UNITS`) says: one per line
+      (``line``, the default), one per paragraph (``paragraph``: the lines up to a blank line, joined with
+      ``\\n``) or one (``file``: every line, joined with ``\\n``, without the blank lines at the start and
+      end); blank lines are never a document. Line endings (``\\n``, ``\\r\\n``) are not part of a line.
     * ``.parquet``: read with ``pyarrow`` (``pip install pyarrow``).
 
     Text files must be UTF-8 (a leading byte-order mark is ignored). ``option`` is the option that named the
     file, for messages. Raises a one-line :class:`~aqsgd.errors.DataFileError` for a missing file, a
-    directory, an unknown extension, a file that is not UTF-8, a malformed line and a file without rows.
+    directory, an unknown extension, a file that is not UTF-8, a malformed line and a file without rows, and a
+    :class:`~aqsgd.errors.SpecError` for a ``txt_unit`` that is not one of :data:`TXT_UNITS`.
     """
+    if txt_unit not in TXT_UNITS:
+        raise SpecError(f"txt_unit {txt_unit!r} is not one of {', '.join(TXT_UNITS)}")
     p = Path(path)
     source = str(path)
 
@@ -135,10 +156,13 @@ def read_records(path: PathLike, *, option: str = "--train-file") -> Records:
         kind = f"unknown file type {ext!r}" if ext else "no file extension"
         raise fail(f"{kind}; the supported ones are: {', '.join(SUPPORTED_EXTENSIONS)}")
     try:
-        columns, lines, unit = _READERS[ext](p, fail)
+        if ext == ".txt":
+            records = _txt_records(p, fail, txt_unit, source, option)
+        else:
+            columns, lines, unit = _READERS[ext](p, fail)
+            records = Records(source, option, columns, lines, unit=unit)
     except OSError as e:
         raise fail(f"cannot read it: {e.strerror or e}") from None
-    records = Records(source, option, columns, lines, unit=unit)
     if not len(records):
         raise fail("no rows (the file holds no data)")
     return records
@@ -271,15 +295,36 @@ def _read_delimited(path: Path, fail: _Fail, delimiter: str) -> _Read:
     return {name: [r[j] for r in rows] for j, name in enumerate(header)}, lines, "line"
 
 
-def _read_txt(path: Path, fail: _Fail) -> _Read:
+def _txt_records(path: Path, fail: _Fail, unit: str, source: str, option: str) -> Records:
+    """The documents of a ``.txt`` file, cut as ``unit`` says, each numbered by the line it starts at."""
     texts: list[str] = []
-    lines: list[int] = []
+    starts: list[int] = []
+    held: list[str] = []  # the lines of the paragraph (or file) being read, from its first non-blank one
+    trailing = 0  # how many of them at the end are blank (a file's last lines)
+    n = 0
     for n, line in enumerate(_decoded_lines(path, fail), 1):
         line = line.removesuffix("\n").removesuffix("\r")
-        if line.strip():
-            texts.append(line)
-            lines.append(n)
-    return {"text": texts}, lines, "line"
+        blank = not line.strip()
+        if unit == "line":
+            if not blank:
+                texts.append(line)
+                starts.append(n)
+        elif blank and unit == "paragraph":
+            if held:
+                texts.append("\n".join(held))
+                held = []
+        elif held or not blank:
+            if not held:
+                starts.append(n)
+            held.append(line)
+            trailing = trailing + 1 if blank else 0
+    if held:
+        texts.append("\n".join(held[:len(held) - trailing]))
+    how = TXT_UNITS[unit] + ("; --txt-unit paragraph or file reads paragraphs or the whole file"
+                             if unit == "line" else "")
+    read_as = f"{n:,} {_plural(n, 'line')} read as {len(texts):,} {_plural(len(texts), 'document')} ({how})"
+    return Records(source, option, {"text": texts}, starts, read_as=read_as,
+                   text_limit=MAX_LINE_BYTES if unit == "line" else None)
 
 
 def _read_parquet(path: Path, fail: _Fail) -> _Read:
@@ -300,7 +345,6 @@ _READERS: dict[str, Callable[[Path, _Fail], _Read]] = {
     ".json": _read_json,
     ".csv": lambda p, fail: _read_delimited(p, fail, ","),
     ".tsv": lambda p, fail: _read_delimited(p, fail, "\t"),
-    ".txt": _read_txt,
     ".parquet": _read_parquet,
 }
 
@@ -384,6 +428,10 @@ def _combine(parts: Sequence[str]) -> str:
 # --------------------------------------------------------------------------------------------------
 # messages
 # --------------------------------------------------------------------------------------------------
+
+
+def _plural(n: int, word: str) -> str:
+    return word if n == 1 else f"{word}s"
 
 
 def _error(option: str, source: str, problem: str) -> DataFileError:

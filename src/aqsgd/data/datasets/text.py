@@ -8,7 +8,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from torch import Tensor
 from aqsgd.data.datasets.base import DictDataset, PathLike, _Args, _max
 from aqsgd.data.datasets.batching import stratified_split
 from aqsgd.data.datasets.hub import _hub_datasets, _hub_split
+from aqsgd.data.datasets.pieces import BATCH_CHARS, count, encode, id_dtype, leading, pieces
 from aqsgd.data.sources import SOURCES, require
 from aqsgd.errors import DataSourceError, SpecError
 from aqsgd.logs import ProgressLog
@@ -56,9 +57,16 @@ def lm_chunks(
     ``max_chunks`` stops tokenizing once that many chunks exist; the result is then exactly the first
     ``max_chunks`` chunks of the full dataset.
 
+    Memory follows the tokens, not the text: the texts are tokenized ``batch_texts`` at a time and at most
+    :data:`~aqsgd.data.datasets.pieces.BATCH_CHARS` characters per call, a document longer than
+    :data:`~aqsgd.data.datasets.pieces.PIECE_CHARS` in pieces cut where the tokenizer splits anyway (the same
+    tokens as in one call, :mod:`aqsgd.data.datasets.pieces`), and the ids are kept as int32 until the chunks
+    are cut.
+
     Items: ``input_ids``, ``attention_mask`` (ones), ``labels`` (= ``input_ids``), each ``[seq_len]``
-    int64, and ``sample_id``. Tokenizing that takes longer than a few seconds logs its progress (``label``
-    names the texts there).
+    int64, and ``sample_id``. The ``labels`` column is the ``input_ids`` tensor itself and ``attention_mask``
+    one value broadcast to ``[n, seq_len]``, so the dataset holds 8 bytes per token. Tokenizing that takes
+    longer than a few seconds logs its progress (``label`` names the texts there).
     """
     if seq_len < 1:
         raise SpecError(f"seq_len must be >= 1, got {seq_len}")
@@ -70,47 +78,79 @@ def lm_chunks(
             log.warning("the tokenizer has no end-of-text, EOS or SEP token: %s are joined without a "
                         "separator (pass eos_token_id=... to give one)", label)
             add_eos = False
+    dtype = id_dtype(_vocab_size(tokenizer), eos_token_id if add_eos else 0)
     need = None if max_chunks is None else max_chunks * seq_len
-    pieces: list[np.ndarray] = []
+    parts: list[np.ndarray] = []
     total = done = 0
     progress = ProgressLog(log, f"tokenizing {label}", total=len(texts) if isinstance(texts, Sized) else None,
                            unit="documents")
-
-    def flush(batch: list[str]) -> None:
-        nonlocal total, done
-        encoded = tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]
-        for ids in encoded:
-            if add_eos:
-                ids = [*ids, eos_token_id]
-            pieces.append(np.asarray(ids, dtype=np.int64))
-            total += len(ids)
-        done += len(batch)
-        progress.update(done)
-
     batch: list[str] = []
+    ends: list[bool] = []  # whether each text or piece of the batch ends its document
+    chars = 0
+
+    def flush() -> None:
+        nonlocal total, done, chars
+        flat: list[int] = []
+        for ids, end in zip(encode(tokenizer, batch), ends):
+            flat.extend(ids)
+            if end and add_eos:
+                flat.append(eos_token_id)  # type: ignore[arg-type]
+        parts.append(np.asarray(flat, dtype=dtype))
+        total += len(flat)
+        done += sum(ends)
+        progress.update(done)
+        batch.clear()
+        ends.clear()
+        chars = 0
+
     for text in texts:
         if need is not None and total >= need:
             break
         if not text or not text.strip():
             continue
-        batch.append(text)
-        if len(batch) >= batch_texts:
-            flush(batch)
-            batch = []
+        for piece, last in _marked(pieces(text, tokenizer)):
+            batch.append(piece)
+            ends.append(last)
+            chars += len(piece)
+            if len(batch) >= batch_texts or chars >= BATCH_CHARS:
+                flush()
+                if need is not None and total >= need:  # enough: not the rest of a long document either
+                    break
     if batch and (need is None or total < need):
-        flush(batch)
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    n = len(stream) // seq_len
+        flush()
+    n = total // seq_len
     if max_chunks is not None:
         n = min(n, max_chunks)
     if n == 0 and max_chunks != 0:
-        raise SpecError(f"the texts give {len(stream)} tokens, fewer than one chunk of seq_len={seq_len}")
-    ids = torch.from_numpy(stream[: n * seq_len].copy()).view(n, seq_len)
+        raise SpecError(f"the texts give {total} tokens, fewer than one chunk of seq_len={seq_len}")
+    ids = torch.from_numpy(_joined(parts, n * seq_len)).view(n, seq_len)
     meta = {"kind": "causal-lm", "seq_len": seq_len, "tokens": n * seq_len, "eos_token_id": eos_token_id,
             "vocab_size": _vocab_size(tokenizer)}
     meta.update(info or {})
-    return DictDataset({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()},
-                       info=meta)
+    mask = torch.ones(1, 1, dtype=torch.int64).expand(n, seq_len)
+    return DictDataset({"input_ids": ids, "attention_mask": mask, "labels": ids}, info=meta)
+
+
+def _marked(items: Iterator[str]) -> Iterator[tuple[str, bool]]:
+    """Each item with whether it is the last."""
+    prev = next(items)
+    for item in items:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+def _joined(parts: list[np.ndarray], n: int) -> np.ndarray:
+    """The first ``n`` ids of ``parts`` as one int64 array; each part is released once copied."""
+    out = np.empty(n, dtype=np.int64)
+    at = 0
+    while parts and at < n:
+        part = parts.pop(0)
+        take = min(len(part), n - at)
+        out[at:at + take] = part[:take]
+        at += take
+    parts.clear()
+    return out
 
 
 def text_classification(
@@ -129,8 +169,14 @@ def text_classification(
 
     Items: ``input_ids``, ``attention_mask`` and ``token_type_ids`` (if the tokenizer makes them), each
     ``[max_length]`` int64, ``labels`` (scalar int64) and ``sample_id``. The texts are tokenized
-    ``batch_texts`` at a time (the tokenizer's intermediate results of one batch at most in memory); work that
-    takes longer than a few seconds logs its progress (``label`` names the texts there).
+    ``batch_texts`` at a time and at most :data:`~aqsgd.data.datasets.pieces.BATCH_CHARS` characters per call
+    (the tokenizer's intermediate results of one batch at most in memory). As only the first ``max_length``
+    tokens are kept, only a text's beginning is tokenized: a text over ``16 * max_length`` characters is cut
+    where the tokenizer splits anyway, past its first ``max_length`` tokens
+    (:func:`~aqsgd.data.datasets.pieces.leading`; of a pair, so that the longer text stays the longer, which
+    the truncation of pairs looks at), with the same ids as the whole text gives (a tokenizer that truncates
+    on the left gets whole texts). Work that takes longer than a few seconds logs its progress (``label``
+    names the texts there).
     """
     if max_length < 1:
         raise SpecError(f"max_length must be >= 1, got {max_length}")
@@ -141,18 +187,38 @@ def text_classification(
     if getattr(tokenizer, "pad_token_id", None) is None:
         raise SpecError("the tokenizer has no pad token; set tokenizer.pad_token first")
     progress = ProgressLog(log, f"tokenizing {label}", total=len(texts), unit="texts")
+    cut = getattr(tokenizer, "truncation_side", "right") == "right"
     parts: dict[str, list[Tensor]] = {}
-    for start in range(0, len(texts), batch_texts):
-        stop = start + batch_texts
-        args: tuple[Any, ...] = (list(texts[start:stop]),)
-        if text_pairs is not None:
-            args += (list(text_pairs[start:stop]),)
+    firsts: list[str] = []
+    seconds: list[str] = []
+    chars = 0
+
+    def flush(done: int) -> None:
+        nonlocal chars
+        args: tuple[Any, ...] = (firsts,) if text_pairs is None else (firsts, seconds)
         enc = tokenizer(*args, padding="max_length", truncation=True, max_length=max_length,
                         return_tensors="pt", verbose=False)
         for k in ("input_ids", "attention_mask", "token_type_ids"):
             if k in enc:
                 parts.setdefault(k, []).append(enc[k].to(torch.int64))
-        progress.update(min(stop, len(texts)))
+        firsts.clear()
+        seconds.clear()
+        chars = 0
+        progress.update(done)
+
+    for i, text in enumerate(texts):
+        pair = None if text_pairs is None else text_pairs[i]
+        if cut:
+            text, pair = _beginnings(text, pair, tokenizer, max_length)
+        firsts.append(text)
+        chars += len(text)
+        if pair is not None:
+            seconds.append(pair)
+            chars += len(pair)
+        if len(firsts) >= batch_texts or chars >= BATCH_CHARS:
+            flush(i + 1)
+    if firsts:
+        flush(len(texts))
     if not parts:  # no texts: the columns' names and widths, from an empty call
         enc = tokenizer([""], padding="max_length", truncation=True, max_length=max_length,
                         return_tensors="pt")
@@ -169,6 +235,34 @@ def text_classification(
             "pad_token_id": tokenizer.pad_token_id, "vocab_size": _vocab_size(tokenizer)}
     meta.update(info or {})
     return DictDataset(cols, info=meta)
+
+
+def _beginnings(text: str, pair: str | None, tokenizer: Any, max_length: int) -> tuple[str, str | None]:
+    """``text`` and ``pair`` cut to beginnings that give the same ``max_length``-token truncation as they do
+    whole (:func:`~aqsgd.data.datasets.pieces.leading`).
+
+    A single text keeps more than ``max_length`` tokens. A pair's truncation (longest first) takes tokens
+    from the longer of the two, so a pair is cut only where the cut keeps which one is the longer: both long,
+    the longer one's beginning outnumbers the other's (both counted in pieces; two long texts of exactly
+    equal length stay whole); one long, its beginning outnumbers the other text."""
+    a, na = leading(text, tokenizer, max_length)
+    if pair is None:
+        return a, None
+    b, nb = leading(pair, tokenizer, max_length)
+    if na is None and nb is None:
+        return text, pair
+    if na is not None and nb is not None:
+        whole_a, whole_b = count(text, tokenizer), count(pair, tokenizer)
+        if whole_a == whole_b:
+            return text, pair
+        if whole_a > whole_b:
+            return (a if na > nb else leading(text, tokenizer, nb)[0]), b
+        return a, (b if nb > na else leading(pair, tokenizer, na)[0])
+    if na is not None:
+        other = len(encode(tokenizer, [pair])[0])
+        return (a if na > other else leading(text, tokenizer, other)[0]), pair
+    other = len(encode(tokenizer, [text])[0])
+    return text, (b if nb > other else leading(pair, tokenizer, other)[0])  # type: ignore[operator]
 
 
 def _vocab_size(tokenizer: Any) -> int | None:
