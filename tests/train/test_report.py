@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import builtins
+import errno
 import itertools
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -113,22 +116,32 @@ def test_comparison_table_values(run_dirs):
     for name, (fwd, bwd, _, _, acc_on, acc_off) in SETTINGS.items():
         r = by[name]
         assert r["setting"] == f"{fwd}/{bwd}" and r["steps"] == STEPS and r["higher_is_better"] is True
-        assert r["metric_on"] == pytest.approx(acc_on) and r["metric_off"] == pytest.approx(acc_off)
+        assert r["metric_off"] == pytest.approx(acc_off) and r["rank_by"] == "uncompressed"
+        # fp32 both ways has no compressed boundary: its one figure is the uncompressed one
+        assert r["metric_on"] == (None if name == "fp32" else pytest.approx(acc_on))
+        assert r["evaluates_compressed"] == (name != "fp32") and r["no_cache"] == (name == "aqsgd")
         assert r["bytes_sent"] == expected_bytes(name)
         assert r["compression_ratio"] == pytest.approx(STEPS * RAW / expected_bytes(name))
         assert r["final_train_loss"] == pytest.approx(2.3 * math.exp(-(STEPS - 1) / 80) + 0.3
                                                       + (0.1 if name == "q2" else 0.0))
+    # compared on the uncompressed evaluation, the model's quality
     assert by["fp32"]["rel_diff"] == 0.0
-    assert by["aqsgd"]["rel_diff"] == pytest.approx((0.79 - 0.80) / 0.80)
-    assert by["q2"]["rel_diff"] == pytest.approx((0.70 - 0.80) / 0.80)
+    assert by["aqsgd"]["rel_diff"] == pytest.approx((0.795 - 0.80) / 0.80)
+    assert by["q2"]["rel_diff"] == pytest.approx((0.78 - 0.80) / 0.80)
     assert by["aqsgd"]["compression_ratio"] == pytest.approx(200 / (50 + 150 * 3 / 32))
     assert by["q2"]["samples_per_s"] == 400.0
 
     # An explicit baseline, and an unknown one.
     rows = comparison_table(runs, baseline="q2")
-    assert rows[1]["rel_diff"] == pytest.approx((0.80 - 0.70) / 0.70) and rows[2]["rel_diff"] == 0.0
+    assert rows[1]["rel_diff"] == pytest.approx((0.80 - 0.78) / 0.78) and rows[2]["rel_diff"] == 0.0
     with pytest.raises(ReportError, match="'nope' is not one of the runs: aqsgd, fp32, q2"):
         comparison_table(runs, baseline="nope")
+    # On the compressed evaluation on request (fp32, with no compressed boundary, counts with its one figure).
+    rows = comparison_table(runs, rank_by="compressed")
+    assert [r["rel_diff"] for r in rows] == pytest.approx([(0.79 - 0.80) / 0.80, 0.0, (0.70 - 0.80) / 0.80])
+    assert {r["rank_by"] for r in rows} == {"compressed"} and rows[1]["metric_on"] is None
+    with pytest.raises(ReportError, match="rank_by 'best' is not one of uncompressed, compressed"):
+        comparison_table(runs, rank_by="best")  # type: ignore[arg-type]
     # Another metric on request: loss, lower is better.
     rows = comparison_table(runs, metric="loss")
     assert rows[0]["metric_on"] == 0.5 and rows[0]["metric_off"] == 0.4
@@ -174,7 +187,7 @@ def test_baseline_defaults_to_first_run_without_uncompressed(tmp_path):
     runs = [load_run(make_run(tmp_path, n)) for n in ("q2", "aqsgd")]
     assert select_baseline(runs).name == "q2"
     rows = comparison_table(runs)
-    assert rows[0]["rel_diff"] == 0.0 and rows[1]["rel_diff"] == pytest.approx((0.79 - 0.70) / 0.70)
+    assert rows[0]["rel_diff"] == 0.0 and rows[1]["rel_diff"] == pytest.approx((0.795 - 0.78) / 0.78)
 
 
 def test_plot_writes_readable_png(run_dirs, tmp_path):
@@ -267,18 +280,24 @@ def test_cli_end_to_end(run_dirs, tmp_path, capsys):
     assert args.func(args) == 0
     text = capsys.readouterr().out
     assert f"wrote {out}\n" in text
-    for s in ("AQ-SGD", "FP32", "Q2", "delta:q2/direct:q4", "-1.25%", "-12.50%", "baseline: FP32", "3.1x",
-              "16.0x", "0.7950"):
+    for s in ("AQ-SGD", "FP32", "Q2", "delta:q2/direct:q4", "-0.63%", "-2.50%", "baseline: FP32", "3.1x",
+              "16.0x", "0.7950", "runs compared on accuracy;"):
         assert s in text
+    assert "-1.25%" not in text and "-12.50%" not in text  # (the compressed figures' differences)
     assert out.stat().st_size > 10_000
     data = json.loads(js.read_text())
-    assert data["metric"] == "accuracy" and data["baseline"] == "FP32"
+    assert data["metric"] == "accuracy" and data["baseline"] == "FP32" and data["rank_by"] == "uncompressed"
     assert [r["run"] for r in data["rows"]] == ["AQ-SGD", "FP32", "Q2"]
-    assert data["rows"][2]["rel_diff"] == pytest.approx(-0.125)
+    assert data["rows"][2]["rel_diff"] == pytest.approx(-0.025)
 
     args = _parser().parse_args(["report", *map(str, run_dirs), "--out", str(out), "--baseline", "q2"])
     assert args.func(args) == 0
     assert "baseline: q2" in capsys.readouterr().out
+    args = _parser().parse_args(["report", *map(str, run_dirs), "--out", str(out), "--rank-by", "compressed"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "runs compared on accuracy through compressed boundaries" in text
+    assert "-1.25%" in text and "-12.50%" in text
 
 
 def test_cli_bad_options(run_dirs, tmp_path):
@@ -474,3 +493,227 @@ def test_long_runs_show_minutes_or_hours(tmp_path):
     (d / "metrics.jsonl").write_text(json.dumps({**rows[0], "time": {"step": 7201.0}}) + "\n")
     ax_time = figure_panels([load_run(d)])[1]["loss_time"]
     assert ax_time.get_xlabel() == "wall time (h, sum of step times)"
+
+
+# --- the compressed evaluation, for what it is; short runs; writing the outputs -----------------------------
+
+def make_lm_run(root: Path, name: str, forward: str, stages: int, ppl_off: float, ppl_on: float | None = None,
+                *, eval_steps: tuple[int, ...] = (4,), samples_per_s: float = 5.0) -> Path:
+    """A short LM run written as the trainer writes it (nested config, one train row a step, eval rows at
+    ``eval_steps``, a summary). ``ppl_on`` None: the compressed evaluation equals the uncompressed one (as
+    where nothing is compressed)."""
+    ppl_on = ppl_off if ppl_on is None else ppl_on
+    d = root / name
+    d.mkdir(parents=True)
+    backward = "none" if forward == "none" else "direct:q4"
+    (d / "config.json").write_text(json.dumps({
+        "task": {"name": "wiki"}, "pipeline": {"stages": stages},
+        "compression": {"forward": forward, "backward": backward}}))
+    sent = 0 if stages == 1 else (1000 if forward == "none" else 300)
+    raw = 0 if stages == 1 else 1000
+    rows = [{"kind": "train", "step": s, "loss": 4.8 - 0.05 * s, "bytes_sent": sent, "raw_bytes": raw,
+             "time": {"step": 0.5}} for s in range(1, 5)]
+    evals = {"compressed": {"loss": math.log(ppl_on), "perplexity": ppl_on},
+             "uncompressed": {"loss": math.log(ppl_off), "perplexity": ppl_off}}
+    rows += [{"kind": "eval", "step": s, **evals} for s in eval_steps]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "summary.json").write_text(json.dumps({
+        "task": "wiki", "setting": f"{forward}/{backward}", "stages": stages, "steps": 4, "eval": evals,
+        "bytes_sent": 4 * sent, "raw_bytes": 4 * raw, "samples_per_s": samples_per_s}))
+    return d
+
+
+@pytest.fixture
+def lm_runs(tmp_path: Path) -> list[Path]:
+    """The case that misled: AQ-SGD's compressed perplexity (no cache) in the thousands beside 55-60
+    uncompressed; an uncompressed pipeline; a run of one stage (its codecs never used)."""
+    return [make_lm_run(tmp_path, "lora-dist2-fp32", "none", 2, 55.0),
+            make_lm_run(tmp_path, "aqsgd", "delta:q2", 2, 58.5, 8515.0, samples_per_s=0.0123),
+            make_lm_run(tmp_path, "direct", "direct:q8", 2, 56.1, 57.3),
+            make_lm_run(tmp_path, "one-stage", "delta:q2", 1, 57.2)]
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """The report table's rows by run name: its cells, stripped."""
+    lines = [line for line in text.splitlines() if line.startswith("│")]
+    rows = [[c.strip() for c in line.strip("│ ").split("│")] for line in lines]
+    return {r[0]: r[1:] for r in rows}
+
+
+def test_report_compares_the_uncompressed_evaluation_and_labels_the_compressed_one(lm_runs, tmp_path, capsys):
+    args = _parser().parse_args(["report", *map(str, lm_runs), "--out", str(tmp_path / "r.png"),
+                                 "--json", str(tmp_path / "r.json")])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "runs compared on perplexity; baseline: lora-dist2-fp32" in text
+    header = [[c.strip() for c in line.strip()[1:-1].split("┃")] for line in text.splitlines()
+              if line.startswith("┃")]  # (a long column name folds over lines)
+    cols = [" ".join(filter(None, parts)) for parts in zip(*header)]
+    assert cols[4:7] == ["perplexity", "vs lora-dist2-fp32", "perplexity through compressed boundaries"]
+    rows = table_rows(text)
+    # setting, steps, train loss, perplexity, vs, compressed, bytes, ratio, samples/s
+    assert rows["aqsgd"][0] == "delta:q2/direct:q4" and rows["aqsgd"][3:6] == ["58.5", "+6.36%",
+                                                                               "8515 (no cache)"]
+    assert rows["aqsgd"][8] == "0.0123"  # significant digits, not 0.0
+    assert rows["direct"][3:6] == ["56.1", "+2.00%", "57.3"]
+    fp32 = rows["lora-dist2-fp32"]
+    assert fp32[0] == "uncompressed" and fp32[3:6] == ["55", "+0.00%", "-"]
+    assert rows["one-stage"][0] == "1 stage" and rows["one-stage"][5] == "-"  # one figure: no codec was used
+    assert "15381" not in text  # (8515 against 55: the difference on the compressed figure)
+    note = [line for line in text.splitlines() if "per-sample cache" in line]
+    assert len(note) == 1 and "not the model's quality" in note[0]
+    data = json.loads((tmp_path / "r.json").read_text())
+    by = {r["run"]: r for r in data["rows"]}
+    assert data["rank_by"] == "uncompressed" and by["aqsgd"]["rel_diff"] == pytest.approx(3.5 / 55)
+    assert by["aqsgd"]["no_cache"] and not by["direct"]["no_cache"]
+    assert by["one-stage"]["metric_on"] is None and by["one-stage"]["metric_off"] == 57.2
+
+    # asked for: compared on the compressed evaluation
+    args = _parser().parse_args(["report", *map(str, lm_runs), "--out", str(tmp_path / "r.png"),
+                                 "--rank-by", "compressed"])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "runs compared on perplexity through compressed boundaries; baseline: lora-dist2-fp32" in text
+    rows = table_rows(text)
+    assert rows["aqsgd"][3:6] == ["58.5", "8515 (no cache)", "+15381.82%"]
+    assert rows["one-stage"][5] == "+4.00%"  # its one figure: nothing was compressed
+
+
+def test_one_stage_run_is_the_baseline_where_no_run_is_uncompressed(tmp_path):
+    runs = [load_run(make_lm_run(tmp_path, "aqsgd", "delta:q2", 2, 58.5, 8515.0)),
+            load_run(make_lm_run(tmp_path, "one-stage", "delta:q2", 1, 57.2))]
+    assert runs[1].compresses_nothing and not runs[1].uncompressed
+    assert select_baseline(runs).name == "one-stage"
+    assert comparison_table(runs)[0]["rel_diff"] == pytest.approx((58.5 - 57.2) / 57.2)
+
+
+def test_settings_label_names_no_codecs_where_nothing_is_compressed(lm_runs):
+    uncompressed, aqsgd, _, one = map(load_run, lm_runs)
+    assert one.settings_label == "1 stage"  # not "delta:q2/direct:q4, 1 stage"
+    assert uncompressed.settings_label == "uncompressed, 2 stages"  # not "none/none, 2 stages"
+    assert aqsgd.settings_label == "delta:q2/direct:q4, 2 stages"
+    assert (one.evaluates_compressed, uncompressed.evaluates_compressed, aqsgd.evaluates_compressed) == (
+        False, False, True)
+
+
+def test_eval_panel_of_short_runs_shows_every_evaluation(lm_runs, tmp_path):
+    """One evaluation a run: each is a marker big enough to see; uncompressed and compressed differ by
+    marker (filled circle, hollow diamond above it); runs without a compressed boundary draw one series;
+    equal values of several runs show as rings of decreasing size, not one point."""
+    import matplotlib.colors as mcolors
+
+    runs = [load_run(d) for d in lm_runs]
+    runs.append(load_run(make_lm_run(tmp_path / "more", "same-as-fp32", "none", 2, 55.0)))
+    fig, axes = figure_panels(runs)
+    lines = {line.get_label(): line for line in axes["eval"].lines if line.get_marker() != "^"}
+    assert sorted(lines) == sorted(["lora-dist2-fp32 uncompressed", "aqsgd uncompressed", "aqsgd compressed",
+                                    "direct uncompressed", "direct compressed", "one-stage uncompressed",
+                                    "same-as-fp32 uncompressed"])
+    for name, line in lines.items():
+        assert list(line.get_xdata()) == [4] and line.get_markersize() >= 6, name
+        if name.endswith(" compressed"):
+            assert line.get_marker() == "D" and line.get_markerfacecolor() == "none"
+            assert line.get_linestyle() == ":" and line.get_zorder() > 3
+        else:
+            assert line.get_marker() == "o" and line.get_linestyle() == "-"
+            assert mcolors.same_color(line.get_markerfacecolor(), line.get_color())
+    # the same value at the same step: the later run's marker is smaller, inside the first one's
+    first, same = lines["lora-dist2-fp32 uncompressed"], lines["same-as-fp32 uncompressed"]
+    assert same.get_markersize() < first.get_markersize() and same.get_ydata()[0] == first.get_ydata()[0]
+    assert axes["eval"].get_xlim() == (3, 5)  # one step: whole steps either side, not 3.8 to 4.2
+    legend = [t.get_text() for t in axes["eval"].get_legend().get_texts()]
+    assert legend == ["uncompressed (the model)", "compressed boundaries\n(AQ-SGD: no cache)",
+                      "above the scale"]
+    # 8515 (no cache) beside 55-58.5: marked above the scale with its value, the model's values keep the scale
+    low, high = axes["eval"].get_ylim()
+    assert low < 55 and 58.5 < high < 70 and axes["eval"].get_yscale() == "linear"
+    assert [t.get_text() for t in axes["eval"].texts] == ["8515"]
+    above, = [line for line in axes["eval"].lines if line.get_marker() == "^"]
+    assert list(above.get_xdata()) == [4] and mcolors.same_color(above.get_color(), lines["aqsgd compressed"]
+                                                                 .get_color())
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels[0] == "lora-dist2-fp32 (uncompressed, 2 stages)" and labels[3] == "one-stage (1 stage)"
+    # without an AQ-SGD run the legend says nothing of a cache
+    _, axes = figure_panels([runs[0], runs[2]])
+    assert [t.get_text() for t in axes["eval"].get_legend().get_texts()] == [
+        "uncompressed (the model)", "compressed boundaries"]
+
+
+def test_bytes_panel_says_more_where_a_run_sent_more_than_the_baseline(tmp_path):
+    runs = [load_run(make_lm_run(tmp_path, "fp32", "none", 2, 55.0)),
+            load_run(make_lm_run(tmp_path, "aqsgd", "delta:q2", 2, 58.5, 8515.0))]
+    (runs[1].path / "summary.json").write_text(json.dumps({**runs[1].summary, "bytes_sent": 4400}))
+    runs[1] = load_run(runs[1].path)
+    _, axes = figure_panels(runs)
+    notes = [t.get_text() for t in axes["total_bytes"].texts]
+    assert notes == ["4 kB\nbaseline", "4.4 kB\n1.1x more"]  # not "0.909x fewer"
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_unwritable_out_is_one_line_before_anything_is_loaded(lm_runs, tmp_path, capsys, monkeypatch):
+    from aqsgd.cli import main
+
+    (tmp_path / "notes.txt").write_text("a file")
+    missing = str(tmp_path / "no-such-run")  # not looked at: the output is checked first
+    under_file = tmp_path / "notes.txt" / "r.png"
+    assert main(["report", str(lm_runs[0]), missing, "--out", str(under_file)]) == 2
+    assert f"--out {under_file}: {tmp_path / 'notes.txt'} is a file, not a folder" in one_line_error(capsys)
+    assert main(["report", str(lm_runs[0]), "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path}: is a directory" in one_line_error(capsys)
+    assert main(["report", str(lm_runs[0]), "--out", str(tmp_path / "r.png"), "--json", str(under_file)]) == 2
+    assert f"--json {under_file}:" in one_line_error(capsys)
+    assert not (tmp_path / "r.png").exists()
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    real_access = os.access
+    # (chmod 0o555 does not stop root: the check asks os.access, as it would answer there)
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != folder and real_access(p, mode, **kw))
+    assert main(["report", str(lm_runs[0]), missing, "--out", str(folder / "r.png")]) == 2
+    assert f"--out {folder / 'r.png'}: folder {folder} is not writable" in one_line_error(capsys)
+    assert list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("full", ["r.png", "r.json"])
+def test_full_disk_is_one_line_and_leaves_no_partial_file(lm_runs, tmp_path, capsys, monkeypatch, full):
+    from aqsgd.cli import main
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / full).write_text("the previous one")
+    real_open = builtins.open
+
+    class FullDisk:
+        def __init__(self, f):
+            self._f = f
+
+        def write(self, _data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+    def open_(file, mode="r", *args, **kw):  # the writes of one file (or its temporary file) fail
+        f = real_open(file, mode, *args, **kw)
+        name = Path(os.fsdecode(file)).name if isinstance(file, (str, os.PathLike)) else ""
+        return FullDisk(f) if any(m in mode for m in "wxa") and full in name else f
+
+    monkeypatch.setattr(builtins, "open", open_)
+    assert main(["report", *map(str, lm_runs), "--out", str(folder / "r.png"), "--json",
+                 str(folder / "r.json")]) == 2
+    err = one_line_error(capsys)
+    assert f"{folder / full}: could not write it (No space left on device)" in err
+    assert (folder / full).read_text() == "the previous one"
+    # the old file kept, the figure written first where the JSON failed, no temporary file
+    assert sorted(p.name for p in folder.iterdir()) == sorted({full, "r.png"})

@@ -60,9 +60,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="PRESET.toml",
                    help="load settings from a TOML preset (options override it)")
+    from aqsgd.cli.options import plain_text  # (the help of an option is its field's docstring: reST)
+
     groups = {k: p.add_argument_group(v) for k, v in SECTION_TITLES.items()}
     for o in options():
-        help_text = _help_text(o.help, o.default)
+        help_text = _help_text(plain_text(o.help), o.default)
         group = groups[o.section]
         if o.base is bool:
             group.add_argument(o.flag, dest=o.flat, action=argparse.BooleanOptionalAction,
@@ -106,28 +108,70 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_summary(s: dict[str, Any]) -> None:
+    """The end-of-run table. The uncompressed evaluation comes first: it is the model's quality. The one
+    through the compressed boundaries follows, labelled as such, only where the run has one (not for one
+    stage, nor an uncompressed forward); an AQ-SGD run's has no cache, which a note under the table says."""
     from rich.console import Console
     from rich.table import Table
 
-    replicas = s.get("data_parallel", 1)
-    layout = f"{s['stages']} stages" + (f" x {replicas} replicas" if replicas > 1 else "")
-    table = Table(title=f"{s['task']} · {s['setting']} · {layout} ({s['runtime']})")
+    from aqsgd.train.report.reader import (
+        NO_CACHE_NOTE,
+        compressed_eval_label,
+        evaluates_compressed,
+        evaluates_without_cache,
+        format_rate,
+        is_uncompressed,
+    )
+
+    stages, replicas = s["stages"], s.get("data_parallel", 1)
+    forward, _, backward = str(s.get("setting") or "").partition("/")
+    layout = f"{stages} stage{'' if stages == 1 else 's'}"
+    if replicas > 1:
+        layout += f" x {replicas} replicas"
+    if stages > 1 or replicas > 1:
+        layout += f" ({s['runtime']})"
+    # one stage has no boundary: its codecs were never used, and are not named
+    setting = [] if stages == 1 else ["uncompressed" if is_uncompressed(forward) and is_uncompressed(backward)
+                                      else s["setting"]]
+    table = Table(title=" · ".join([s["task"], *setting, layout]))
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("steps", str(s["steps"]))
     if s.get("final_train_loss") is not None:
         table.add_row("final training loss", f"{s['final_train_loss']:.4f}")
-    for name, vals in (s.get("eval") or {}).items():
-        for k, v in vals.items():
-            table.add_row(f"eval {k} (compression {'on' if name == 'compressed' else 'off'})", f"{v:.4f}")
-    table.add_row("bytes sent between stages", f"{s['bytes_sent']:,}")
-    table.add_row("bytes at fp32", f"{s['raw_bytes']:,}")
-    if s.get("traffic_saved") is not None:
-        table.add_row("traffic saved vs fp32",
-                      f"{100 * s['traffic_saved']:.1f}% ({s['compression_ratio']:.2f}x less)")
+    evals, notes = s.get("eval") or {}, []
+    for k, v in (evals.get("uncompressed") or {}).items():
+        table.add_row(f"eval {k}", f"{v:.4f}")
+    if evaluates_compressed(forward, stages):
+        for k, v in (evals.get("compressed") or {}).items():
+            table.add_row(f"eval {k}, {compressed_eval_label(forward, stages)}", f"{v:.4f}")
+        if evals.get("compressed") and evaluates_without_cache(forward, stages):
+            notes.append(NO_CACHE_NOTE)
+    if stages > 1:
+        table.add_row("bytes sent between stages", f"{s['bytes_sent']:,}")
+        table.add_row("bytes at fp32", f"{s['raw_bytes']:,}")
+        if s.get("traffic_saved") is not None:
+            table.add_row("traffic saved vs fp32", _traffic_saved(s["traffic_saved"], s["compression_ratio"]))
     if replicas > 1:
         table.add_row(f"bytes sent between replicas ({s['grad_sync']})", f"{s['grad_sync_bytes']:,}")
     if s.get("samples_per_s"):
-        table.add_row("samples/s", f"{s['samples_per_s']:.1f}")
+        table.add_row("samples/s", format_rate(s["samples_per_s"]))
     table.add_row("run directory", s["run_dir"])
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for note in notes:
+        console.print(note, soft_wrap=True, markup=False)
+
+
+def _traffic_saved(saved: float, ratio: float | None) -> str:
+    """``44.3% (1.79x less)``; ``none`` where nothing was saved (not ``-0.0% (1.00x less)``), with how much
+    more was sent where the packets' own bytes outweigh it (``none (0.5% more)``); no ratio where it reads
+    1.00."""
+    pct = f"{100 * abs(saved):.1f}"
+    if pct == "0.0":
+        return "none"
+    if saved < 0:
+        return f"none ({pct}% more)"
+    if ratio is None or f"{ratio:.2f}" == "1.00":
+        return f"{pct}%"
+    return f"{pct}% ({ratio:.2f}x less)"

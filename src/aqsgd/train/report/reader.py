@@ -27,9 +27,15 @@ __all__ = [
     "MODES",
     "ByteKey",
     "Mode",
+    "NO_CACHE_NOTE",
+    "RANK_BY",
     "Run",
     "comparison_table",
+    "compressed_eval_label",
+    "evaluates_compressed",
+    "evaluates_without_cache",
     "format_bytes",
+    "format_rate",
     "is_uncompressed",
     "load_run",
     "main_metric",
@@ -47,6 +53,12 @@ _UNCOMPRESSED_CODECS = ("none", "fp32")
 Mode = Literal["compressed", "uncompressed"]
 MODES: tuple[Mode, Mode] = ("compressed", "uncompressed")
 ByteKey = Literal["bytes_sent", "raw_bytes"]
+#: What a report ranks runs on (``--rank-by``): the uncompressed evaluation, the model's quality, by default.
+RANK_BY: tuple[Mode, Mode] = ("uncompressed", "compressed")
+#: One short note for runs whose compressed evaluation ran without a cache (see
+#: :func:`evaluates_without_cache`), shown wherever that figure is.
+NO_CACHE_NOTE = ("(no cache): AQ-SGD evaluates through its codec without the per-sample cache it trains with "
+                 "(evaluation samples have none); that figure is not the model's quality")
 
 
 def _is_number(x: object) -> bool:
@@ -68,6 +80,30 @@ def is_uncompressed(spec: str | None) -> bool:
     head, _, rest = spec.strip().partition(":")
     codec = rest if head in _SCHEMES and rest else head
     return codec in _UNCOMPRESSED_CODECS
+
+
+def evaluates_compressed(forward: str | None, stages: int | None) -> bool:
+    """Whether a run's compressed evaluation (phase ``EVAL``) sent anything compressed, so that it differs
+    from the uncompressed one: the run has a stage boundary and its forward setting compresses (evaluation
+    sends activations only). Unknown settings (None) count as compressed: both figures are shown."""
+    return stages != 1 and not is_uncompressed(forward)
+
+
+def evaluates_without_cache(forward: str | None, stages: int | None) -> bool:
+    """Whether a run's compressed evaluation is AQ-SGD without its cache: a ``delta`` (or ``auto``: AQ-SGD
+    at bits chosen per link) forward over a stage boundary. Evaluation samples have no cache entry, so the
+    codec's output crosses the boundary alone: far worse than the model, not its quality."""
+    if not forward or not evaluates_compressed(forward, stages):
+        return False
+    head = forward.strip().partition(":")[0]
+    return head in ("delta", "auto")
+
+
+def compressed_eval_label(forward: str | None, stages: int | None) -> str:
+    """What the compressed evaluation is, for a label: ``through compressed boundaries``, with ``(no cache)``
+    for AQ-SGD (:func:`evaluates_without_cache`)."""
+    no_cache = evaluates_without_cache(forward, stages)
+    return "through compressed boundaries" + (" (no cache)" if no_cache else "")
 
 
 def _close(a: float, b: float, rel: float = 0.01) -> bool:
@@ -168,8 +204,26 @@ class Run:
 
     @property
     def uncompressed(self) -> bool:
-        """Whether both directions send full precision (the natural baseline)."""
+        """Whether both directions send full precision."""
         return is_uncompressed(self.forward) and is_uncompressed(self.backward)
+
+    @property
+    def compresses_nothing(self) -> bool:
+        """Whether nothing of the run was compressed (the natural baseline): one stage (no boundary to send
+        over, whatever its codecs say) or full precision both ways."""
+        return self.stages == 1 or self.uncompressed
+
+    @property
+    def evaluates_compressed(self) -> bool:
+        """Whether the run's compressed evaluation differs from the uncompressed one
+        (:func:`evaluates_compressed`); without it the run has one evaluation figure."""
+        return evaluates_compressed(self.forward, self.stages)
+
+    @property
+    def evaluates_without_cache(self) -> bool:
+        """Whether the run's compressed evaluation is AQ-SGD's without a cache
+        (:func:`evaluates_without_cache`): not the model's quality."""
+        return evaluates_without_cache(self.forward, self.stages)
 
     @property
     def task(self) -> str | None:
@@ -194,12 +248,23 @@ class Run:
         return link if isinstance(link, str) and link else None
 
     @property
+    def setting_label(self) -> str:
+        """The codecs as a table shows them: :attr:`setting`, ``uncompressed`` for full precision both ways,
+        and ``1 stage`` for a run of one stage (it has no boundary: its codecs were never used)."""
+        if self.stages == 1:
+            return "1 stage"
+        return "uncompressed" if self.uncompressed else self.setting
+
+    @property
     def settings_label(self) -> str:
         """The settings in a few words, for a legend: ``delta:q2/direct:q4, 4 stages, link 100mbit,5ms``
-        (the stages and the link where the run records them)."""
-        parts = [self.setting]
+        (the stages and the link where the run records them); no codecs where nothing was compressed
+        (``uncompressed, 4 stages``; ``1 stage``)."""
+        if self.stages == 1:
+            return "1 stage"
+        parts = [self.setting_label]
         if self.stages is not None:
-            parts.append(f"{self.stages} stage{'' if self.stages == 1 else 's'}")
+            parts.append(f"{self.stages} stages")
         if self.link is not None:
             parts.append(f"link {self.link}")
         return ", ".join(parts)
@@ -410,8 +475,9 @@ def main_metric(runs: Iterable[Run]) -> str | None:
 
 
 def select_baseline(runs: Sequence[Run], name: str | None = None) -> Run:
-    """The run named ``name``; without a name the first uncompressed run (``none``/``fp32`` both ways), else
-    the first run. Raises :class:`ReportError` for an unknown name or no runs."""
+    """The run named ``name``; without a name the first run that compressed nothing (``none``/``fp32`` both
+    ways, or one stage: :attr:`Run.compresses_nothing`), else the first run. Raises :class:`ReportError` for
+    an unknown name or no runs."""
     if not runs:
         raise ReportError("no runs to report on")
     if name is not None:
@@ -419,28 +485,46 @@ def select_baseline(runs: Sequence[Run], name: str | None = None) -> Run:
             if run.name == name:
                 return run
         raise ReportError(f"baseline {name!r} is not one of the runs: {', '.join(r.name for r in runs)}")
-    return next((r for r in runs if r.uncompressed), runs[0])
+    return next((r for r in runs if r.compresses_nothing), runs[0])
 
 
-def comparison_table(runs: Sequence[Run], baseline: str | None = None,
-                     metric: str | None = None) -> list[dict[str, Any]]:
+def comparison_table(runs: Sequence[Run], baseline: str | None = None, metric: str | None = None,
+                     rank_by: Mode = "uncompressed") -> list[dict[str, Any]]:
     """One dict per run (in order) with the values the report compares. Missing values are None.
 
     Keys: ``run``, ``path``, ``task``, ``setting``, ``forward``, ``backward``, ``steps``,
     ``final_train_loss``, ``metric`` (its name, the same in every row: ``metric`` or :func:`main_metric`),
-    ``higher_is_better``, ``metric_on`` / ``metric_off`` (final value with compression on / off),
-    ``baseline`` (the baseline's name, see :func:`select_baseline`), ``rel_diff`` (``(metric_on -
-    baseline's metric_on) / |baseline's metric_on|``, 0 for the baseline itself), ``bytes_sent``,
-    ``raw_bytes``, ``compression_ratio``, ``samples_per_s``, ``skipped_lines``.
+    ``higher_is_better``, ``metric_off`` (final value of the uncompressed evaluation: the model's quality),
+    ``metric_on`` (final value through the run's compressed boundaries; None for a run without one, see
+    :attr:`Run.evaluates_compressed`), ``evaluates_compressed``, ``no_cache`` (the compressed figure is
+    AQ-SGD's without a cache: :attr:`Run.evaluates_without_cache`), ``rank_by`` (which evaluation ``rel_diff``
+    compares), ``baseline`` (the baseline's name, see :func:`select_baseline`), ``rel_diff`` (``(value -
+    baseline's value) / |baseline's value|`` of the ``rank_by`` evaluation, 0 for the baseline itself),
+    ``bytes_sent``, ``raw_bytes``, ``compression_ratio``, ``samples_per_s``, ``skipped_lines``.
+
+    Runs are compared on the uncompressed evaluation unless ``rank_by`` is ``"compressed"``: the compressed
+    one of an AQ-SGD run has no cache and reads far worse than the model. Compared on it, a run without a
+    compressed boundary counts with its uncompressed value (the same computation).
     """
+    if rank_by not in RANK_BY:
+        raise ReportError(f"rank_by {rank_by!r} is not one of {', '.join(RANK_BY)}")
     base = select_baseline(runs, baseline)
     metric = metric or main_metric(runs)
-    base_on = base.final_eval("compressed").get(metric) if metric else None
+
+    def final(run: Run, mode: Mode) -> float | None:
+        if metric is None or (mode == "compressed" and not run.evaluates_compressed):
+            return None
+        return run.final_eval(mode).get(metric)
+
+    def compared(run: Run) -> float | None:
+        value = final(run, rank_by)
+        return final(run, "uncompressed") if value is None and not run.evaluates_compressed else value
+
+    base_value = compared(base)
     rows: list[dict[str, Any]] = []
     for run in runs:
-        on = run.final_eval("compressed").get(metric) if metric else None
-        off = run.final_eval("uncompressed").get(metric) if metric else None
-        rel = (on - base_on) / abs(base_on) if on is not None and base_on else None
+        value = compared(run)
+        rel = (value - base_value) / abs(base_value) if value is not None and base_value else None
         sent = run.total_bytes
         raw = run.raw_bytes
         rows.append({
@@ -454,10 +538,13 @@ def comparison_table(runs: Sequence[Run], baseline: str | None = None,
             "final_train_loss": run.final_train_loss,
             "metric": metric,
             "higher_is_better": HIGHER_IS_BETTER.get(metric) if metric else None,
-            "metric_on": on,
-            "metric_off": off,
+            "metric_off": final(run, "uncompressed"),
+            "metric_on": final(run, "compressed"),
+            "evaluates_compressed": run.evaluates_compressed,
+            "no_cache": run.evaluates_without_cache,
+            "rank_by": rank_by,
             "baseline": base.name,
-            "rel_diff": 0.0 if run is base and on is not None else rel,
+            "rel_diff": 0.0 if run is base and value is not None else rel,
             "bytes_sent": int(sent) if sent is not None else None,
             "raw_bytes": int(raw) if raw is not None else None,
             "compression_ratio": run.compression_ratio,
@@ -476,3 +563,16 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1000
     raise AssertionError("unreachable")
+
+
+def format_rate(x: float, digits: int = 3) -> str:
+    """A rate such as samples/s to ``digits`` significant digits (whole numbers from ``10**(digits - 1)``
+    on), never in scientific notation: ``0.0123``, ``6.55``, ``1,234`` (a fixed number of decimals reads
+    ``0.0`` for a slow run)."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    if abs(x) >= 10 ** (digits - 1):
+        return f"{x:,.0f}"
+    x = float(f"{x:.{digits}g}")  # rounded first: 9.996 is 10.0, not 10.00
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{decimals}f}"
