@@ -471,6 +471,9 @@ def _dp_worker(rank: int, world: int, out: str) -> dict:
                         {"epoch": 1, "batch": 0, "step": 4})
     except CheckpointError as e:
         result["save_error"] = str(e)
+        # the rank whose disk was full raises its own error; the others name it (the launcher's forensics
+        # follow that to the stage at fault)
+        result["save_error_blames"] = getattr(e, "rank", "own")
     finally:
         if real is not None:
             ckpt_write._torch_save = real
@@ -485,6 +488,7 @@ def _dp_worker(rank: int, world: int, out: str) -> dict:
         Trainer(cfg.replace(resume=str(out_dir / "dp"))).run()
     except CheckpointError as e:
         result["load_error"] = str(e)
+        result["load_error_blames"] = getattr(e, "rank", "own")
     return result
 
 
@@ -501,6 +505,8 @@ def test_distributed_ranks_agree_on_every_failure(tmp_path):
         assert ("step-00000003/stage1/replica1/schemes/" in r["load_error"]
                 and "checksum mismatch" in r["load_error"])
     assert len({r["save_error"] for r in ranks}) == len({r["load_error"] for r in ranks}) == 1
+    assert [r["save_error_blames"] for r in ranks] == [1, "own", 1, 1]
+    assert [r["load_error_blames"] for r in ranks] == [3, 3, 3, "own"]
 
 
 def test_a_signal_during_the_write_is_raised_once_the_checkpoint_is_complete(tmp_path, monkeypatch):

@@ -75,7 +75,7 @@ def test_the_diverging_command_stops_at_its_first_non_finite_step(tmp_path):
     line = errors[0]
     step = int(line.split("training diverged at step ")[1].split(":")[0])
     assert "gradient norm nan" in line or "gradient norm inf" in line, line
-    assert "lower the learning rate (--lr 10)" in line and "--max-grad-norm 1; now 0, off" in line, line
+    assert "lower the learning rate (now --lr 10)" in line and "--max-grad-norm 1; now 0, off" in line, line
     assert "--skip-nonfinite N" in line, line
     # stopped at the first non-finite step: every step before it is logged, finite, and none after it
     rows = _rows(tmp_path)
@@ -101,7 +101,7 @@ def test_a_non_finite_step_is_not_applied_and_stops_the_run(tmp_path):
     text = str(e.value)
     assert "\n" not in text
     assert text.startswith("training diverged at step 3: loss ") and (
-        ", gradient norm nan; the step was not applied. To go on: lower the learning rate (--lr 0.003), "
+        ", gradient norm nan; the step was not applied. To go on: lower the learning rate (now --lr 0.003), "
         "clip harder (--max-grad-norm below 1)" in text)
     assert text.endswith(f"the last complete checkpoint is "
                          f"{tmp_path / 'run' / 'checkpoints' / 'step-00000002'} (continue with `aqsgd train "

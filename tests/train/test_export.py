@@ -84,7 +84,7 @@ def test_export_errors_are_one_line(tmp_path, tokenizer_dir, capsys):
         return lines[0]
 
     assert "exists and is not empty" in error(str(run), "--out", str(out))
-    assert "replaces only an exported model folder" in error(str(run), "--out", str(out), "--overwrite")
+    assert "replaces only an earlier aqsgd export" in error(str(run), "--out", str(out), "--overwrite")
     assert "has no complete checkpoint of that step (it has step-00000002)" in error(
         str(run), "--out", str(tmp_path / "x"), "--checkpoint", "7")
     assert "no complete checkpoint to export" in error(str(tmp_path), "--out", str(tmp_path / "x"))

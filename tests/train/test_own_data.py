@@ -307,3 +307,17 @@ def test_token_ids_beyond_the_embedding_name_the_fix(tmp_path, tokenizer_dir, ca
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"the data hold token id {vocab}, but its embedding has only {vocab} rows" in err
     assert f"(its tokenizer has {vocab + 1})" in err and "resize_token_embeddings" in err
+
+
+def test_txt_unit_is_recorded_and_a_resume_must_read_the_file_the_same_way(tmp_path, tokenizer_dir, capsys):
+    folder = _save_model(tmp_path / "qwen2", tokenizer_dir, "qwen2", "AutoModelForCausalLM")
+    text = tmp_path / "book.txt"
+    paragraphs = ["\n".join(_sentences(3, seed)) for seed in range(40)]  # hard-wrapped: 3 lines each
+    text.write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    _train(tmp_path, "--model", str(folder), "--train-file", str(text), "--txt-unit", "paragraph",
+           "--checkpoint-every", "2", "--max-steps", "2")
+    assert json.loads((tmp_path / "runs" / "run" / "data.json").read_text())["txt_unit"] == "paragraph"
+    argv = ["train", "--resume", str(tmp_path / "runs" / "run"), "--txt-unit", "line", "--max-steps", "3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "txt_unit='paragraph' (this run: 'line')" in err

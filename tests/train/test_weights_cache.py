@@ -103,3 +103,22 @@ def test_a_truncated_safetensors_file_is_one_line(tmp_path, tokenizer_dir):  # n
     assert text.endswith("it may be truncated or damaged: save the model there again")
     assert (not (tmp_path / "cache" / "weights").exists()
             or not list((tmp_path / "cache" / "weights").glob("*.safetensors")))
+
+
+def test_a_rewrite_in_place_that_restores_the_modification_time_is_seen(tmp_path, tokenizer_dir):  # noqa: F811
+    """``rsync --inplace -t``: new bytes in the same file (same size and inode), its modification time set
+    back to the old one. Only the status-change time, which no program can set back, says it changed."""
+    folder = _save(tmp_path / "m", tokenizer_dir, 0)
+    memo = tmp_path / "cache"
+    first = model_digest(folder, memo)
+    weights = folder / "model.safetensors"
+    before = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # the last byte of the last tensor: same size, other content
+    with open(weights, "r+b") as f:  # in place: the same inode
+        f.write(data)
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = weights.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns,
+                                                                before.st_ino)
+    assert model_digest(folder, memo) != first

@@ -21,10 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the checkpoint of this step (default: the newest complete one)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="the weights' dtype in the folder (default: fp32, as trained)")
-    p.add_argument("--lora-export", default="merged", choices=("merged", "adapter"),
+    p.add_argument("--lora-export", choices=("merged", "adapter"),
                    help="a LoRA run: adapters merged into the weights, or a PEFT adapter folder "
-                        "(default: merged)")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+                        "(default: merged; refused for a full fine-tuning)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in --out (only a folder an export wrote, holding nothing "
+                        "else; the new one is swapped in once complete)")
     p.set_defaults(func=run)
 
 

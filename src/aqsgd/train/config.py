@@ -62,10 +62,14 @@ class TaskSection:
     glue-qnli, cifar10 (hub); a task registered from Python; leave it unset to train on --train-file or
     --dataset"""
     train_file: str | None = None
-    """your training data: .jsonl, .json, .csv, .tsv, .txt (one document per line) or .parquet; a label column
-    makes it text classification, none makes it causal-LM fine-tuning"""
+    """your training data: .jsonl, .json, .csv, .tsv, .txt (one document per line; see --txt-unit) or
+    .parquet; a label column makes it text classification, none makes it causal-LM fine-tuning"""
     eval_file: str | None = None
     """your evaluation data, in the training file's format (default: --eval-split of the training data)"""
+    txt_unit: str = "line"
+    """how a .txt --train-file / --eval-file is cut into documents: line (one document per line), paragraph
+    (the lines up to a blank line) or file (the whole file as one document); a resumed run must read them the
+    same way"""
     dataset: str | None = None
     """a Hugging Face hub dataset NAME[:CONFIG], loaded with datasets.load_dataset (needs the hub)"""
     text_column: str = "text"
@@ -155,6 +159,11 @@ class PipelineSection:
     device: str = "auto"
     """where the stages compute: auto (CUDA when available), cpu or cuda; a distributed process takes
     cuda:(LOCAL_RANK mod device count)"""
+    threads: int | None = None
+    """CPU threads each process computes with (PyTorch's operations, the codec kernels); default:
+    OMP_NUM_THREADS where it is set (torchrun sets 1 for several processes per machine), else every core in
+    the local runtime, and in a distributed run the machine's cores shared by its processes (cores //
+    processes, at least 1)"""
     p2p_backend: str = "gloo"
     """how packets cross stage boundaries (distributed): gloo (TCP; robust on slow links, GPU tensors are
     staged through pinned host memory) or nccl (GPU to GPU; for fast links)"""
@@ -259,6 +268,9 @@ class RunSection:
     """replace an existing run directory of the same name (its metrics and checkpoints are deleted)"""
     checkpoint_every: int | None = None
     """checkpoint every N steps (default: every epoch; 0: never, not even at the end)"""
+    checkpoint_minutes: float = 10.0
+    """also checkpoint after a step when this many minutes have passed since the last checkpoint (or the
+    start), so that an interruption loses minutes, not an epoch (0: by steps or epochs only)"""
     keep_checkpoints: int = 2
     """how many checkpoints to keep"""
     resume: str | None = None
@@ -492,7 +504,7 @@ class TrainConfig:
         if v["skip_nonfinite"] < 0:
             raise bad("skip_nonfinite", f"must be >= 0 (0: stop at the first non-finite step), got "
                       f"{v['skip_nonfinite']}")
-        for name in ("max_steps", "model_layers"):
+        for name in ("max_steps", "model_layers", "threads"):
             if v[name] is not None and v[name] < 1:
                 raise bad(name, f"must be >= 1, got {v[name]}")
         for name in ("eval_every", "checkpoint_every"):
@@ -501,6 +513,15 @@ class TrainConfig:
         for name in ("max_train_samples", "max_eval_samples"):
             if v[name] is not None and v[name] < 0:
                 raise bad(name, f"must be >= 0 (0: all), got {v[name]}")
+        if v["checkpoint_minutes"] < 0:
+            raise bad("checkpoint_minutes", f"must be >= 0 (0: by steps or epochs only), got "
+                      f"{v['checkpoint_minutes']}")
+        if not v["lora"]:  # an adapter setting without adapters would be ignored: say so instead
+            given = [n for n in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+                     if v[n] != getattr(ModelSection, n)]
+            if given:
+                raise bad(given[0], f"{v[given[0]]} sets the LoRA adapters, but this run has none: add "
+                          f"--lora (or leave --{given[0].replace('_', '-')} out)")
         if v["lora_rank"] < 1:
             raise bad("lora_rank", f"must be >= 1, got {v['lora_rank']}")
         if not v["lora_alpha"] > 0:
@@ -603,6 +624,14 @@ class TrainConfig:
         for name in ("text_column", "text_pair_column", "label_column"):
             if v[name] is not None and not v[name].strip():
                 raise bad(name, "must name a column, got an empty string")
+        from aqsgd.data.datasets.records import TXT_UNITS
+
+        if v["txt_unit"] not in TXT_UNITS:
+            raise bad("txt_unit", f"{v['txt_unit']!r} is not one of {', '.join(TXT_UNITS)}")
+        if v["txt_unit"] != "line" and not any(str(v[n]).lower().endswith(".txt")
+                                               for n in ("train_file", "eval_file") if v[n] is not None):
+            raise bad("txt_unit", f"{v['txt_unit']} cuts .txt files into documents, and neither --train-file "
+                      "nor --eval-file is one")
         return self
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,8 +20,9 @@ from torch.utils.data import Dataset
 
 from aqsgd.comm.device import (check_backends, check_p2p_sharing, gpu_sharing, resolve_device,
                                resolve_dp_backend, world_backend)
-from aqsgd.comm.launch import launch, leave_process_group
-from aqsgd.comm.launch.placement import NODE_RANK_ENV, Seat, take_seat
+from aqsgd.comm.launch import launch, leave_process_group, rank_thread_share, started_as_rank
+from aqsgd.comm.launch.placement import NODE_RANK_ENV, Seat, node_rank_given, take_seat
+from aqsgd.comm.launch.threads import intra_op_threads
 from aqsgd.data.datasets import TaskSpec, register_task, registered_tasks
 from aqsgd.errors import Interrupted, SpecError
 from aqsgd.interrupts import stop_on_signals
@@ -63,6 +63,8 @@ def _stage(cfg_json: str, data: tuple[Dataset, Dataset] | None,
         if seat is not None:
             if (placed := seat.describe()) is not None:
                 log.info("%s", placed)
+            if started_as_rank() and seat.claim.local_rank == 0:  # (spawned here: the launcher said it)
+                log.info("%s", rank_thread_share(cfg.pipeline.threads).describe())
             # the process's GPU is current before the group exists (NCCL binds to it); see aqsgd.comm.device
             device = resolve_device(cfg.pipeline.device, distributed=True)
             check_backends(device, cfg.pipeline.p2p_backend, cfg.pipeline.dp_backend)
@@ -85,7 +87,7 @@ def _take_seat(cfg: TrainConfig) -> Seat | None:
     that called ``init_process_group`` keeps its ranks, and a node rank set here is said to be ignored)."""
     if not dist.is_initialized():
         return take_seat(collective_timeout(cfg.pipeline.timeout))
-    if os.environ.get(NODE_RANK_ENV) is not None:
+    if node_rank_given() is not None:
         log.warning("%s is ignored: torch.distributed was initialized before the run (rank %d keeps its "
                     "stage); let aqsgd initialize it to place the stages by node rank", NODE_RANK_ENV,
                     dist.get_rank())
@@ -103,11 +105,14 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
     every process runs the calling script, so each builds its own (identical) datasets.
 
     How the processes of a distributed run start is :func:`aqsgd.comm.launch.launch`'s decision: this process
-    is one of them under torchrun, else they are spawned here.
+    is one of them under torchrun, else they are spawned here; so is how many threads each computes with
+    (their share of their machine's cores, :mod:`aqsgd.comm.launch.threads`). A local run computes on the
+    threads PyTorch chose (every core, or ``OMP_NUM_THREADS``), or on ``--threads`` for the run's duration.
     """
     cfg = cfg.validate()
     if cfg.pipeline.runtime == "local":
-        return Trainer(cfg, data=data).run()
+        with intra_op_threads(cfg.pipeline.threads):
+            return Trainer(cfg, data=data).run()
     tasks = registered_tasks()
     run_dirs: list[Path] = []
 
@@ -131,7 +136,7 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
     names = _layout(cfg).label
     try:
         results = launch(worker, cfg.world_size, cfg.to_json(), data, tasks, before_spawn=prepare,
-                         rank_names=names)
+                         rank_names=names, threads=cfg.pipeline.threads)
     except Interrupted as e:
         if not run_dirs:  # a rank of a torchrun job: its trainer said where it stood
             raise

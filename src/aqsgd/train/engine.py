@@ -372,8 +372,10 @@ class PipelineEngine:
 
 
 def _frozen(module: torch.nn.Module) -> set[str]:
-    """Names of ``module``'s parameters that are not trained (none, unless the run trains LoRA adapters)."""
-    return {n for n, p in module.named_parameters() if not p.requires_grad}
+    """Names of ``module``'s parameters that are not trained (none, unless the run trains LoRA adapters),
+    under every name they have: a frozen embedding tied to the LM head is frozen as ``lm_head.weight`` too, so
+    that neither name is saved nor missed on loading."""
+    return {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 _STAGE_STATE = frozenset({"model", "optimizer", "optimizer_class", "scheduler", "schemes", "grad_sync"})

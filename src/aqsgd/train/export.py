@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from aqsgd.errors import SpecError
+from aqsgd.errors import AqsgdError, SpecError
 from aqsgd.train.checkpoint import CheckpointError, latest_checkpoint
+from aqsgd.train.checkpoint.layout import one_line
 from aqsgd.train.checkpoint.manifest import head
 
 __all__ = ["MODEL_FILE", "export_run", "model_description", "run_model", "load_stage_weights"]
@@ -33,6 +36,7 @@ __all__ = ["MODEL_FILE", "export_run", "model_description", "run_model", "load_s
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.json"
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def model_description(task: Any) -> dict[str, Any]:
@@ -41,14 +45,20 @@ def model_description(task: Any) -> dict[str, Any]:
     task kind and the folder whose tokenizer tokenized the data (None for the bundled models)."""
     recipe = task.recipe.to_dict()  # its weights: the prepared initial weights (a LoRA run's frozen base)
     return {"format": "aqsgd-model", "version": 1, "kind": task.kind, "task": task.name, "recipe": recipe,
-            "model_folder": None if task.model_folder is None else str(task.model_folder)}
+            "model_folder": None if task.model_folder is None else str(task.model_folder),
+            "model": task.model_name, "base_sha256": task.base_sha256}
 
 
-def _checkpoint(run: Path, step: int | None) -> Path:
+def _checkpoint(run: Path, step: int | None, purpose: str) -> Path:
+    """The newest complete checkpoint of ``run`` (or step ``step``'s), for ``purpose`` (export, evaluate)."""
+    if not run.is_dir():
+        raise CheckpointError(f"{run}: no such run directory")
     if step is None:
         found = latest_checkpoint(run)
         if found is None:
-            raise CheckpointError(f"{run}: no complete checkpoint to export (is it a run directory?)")
+            raise CheckpointError(f"{run}: no complete checkpoint to {purpose} (is it a run directory? a run "
+                                  "writes its first checkpoint at the end of its first epoch, or every "
+                                  "--checkpoint-every steps)")
         return found
     path = run / "checkpoints" / f"step-{step:08d}"
     if not (path / "COMPLETE").is_file():
@@ -89,7 +99,7 @@ def load_stage_weights(model: torch.nn.Module, checkpoint: Path, settings: dict[
     for i, (part, rel) in enumerate(zip(parts, files)):
         tensors = load_file(str(checkpoint / rel))
         result = part.load_state_dict(tensors, strict=False)
-        own = dict(part.named_parameters())
+        own = dict(part.named_parameters(remove_duplicate=False))  # a tied tensor under each of its names
         # tied tensors are saved once per stage; a LoRA checkpoint holds only what was trained
         missing = [n for n in result.missing_keys
                    if not lora and n in own and not any(own[n] is own[t] for t in tensors if t in own)]
@@ -109,54 +119,159 @@ def run_model(run: str | Path, *, checkpoint: int | None = None) -> tuple[torch.
     from aqsgd.train.config import flatten_config
 
     run = Path(run)
-    path = _checkpoint(run, checkpoint)
-    described = _description(run)
-    recipe = ModelRecipe.from_dict(described["recipe"])
+    path = _checkpoint(run, checkpoint, "export")
+    _, state = head(path)
+    # the checkpoint's own copy (verified by its manifest); runs whose checkpoints lack it: RUN/model.json
+    described = state.get("model") or _description(run)
+    try:
+        recipe = ModelRecipe.from_dict(described["recipe"])
+    except Exception as e:  # noqa: BLE001 - an edited or damaged description: one line naming it
+        raise SpecError(f"{run / MODEL_FILE}: not a model description aqsgd can read "
+                        f"({one_line(e)})") from None
     if not get_family(recipe.kind).model_types:
         raise SpecError(f"{run}: its model ({recipe.kind}) is not a transformers model; its trained weights "
                         f"are the stage files {path}/stage*/model.safetensors")
-    _, state = head(path)
     settings = flatten_config(state.get("config", {}))
     torch.manual_seed(0)  # the weights are all replaced; a fixed seed keeps stray buffers reproducible
     model = recipe.build("cpu")
     if settings.get("lora"):  # the checkpoint holds the adapters and the head: the base comes from its file
         from aqsgd.pipeline.materialize import load_weights
         from aqsgd.train.lora import add_adapters
+        from aqsgd.train.modelfiles import check_same_base, model_digest
 
         if recipe.weights is None or not Path(recipe.weights).exists():
             raise SpecError(f"{run}: the frozen base weights of this LoRA run ({recipe.weights}) are gone (a "
                             "cleared cache?); run `aqsgd train` with the run's model again to prepare them")
+        if Path(recipe.weights).is_dir():  # read from the model's own folder (a prepared file is named by it)
+            from aqsgd.data.sources import default_cache_dir
+
+            memo = Path(settings.get("cache_dir") or default_cache_dir()) / "weights"
+            check_same_base(state.get("base_sha256") or described.get("base_sha256"),
+                            model_digest(Path(recipe.weights), memo), recipe.weights, str(run))
         load_weights(model, recipe.weights)
         described = {**described, "targets": add_adapters(model, settings)}
     load_stage_weights(model, path, settings)
     return model.eval(), {**described, "settings": settings}, path
 
 
+EXPORT_MARKER = "aqsgd-export.json"
+"""The file every export holds: what it was exported from and every entry it wrote (what ``--overwrite`` may
+replace)."""
+# the entries of an export written before the marker listed them: save_pretrained's and the tokenizers' files
+_EXPORT_NAMES = re.compile(
+    r"(config|generation_config|adapter_config|tokenizer_config|tokenizer|special_tokens_map|added_tokens|"
+    r"vocab|merges|chat_template|preprocessor_config)\.[a-z]+|model(-\d+-of-\d+)?\.safetensors|"
+    r"model\.safetensors\.index\.json|adapter_model\.safetensors|README\.md|[a-z_.]*\.model|"
+    + re.escape(EXPORT_MARKER))
+
+
+def _export_entries(out: Path) -> set[str] | None:
+    """The entries an earlier export in ``out`` wrote (from its marker), or None: ``out`` is no export."""
+    try:
+        marker = json.loads((out / EXPORT_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or "run" not in marker or "checkpoint" not in marker:
+        return None
+    files = marker.get("files")
+    if isinstance(files, list):
+        return {str(f) for f in files} | {EXPORT_MARKER}
+    return {p.name for p in out.iterdir() if _EXPORT_NAMES.fullmatch(p.name)}
+
+
+def check_out(run: Path, out: Path, overwrite: bool) -> None:
+    """``out`` may receive an export of ``run``: not the run, a folder inside it or above it, not the working
+    directory or a folder above it, and either new, empty, or (with ``overwrite``) an earlier export holding
+    nothing else. One line naming ``--out`` otherwise. Read-only: nothing is deleted here."""
+    from aqsgd.train.rundir import holds_working_dir
+
+    here, target = run.resolve(), out.resolve()
+    if target == here or here in target.parents or target in here.parents:
+        raise SpecError(f"--out {out}: is the run {run} itself, inside it or a folder that holds it; "
+                        "choose a folder of its own")
+    if holds_working_dir(out):
+        raise SpecError(f"--out {out}: is the working directory or holds it; choose a folder of its own")
+    if out.exists() and not out.is_dir():
+        raise SpecError(f"--out {out}: exists and is not a folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise SpecError(f"--out {out}: exists and is not empty; choose another folder or pass --overwrite "
+                        "(which replaces an earlier export only)")
+    ours = _export_entries(out)
+    if ours is None:
+        raise SpecError(f"--out {out}: --overwrite replaces only an earlier aqsgd export (a folder with "
+                        f"{EXPORT_MARKER}); this one is something else")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise SpecError(f"--out {out}: holds {shown} besides an earlier export; --overwrite replaces an "
+                        "export only: move those away first")
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Put the complete export ``tmp`` in place of ``out`` (an earlier export, or nothing): the earlier one
+    is moved aside first and deleted only once the new one is in place, and put back if that fails."""
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if old.exists():
+            os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def export_run(run: str | Path, out: str | Path, *, checkpoint: int | None = None, dtype: str = "fp32",
-               lora: str = "merged", overwrite: bool = False) -> Path:
+               lora: str | None = None, overwrite: bool = False) -> Path:
     """Write the run's trained model (newest checkpoint, or that of step ``checkpoint``) to the folder ``out``
     in the ``save_pretrained`` layout, with its tokenizer; returns ``out``. ``dtype``: ``fp32`` (as trained)
-    or ``bf16``/``fp16``. ``lora`` (LoRA runs): ``merged`` into the weights, or ``adapter`` (a PEFT adapter
-    folder, to load onto the base model with ``PeftModel.from_pretrained``). An existing non-empty ``out``
-    is replaced only with ``overwrite``."""
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if dtype not in dtypes:
-        raise SpecError(f"--dtype: {dtype!r} is not one of {', '.join(dtypes)}")
-    if lora not in ("merged", "adapter"):
+    or ``bf16``/``fp16``. ``lora`` (LoRA runs only): ``merged`` into the weights (the default), or
+    ``adapter`` (a PEFT adapter folder, to load onto the base model with ``PeftModel.from_pretrained``).
+
+    An existing non-empty ``out`` is replaced only with ``overwrite``, and only if it is an earlier export
+    holding nothing else (:func:`check_out`). The export is written beside ``out`` and swapped in once
+    complete: a failure (a damaged checkpoint, a full disk) leaves any earlier export as it was."""
+    if dtype not in _DTYPES:
+        raise SpecError(f"--dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
+    if lora not in (None, "merged", "adapter"):
         raise SpecError(f"--lora-export: {lora!r} is not one of merged, adapter")
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not overwrite:
-            raise SpecError(f"--out {out}: exists and is not empty; choose another folder or pass "
-                            "--overwrite")
-        if not (out / "config.json").is_file():
-            raise SpecError(f"--out {out}: --overwrite replaces only an exported model folder (one with "
-                            "config.json); this one is something else")
-        shutil.rmtree(out)
-    model, described, path = run_model(run, checkpoint=checkpoint)
+    run, out = Path(run), Path(out)
+    _checkpoint(run, checkpoint, "export")  # (a run with something to export, before where it goes)
+    check_out(run, out, overwrite)
+    out = out.resolve()
     tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:  # before the work: a read-only or missing parent fails here, in one line
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise SpecError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    try:
+        path = _write_export(run, tmp, checkpoint=checkpoint, dtype=dtype, lora=lora)
+        _swap_in(tmp, out)
+    except AqsgdError:
+        raise
+    except Exception as e:  # a full disk (safetensors wraps its OSError), a folder made read-only meanwhile
+        raise SpecError(f"--out {out}: cannot write the export ({one_line(e)}); nothing was "
+                        "replaced") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("exported %s to %s", path, out)
+    return out
+
+
+def _write_export(run: Path, tmp: Path, *, checkpoint: int | None, dtype: str, lora: str | None) -> Path:
+    """Write the export of ``run`` into the empty folder ``tmp``; returns the checkpoint folder used."""
+    model, described, path = run_model(run, checkpoint=checkpoint)
+    to = _DTYPES[dtype]
     is_lora = bool(described["settings"].get("lora"))
+    if lora is not None and not is_lora:
+        raise SpecError(f"--lora-export {lora}: {run} is a full fine-tuning, not a LoRA run; it has no "
+                        "adapters to export (leave --lora-export out)")
+    lora = lora or "merged"
     if is_lora:
         from aqsgd.pipeline.materialize import ModelRecipe
         from aqsgd.train import lora as lora_
@@ -167,21 +282,27 @@ def export_run(run: str | Path, out: str | Path, *, checkpoint: int | None = Non
 
             base = load_weights(recipe.build("cpu"), recipe.weights)  # type: ignore[arg-type]
             wrapped = lora_.peft_model(model, base, described["settings"], described["targets"])
-            wrapped.peft_config["default"].base_model_name_or_path = described.get("model_folder")
-            wrapped.to(dtypes[dtype]).save_pretrained(str(tmp))
+            wrapped.peft_config["default"].base_model_name_or_path = base_model_name(described)
+            wrapped.to(to).save_pretrained(str(tmp))
         else:
-            lora_.merged(model, recipe.build("cpu")).to(dtypes[dtype]).save_pretrained(str(tmp))
+            lora_.merged(model, recipe.build("cpu")).to(to).save_pretrained(str(tmp))
     else:
-        model.to(dtypes[dtype]).save_pretrained(str(tmp))
+        model.to(to).save_pretrained(str(tmp))
     _save_tokenizer(described, tmp)
-    (tmp / "aqsgd-export.json").write_text(json.dumps(
-        {"run": str(Path(run).resolve()), "checkpoint": path.name, "dtype": dtype,
-         "lora": lora if is_lora else None, "task": described.get("task")},
+    files = sorted(p.name for p in tmp.iterdir()) + [EXPORT_MARKER]
+    (tmp / EXPORT_MARKER).write_text(json.dumps(
+        {"run": str(run.resolve()), "checkpoint": path.name, "dtype": dtype,
+         "lora": lora if is_lora else None, "task": described.get("task"),
+         "base_model": described.get("model"), "base_sha256": described.get("base_sha256"), "files": files},
         indent=1))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.replace(out)
-    log.info("exported %s to %s", path, out)
-    return out
+    return path
+
+
+def base_model_name(described: dict[str, Any]) -> str | None:
+    """The base model as the run named it (``--model``: a hub name, the user's folder, or an offline source
+    such as ``smollm2``), for an adapter's ``base_model_name_or_path``; not the folder aqsgd prepared it in,
+    which means nothing on another machine. Runs recorded before the name was: the folder."""
+    return described.get("model") or described.get("model_folder")
 
 
 def _save_tokenizer(described: dict[str, Any], out: Path) -> None:

@@ -72,6 +72,25 @@ def adapter_targets(model: nn.Module, targets: str | None) -> list[str]:
     return found
 
 
+def _check_rank(model: nn.Module, targets: list[str], rank: int) -> None:
+    """A rank above a targeted layer's smaller dimension adds parameters without adding rank (the update of
+    an ``n x m`` layer has rank at most ``min(n, m)``) and costs memory and time for nothing: refused, naming
+    the largest rank that fits. Shapes only (works on a model on the meta device)."""
+    smallest: tuple[int, str] | None = None
+    for name, module in model.named_modules():
+        if not (_linear_like(module) and name and name.rsplit(".", 1)[-1] in targets):
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None:
+            continue
+        dims = min(weight.shape[0], weight.shape[1])
+        if smallest is None or dims < smallest[0]:
+            smallest = (dims, f"{name}: {weight.shape[0]} x {weight.shape[1]}")
+    if smallest is not None and rank > smallest[0]:
+        raise SpecError(f"--lora-rank {rank}: larger than the smallest layer it adapts ({smallest[1]}); a "
+                        f"rank above {smallest[0]} adds no rank, only memory: use at most {smallest[0]}")
+
+
 def lora_config(settings: Mapping[str, Any], targets: list[str]) -> Any:
     """The ``peft.LoraConfig`` of a run (``settings``: its flat options)."""
     from peft import LoraConfig
@@ -117,6 +136,8 @@ def add_adapters(stages: nn.Module | list[nn.Module], settings: Mapping[str, Any
     parts = [stages] if isinstance(stages, nn.Module) else list(stages)
     targets = adapter_targets(model if model is not None else nn.ModuleList(parts),
                               settings.get("lora_targets"))
+    _check_rank(model if model is not None else nn.ModuleList(parts), targets,
+                int(settings.get("lora_rank", 8)))
     for i, part in enumerate(parts):
         stage = first_stage + i
         _inject(part, settings, targets, (seed * 1_000_003 + 7919 * (stage + 1)) % 2**63)

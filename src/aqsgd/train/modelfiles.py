@@ -7,8 +7,11 @@ weights (fine-tune, save, fine-tune again from the same path), or another folder
 cache entry of its own instead of the stale one.
 
 Hashing a model's weights reads them once (about a second per GB). The digest of each file is remembered in
-``CACHE/weights/digests.json`` together with the file's size, modification time (ns) and inode, and is
-computed again whenever any of the three changed, which every write of the file does.
+``CACHE/weights/digests.json`` together with the file's size, modification time, status-change time (ns) and
+inode, and is computed again whenever any of them changed. The status-change time (``st_ctime``) is what makes
+this a key on content: the kernel sets it on every write and no program can set it back, where a copy that
+restores the modification time (``rsync --inplace -t``, ``touch -r``) leaves size, mtime and inode as they
+were.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 from aqsgd.data.datasets.records import data_fingerprint
 from aqsgd.errors import WeightsError
 
-__all__ = ["model_digest", "check_model_files", "MODEL_FILE_SUFFIXES"]
+__all__ = ["model_digest", "check_model_files", "check_same_base", "MODEL_FILE_SUFFIXES"]
 
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 """Files of a model folder that hold weights (with the ``*.index.json`` of sharded ones and
@@ -56,8 +59,8 @@ def check_model_files(folder: Path, option: str) -> None:
 
 def model_digest(folder: Path, memo_dir: Path) -> str:
     """A hex SHA-256 over the folder's weight files and ``config.json`` (names and bytes, in name order).
-    Per-file digests are remembered in ``memo_dir/digests.json`` keyed by the file's path, size, mtime and
-    inode (module docstring)."""
+    Per-file digests are remembered in ``memo_dir/digests.json`` keyed by the file's path, size, mtime, ctime
+    and inode (module docstring)."""
     memo_path = memo_dir / _MEMO
     memo = _read_memo(memo_path)
     changed = False
@@ -65,7 +68,7 @@ def model_digest(folder: Path, memo_dir: Path) -> str:
     for f in _model_files(folder):
         st = f.stat()
         key = str(f.resolve())
-        stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
         known = memo.get(key)
         if not (isinstance(known, dict) and known.get("stamp") == stamp
                 and isinstance(known.get("sha256"), str)):
@@ -97,3 +100,14 @@ def _write_memo(path: Path, memo: dict[str, Any]) -> None:
     except OSError:  # a read-only cache still works, it only hashes again next time
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def check_same_base(recorded: str | None, now: str | None, folder: Path | str | None, where: str) -> None:
+    """A LoRA checkpoint holds only its adapters (and a classifier's head): they fit the base model they were
+    trained on, whose digest (:func:`model_digest`) the run recorded. A one-line
+    :class:`~aqsgd.errors.WeightsError` if the base folder now holds other weights (saved again, replaced)."""
+    if recorded is None or now is None or recorded == now:
+        return
+    raise WeightsError(f"{where}: the base model {folder} changed since the run was trained (sha256 "
+                       f"{recorded[:12]}... then, {now[:12]}... now); the run's LoRA adapters fit the base "
+                       "they were trained on: restore that folder, or start a new run on the new base")

@@ -69,6 +69,9 @@ class TaskSetup:
     main_metric: str  # accuracy | perplexity | mcc
     data_info: dict[str, Any] = dataclasses.field(default_factory=dict)  # label names, files, fingerprint
     model_folder: Path | None = None  # the transformers folder the model (and its tokenizer) came from
+    model_name: str | None = None  # the model as the run names it (--model, or the task's default)
+    # SHA-256 of the folder's weights and config (modelfiles.model_digest): which base a LoRA run adapts
+    base_sha256: str | None = None
 
 
 def task_kind(name: str) -> str:
@@ -100,6 +103,8 @@ def effective_settings(flat: Mapping[str, Any]) -> dict[str, Any]:
         for key, cap in zip(("max_train_samples", "max_eval_samples"), BUILTIN_SAMPLE_CAPS):
             if out.get(key) is None:
                 out[key] = cap
+    if out.get("eval_file") is not None and out.get("train_file") is not None:
+        out["eval_split"] = None  # nothing is held out of a training file that has its evaluation file
     return out
 
 
@@ -175,6 +180,13 @@ def _option(option: str, fn: Callable[..., Any], *args: Any) -> Any:
 
 def _model_name(cfg: TrainConfig, kind: str) -> str:
     return cfg.model.name or ("tiny-llama" if cfg.task.name == "synthetic-lm" else DEFAULT_MODEL[kind])
+
+
+def _named_model(cfg: TrainConfig, kind: str) -> str:
+    """The model as the run names it: a hub name or an offline source as given, a local folder as an absolute
+    path (what an adapter export records as its base)."""
+    model = _model_name(cfg, kind)
+    return str(Path(model).resolve()) if model not in _SOURCE_MODELS and Path(model).is_dir() else model
 
 
 def _model_folder(cfg: TrainConfig, kind: str) -> Path | None:
@@ -395,7 +407,8 @@ def _own_data(cfg: TrainConfig) -> tuple[Dataset, Dataset, str, Path | None]:
         return _tokenizer(folder, _model_name(cfg, kind))
 
     if t.train_file is not None:
-        train, evals = files.load_text_files(t.train_file, t.eval_file, tokenizer_for=tokenizer_for, **common)
+        train, evals = files.load_text_files(t.train_file, t.eval_file, tokenizer_for=tokenizer_for,
+                                             txt_unit=t.txt_unit, **common)
     else:
         train, evals = files.load_hub_dataset(t.dataset, tokenizer_for=tokenizer_for, **common)  # type: ignore[arg-type]
     kind = train.info["kind"]
@@ -456,8 +469,9 @@ def setup_task(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None)
         metric = "mcc"
     data_info = {k: info[k] for k in ("label_names", "train_file", "eval_file", "dataset", "fingerprint",
                                        "fingerprints", "text_column", "text_pair_column", "label_column",
-                                       "rows_read")
+                                       "txt_unit", "rows_read")
                  if info.get(k) is not None}
+    digest = None if folder is None else model_digest(folder, _cache(cfg) / "weights")
     return TaskSetup(name, kind, recipe, train, evals, num_labels,
                      cfg.task.max_length if kind != "image-classification" else None, metric, data_info,
-                     folder)
+                     folder, _named_model(cfg, kind), digest)

@@ -65,8 +65,9 @@ from aqsgd.train.engine import OptimConfig, PipelineEngine
 from aqsgd.train.export import MODEL_FILE, model_description
 from aqsgd.train.lora import add_adapters, is_trainable
 from aqsgd.train.metrics import MetricsWriter, perplexity
+from aqsgd.train.modelfiles import check_same_base
 from aqsgd.train.rundir import (RunDirError, RunDirLock, check_run_dir, prepare_run_dir, resolve_run_dir,
-                                truncate_metrics)
+                                run_dir_of_checkpoint, set_aside_later_checkpoints, truncate_metrics)
 from aqsgd.train.tasks import TaskSetup, effective_settings, setup_task
 
 __all__ = ["Trainer", "StepHook", "check_partition", "collective_timeout", "compute_dtype",
@@ -87,13 +88,17 @@ _EVAL_KEYS = ("loss_sum", "count", "correct", "tp", "tn", "fp", "fn")
 # grid and its error-feedback buffers): a resumed run must use the checkpoint's values. Every other setting
 # may change on resume (lr, epochs, evaluation, ...), and the trainer warns about each one that did.
 RESUME_MUST_MATCH = frozenset({
-    "task", "model", "max_length", "max_train_samples", "model_layers", "stages", "layers", "balance",
-    "micro_batches", "micro_batch_size", "data_parallel", "grad_sync", "grad_bucket_mb", "forward",
-    "backward", "cache", "ef_key", "optimizer", "grad_accum", "seed", "lora", "lora_rank", "lora_alpha",
-    "lora_targets"})
+    "task", "model", "max_length", "max_train_samples", "model_layers", "hidden_size", "vocab_size", "stages",
+    "layers", "balance", "micro_batches", "micro_batch_size", "data_parallel", "grad_sync", "grad_bucket_mb",
+    "forward", "backward", "cache", "ef_key", "optimizer", "grad_accum", "seed", "lora", "lora_rank",
+    "lora_alpha", "lora_targets",
+    # which rows are training samples: a changed split or column would turn trained samples into evaluation
+    # ones (and give the cache's sample ids other rows)
+    "eval_split", "text_column", "text_pair_column", "label_column", "txt_unit"})
 # where and how this invocation runs and reports: not part of the training, never compared
 _RUN_ONLY = frozenset({"cache_dir", "output_dir", "run_name", "resume", "overwrite", "progress",
-                       "tensorboard", "trace", "timeout", "checksum", "keep_checkpoints"})
+                       "tensorboard", "trace", "timeout", "checksum", "keep_checkpoints",
+                       "checkpoint_minutes", "threads"})
 
 
 def check_partition(cfg: TrainConfig, recipe: Any) -> None:
@@ -251,6 +256,8 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None
         self._done = {"eval": -1, "checkpoint": -1}  # the steps of the last evaluation and checkpoint
+        self._checkpointed_at = time.monotonic()  # --checkpoint-minutes counts from here
+        self._cache_stated = False  # the AQ-SGD caches' memory is stated once, when the first step made them
         self._skipped_in_a_row = 0  # steps in a row not applied for a non-finite loss or gradient norm
         self._links_seen: dict[Any, Any] = {}  # the transport's counters at the last step (see _link_deltas)
 
@@ -559,8 +566,10 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def _checkpoint(self) -> None:
+        # the model as built (what export rebuilds) with its base's digest, under the checkpoint's manifest
         pos = {**self.position, "totals": self.totals, "config": self.cfg.to_dict(),
-               "data": self.task.data_info}
+               "data": self.task.data_info, "model": model_description(self.task),
+               "base_sha256": self.task.base_sha256}
         if self.policy is not None:  # --forward/--backward auto: the links' levels continue on resume
             pos["link_levels"] = self.policy.specs()  # by spec: an index would change meaning with the ladder
             pos["link_policy"] = self.policy.state()  # and what it measured of them
@@ -572,7 +581,39 @@ class Trainer:
                                        keep=self.cfg.run.keep_checkpoints)
                 self._resync()
             self._done["checkpoint"] = self.position["step"]
+            self._checkpointed_at = time.monotonic()
             log.info("checkpoint %s", path)
+
+    def _state_cache_memory(self) -> None:
+        """Say how much memory (or disk) this process's AQ-SGD caches take: one row per training sample and
+        boundary side, allocated whole at the first visit, often the largest memory a fine-tuning run has."""
+        self._cache_stated = True
+        caches = [s.cache for s in self.engine.schemes().values() if getattr(s, "cache", None) is not None]
+        caches = [c for c in caches if c.row_shape is not None]
+        if not caches:
+            return
+        total = sum(c.nbytes for c in caches)
+        c = caches[0]
+        where = "on disk" if c.backend == "disk" else "in memory"
+        hint = "; --cache disk keeps them on disk" if c.backend == "memory" else ""
+        who = "" if self.grid is None else f" of stage {self.grid.stage}"
+        log.info("AQ-SGD caches%s: %.1f MB %s (%d boundary sides x %d samples x %s values)%s", who,
+                 total / 1e6, where, len(caches), c.capacity, " x ".join(map(str, c.row_shape)), hint)
+
+    def _checkpoint_due(self) -> bool:
+        """``--checkpoint-minutes``: whether that long has passed since the last checkpoint (or the start).
+        Every process must call it after every step: distributed, the processes agree (one process's clock
+        suffices), so that all of them write the checkpoint together."""
+        minutes = self.cfg.run.checkpoint_minutes
+        if not minutes or self.cfg.run.checkpoint_every == 0:
+            return False
+        due = time.monotonic() - self._checkpointed_at >= 60 * minutes
+        if self.distributed:
+            flag = torch.tensor([1.0 if due else 0.0])
+            with naming_peer_failures(self.transport, "deciding on a timed checkpoint", self._suspects):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            due = bool(flag.item())
+        return due
 
     def _resume(self) -> int:
         """Load the newest checkpoint of ``cfg.run.resume``; returns its step. Settings that change what the
@@ -602,6 +643,9 @@ class Trainer:
             raise CheckpointError(f"--resume {path}: {files} changed since the checkpoint (sha256 "
                                   f"{str(was)[:12]}... then, {str(now)[:12]}... now); its sample ids and "
                                   f"cached activations would not match: restore the data or start a new run")
+        if self.cfg.model.lora:  # the checkpoint holds the adapters only: the base must be the one they fit
+            check_same_base(trainer_state.get("base_sha256"), self.task.base_sha256, self.task.model_folder,
+                            f"--resume {path}")
         if differ:
             log.warning("resuming %s with changed settings: %s", path,
                         ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in differ.items()))
@@ -620,6 +664,13 @@ class Trainer:
                                   f"--max-steps to continue")
         self._done["checkpoint"] = self.position["step"]
         log.info("resumed from %s at epoch %d, batch %d, step %d", path, *self.position.values())
+        if self.rank == 0 and run_dir_of_checkpoint(path).resolve() == self.run_dir.resolve():
+            # the later checkpoints of this directory belong to the trajectory this resume abandons
+            aside, moved = set_aside_later_checkpoints(self.run_dir, self.position["step"])
+            if moved:
+                log.warning("resumed from step %d of %s: its later checkpoints (%s) belong to the training "
+                            "this resume abandons; moved to %s, where export, eval and --resume do not look",
+                            self.position["step"], self.run_dir, ", ".join(moved), aside)
         return self.position["step"]
 
     # -- the loop ----------------------------------------------------------------------------------------
@@ -678,6 +729,7 @@ class Trainer:
         cfg = self.cfg
         # None: at the end of every epoch; 0: never (not even at the end); N: every N optimizer steps
         eval_every, checkpoint_every = cfg.run.eval_every, cfg.run.checkpoint_every
+        self._checkpointed_at = time.monotonic()
         for epoch in range(self.position["epoch"], cfg.optim.epochs):
             phase = self._phase(epoch)
             batches = self._train_batches(epoch)
@@ -696,6 +748,8 @@ class Trainer:
                     loss = self._train_step(group, phase)
                     dt = time.perf_counter() - t0
                 self._check_finite(loss)
+                if not self._cache_stated:  # allocated by the first step's first visits
+                    self._state_cache_memory()
                 self.position.update(epoch=epoch, batch=b + cfg.optim.grad_accum,
                                      step=self.position["step"] + 1)
                 with naming_peer_failures(self.transport, "the metrics all-reduce", self._suspects):
@@ -706,13 +760,13 @@ class Trainer:
                 step = self.position["step"]
                 if eval_every and step % eval_every == 0:
                     self._eval(writer, epoch)
-                if checkpoint_every and step % checkpoint_every == 0:
+                if (checkpoint_every and step % checkpoint_every == 0) or self._checkpoint_due():
                     self._checkpoint()
             else:  # the epoch ran to its end
                 self.position.update(epoch=epoch + 1, batch=0)
                 if eval_every is None:
                     self._eval(writer, epoch)
-                if checkpoint_every is None:
+                if checkpoint_every is None:  # (replaces a timed checkpoint of this step: the epoch is over)
                     self._checkpoint()
                 continue
             break  # --max-steps ended training inside this epoch
@@ -781,7 +835,7 @@ class Trainer:
         """The one-line error of a run that diverged at ``step``: what was not finite, what to change, and the
         checkpoint that continues the run."""
         o = self.cfg.optim
-        fixes = [f"lower the learning rate (--lr {o.lr:g})"]
+        fixes = [f"lower the learning rate (now --lr {o.lr:g})"]
         fixes.append("clip gradients (--max-grad-norm 1; now 0, off)" if o.max_grad_norm <= 0
                      else f"clip harder (--max-grad-norm below {o.max_grad_norm:g})")
         if not o.skip_nonfinite:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from aqsgd.errors import AqsgdError
+from aqsgd.errors import AqsgdError, PeerFailure
 from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL
 
 __all__ = [
@@ -21,7 +21,10 @@ __all__ = [
     "TRAINER",
     "VERSION",
     "CheckpointError",
+    "PeerCheckpointError",
     "agree",
+    "agreed",
+    "raise_agreed",
     "channel_name",
     "one_line",
     "parse_scheme_dir",
@@ -91,16 +94,36 @@ def process_of(engine: Any) -> tuple[bool, int, int]:
     return (True, dist.get_rank(), dist.get_world_size()) if distributed else (False, 0, 1)
 
 
+class PeerCheckpointError(PeerFailure, CheckpointError):
+    """The checkpoint error of another process (``rank``), raised by the processes that had none of their own:
+    the launcher's forensics follows it to the process at fault, so that the run's one line names the stage
+    that could not read or write its part, not whichever stage reported first."""
+
+
 def agree(error: str | None, distributed: bool) -> str | None:
     """In a distributed run, the first error of any process (every process gets the same answer)."""
+    return agreed(error, distributed)[0]
+
+
+def agreed(error: str | None, distributed: bool) -> tuple[str | None, int | None]:
+    """:func:`agree`, with the rank whose error it is (None without a distributed run or an error)."""
     if not distributed:
-        return error
+        return error, None
     errors: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
-    return next((e for e in errors if e is not None), None)
+    return next(((e, r) for r, e in enumerate(errors) if e is not None), (None, None))
 
 
-_RUST_IO = re.compile(r'message: "([^"]+)"')
+def raise_agreed(error: str, rank: int | None, *, own: bool) -> None:
+    """Raise the agreed checkpoint ``error`` of process ``rank``: as this process's own
+    :class:`CheckpointError` where it is (``own``) or without a distributed run, else as a
+    :class:`PeerCheckpointError` naming ``rank``."""
+    if own or rank is None:
+        raise CheckpointError(error)
+    raise PeerCheckpointError(error, rank=rank)
+
+
+_RUST_IO = re.compile(r'message: "([^"]+)"|I/O error: (.+?) \(os error \d+\)')
 
 
 def one_line(exc: BaseException) -> str:
@@ -114,7 +137,7 @@ def one_line(exc: BaseException) -> str:
         m = _RUST_IO.search(text)
         # SafetensorError: 'Error while serializing: IoError(Os { code: 28, ..., message: "No space ..." })'
         if m:
-            text = m[1]
+            text = m[1] or m[2]
     text = " ".join(text.split())
     if not text:
         text = type(exc).__name__

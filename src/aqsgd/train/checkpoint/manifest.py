@@ -112,6 +112,9 @@ class Manifest:
     def __init__(self, path: Path) -> None:
         self.path = path
         complete = path / COMPLETE
+        if not complete.exists():  # listed as complete a moment ago (a run still training prunes its oldest)
+            raise CheckpointError(f"{complete}: missing; the checkpoint was removed while it was read (a run "
+                                  "still training prunes its older checkpoints), or is not complete")
         marker = read_json(complete, " (is this a checkpoint written before checkpoints carried checksums?)")
         if (not isinstance(marker, dict) or not isinstance(marker.get("step"), int)
                 or "manifest" not in marker):

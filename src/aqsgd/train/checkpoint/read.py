@@ -22,11 +22,12 @@ from aqsgd.train.checkpoint.layout import (
     STEP_DIR,
     TRAINER,
     CheckpointError,
-    agree,
+    agreed,
     one_line,
     parse_scheme_dir,
     per_replica_dir,
     process_of,
+    raise_agreed,
     relative,
     replica_of,
 )
@@ -152,8 +153,9 @@ def load_checkpoint(path: Path, engine: Any) -> dict[str, Any]:
             manifest.verify_tree(t)
     except CheckpointError as exc:
         error = _pointing_back(path, str(exc))
-    if (error := agree(error, distributed)) is not None:
-        raise CheckpointError(error)
+    error, at = agreed(error, distributed)
+    if error is not None:
+        raise_agreed(error, at, own=at == rank)
     _restore(path, engine, held, rank, trees, manifest.optimizers)
     return state
 

@@ -28,11 +28,11 @@ from aqsgd.train.checkpoint.layout import (
     STEP_DIR,
     TRAINER,
     VERSION,
-    CheckpointError,
-    agree,
+    agreed,
     one_line,
     per_replica_dir,
     process_of,
+    raise_agreed,
     rank_manifest,
     relative,
     replica_of,
@@ -258,10 +258,14 @@ def _remove_stale(root: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, keep: int, written: Path) -> None:
+    """Keep the ``keep`` newest complete checkpoints, and always ``written``, the one just written (a run
+    resumed from an earlier checkpoint sets the later ones aside first, see
+    :func:`~aqsgd.train.rundir.set_aside_later_checkpoints`; were any left, they would not push it out)."""
     done = sorted(d for d in root.iterdir() if STEP_DIR.fullmatch(d.name) and (d / COMPLETE).exists())
     for d in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(d, ignore_errors=True)
+        if d != written:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def save_checkpoint(run_dir: Path, step: int, engine: Any, position: dict[str, Any], *,
@@ -274,11 +278,11 @@ def save_checkpoint(run_dir: Path, step: int, engine: Any, position: dict[str, A
     final, tmp = root / name, root / f"{name}.tmp"
     distributed, rank, world = process_of(engine)
 
-    def fail(error: str) -> CheckpointError:
+    def fail(error: str, at: int | None) -> None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        return CheckpointError(f"writing checkpoint {final}: {error}; the partial {tmp.name} was removed, "
-                               "earlier checkpoints are kept")
+        raise_agreed(f"writing checkpoint {final}: {error}; the partial {tmp.name} was removed, earlier "
+                     "checkpoints are kept", at, own=at == rank)
 
     error = None
     if rank == 0:
@@ -288,8 +292,8 @@ def save_checkpoint(run_dir: Path, step: int, engine: Any, position: dict[str, A
             tmp.mkdir()
         except Exception as exc:
             error = f"{one_line(exc)} (creating {tmp})"
-    if (error := agree(error, distributed)) is not None:
-        raise fail(error)
+    if (agreement := agreed(error, distributed))[0] is not None:
+        fail(*agreement)
     writer = _Writer(tmp)
     try:
         _seal_own(writer, step, rank, _write_own(writer, engine, position, rank))
@@ -297,8 +301,8 @@ def save_checkpoint(run_dir: Path, step: int, engine: Any, position: dict[str, A
         error = str(exc)
     except Exception as exc:  # pragma: no cover - the writer names the file of every expected failure
         error = one_line(exc)
-    if (error := agree(error, distributed)) is not None:
-        raise fail(error)
+    if (agreement := agreed(error, distributed))[0] is not None:
+        fail(*agreement)
     if rank == 0:
         try:
             _publish(root, tmp, final, step, world, engine)
@@ -306,10 +310,10 @@ def save_checkpoint(run_dir: Path, step: int, engine: Any, position: dict[str, A
             error = str(exc)
         except Exception as exc:  # pragma: no cover - reading back the rank manifests
             error = f"{one_line(exc)} (reading the processes' manifests)"
-    if (error := agree(error, distributed)) is not None:
-        raise fail(error)
+    if (agreement := agreed(error, distributed))[0] is not None:
+        fail(*agreement)
     if rank == 0:
-        _prune(root, keep)
+        _prune(root, keep, final)
     if distributed:
         dist.barrier()
     return final
