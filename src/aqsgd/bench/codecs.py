@@ -2,10 +2,14 @@
 
 Throughput is bytes of the fp32 input per second. ``clone`` (a plain copy of the same tensor, measured in
 the same run, interleaved with the codecs) is the memory-bandwidth reference; ``encode_vs_clone`` is
-``encode_gbps / clone_gbps``. Medians over repeats after warm-up. The clone is timed anew beside every
-codec: where its rate varies more than :data:`CLONE_SPREAD_LIMIT` times between codecs, other work shared the
-machine, and the ratios read too low for some codecs and not others; :func:`clone_spread_warning` says so,
-as a logged warning and under ``warnings`` in the JSON.
+``encode_gbps / clone_gbps``. Medians over repeats after warm-up. A clone, a decode and most encodes allocate
+their result; on a CPU ``aqsgd bench codecs`` times them with the allocator held warm
+(:func:`~aqsgd.bench.timing.warm_allocator`), since whether glibc maps fresh pages for a 12.6 MB result
+depends on the process's history (the same clone was timed at 0.5 ms and at 3.8 ms, the first touch of
+3,072 pages timed as the copy); each row records the page faults per timed call. The clone is timed anew
+beside every codec: where its rate varies more than :data:`CLONE_SPREAD_LIMIT` times between codecs, other
+work shared the machine (or the allocator was not held warm), and the ratios read too low for some codecs and
+not others; :func:`clone_spread_warning` says so, as a logged warning and under ``warnings`` in the JSON.
 
 Where the device's kernels are compiled ones (:mod:`aqsgd.compress.kernels`: numba on the CPU, Triton on
 CUDA), every codec is also timed with the ``eager`` backend, in the same interleaved rounds
@@ -36,7 +40,7 @@ from typing import Sequence
 
 import torch
 
-from aqsgd.bench.timing import interleaved_medians, sync
+from aqsgd.bench.timing import interleaved_medians, minor_faults, sync
 from aqsgd.compress import kernels, make_codec
 
 __all__ = ["CLONE_SPREAD_LIMIT", "DEFAULT_CODECS", "CodecRow", "bench_codecs", "clone_spread_warning",
@@ -80,6 +84,7 @@ class CodecRow:
     decode_kernel_us: float | None = None
     encode_slowest: list | None = None  # a call's longest device operations: [[name, us, calls], ...]
     decode_slowest: list | None = None
+    minor_faults_per_call: float | None = None  # pages first touched per timed call (the allocator's cost)
 
 
 def versions() -> dict[str, str | None]:
@@ -113,7 +118,10 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
                  device: str | torch.device = "cpu", repeats: int = 15, warmup: int = 3,
                  seed: int = 0) -> list[CodecRow]:
     """Measure every codec on one activation-like tensor (Gaussian with a few large outlier channels); on a
-    CPU with the fused kernels on, each codec with them off too (module docstring)."""
+    CPU with the fused kernels on, each codec with them off too (module docstring). Each row also says how
+    many pages the timed calls touched first (``minor_faults_per_call``): run inside
+    :func:`~aqsgd.bench.timing.warm_allocator` (``aqsgd bench codecs`` does), it is about zero, and the
+    rates are the copies' and kernels', not the page faults of fresh allocations."""
     device = torch.device(device)
     compare_eager = kernels.for_device(device).name != "eager"
     g = torch.Generator(device=device).manual_seed(seed)
@@ -133,7 +141,9 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             eager = make_codec(spec, backend="eager")
             calls["eager_encode"] = lambda: eager.encode(x, generator=g)
             calls["eager_decode"] = lambda: eager.decode(packet)
+        faults = minor_faults()
         t = interleaved_medians(calls, device=device, warmup=warmup, repeats=repeats)
+        faults = (minor_faults() - faults) / (len(calls) * (warmup + repeats))
         queued = ({k: nbytes / queued_seconds(calls[k], device) / 1e9 for k in ("encode", "decode")}
                   if device.type == "cuda" else {"encode": None, "decode": None})
         enc_ops = device_operations(calls["encode"], device) or (None, None, None)
@@ -152,7 +162,7 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             encode_queued_gbps=queued["encode"], decode_queued_gbps=queued["decode"],
             encode_kernels=enc_ops[0], encode_kernel_us=enc_ops[1],
             decode_kernels=dec_ops[0], decode_kernel_us=dec_ops[1],
-            encode_slowest=enc_ops[2], decode_slowest=dec_ops[2],
+            encode_slowest=enc_ops[2], decode_slowest=dec_ops[2], minor_faults_per_call=faults,
         ))
     warning = clone_spread_warning(rows)
     if warning:
@@ -247,12 +257,14 @@ def slowest(ops: Sequence[tuple[str, float]], n: int = 3) -> list[list]:
 
 
 def write_json(rows: list[CodecRow], path: str | Path, *, device: torch.device, command: str,
-               launch_us: dict[str, float] | None = None) -> None:
+               launch_us: dict[str, float] | None = None, warm_allocator: bool | None = None) -> None:
     out = {
         "benchmark": "codecs",
         "command": command,
         "machine": machine_description(device),
         "versions": versions(),
+        # whether glibc kept the timed calls' allocations on pages already mapped (timing.warm_allocator)
+        "warm_allocator": warm_allocator,
         "rows": [asdict(r) for r in rows],
         "warnings": [w for w in (clone_spread_warning(rows),) if w],  # (empty: none)
         **({"launch_us": launch_us} if launch_us else {}),
