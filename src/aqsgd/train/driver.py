@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 from aqsgd.comm.device import (check_backends, check_p2p_sharing, gpu_sharing, resolve_device,
                                resolve_dp_backend, world_backend)
 from aqsgd.comm.launch import launch, leave_process_group, rank_thread_share, started_as_rank
+from aqsgd.comm.launch.local import spawned_here
 from aqsgd.comm.launch.placement import NODE_RANK_ENV, Seat, node_rank_given, take_seat
 from aqsgd.comm.launch.threads import intra_op_threads
 from aqsgd.data.datasets import TaskSpec, register_task, registered_tasks
@@ -63,7 +64,7 @@ def _stage(cfg_json: str, data: tuple[Dataset, Dataset] | None,
         if seat is not None:
             if (placed := seat.describe()) is not None:
                 log.info("%s", placed)
-            if started_as_rank() and seat.claim.local_rank == 0:  # (spawned here: the launcher said it)
+            if started_as_rank() and not spawned_here() and seat.claim.local_rank == 0:  # torchrun's rank
                 log.info("%s", rank_thread_share(cfg.pipeline.threads).describe())
             # the process's GPU is current before the group exists (NCCL binds to it); see aqsgd.comm.device
             device = resolve_device(cfg.pipeline.device, distributed=True)

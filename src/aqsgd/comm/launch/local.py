@@ -153,6 +153,11 @@ def _fields(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
 
 
+def spawned_here() -> bool:
+    """Whether this process is one that :func:`launch_local` spawned (it said the thread share already)."""
+    return _CTL_ENV in os.environ
+
+
 def _refuse_nested_launch() -> None:
     """Raise if this is a process spawned by :func:`launch_local` importing the main module: a script that
     launches at import time without a ``__main__`` guard would otherwise start a launch in every process,
