@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aqsgd.compress import rans
+from aqsgd.compress.kernels import numba as numba_kernels
 from aqsgd.errors import PacketError
 
-pytestmark = pytest.mark.skipif(not rans.fused.available(), reason="numba is not installed")
+pytestmark = pytest.mark.skipif(not numba_kernels.available(), reason="numba is not installed")
 
 
 def pack(sym: np.ndarray, width: int) -> np.ndarray:

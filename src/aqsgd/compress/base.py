@@ -17,15 +17,13 @@ import copy
 import threading
 import zlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
+from aqsgd.compress import kernels
 from aqsgd.compress.packet import HEADER_BYTES, MAX_NDIM, DeferredCheck, Family, Packet, PendingChecks
 from aqsgd.errors import CodecError, NonFiniteError, PacketMismatchError
-
-if TYPE_CHECKING:
-    from aqsgd.compress.kernels import RowStore
 
 __all__ = ["Codec", "FLOAT_DTYPES", "collecting_pending_checks", "deferring_checks", "numel_of"]
 
@@ -137,14 +135,14 @@ class Codec(abc.ABC):
             )
 
     # -- AQ-SGD against an in-memory cache, fused (optional) ------------------------------------------
-    def encode_delta(self, x: torch.Tensor, store: "RowStore") -> Packet | None:
+    def encode_delta(self, x: torch.Tensor, store: kernels.RowStore) -> Packet | None:
         """The sender's AQ-SGD step in one go: the packet ``encode(x - m)``, ``m`` the rows of ``store`` (in
         fp32), with every row updated in place to ``m + decode(packet)`` in the store's format. Packet and
         rows are bit-identical to that sequence of calls. None where this codec has no fused step for ``x``:
         the caller then runs the sequence itself."""
         return None
 
-    def decode_delta(self, packet: Packet, store: "RowStore") -> torch.Tensor | None:
+    def decode_delta(self, packet: Packet, store: kernels.RowStore) -> torch.Tensor | None:
         """The receiver's step: rows updated in place to ``m + decode(packet)`` in the store's format,
         returned as fp32 (what ``put`` returns). None where this codec has no fused step for the packet."""
         return None
@@ -160,13 +158,12 @@ class Codec(abc.ABC):
     def _decode(self, packet: Packet) -> torch.Tensor: ...
 
     def using(self, backend: str | None) -> Codec:
-        """This codec computing with the kernel backend ``backend`` (``eager``, ``numba``, ``triton``; None:
-        the device's default), inner codecs included: a copy, this one is unchanged. The packets are the same
-        bytes whatever the backend (on the CPU; see :mod:`aqsgd.compress.kernels`)."""
-        from aqsgd.compress.kernels import BACKENDS
-
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"unknown kernel backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        """This codec computing with the kernel backend ``backend`` (``eager``, ``numba``, ``triton`` or any
+        other registered one; None: the device's default), inner codecs included: a copy, this one is
+        unchanged. The packets are the same bytes whatever the backend (on the CPU; see
+        :mod:`aqsgd.compress.kernels`)."""
+        if backend is not None:
+            kernels.check_backend(backend)
         clone = copy.copy(self)
         for name, value in vars(self).items():
             if isinstance(value, Codec):
@@ -227,7 +224,7 @@ def defers_checks(device: torch.device) -> bool:
     if not getattr(_COLLECTING, "stack", None):
         return False
     on = _DEFER["on"]
-    return device.type == "cuda" if on is None else on
+    return kernels.host_reads_wait(device) if on is None else on
 
 
 def defer_check(flag: torch.Tensor, message: str) -> None:
@@ -296,7 +293,7 @@ def defers_pending_checks(device: torch.device) -> bool:
     if not getattr(_PENDING, "stack", None):
         return False
     on = _DEFER["on"]
-    return device.type == "cuda" if on is None else on
+    return kernels.host_reads_wait(device) if on is None else on
 
 
 def defer_pending_check(flag: torch.Tensor, error: Callable[[], BaseException]) -> None:

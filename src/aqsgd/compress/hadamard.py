@@ -45,8 +45,7 @@ def signs(n: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor
     """The ``n`` random signs (fp32 +-1) of seed ``seed``: the same on every machine and device. On a device
     they are copied there once and kept (a host-to-device copy on every rotation would synchronise)."""
     s = _signs_cpu(int(n), int(seed))
-    device = torch.device(device)
-    return s if device.type == "cpu" else _signs_on(int(n), int(seed), device)
+    return s if kernels.on_host(device) else _signs_on(int(n), int(seed), torch.device(device))
 
 
 @functools.lru_cache(maxsize=64)

@@ -44,6 +44,7 @@ try:  # ISA-L's CRC-32 (carry-less multiply): the same value as zlib's, about 13
 except ImportError:  # a platform without an isal wheel: zlib's (identical results)
     from zlib import crc32 as _crc32
 
+from aqsgd.compress.kernels import on_host
 from aqsgd.errors import NonFiniteError, PacketError, PacketMismatchError
 
 __all__ = [
@@ -401,13 +402,13 @@ class Packet:
         """The 64 header bytes. ``checksum`` defaults to True for CPU payloads, False for CUDA.
         ``payload_crc``: the payload's CRC-32 when the caller has it already (not recomputed)."""
         if checksum is None:
-            checksum = self.payload.device.type == "cpu"
+            checksum = on_host(self.payload.device)
         if not checksum:
             crc = 0
         elif payload_crc is not None:
             crc = payload_crc
         else:
-            crc = crc32_of_tensor(self.payload if self.payload.device.type == "cpu" else self.payload.cpu())
+            crc = crc32_of_tensor(self.payload.cpu())  # the payload itself where it is on the CPU
         dims = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         head = _STRUCT.pack(
             MAGIC, VERSION, int(self.family), DTYPE_CODES[self.dtype], len(self.shape),
@@ -430,7 +431,7 @@ class Packet:
                 f"truncated or oversized packet: header announces {header.payload_len} payload bytes, "
                 f"got {payload.numel()}"
             )
-        if verify and header.payload_crc is not None and payload.device.type == "cpu":
+        if verify and header.payload_crc is not None and on_host(payload.device):
             if crc32_of_tensor(payload) != header.payload_crc:
                 raise PacketError("corrupted packet payload (CRC mismatch)")
         return cls(header.family, header.dtype, header.shape, header.fingerprint, payload, header.tag,
@@ -463,7 +464,7 @@ class Packet:
         payload = (torch.frombuffer(bytearray(body), dtype=torch.uint8) if body
                    else torch.empty(0, dtype=torch.uint8))
         packet = cls.from_header(header, payload)
-        return (packet if torch.device(device).type == "cpu"
+        return (packet if on_host(device)
                 else dataclasses.replace(packet, payload=payload.to(device)))
 
     def expect(self, *, tag: int | None = None, kind: int | None = None,

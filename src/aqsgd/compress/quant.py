@@ -1,43 +1,7 @@
 """Uniform symmetric quantization at 1..8 bits with bit-packed codes.
 
-Grid
-    ``midtread`` (default): for ``bits >= 2`` the levels are ``k * step`` for integers ``k`` in ``[-L, L]``,
-    ``L = 2**(bits-1) - 1`` and ``step = scale / L``: symmetric about zero, zero exact, ``2**bits - 1`` levels
-    (the all-ones code is unused). For ``bits == 1`` the levels are ``{-scale, +scale}``
-    (``step = 2 * scale``). ``midrise``: all ``n = 2**bits`` codes, levels ``(k - (n-1)/2) * step`` for codes
-    ``k`` in ``[0, n-1]`` with ``step = 2 * scale / (n - 1)``: symmetric, no zero level, the outermost levels
-    at ``+-scale`` (for 1 bit the same grid as ``midtread``). At 2 bits this is 4 levels instead of 3; with
-    each grid's MSE-optimal clipping the relative error on Gaussian data falls from 0.44 to 0.35
-    (3 bits 0.22 -> 0.19, 4 bits 0.11 -> 0.11) for the same bytes. The price: an exact zero is sent as
-    +-step/2. With nearest rounding every value inside ``[-scale, scale]`` is reconstructed within half a
-    step, on either grid.
-
-Scale (one per group)
-    ``max``: the group's max-abs, so nothing is clipped (the AQ-SGD reference's choice). The default for
-    ``bits >= 2``, and for 1 bit with stochastic rounding (the only scale under which that is unbiased).
-    ``mean`` (1 bit only; the default for 1 bit with nearest rounding): the group's mean absolute value. A
-    sign quantizer reconstructs every value at ``+-scale``, and the scale minimizing the group's squared error
-    is its mean ``|x|``: relative error 1 - 2/pi = 0.36 on Gaussian data, where max-abs scales give 4 to 15
-    (every value sent at the group's extreme: worse than sending zeros).
-    ``l2``: ``min(max-abs, c_b * rms)`` with ``c_b`` the clipping multiple that minimizes the mean squared
-    error for Gaussian data at ``b`` bits (Banner et al., 2019, "Post-training 4-bit quantization of
-    convolution networks for rapid-deployment": 1.71, 2.15, 2.55, 2.94, 3.29, 3.61, 3.92 for 2..8 bits;
-    0.80 = E|x|/sigma for 1 bit). Values beyond the scale are clipped to the outermost level. These multiples
-    were derived for ``2**b`` levels; on the 3-level ``midtread`` grid at 2 bits the Gaussian optimum is
-    nearer 1.2 (kept at 1.71 so that ``q2:l2`` keeps its meaning). On the ``midrise`` grid ``c_b`` is the
-    outermost level of the MSE-optimal uniform quantizer of a unit Gaussian (Max, 1960, "Quantizing for
-    minimum distortion": 1.49, 2.05, 2.51, 2.92, 3.28, 3.62, 3.95 for 2..8 bits, i.e. (n-1)/2 optimal steps).
-    Scales are stored in fp16 by default, rounded *up* to the next fp16 value (so rounding never clips)
-    and clamped to 65504 (so they never overflow; larger magnitudes are clipped); ``scale32`` stores fp32.
-    ``step<c>``: the quantization step is ``c`` times the group's rms, or its max-abs where that is smaller
-    (a flat group, such as a rotated tile holding one loud channel, then comes back exactly), and values
-    beyond the outermost level are clipped (scale ``min(c * rms, max-abs) * qmax / 2``); for ``c <= 1`` the
-    max-abs never binds. Meant for entropy coding (``:rc``, or ``:zstd``): with a
-    wide code field (``q4``) and a step near one rms the outer codes are rare, so the coded size follows the
-    data's entropy rather than the field's width. An entropy-coded uniform quantizer at step ``c`` sigma on a
-    Gaussian source: c = 1.0 -> 2.10 bits of entropy at relative error 0.083, c = 1.1 -> 1.98 bits at 0.101,
-    against the 4-level ``midrise`` grid's 1.90 bits at 0.119 (Gish and Pierce, 1968: at high rates the
-    entropy-coded uniform quantizer is within 0.25 bit of the Shannon bound).
+The grids (``midtread``, ``midrise``) and the scale estimates (``max``, ``mean``, ``l2``, ``step<c>``): see
+:mod:`aqsgd.compress.quant_scales`, which computes them.
 
 Granularity (which values share a scale)
     ``tensor``: one scale. ``channel``: one per index of the last dim, max over all other dims (the AQ-SGD
@@ -73,7 +37,11 @@ from aqsgd.compress.base import (
     raise_non_finite,
 )
 from aqsgd.compress.bitpack import pack_bits, packed_nbytes, unpack_bits
-from aqsgd.compress.packet import DeferredCheck, Family, Packet, bytes_as
+from aqsgd.compress.packet import Family, Packet, bytes_as
+from aqsgd.compress.quant_delta import QuantDelta
+from aqsgd.compress.quant_scales import (_FP16_MAX, _FP32_MAX, GRANULARITIES, GRIDS, L2_CLIP, L2_CLIP_MIDRISE,
+                                         ROUNDINGS, SCALE_MODES, _compute_dtype, _Groups, _signed_levels,
+                                         default_scale_mode, divided, qmax, store_scales)
 from aqsgd.errors import CodecError, NonFiniteError, PacketError, SpecError
 
 __all__ = [
@@ -85,114 +53,15 @@ __all__ = [
     "L2_CLIP",
     "SCALE_MODES",
     "default_scale_mode",
+    "divided",
+    "qmax",
+    "store_scales",
 ]
 
-GRANULARITIES = ("tensor", "channel", "token", "block")
-ROUNDINGS = ("nearest", "stochastic")
-GRIDS = ("midtread", "midrise")
-SCALE_MODES = ("max", "l2", "mean", "step")
-L2_CLIP = {1: 0.80, 2: 1.71, 3: 2.15, 4: 2.55, 5: 2.94, 6: 3.29, 7: 3.61, 8: 3.92}
-L2_CLIP_MIDRISE = {1: 0.80, 2: 1.49, 3: 2.05, 4: 2.51, 5: 2.92, 6: 3.28, 7: 3.62, 8: 3.95}
-_FP16_MAX = 65504.0
-_FP32_MAX = torch.finfo(torch.float32).max
-
-
-def default_scale_mode(bits: int, rounding: str = "nearest") -> str:
-    """Scale estimate used when none is given: ``mean`` for 1 bit with nearest rounding, else ``max``."""
-    return "mean" if bits == 1 and rounding == "nearest" else "max"
-
-
-def qmax(bits: int) -> int:
-    """Largest code: 2L for bits >= 2, 1 for bits == 1."""
-    return 1 if bits == 1 else 2**bits - 2
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def divided(scales: torch.Tensor, divisor: int, cdt: torch.dtype) -> torch.Tensor:
-    """``scales / divisor`` in ``cdt``, correctly rounded on every device, so that a packet decodes to the
-    same bits on the CPU and on a GPU (the two sides of an AQ-SGD boundary must agree bit for bit).
-
-    CUDA divides a tensor by a Python number as ``x * (1 / divisor)``, one rounding more than the CPU's true
-    division, and the last bit then differs for some scales. In fp32 the quotient is taken in float64 and
-    rounded to fp32: a stored scale has at most 24 significant bits and every divisor here is an odd integer
-    below 256, so the exact quotient is either an fp32 number or at least 2**-32 (relative) away from every
-    fp32 rounding midpoint, far more than float64's error on either path (about 2**-52): both round to the
-    correctly rounded fp32 quotient. In float64 the divisor is a tensor on the scales' device, which CUDA
-    divides by exactly."""
-    if divisor == 1:
-        return scales.to(cdt)
-    if cdt == torch.float32:
-        return scales.to(torch.float64).div_(divisor).to(torch.float32)
-    return scales.to(cdt) / scales.new_full((), divisor, dtype=cdt)
-
-
-def store_scales(s: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
-    """Round scales to their storage dtype without ever rounding down (fp16: also clamp to 65504)."""
-    if scale_dtype == torch.float32:
-        s32 = s.to(torch.float32)
-        if s.dtype == torch.float64:
-            low = s32.double() < s
-            s32 = torch.where(low, torch.nextafter(s32, _inf_like(s32)), s32)
-        return s32
-    s16 = s.clamp(max=_FP16_MAX).to(torch.float16)
-    low = s16.to(s.dtype) < s.clamp(max=_FP16_MAX)
-    return torch.where(low, torch.nextafter(s16, _inf_like(s16)), s16)
-
-
-def _inf_like(t: torch.Tensor) -> torch.Tensor:
-    """+Inf as a 0-d tensor of ``t``'s dtype and device, filled there (``new_tensor`` would copy it from the
-    host: a synchronisation on CUDA)."""
-    return torch.full((), math.inf, dtype=t.dtype, device=t.device)
-
-
-class _Groups:
-    """How a flat tensor of ``numel`` values splits into scale groups, as 2-D views."""
-
-    def __init__(self, shape: Sequence[int], granularity: str, block: int) -> None:
-        self.numel = numel_of(shape)
-        self.granularity = granularity
-        self.cols = int(shape[-1]) if len(shape) else 1
-        if granularity == "block":
-            self.block = block
-            self.nfull, self.tail = divmod(self.numel, block)
-        if granularity == "tensor" or self.numel == 0:
-            self.nscales = 1 if self.numel else 0
-        elif granularity == "channel":
-            self.nscales = self.cols
-        elif granularity == "token":
-            self.nscales = self.numel // self.cols
-        else:
-            self.nscales = self.nfull + (1 if self.tail else 0)
-
-    def views(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
-        """2-D views of ``flat`` and the dim along which each scale group reduces."""
-        g = self.granularity
-        if g == "tensor":
-            return [(flat.view(1, -1), 1)]
-        if g == "channel":
-            return [(flat.view(-1, self.cols), 0)]
-        if g == "token":
-            return [(flat.view(-1, self.cols), 1)]
-        out = []
-        if self.nfull:
-            out.append((flat[: self.nfull * self.block].view(self.nfull, self.block), 1))
-        if self.tail:
-            out.append((flat[self.nfull * self.block :].view(1, self.tail), 1))
-        return out
-
-    @staticmethod
-    def bcast(s: torch.Tensor, dim: int) -> torch.Tensor:
-        return s.view(1, -1) if dim == 0 else s.view(-1, 1)
-
-
-class QuantCodec(Codec):
+class QuantCodec(QuantDelta, Codec):
     """``q<bits>[:tensor|channel|token|block<N>][:stochastic][:max|l2|mean][:midrise][:scale32]``."""
 
     family = Family.QUANT
-    has_fused_delta = True
 
     def __init__(
         self,
@@ -246,8 +115,11 @@ class QuantCodec(Codec):
         self.qmax = qmax(bits) if grid == "midtread" else 2**bits - 1
         self._l2_clip = (L2_CLIP if grid == "midtread" else L2_CLIP_MIDRISE)[bits]
         self.step_rms = None if step_rms is None else float(step_rms)
-        if backend is not None and backend not in kernels.BACKENDS:
-            raise SpecError(f"unknown kernel backend {backend!r}; valid: {', '.join(kernels.BACKENDS)}")
+        if backend is not None:
+            try:
+                kernels.check_backend(backend)
+            except ValueError as e:
+                raise SpecError(str(e)) from None
         self.backend = backend
 
     @property
@@ -439,97 +311,6 @@ class QuantCodec(Codec):
             v = v.expand(rows)
         return v.to(torch.float32).contiguous()
 
-    def _delta_plan(self, shape: Sequence[int], store: kernels.RowStore) -> tuple[int, int, bool, int] | None:
-        """``(rows, k, by_col, rows per sample)`` for the fused AQ-SGD step, or None (the caller goes step by
-        step)."""
-        plan = kernels.plan(shape, self.granularity, self.block, self.bits)
-        if plan is None or not shape or int(shape[0]) != store.ids.shape[0]:
-            return None
-        rows, k, by_col = plan
-        n = numel_of(shape) // int(shape[0])
-        if n != store.row_numel or n % k:  # a block straddling two samples' rows
-            return None
-        return rows, k, by_col, n // k
-
-    def encode_delta(self, x: torch.Tensor, store: kernels.RowStore) -> Packet | None:
-        with collecting_checks() as checks:
-            packet = self._encode_delta(x, store)
-        if packet is None or not checks:
-            return packet
-        return packet.with_check(DeferredCheck.of(checks))
-
-    def _encode_delta(self, x: torch.Tensor, store: kernels.RowStore) -> Packet | None:
-        ops = kernels.for_tensor(x, self.backend)
-        if (x.numel() == 0 or self.rounding != "nearest" or not ops.quantizes(x.dtype, self.rounding)
-                or store.device != x.device):
-            return None
-        plan = self._delta_plan(x.shape, store)
-        if plan is None:
-            return None
-        rows, k, by_col, rpb = plan
-        x2 = self._fp32_rows(x, rows, k)
-        if self.scale_mode == "max":
-            s = self._planned_scales(x2, x.shape, by_col, lambda: ops.delta_max_abs(x2, store, rpb, by_col))
-        else:  # the scale needs a mean of x - m in torch's order: materialize x - m once
-            d = ops.delta(x2, store, rpb)
-            s = None if d is None else self._planned_scales(d, x.shape, by_col,
-                                                            lambda: ops.max_abs(d, by_col))
-        if s is None:
-            return None
-        made = self._device_scale_steps(ops, s, rows, k) if defers_checks(x.device) else None
-        if made is not None:
-            out, nsb, inv, (mul, low, step) = made
-        else:
-            stored, inv, _ = self._scale_steps(s, torch.float32)
-            mul, low, step = self._levels(stored, torch.float32)
-            out, nsb = self._payload(stored, rows, k, x.device)
-        packed = ops.delta_encode_update(x2, store, rpb, self._per_group(inv, rows, k, by_col), by_col,
-                                         self.qmax / 2.0 + 0.5, self.bits, self.qmax,
-                                         self._per_group(step, rows, k, by_col), mul, low,
-                                         out=out[nsb:].view(rows, -1))
-        if packed is None:
-            return None
-        return Packet(self.family, torch.float32, tuple(x.shape), self.fingerprint, out)
-
-    def _device_scale_steps(self, ops: kernels.Kernels, s: torch.Tensor, rows: int, k: int
-                            ) -> tuple[torch.Tensor, int, torch.Tensor, tuple[int, int, torch.Tensor]] | None:
-        """AQ-SGD's sender with its checks deferred: ``(payload, scale bytes, inv, (mul, low, step))`` from
-        one kernel that stores the scales ``s`` at the payload's head, checks them and writes ``inv`` and the
-        decode steps (the backend's ``scales``); None where the backend has none."""
-        if not ops.fuses_scales or self.granularity == "tensor":
-            return None
-        mul, low, divisor = self._level_terms()
-        step = torch.empty(s.numel(), dtype=torch.float32, device=s.device)
-        s = s.to(torch.float32).contiguous()
-        made = self._scaled_payload(s.numel(), rows, k, s.device, lambda stored, flag: ops.scales(
-            s, stored, self.qmax, flag, step=step, divisor=divisor))
-        return None if made is None else (*made, (mul, low, step))
-
-    def decode_delta(self, packet: Packet, store: kernels.RowStore) -> torch.Tensor | None:
-        self.check_packet(packet)
-        device = packet.payload.device
-        if packet.dtype != torch.float32 or packet.payload.numel() == 0 or store.device != device:
-            return None
-        plan = self._delta_plan(packet.shape, store)
-        if plan is None:
-            return None
-        rows, k, by_col, rpb = plan
-        nsb = self._groups(packet.shape).nscales * self.scale_dtype.itemsize
-        ops = kernels.for_device(device, self.backend)
-        mul, low, divisor = self._level_terms()
-        step = None
-        if ops.fuses_scales:
-            flag = torch.zeros(1, dtype=torch.int32, device=device)
-            step = ops.steps(bytes_as(packet.payload[:nsb], self.scale_dtype), divisor, flag)
-        if step is not None:  # one launch reads, checks and divides the scales
-            self._scales_checked(flag)
-        else:
-            mul, low, step = self._levels(self._checked_scales(packet.payload[:nsb]), torch.float32)
-        out = ops.delta_decode_update(
-            packet.payload[nsb:].view(rows, -1), store, rpb, self._per_group(step, rows, k, by_col), by_col,
-            self.bits, mul, low)
-        return None if out is None else out.view(packet.shape)
-
     def _scale_steps(self, s: torch.Tensor, cdt: torch.dtype
                      ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
         """Checked stored scales, the reciprocal steps ``qmax / (2 * scale)`` (0 for a zero scale), max
@@ -703,13 +484,6 @@ class QuantCodec(Codec):
             start += n
         out = out.view(shape)
         return out if out_dtype == cdt else out.to(out_dtype)
-
-
-def _signed_levels(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes -> signed integer levels (int8): ``q - L`` for bits >= 2, ``2q - 1`` for bits == 1."""
-    if bits == 1:
-        return codes.mul(2).sub_(1).view(torch.int8)
-    return codes.sub(2 ** (bits - 1) - 1).view(torch.int8)
 
 
 # -- row-wise helpers for low-bit storage (each row is one scale group, rows packed independently) ----

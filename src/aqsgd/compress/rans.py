@@ -30,8 +30,9 @@ import threading
 
 import numpy as np
 
-from aqsgd.compress.kernels import numba as fused  # the rANS kernels are compiled loops too
+from aqsgd.compress import kernels
 from aqsgd.compress._rans_layout import LANES, PROB_BITS, STATE_LOW
+from aqsgd.compress.kernels import Kernels
 from aqsgd.errors import PacketError, SpecError
 
 __all__ = ["LANES", "PROB_BITS", "STATE_LOW", "available", "decode", "encode", "normalize", "overhead_bytes"]
@@ -41,10 +42,23 @@ _PER_SHIFT = {1: 3, 2: 2, 4: 1, 8: 0}
 _local = threading.local()
 
 
+def _coder() -> Kernels | None:
+    """The host kernels with the coder (:func:`aqsgd.compress.kernels.for_operation`: the numba backend's),
+    whatever backend the codec computes with: there is no general path."""
+    return kernels.for_operation("rans_encode", "cpu")
+
+
 def available() -> None:
     """Raise :class:`SpecError` with an install hint where the compiled coder cannot run (numba missing)."""
-    if not fused.available():
+    if _coder() is None:
         raise SpecError("the rANS stage (:rc) needs numba (pip install numba)")
+
+
+def _ops() -> Kernels:
+    ops = _coder()
+    if ops is None:
+        available()
+    return ops
 
 
 def overhead_bytes(width: int) -> int:
@@ -96,16 +110,16 @@ def _block(nsym: int) -> int:
 
 def encode(body: np.ndarray, width: int) -> np.ndarray:
     """The packed codes ``body`` (uint8) coded as ``width``-bit symbols; a uint8 array in the format above."""
+    ops = _ops()
     shift = _PER_SHIFT[width]
     nsym = body.size << shift
-    freq = normalize(fused._call("rans_count", body, width, shift, 1 << width))
+    freq = normalize(ops.rans_count(body, width, shift, 1 << width))
     cum = _starts(freq)
     block = _block(nsym)
     words = _scratch("words", LANES * (block + 1), np.uint16)  # a spare word per lane (see the kernel)
     states = np.empty(LANES, dtype=np.uint32)
     starts = np.empty(LANES, dtype=np.int64)
-    fused._call("rans_encode", body, width, shift, nsym, block, freq.astype(np.uint64), cum, words, states,
-                starts)
+    ops.rans_encode(body, width, shift, nsym, block, freq.astype(np.uint64), cum, words, states, starts)
     ends = np.arange(1, LANES + 1, dtype=np.int64) * (block + 1)
     nwords = ends - starts
     head = overhead_bytes(width)
@@ -154,10 +168,11 @@ def decode(data: np.ndarray, width: int, nbody: int, out: np.ndarray | None = No
         out = np.empty(nbody, dtype=np.uint8)
     sym = out if width == 8 else _scratch("sym", nsym, np.uint8)
     bad = np.zeros(LANES, dtype=np.bool_)
-    fused._call("rans_decode", words, states, starts, ends, slots, freq, cum, nsym, _block(nsym), sym, bad)
+    ops = _ops()
+    ops.rans_decode(words, states, starts, ends, slots, freq, cum, nsym, _block(nsym), sym, bad)
     if bad.any():
         lanes = np.flatnonzero(bad).tolist()
         raise PacketError(f"corrupt rANS data (lanes {lanes} do not decode to their end)")
     if width != 8:
-        fused._call("rans_pack", sym, width, shift, out)
+        ops.rans_pack(sym, width, shift, out)
     return out

@@ -145,8 +145,8 @@ def _parse_topk(spec: str, text: str) -> TopKCodec:
 def make_codec(spec: str, *, backend: str | None = None) -> Codec:
     """Build the codec named by ``spec``; raises :class:`SpecError` (a ValueError) naming valid choices.
     ``backend``: the kernels it computes with (:mod:`aqsgd.compress.kernels`: ``eager``, ``numba``,
-    ``triton``; None, the default: the device's own), for tests and benchmarks that compare them; not part of
-    the spec (the bytes are the same)."""
+    ``triton`` or any registered backend; None, the default: the device's own), for tests and benchmarks
+    that compare them; not part of the spec (the bytes are the same)."""
     # checked before the cache, which would raise TypeError for an unhashable spec (a list, ...)
     if not isinstance(spec, str):
         raise SpecError(f"codec spec must be a string, got {type(spec).__name__}. Valid: {SPEC_HELP}")

@@ -123,7 +123,8 @@ class TopKCodec(Codec):
             return torch.empty(0, dtype=torch.uint8, device=x.device)
         width = index_dtype(n).itemsize
         ops = kernels.for_tensor(x2, self.backend)
-        if isinstance(self.values, CastCodec) and x2.dtype == torch.float32 and 0 < k < n:
+        casts = isinstance(self.values, CastCodec) and x2.dtype == torch.float32
+        if casts and 0 < k < n:
             # selection, gather, cast and index packing on the device (the Triton backend's)
             done = ops.topk_payload(x2.contiguous(), k, self.values.wire_dtype, width)
             if done is not None and defers_checks(x2.device):  # the flag read later (the cast's error)
@@ -131,21 +132,17 @@ class TopKCodec(Codec):
                 return done[0]
             if done is not None and not bool(done[1]):  # else a value is not finite: the steps below raise
                 return done[0]
-        # selection, gather, cast and index packing in one kernel (byte-identical to the steps below): the
-        # numba backend's, for values cast to fp32, fp16 or bf16
-        packs = isinstance(self.values, CastCodec) and x2.dtype == torch.float32 and x2.device.type == "cpu"
-        if packs:
-            plan = _sampling(rows, n, k)
-            if plan is not None:
-                payload = ops.topk_encode(x2.view(torch.int32).numpy(), _MASK32, *plan, k,
-                                          self.values.wire_dtype, width)
+            # the same through the sampled selection, in one kernel (the numba backend's)
+            sampling = _sampling(rows, n, k)
+            if sampling is not None:
+                payload = ops.topk_encode(x2, k, sampling, self.values.wire_dtype, width)
                 if payload is not None:
-                    return torch.from_numpy(payload)
+                    return payload
         idx = topk_indices(x2, k, ops=ops)
-        if packs:  # gather, cast and index packing in one pass
-            payload = ops.topk_pack(x2.numpy(), idx.numpy(), self.values.wire_dtype, width)
+        if casts:  # gather, cast and index packing in one pass (the numba backend's)
+            payload = ops.topk_pack(x2, idx, self.values.wire_dtype, width)
             if payload is not None:
-                return torch.from_numpy(payload)
+                return payload
         kept = x2.gather(1, idx)
         vals = self.values.encode(kept, generator=generator).payload
         return torch.cat([vals, _index_bytes(idx, width)])
@@ -250,27 +247,24 @@ def _positions(flags: np.ndarray) -> np.ndarray:
     return np.flatnonzero(whole[:m + pad])[:count]
 
 
-_MASK32 = 0x7FFFFFFF
-
-
 def _kernel_rows(rows: int) -> bool:
     """Whether the compiled per-row kernel takes ``rows`` rows (else a few long rows: chunks in parallel)."""
     return rows >= min(torch.get_num_threads(), _KERNEL_ROWS)
 
 
-def _plan(n: int, k: int, sample: int = SAMPLE, min_row: int = MIN_ROW) -> tuple[np.ndarray, int, int] | None:
-    """``(sampled positions, j_lo, j_hi)`` of the sampled selection of ``k`` of ``n`` (the order statistics of
-    the sample that give the two thresholds), or None where rows of ``n`` are ranked in full."""
+def _plan(n: int, k: int, sample: int = SAMPLE, min_row: int = MIN_ROW) -> kernels.TopkSampling | None:
+    """The sampled selection of ``k`` of ``n`` (the sampled positions and the order statistics of the sample
+    that give the two thresholds), or None where rows of ``n`` are ranked in full."""
     s = min(sample, n)
     mean = k * s / n
     sd = math.sqrt(mean * (1.0 - k / n))
     j_lo, j_hi = math.ceil(mean + _Z * sd + 1), math.floor(mean - _Z * sd - 1)
     if n < min_row or n <= 4 * s or j_lo >= s // 2:
         return None
-    return _sample_positions(n, s), j_lo, j_hi
+    return kernels.TopkSampling(torch.from_numpy(_sample_positions(n, s)), j_lo, j_hi)
 
 
-def _sampling(rows: int, n: int, k: int) -> tuple[np.ndarray, int, int] | None:
+def _sampling(rows: int, n: int, k: int) -> kernels.TopkSampling | None:
     """:func:`_plan` where :func:`topk_indices` would select ``rows`` rows of ``n`` through the compiled
     kernel at its defaults, else None."""
     return _plan(n, k) if 0 < k < n and _kernel_rows(rows) else None
@@ -295,7 +289,7 @@ def topk_indices(x2: torch.Tensor, k: int, *, sample: int = SAMPLE, min_row: int
         idx = ops.topk_select(x2.contiguous(), k)  # the Triton backend's; None elsewhere
         if idx is not None:
             return idx
-    if x2.device.type != "cpu" or x2.dtype not in _KEYS:
+    if not kernels.on_host(x2.device) or x2.dtype not in _KEYS:
         return x2.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
     tdt, ndt = _KEYS[x2.dtype]
     top = ndt(np.iinfo(ndt).max)
@@ -303,15 +297,15 @@ def topk_indices(x2: torch.Tensor, k: int, *, sample: int = SAMPLE, min_row: int
     plan = _plan(n, k, sample, min_row)
     if plan is None:
         return torch.from_numpy(_exact(x2, k))
-    pos, j_lo, j_hi = plan
+    pos, j_lo, j_hi = plan.positions.numpy(), plan.j_lo, plan.j_hi
     if _kernel_rows(rows):
         # one compiled pass per row, the rows split over the threads (the numba backend's; None elsewhere)
-        out = np.empty((rows, k), dtype=np.int64)
-        done = ops.topk_rows(xi, int(top), pos, j_lo, j_hi, k, out)
+        done = ops.topk_rows(x2.contiguous().view(tdt), k, plan)
         if done is not None:
-            for r in np.flatnonzero(~done):  # the sample misled: rank these rows in full
-                out[r] = _exact(x2[r:r + 1], k)[0]
-            return torch.from_numpy(out)
+            picked, ok = done
+            for r in np.flatnonzero(~ok.numpy()):  # the sample misled: rank these rows in full
+                picked[r] = torch.from_numpy(_exact(x2[r:r + 1], k)[0])
+            return picked
     steps = -(-n // _CHUNK)
     size = -(-n // steps)
     chunks = [(c, min(c + size, n)) for c in range(0, n, size)]

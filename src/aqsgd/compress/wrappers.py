@@ -338,7 +338,7 @@ class EntropyCodec(Codec):
         return self._compress(self.inner._encode(x, generator), x.shape)
 
     def _compress(self, raw: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-        host = raw.cpu() if raw.device.type != "cpu" else raw
+        host = raw.cpu()  # itself where it is on the CPU
         comp = self._squeeze(host.numpy(), shape) if host.numel() else b""
         if len(comp) < host.numel():
             out = torch.empty(1 + len(comp), dtype=torch.uint8)
@@ -347,7 +347,7 @@ class EntropyCodec(Codec):
                 torch.frombuffer(bytearray(comp), dtype=torch.uint8)
         else:
             out = torch.cat([torch.zeros(1, dtype=torch.uint8), host])
-        return out.to(raw.device) if raw.device.type != "cpu" else out
+        return out.to(raw.device)
 
     def _decode(self, packet: Packet) -> torch.Tensor:
         return self.inner.decode(self._inner(packet))
@@ -365,7 +365,7 @@ class EntropyCodec(Codec):
 
     def decode_delta(self, packet: Packet, store) -> torch.Tensor | None:
         self.check_packet(packet)
-        if packet.payload.device.type != "cpu" or not self.inner.has_fused_delta:
+        if not kernels.on_host(packet.payload.device) or not self.inner.has_fused_delta:
             return None  # (before decompressing: the caller's decode() would decompress again)
         return self.inner.decode_delta(self._inner(packet), store)
 
@@ -374,7 +374,7 @@ class EntropyCodec(Codec):
         p = packet.payload
         if p.numel() < 1:
             raise PacketError(f"{self.spec}: empty payload (no mode byte)")
-        host = p.cpu() if p.device.type != "cpu" else p
+        host = p.cpu()
         mode = int(host[0])
         bound = self.inner.payload_bytes(packet.shape, packet.dtype)
         if mode == 0:

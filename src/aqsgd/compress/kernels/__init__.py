@@ -1,9 +1,9 @@
 """The kernel seam: the named operations codecs are built from, with one implementation per backend.
 
 A codec never branches on hardware. It asks :func:`for_tensor` for the kernels of the tensor's device and
-calls their operations; each returns its result, or None where this backend has no kernel for those arguments
-(the codec then takes its general, step-by-step PyTorch path, which every backend's result equals byte for
-byte).
+calls their operations (or, for an operation only some backends have, :func:`for_operation`); each returns its
+result, or None where this backend has no kernel for those arguments (the codec then takes its general,
+step-by-step PyTorch path, which every backend's result equals byte for byte).
 
 ========== ================= ============================================================================
 backend    where             what it is
@@ -18,9 +18,13 @@ backend    where             what it is
                              (:mod:`aqsgd.compress.kernels.triton`)
 ========== ================= ============================================================================
 
-The default for a device is the first of its backends that is installed: numba then eager on the CPU,
-triton then eager on CUDA. A codec built with ``backend="eager"`` (``make_codec(spec, backend=...)``) uses
-that one wherever it runs: benchmarks compare backends side by side that way, and tests compare their packets.
+A backend is one module of this package that registers itself at import (:func:`register_backend`: its name,
+what makes its kernels for a device, which devices it runs on, those it is the default on); this package
+imports its public modules at first use, so adding a backend is adding its file. The default for a device is
+the highest-ranked installed backend registered as a default there, else ``eager``: numba then eager on the
+CPU, triton then eager on CUDA. A codec built with ``backend="eager"`` (``make_codec(spec, backend=...)``)
+uses that one wherever it runs: benchmarks compare backends side by side that way, and tests compare their
+packets.
 
 Operations (``x2``: a contiguous fp32 ``[R, K]`` view whose rows' codes fill whole bytes, ``K * bits % 8 ==
 0`` (:func:`plan`), and whose scale groups are its columns (``by_col``) or its rows; per-group vectors are
@@ -44,10 +48,14 @@ fp32 of length ``K`` or ``R``):
   flags bad ones. An encode takes them where its checks are deferred (on a GPU: the flag is the deferred
   check), a decode wherever the backend has them;
 * ``fwht(x2, signs, c, inverse)``: the Walsh-Hadamard transform of each row (:mod:`aqsgd.compress.hadamard`);
-* TopK's selection and packing: on torch tensors ``topk_select(x2, k)`` (positions) and ``topk_payload(x2,
-  k, wire, width)`` (the whole payload of a cast, and a device flag for non-finite kept values), the Triton
-  backend's; on numpy arrays ``topk_rows``, ``topk_pack``, ``topk_encode``, the numba backend's
-  (:mod:`aqsgd.compress.topk`);
+* TopK's selection and packing (:mod:`aqsgd.compress.topk`): ``topk_select(x2, k)`` (positions) and
+  ``topk_payload(x2, k, wire, width)`` (the whole payload of a cast, and a device flag for non-finite kept
+  values), the Triton backend's; ``topk_rows(keys, k, sampling)`` (the sampled selection of each row),
+  ``topk_pack(x2, idx, wire, width)`` and ``topk_encode(x2, k, sampling, wire, width)`` (the payload in one
+  pass), the numba backend's;
+* the rANS coder of the ``:rc`` stage (:mod:`aqsgd.compress.rans`) on host bytes: ``rans_count``,
+  ``rans_encode``, ``rans_decode``, ``rans_pack``, the numba backend's (reached with :func:`for_operation`,
+  as no general path exists);
 * outlier rows (:class:`~aqsgd.compress.wrappers.OutlierCodec`): ``row_sumsq(x2)`` (equal to PyTorch's sum
   to float rounding only) and ``split_rows(x2, idx, apart)``;
 * AQ-SGD's sender and receiver steps against a cache's rows (:class:`RowStore`): ``delta_max_abs``,
@@ -55,12 +63,12 @@ fp32 of length ``K`` or ``R``):
 
 What runs where (an operation a backend lacks takes the general path): the numba backend has every
 operation but stochastic rounding, ``topk_select``/``topk_payload`` and the outlier rows; the Triton backend
-has every operation but the numpy TopK ones (its TopK works on torch tensors, so on the GPU); entropy stages
-(``:rc``, ``:zstd``) and the means of the ``l2``/``step``/``mean`` scales stay PyTorch's (or the host's)
-everywhere.
+has every operation but the numba backend's TopK ones and the rANS coder; the ``:zstd`` stage and the means
+of the ``l2``/``step``/``mean`` scales stay PyTorch's (or the host's) everywhere.
 
 No host synchronisation: no operation reads a value to the host. The decisions a codec makes around them
-that need one (is the input finite? does a scale fit its storage dtype?) are *deferred* on CUDA: the codec
+that need one (is the input finite? does a scale fit its storage dtype?) are *deferred* where such a read
+waits for the device (:func:`host_reads_wait`: CUDA): the codec
 records them as device flags that the packet carries (:class:`~aqsgd.compress.packet.DeferredCheck`,
 :func:`~aqsgd.compress.base.deferring_checks`), read where the packet's bytes are synchronised anyway (the
 transport's sender thread, the local runtime's hand-over), raising the same error as the immediate check. A
@@ -78,49 +86,108 @@ the CPU's in about one code per million (decoding agrees everywhere).
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Iterator
+import dataclasses
+import importlib
+import pkgutil
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
-from aqsgd.compress.kernels.base import BACKENDS, STORE_FORMATS, Kernels, RowStore, index_on, plan
+from aqsgd.compress.kernels.base import STORE_FORMATS, Kernels, RowStore, TopkSampling, index_on, plan
 
-__all__ = ["BACKENDS", "Kernels", "RowStore", "available", "defaulting_to", "for_device", "for_tensor",
-           "index_on", "plan", "STORE_FORMATS"]
+__all__ = ["Backend", "Kernels", "RowStore", "STORE_FORMATS", "TopkSampling", "available", "backends",
+           "check_backend", "defaulting_to", "for_device", "for_operation", "for_tensor", "host_reads_wait",
+           "index_on", "on_host", "plan", "register_backend", "unregister_backend"]
 
-_DEFAULTS: dict[str, tuple[str, ...]] = {"cpu": ("numba", "eager"), "cuda": ("triton", "eager")}
+ANY_DEVICE = "*"  # in ``default_on``: every device type
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A registered kernel backend (see :func:`register_backend`)."""
+
+    name: str
+    make: Callable[[torch.device], Kernels]
+    runs_on: Callable[[torch.device], bool]
+    default_on: tuple[str, ...] = ()
+    rank: int = 0
+
+
+_REGISTRY: dict[str, Backend] = {}
+_MADE: dict[tuple[str, str], Kernels] = {}  # one Kernels per backend and device type
+_OVERRIDES: dict[str, str] = {}  # device type -> backend, inside defaulting_to
+_FOUND = {"done": False}
+_FINDING = threading.RLock()  # re-entrant: a backend module's import may ask for the registry
+
+
+def register_backend(name: str, make: Callable[[torch.device], Kernels], *,
+                     runs_on: Callable[[torch.device], bool], default_on: tuple[str, ...] = (),
+                     rank: int = 0) -> None:
+    """Make backend ``name`` known: ``make(device)`` builds its :class:`Kernels` for a device (once per device
+    type), ``runs_on(device)`` says whether it runs there (installed, made for that kind of device), and on
+    the device types of ``default_on`` (:data:`ANY_DEVICE`: all) it is a default candidate, the higher
+    ``rank`` first. A backend module calls this at import; registering a name again replaces it."""
+    _REGISTRY[name] = Backend(name, make, runs_on, tuple(default_on), rank)
+    _forget(name)
+
+
+def unregister_backend(name: str) -> None:
+    """Forget backend ``name`` (a test's own backend, after the test); nothing where it is not registered."""
+    _REGISTRY.pop(name, None)
+    _forget(name)
+
+
+def _forget(name: str) -> None:
+    for key in [key for key in _MADE if key[0] == name]:
+        del _MADE[key]
+
+
+def _registry() -> dict[str, Backend]:
+    """The registered backends, after importing this package's public modules once (each registers itself;
+    under a lock, so that no thread sees a part of them)."""
+    if not _FOUND["done"]:
+        with _FINDING:
+            if not _FOUND["done"]:
+                for module in pkgutil.iter_modules(__path__):
+                    if not module.name.startswith("_") and module.name != "base":
+                        importlib.import_module(f"{__name__}.{module.name}")
+                _FOUND["done"] = True
+    return _REGISTRY
+
+
+def backends() -> tuple[str, ...]:
+    """The names of the registered backends, sorted."""
+    return tuple(sorted(_registry()))
+
+
+def check_backend(name: str) -> None:
+    """ValueError (one line, the valid names) unless ``name`` is a registered backend."""
+    if name not in _registry():
+        raise ValueError(f"unknown kernel backend {name!r}; valid: {', '.join(backends())}")
 
 
 def available(name: str, device: torch.device | str = "cpu") -> bool:
     """Whether backend ``name`` runs on ``device`` here (installed, and made for that kind of device)."""
-    device = torch.device(device)
-    if name == "eager":
-        return True
-    if name == "numba":
-        from aqsgd.compress.kernels import numba as backend
-
-        return device.type == "cpu" and backend.available()
-    if name == "triton":
-        from aqsgd.compress.kernels import triton as backend
-
-        return backend.available(device)
-    raise ValueError(f"unknown kernel backend {name!r}; valid: {', '.join(BACKENDS)}")
+    check_backend(name)
+    return _REGISTRY[name].runs_on(torch.device(device))
 
 
-@functools.lru_cache(maxsize=None)
 def _kernels(name: str, device_type: str) -> Kernels:
-    device = torch.device(device_type)
-    if name == "eager":
-        from aqsgd.compress.kernels.eager import EagerKernels
+    made = _MADE.get((name, device_type))
+    if made is None:
+        made = _MADE[(name, device_type)] = _REGISTRY[name].make(torch.device(device_type))
+    return made
 
-        return EagerKernels(device)
-    if name == "numba":
-        from aqsgd.compress.kernels.numba import NumbaKernels
 
-        return NumbaKernels(device)
-    from aqsgd.compress.kernels.triton import TritonKernels
-
-    return TritonKernels(device)
+def _defaults(device: torch.device) -> list[str]:
+    """The backends that may be ``device``'s default, in order of preference (``eager`` last)."""
+    override = _OVERRIDES.get(device.type)
+    if override is not None:
+        return [override, "eager"]
+    named = [b for b in _registry().values()
+             if (device.type in b.default_on or ANY_DEVICE in b.default_on) and b.name != "eager"]
+    return [b.name for b in sorted(named, key=lambda b: -b.rank)] + ["eager"]
 
 
 def for_device(device: torch.device | str, backend: str | None = None) -> Kernels:
@@ -128,15 +195,32 @@ def for_device(device: torch.device | str, backend: str | None = None) -> Kernel
     device's default (module docstring)."""
     device = torch.device(device)
     if backend is not None:
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown kernel backend {backend!r}; valid: {', '.join(BACKENDS)}")
         if not available(backend, device):
             raise ValueError(f"the {backend} kernels do not run on {device.type} here")
         return _kernels(backend, device.type)
-    for name in _DEFAULTS.get(device.type, ("eager",)):
-        if available(name, device):
+    for name in _defaults(device):
+        if name in _REGISTRY and _REGISTRY[name].runs_on(device):
             return _kernels(name, device.type)
     return _kernels("eager", device.type)
+
+
+def for_tensor(x: torch.Tensor, backend: str | None = None) -> Kernels:
+    """The kernels for ``x``'s device (see :func:`for_device`)."""
+    return for_device(x.device, backend)
+
+
+def for_operation(operation: str, device: torch.device | str = "cpu") -> Kernels | None:
+    """The kernels of a backend that runs on ``device`` and has ``operation`` (overrides the base class's),
+    the device's default first, then the others by rank; None where none has it. For an operation with no
+    general path (the rANS coder), which must run whatever backend a codec or test names."""
+    device = torch.device(device)
+    order = _defaults(device) + [b.name for b in sorted(_registry().values(), key=lambda b: -b.rank)]
+    for name in dict.fromkeys(order):
+        if name in _REGISTRY and _REGISTRY[name].runs_on(device):
+            ops = _kernels(name, device.type)
+            if ops.has(operation):
+                return ops
+    return None
 
 
 @contextlib.contextmanager
@@ -144,19 +228,26 @@ def defaulting_to(backend: str, device_type: str = "cpu") -> Iterator[None]:
     """Within the block, ``device_type`` tensors take the ``backend`` kernels wherever no codec names its own:
     for tests that compare backends through code that builds its own codecs (caches, schemes). Codecs name a
     backend with :meth:`~aqsgd.compress.base.Codec.using`; nothing in the library calls this."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    saved = _DEFAULTS.get(device_type)
-    _DEFAULTS[device_type] = (backend, "eager")
+    check_backend(backend)
+    saved = _OVERRIDES.get(device_type)
+    _OVERRIDES[device_type] = backend
     try:
         yield
     finally:
         if saved is None:
-            _DEFAULTS.pop(device_type, None)
+            _OVERRIDES.pop(device_type, None)
         else:
-            _DEFAULTS[device_type] = saved
+            _OVERRIDES[device_type] = saved
 
 
-def for_tensor(x: torch.Tensor, backend: str | None = None) -> Kernels:
-    """The kernels for ``x``'s device (see :func:`for_device`)."""
-    return for_device(x.device, backend)
+def on_host(device: torch.device | str) -> bool:
+    """Whether a tensor on ``device`` is in host memory (numpy reads it in place, reading a value costs
+    nothing): the CPU."""
+    return torch.device(device).type == "cpu"
+
+
+def host_reads_wait(device: torch.device | str) -> bool:
+    """Whether reading a value of a tensor on ``device`` to the host waits for the device's queue (CUDA: a
+    synchronisation): where codecs defer their checks by default
+    (:func:`aqsgd.compress.base.deferring_checks`)."""
+    return torch.device(device).type == "cuda"

@@ -2,8 +2,11 @@
 its top: it is imported at the kernels' first use, so that importing aqsgd does not import Triton (a second),
 and so that ``TRITON_INTERPRET`` set before that use takes effect. Kernels defined inside a function would see
 ``triton.language`` as a closure variable, which Triton 3.2 (PyTorch 2.6's) does not resolve when it compiles
-for a GPU: they would run under the interpreter and fail on the device. Helpers (``_stored_scale``, ``_inv``)
-are ``@triton.jit`` functions here too, called from the kernels and inlined.
+for a GPU: they would run under the interpreter and fail on the device. The steps several kernels share are
+``@triton.jit`` helpers here, written once and inlined by Triton: the stored scale and ``inv``
+(``_stored_scale``, ``_inv``), the byte packing and unpacking of the codes (``_pack_store``,
+``_unpack_codes``), bf16 rounding (``_bf16_bits``) and a cache row's address and values (``_cache_row``,
+``_load_cache``).
 
 No ``from __future__ import annotations`` here: Triton reads each ``tl.constexpr`` annotation as an object.
 What each kernel computes, and why its bytes equal the other backends', is said in
@@ -43,6 +46,58 @@ def _inv(sf, qmax):
     """``qmax / (2 * stored)``, 0 for a zero scale: ``reciprocal(2 * sf) * qmax``, each step correctly
     rounded, as ``QuantCodec._scale_steps`` computes it."""
     return tl.where(sf > 0, tl.math.div_rn(1.0, 2.0 * sf) * qmax, 0.0)
+
+
+@triton.jit
+def _pack_store(out_ptr, code, rows, rmask, groups, K, BITS: tl.constexpr):
+    """Store the codes ``[R, G, 8]`` of groups of 8 values (code ``i`` of a group at bits ``[BITS * i, BITS *
+    (i + 1))``, a 64-bit word) as the low ``BITS`` bytes of each group's word, into rows of ``K * BITS / 8``
+    bytes: the layout of ``pack_bits`` (a row's last group may be short)."""
+    lane = tl.arange(0, 8)
+    word = tl.sum(code.to(tl.int64) << (lane[None, None, :].to(tl.int64) * BITS), axis=2)  # disjoint bits
+    nb = K * BITS // 8
+    at = groups * BITS  # each group's first byte in its row
+    for b in tl.static_range(BITS):
+        tl.store(out_ptr + rows[:, None] * nb + at[None, :] + b,
+                 ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=rmask[:, None] & (at + b < nb)[None, :])
+
+
+@triton.jit
+def _unpack_codes(p_ptr, rows, rmask, groups, K, BITS: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_G: tl.constexpr):
+    """The codes ``[R, G, 8]`` (int64) of groups of 8 values packed by ``_pack_store``."""
+    nb = K * BITS // 8
+    at = groups * BITS  # each group's first byte in its row (a row's last group may be short)
+    word = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.int64)
+    for b in tl.static_range(BITS):
+        byte = tl.load(p_ptr + rows[:, None] * nb + at[None, :] + b,
+                       mask=rmask[:, None] & (at + b < nb)[None, :], other=0)
+        word |= byte.to(tl.int64) << (8 * b)
+    lane = tl.arange(0, 8)
+    return (word[:, :, None] >> (lane[None, None, :].to(tl.int64) * BITS)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _bf16_bits(v):
+    """The bf16 bits (int32 in ``[0, 0xFFFF]``) of fp32 ``v`` rounded to nearest even, as PyTorch rounds (NaN
+    to its canonical 0x7FC0)."""
+    u = v.to(tl.int32, bitcast=True)
+    b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    return tl.where(v != v, 0x7FC0, b)
+
+
+@triton.jit
+def _cache_row(ids_ptr, rows, rmask, rpb, K):
+    """Where each row of ``x2`` starts in the cache's storage: row ``r`` is segment ``r % rpb`` of sample
+    ``r // rpb``, whose cache row is ``ids[r // rpb]`` (``rpb * K`` values)."""
+    return (tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K
+
+
+@triton.jit
+def _load_cache(st_ptr, where, m, BF16: tl.constexpr):
+    """Cache values at ``where`` as fp32 (bf16 stored as its int16 bits)."""
+    c = tl.load(st_ptr + where, mask=m, other=0)
+    return (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
 
 
 @triton.jit
@@ -110,19 +165,13 @@ def row_max_quant_pack(x_ptr, stored_ptr, flag_ptr, out_ptr, R, K, offset, qmax,
     best = _row_max_abs(x_ptr, rows, rmask, K, BLOCK_R, BLOCK_K)
     inv = _inv(_stored_scale(best, rows, rmask, stored_ptr, flag_ptr, HALF), qmax)[:, None, None]
     lane = tl.arange(0, 8)
-    nb = K * BITS // 8
     for g0 in range(0, (K + 7) // 8, BLOCK_G):
         groups = g0 + tl.arange(0, BLOCK_G)
         cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
         m = rmask[:, None, None] & (cols < K)[None, :, :]
         x = tl.load(x_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
         t = tl.minimum(tl.maximum(tl.fma(x, inv, offset), 0.0), qmax)
-        code = t.to(tl.int32).to(tl.int64)
-        word = tl.sum(code << (lane[None, None, :].to(tl.int64) * BITS), axis=2)  # [R, G]: disjoint bits
-        at = groups * BITS  # each group's first byte in its row (a row's last group may be short)
-        for b in tl.static_range(BITS):
-            tl.store(out_ptr + rows[:, None] * nb + at[None, :] + b,
-                     ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=rmask[:, None] & (at + b < nb)[None, :])
+        _pack_store(out_ptr, t.to(tl.int32), rows, rmask, groups, K, BITS)
 
 
 @triton.jit
@@ -177,6 +226,7 @@ def colmax_finish(part_ptr, out_ptr, stored_ptr, flag_ptr, S, K, qmax, SCALES: t
 @triton.jit
 def quant_pack(x_ptr, inv_ptr, noise_ptr, out_ptr, R, K, offset, qmax, BY_COL: tl.constexpr,
                BITS: tl.constexpr, NOISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The codes ``trunc(clamp(fma(x, inv, offset) (+ noise), 0, qmax))`` of each value, packed."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     lane = tl.arange(0, 8)
@@ -193,13 +243,7 @@ def quant_pack(x_ptr, inv_ptr, noise_ptr, out_ptr, R, K, offset, qmax, BY_COL: t
     if NOISE:  # stochastic rounding: the general path's uniform draw, added after the fma's rounding
         t = t + tl.load(noise_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
     t = tl.minimum(tl.maximum(t, 0.0), qmax)
-    code = t.to(tl.int32).to(tl.int64)
-    word = tl.sum(code << (lane[None, None, :].to(tl.int64) * BITS), axis=2)  # [R, G]: disjoint bits
-    nb = K * BITS // 8
-    at = groups * BITS  # each group's first byte in its row (a row's last group may be short)
-    for b in tl.static_range(BITS):
-        tl.store(out_ptr + rows[:, None] * nb + at[None, :] + b,
-                 ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=rmask[:, None] & (at + b < nb)[None, :])
+    _pack_store(out_ptr, t.to(tl.int32), rows, rmask, groups, K, BITS)
 
 @triton.jit
 def unpack_dequant(p_ptr, step_ptr, out_ptr, flag_ptr, R, K, mul, low, divisor, BY_COL: tl.constexpr,
@@ -210,15 +254,8 @@ def unpack_dequant(p_ptr, step_ptr, out_ptr, flag_ptr, R, K, mul, low, divisor, 
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     rmask = rows < R
-    nb = K * BITS // 8
-    at = groups * BITS  # each group's first byte in its row (a row's last group may be short)
-    word = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.int64)
-    for b in tl.static_range(BITS):
-        byte = tl.load(p_ptr + rows[:, None] * nb + at[None, :] + b,
-                       mask=rmask[:, None] & (at + b < nb)[None, :], other=0)
-        word |= byte.to(tl.int64) << (8 * b)
+    code = _unpack_codes(p_ptr, rows, rmask, groups, K, BITS, BLOCK_R, BLOCK_G)
     lane = tl.arange(0, 8)
-    code = (word[:, :, None] >> (lane[None, None, :].to(tl.int64) * BITS)) & ((1 << BITS) - 1)
     cols = groups[:, None] * 8 + lane[None, :]  # [G, 8]
     m = rmask[:, None, None] & (cols < K)[None, :, :]
     if BY_COL:
@@ -232,11 +269,11 @@ def unpack_dequant(p_ptr, step_ptr, out_ptr, flag_ptr, R, K, mul, low, divisor, 
     level = code.to(tl.float32) * mul - low  # a small integer: exact
     tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], level * step, mask=m)
 
-# -- AQ-SGD against a cache's rows: row r of x2 is segment r % rpb of sample r // rpb, whose cache row is
-# st[ids[r // rpb]] (n = rpb * K values, in the storage's dtype)
+# -- AQ-SGD against a cache's rows (where a row's values are: _cache_row)
 @triton.jit
 def delta_rowmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_K: tl.constexpr):
+    """Each row's max |x - cache| (NaN where one is NaN) into ``out_ptr``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     best = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -245,9 +282,7 @@ def delta_rowmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr,
         cols = start + tl.arange(0, BLOCK_K)
         m = rmask[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
-        where = ((tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K)[:, None]
-        c = tl.load(st_ptr + where + cols[None, :], mask=m, other=0)
-        c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+        c = _load_cache(st_ptr, _cache_row(ids_ptr, rows, rmask, rpb, K)[:, None] + cols[None, :], m, BF16)
         d = tl.abs(x - c)
         nans += tl.sum((d != d).to(tl.int32), axis=1)
         best = tl.maximum(best, tl.max(tl.where(d != d, 0.0, d), axis=1))
@@ -268,9 +303,7 @@ def delta_colmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, CHUNK, BF16: tl.con
         rmask = rows < R
         m = rmask[:, None] & cmask[None, :]
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
-        where = ((tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K)[:, None]
-        c = tl.load(st_ptr + where + cols[None, :], mask=m, other=0)
-        c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+        c = _load_cache(st_ptr, _cache_row(ids_ptr, rows, rmask, rpb, K)[:, None] + cols[None, :], m, BF16)
         d = tl.abs(x - c)
         nans += tl.sum((d != d).to(tl.int32), axis=0)
         best = tl.maximum(best, tl.max(tl.where(d != d, 0.0, d), axis=0))
@@ -279,20 +312,20 @@ def delta_colmax(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, CHUNK, BF16: tl.con
 @triton.jit
 def delta_into(x_ptr, st_ptr, ids_ptr, out_ptr, R, K, rpb, BF16: tl.constexpr, BLOCK_R: tl.constexpr,
                BLOCK_K: tl.constexpr):
+    """``x - cache`` (fp32) of each value into ``out_ptr``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     rmask = rows < R
     m = rmask[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
-    where = ((tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K)[:, None]
-    c = tl.load(st_ptr + where + cols[None, :], mask=m, other=0)
-    c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+    c = _load_cache(st_ptr, _cache_row(ids_ptr, rows, rmask, rpb, K)[:, None] + cols[None, :], m, BF16)
     tl.store(out_ptr + rows[:, None] * K + cols[None, :], x - c, mask=m)
 
 @triton.jit
 def delta_quant_update(x_ptr, st_ptr, ids_ptr, inv_ptr, step_ptr, out_ptr, R, K, rpb, offset, qmax, mul,
                        low, BY_COL: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    """AQ-SGD's sender: the packed codes of ``x - cache``, each cache value set to ``cache + decode``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     lane = tl.arange(0, 8)
@@ -301,10 +334,8 @@ def delta_quant_update(x_ptr, st_ptr, ids_ptr, inv_ptr, step_ptr, out_ptr, R, K,
     cmask = cols < K
     m = rmask[:, None, None] & cmask[None, :, :]
     x = tl.load(x_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m, other=0.0)
-    first = (tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K
-    where = first[:, None, None] + cols[None, :, :]
-    c = tl.load(st_ptr + where, mask=m, other=0)
-    c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+    where = _cache_row(ids_ptr, rows, rmask, rpb, K)[:, None, None] + cols[None, :, :]
+    c = _load_cache(st_ptr, where, m, BF16)
     if BY_COL:
         inv = tl.load(inv_ptr + cols, mask=cmask, other=0.0)[None, :, :]
         step = tl.load(step_ptr + cols, mask=cmask, other=0.0)[None, :, :]
@@ -316,35 +347,22 @@ def delta_quant_update(x_ptr, st_ptr, ids_ptr, inv_ptr, step_ptr, out_ptr, R, K,
     # the row as put(m + decode(...)) leaves it: one rounding for the level times the step, one for the
     # sum and one into the storage format
     new = c + (code.to(tl.float32) * mul - low) * step
-    if BF16:  # to nearest even, as PyTorch rounds to bf16 (NaN to its canonical 0x7FC0)
-        u = new.to(tl.int32, bitcast=True)
-        b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-        tl.store(st_ptr + where, tl.where(new != new, 0x7FC0, b).to(tl.int16), mask=m)
+    if BF16:
+        tl.store(st_ptr + where, _bf16_bits(new).to(tl.int16), mask=m)
     else:
         tl.store(st_ptr + where, new.to(st_ptr.dtype.element_ty), mask=m)
-    word = tl.sum(code.to(tl.int64) << (lane[None, None, :].to(tl.int64) * BITS), axis=2)
-    nb = K * BITS // 8
-    at = groups * BITS  # each group's first byte in its row (a row's last group may be short)
-    for b in tl.static_range(BITS):
-        tl.store(out_ptr + rows[:, None] * nb + at[None, :] + b,
-                 ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=rmask[:, None] & (at + b < nb)[None, :])
+    _pack_store(out_ptr, code, rows, rmask, groups, K, BITS)
 
 @triton.jit
 def delta_dequant_update(p_ptr, st_ptr, ids_ptr, step_ptr, out_ptr, R, K, rpb, mul, low,
                          BY_COL: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    """AQ-SGD's receiver: each cache value set to ``cache + decode``, the stored values into ``out_ptr``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     rmask = rows < R
-    nb = K * BITS // 8
-    at = groups * BITS  # each group's first byte in its row (a row's last group may be short)
-    word = tl.zeros([BLOCK_R, BLOCK_G], dtype=tl.int64)
-    for b in tl.static_range(BITS):
-        byte = tl.load(p_ptr + rows[:, None] * nb + at[None, :] + b,
-                       mask=rmask[:, None] & (at + b < nb)[None, :], other=0)
-        word |= byte.to(tl.int64) << (8 * b)
+    code = _unpack_codes(p_ptr, rows, rmask, groups, K, BITS, BLOCK_R, BLOCK_G)
     lane = tl.arange(0, 8)
-    code = (word[:, :, None] >> (lane[None, None, :].to(tl.int64) * BITS)) & ((1 << BITS) - 1)
     cols = groups[:, None] * 8 + lane[None, :]
     cmask = cols < K
     m = rmask[:, None, None] & cmask[None, :, :]
@@ -352,15 +370,11 @@ def delta_dequant_update(p_ptr, st_ptr, ids_ptr, step_ptr, out_ptr, R, K, rpb, m
         step = tl.load(step_ptr + cols, mask=cmask, other=0.0)[None, :, :]
     else:
         step = tl.load(step_ptr + rows, mask=rmask, other=0.0)[:, None, None]
-    first = (tl.load(ids_ptr + rows // rpb, mask=rmask, other=0) * rpb + rows % rpb) * K
-    where = first[:, None, None] + cols[None, :, :]
-    c = tl.load(st_ptr + where, mask=m, other=0)
-    c = (c.to(tl.int32) << 16).to(tl.float32, bitcast=True) if BF16 else c.to(tl.float32)
+    where = _cache_row(ids_ptr, rows, rmask, rpb, K)[:, None, None] + cols[None, :, :]
+    c = _load_cache(st_ptr, where, m, BF16)
     new = c + (code.to(tl.float32) * mul - low) * step
-    if BF16:  # to nearest even, as PyTorch rounds to bf16 (NaN to its canonical 0x7FC0)
-        u = new.to(tl.int32, bitcast=True)
-        b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-        b = tl.where(new != new, 0x7FC0, b)
+    if BF16:
+        b = _bf16_bits(new)
         tl.store(st_ptr + where, b.to(tl.int16), mask=m)
         back = (b << 16).to(tl.float32, bitcast=True)
     else:
@@ -374,6 +388,7 @@ def delta_dequant_update(p_ptr, st_ptr, ids_ptr, step_ptr, out_ptr, R, K, rpb, m
 @triton.jit
 def fwht_rows(x_ptr, s_ptr, out_ptr, c, R, G: tl.constexpr, LOG_G: tl.constexpr, INVERSE: tl.constexpr,
               BLOCK_R: tl.constexpr):
+    """The Walsh-Hadamard transform of each row of ``G`` values, the signs applied before (or after)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, G)
     m = (rows < R)[:, None] & (cols < G)[None, :]
@@ -417,6 +432,7 @@ def _topk_pick(hist_ptr, prev_ptr, row, k, SHIFT: tl.constexpr, NB: tl.constexpr
 def topk_hist(x_ptr, phist_ptr, pprev_ptr, state_ptr, hist_ptr, n, chunk, k, SHIFT: tl.constexpr,
               NB: tl.constexpr, HIGH: tl.constexpr, PICK: tl.constexpr, PSHIFT: tl.constexpr,
               PNB: tl.constexpr, PFIRST: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """One radix pass of a row chunk: the histogram of the next digit of the keys that match the prefix."""
     row = tl.program_id(0)
     start = tl.program_id(1) * chunk
     base = x_ptr + row.to(tl.int64) * n
@@ -445,6 +461,7 @@ def topk_hist(x_ptr, phist_ptr, pprev_ptr, state_ptr, hist_ptr, n, chunk, k, SHI
 @triton.jit
 def topk_count(x_ptr, phist_ptr, pprev_ptr, state_ptr, counts_ptr, n, chunk, nchunk, k, PSHIFT: tl.constexpr,
                PNB: tl.constexpr, BLOCK: tl.constexpr):
+    """The k-th largest key of each row, then each chunk's count of keys above and equal to it."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     start = c * chunk
@@ -468,6 +485,7 @@ def topk_count(x_ptr, phist_ptr, pprev_ptr, state_ptr, counts_ptr, n, chunk, nch
 def topk_write(x_ptr, state_ptr, counts_ptr, idx_ptr, vals_ptr, ib_ptr, bad_ptr, n, k, chunk, nchunk,
                PACK: tl.constexpr, FMT: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
                CBLOCK: tl.constexpr):
+    """The kept positions of each row chunk in increasing order, or with ``PACK`` the cast payload."""
     row = tl.program_id(0)
     c = tl.program_id(1)
     start = c * chunk
@@ -504,9 +522,8 @@ def topk_write(x_ptr, state_ptr, counts_ptr, idx_ptr, vals_ptr, ib_ptr, bad_ptr,
                 h = v.to(tl.float16)
                 tl.store(vals_ptr + out, h.to(tl.int16, bitcast=True), mask=take)
                 back = h.to(tl.float32).to(tl.int32, bitcast=True)
-            else:  # bf16, to nearest even as PyTorch rounds (NaN to its canonical 0x7FC0)
-                b = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-                b = tl.where(v != v, 0x7FC0, b)
+            else:  # bf16
+                b = _bf16_bits(v)
                 tl.store(vals_ptr + out, b.to(tl.int16), mask=take)
                 back = b << 16
             # a kept value, or its cast, is Inf or NaN: the magnitude's bits at or above Inf's
@@ -524,6 +541,7 @@ def topk_write(x_ptr, state_ptr, counts_ptr, idx_ptr, vals_ptr, ib_ptr, bad_ptr,
 # -- outlier rows (aqsgd.compress.wrappers.OutlierCodec)
 @triton.jit
 def row_sumsq(x_ptr, out_ptr, R, D, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each row's sum of squares (fp32) into ``out_ptr``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
@@ -537,6 +555,7 @@ def row_sumsq(x_ptr, out_ptr, R, D, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
 
 @triton.jit
 def split_rows(x_ptr, idx_ptr, rest_ptr, apart_ptr, D, k, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr):
+    """The rows not in ``idx`` into ``rest_ptr``, those in ``idx`` as bf16 bits into ``apart_ptr``."""
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cm = cols < D
@@ -551,9 +570,7 @@ def split_rows(x_ptr, idx_ptr, rest_ptr, apart_ptr, D, k, BLOCK_D: tl.constexpr,
     x = tl.load(x_ptr + r.to(tl.int64) * D + cols, mask=cm, other=0.0)
     hits = tl.zeros([BLOCK_D], dtype=tl.int32) + hit  # > 0: this row goes apart
     tl.store(rest_ptr + (r - before).to(tl.int64) * D + cols, x, mask=cm & (hits == 0))
-    u = x.to(tl.float32).to(tl.int32, bitcast=True)  # bf16 to nearest even, as PyTorch rounds
-    b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-    b = tl.where(x != x, 0x7FC0, b)
+    b = _bf16_bits(x.to(tl.float32))
     tl.store(apart_ptr + before.to(tl.int64) * D + cols, b.to(tl.int16), mask=cm & (hits > 0))
 
 
@@ -565,9 +582,7 @@ def cast_checked(x_ptr, y_ptr, flag_ptr, N, BF16: tl.constexpr, BLOCK: tl.conste
     m = i < N
     x = tl.load(x_ptr + i, mask=m, other=0.0)
     if BF16:
-        u = x.to(tl.int32, bitcast=True)
-        b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-        b = tl.where(x != x, 0x7FC0, b)
+        b = _bf16_bits(x)
         bad = (b & 0x7F80) == 0x7F80
         tl.store(y_ptr + i, b.to(tl.int16), mask=m)
     else:

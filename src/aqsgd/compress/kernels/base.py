@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["BACKENDS", "Kernels", "RowStore", "STORE_FORMATS", "index_on", "plan"]
+__all__ = ["Kernels", "RowStore", "STORE_FORMATS", "TopkSampling", "index_on", "plan"]
 
-BACKENDS = ("eager", "numba", "triton")
 STORE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # a cache row's storage format
 
 
@@ -81,6 +80,17 @@ class RowStore:
         return cls(flat, index_on(ids, storage.device).contiguous(), fmt)
 
 
+@dataclasses.dataclass(frozen=True)
+class TopkSampling:
+    """How TopK's sampled selection reads a row (:func:`aqsgd.compress.topk.topk_indices`): the sampled
+    ``positions`` (int64, sorted, on the CPU) and the order statistics ``j_lo``, ``j_hi`` of the sample that
+    give the lower and upper thresholds."""
+
+    positions: torch.Tensor
+    j_lo: int
+    j_hi: int
+
+
 class Kernels:
     """One backend's operations (see the module docstring). Every operation returns None here: a backend
     overrides those it has kernels for."""
@@ -89,6 +99,10 @@ class Kernels:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    def has(self, operation: str) -> bool:
+        """Whether this backend has a kernel for ``operation`` (overrides the base class's method)."""
+        return getattr(type(self), operation, None) is not getattr(Kernels, operation, None)
 
     #: whether :meth:`quantize_pack` takes stochastic rounding's noise
     stochastic = False
@@ -201,15 +215,50 @@ class Kernels:
         flag tensor, non-zero where a kept value or its cast is not finite."""
         return None
 
-    # TopK on numpy arrays (the numba backend's; see aqsgd.compress.topk)
-    def topk_rows(self, *args: Any) -> Any:
+    # TopK's sampled selection and payload (the numba backend's; see aqsgd.compress.topk)
+    def topk_rows(self, keys: torch.Tensor, k: int,
+                  sampling: TopkSampling) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sampled selection of each row of ``keys`` [R, n] (a float tensor's bits as the signed integers
+        of its width, read without the sign bit): positions ``[R, k]`` (int64, increasing) and a bool per
+        row, False where the sample misled (that row is then to be ranked in full)."""
         return None
 
-    def topk_pack(self, *args: Any) -> Any:
+    def topk_pack(self, x2: torch.Tensor, idx: torch.Tensor, wire: torch.dtype,
+                  width: int) -> torch.Tensor | None:
+        """TopK's payload for fp32 ``x2`` [R, n] and the positions ``idx`` [R, k]: the kept values cast to
+        ``wire`` (fp32, fp16 or bf16), then the positions' low ``width`` bytes; None where a kept value or its
+        cast is not finite (the general path raises the codec's error)."""
         return None
 
-    def topk_encode(self, *args: Any) -> Any:
+    def topk_encode(self, x2: torch.Tensor, k: int, sampling: TopkSampling, wire: torch.dtype,
+                    width: int) -> torch.Tensor | None:
+        """:meth:`topk_rows` and :meth:`topk_pack` in one operation: the payload, or None where a row's sample
+        misled or a kept value is not finite (the caller then takes the general path)."""
         return None
+
+    # the rANS coder of the :rc stage, on host bytes (see aqsgd.compress.rans): no general path
+    def rans_count(self, body: np.ndarray, width: int, shift: int, nsyms: int) -> np.ndarray | None:
+        """Counts (int64 ``[nsyms]``) of the ``width``-bit symbols of the packed codes ``body``."""
+        return None
+
+    def rans_encode(self, body: np.ndarray, width: int, shift: int, nsym: int, block: int, freq: np.ndarray,
+                    cum: np.ndarray, words: np.ndarray, states: np.ndarray, starts: np.ndarray) -> bool:
+        """Code the ``nsym`` symbols of ``body`` into lanes of ``block`` symbols: each lane's 16-bit words
+        into its stretch of ``words``, from ``starts[lane]``, and its final state into ``states`` (the layout
+        of :mod:`aqsgd.compress.rans`); False where the backend has no coder."""
+        return False
+
+    def rans_decode(self, words: np.ndarray, states: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                    slots: np.ndarray, freq: np.ndarray, cum: np.ndarray, nsym: int, block: int,
+                    sym: np.ndarray, bad: np.ndarray) -> bool:
+        """Decode each lane's words into its symbols of ``sym`` (one a byte), ``bad[lane]`` set where a lane
+        does not end where it should; False where the backend has no coder."""
+        return False
+
+    def rans_pack(self, sym: np.ndarray, width: int, shift: int, out: np.ndarray) -> bool:
+        """Pack one symbol a byte into ``width``-bit fields of ``out``; False where the backend has no
+        coder."""
+        return False
 
     def __repr__(self) -> str:
         return f"<{self.name} kernels on {self.device}>"

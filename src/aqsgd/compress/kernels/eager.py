@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from aqsgd.compress.bitpack import pack_bits, unpack_bits
+from aqsgd.compress.kernels import ANY_DEVICE, register_backend
 from aqsgd.compress.kernels.base import Kernels
 
 __all__ = ["EagerKernels"]
@@ -21,6 +22,8 @@ def _per_group(v: torch.Tensor, by_col: bool) -> torch.Tensor:
 
 
 class EagerKernels(Kernels):
+    """The operations as whole-tensor PyTorch operations (the module docstring)."""
+
     name = "eager"
 
     def max_abs(self, x2: torch.Tensor, by_col: bool) -> torch.Tensor:
@@ -50,3 +53,6 @@ class EagerKernels(Kernels):
         codes = unpack_bits(packed.reshape(-1), bits, rows * k).view(rows, k)
         # (code * mul - low) exact in fp32 (small integers), then one rounding: times the group's step
         return codes.to(torch.float32).mul_(float(mul)).sub_(float(low)).mul_(_per_group(step, by_col))
+
+
+register_backend("eager", EagerKernels, runs_on=lambda device: True, default_on=(ANY_DEVICE,))

@@ -36,7 +36,8 @@ import warnings
 import numpy as np
 import torch
 
-from aqsgd.compress.kernels.base import STORE_FORMATS, Kernels, RowStore
+from aqsgd.compress.kernels import register_backend
+from aqsgd.compress.kernels.base import STORE_FORMATS, Kernels, RowStore, TopkSampling
 
 log = logging.getLogger(__name__)
 
@@ -154,41 +155,67 @@ class NumbaKernels(Kernels):
         return out
 
     # -- TopK
-    def topk_rows(self, keys: np.ndarray, mask: int, pos: np.ndarray, j_lo: int, j_hi: int, k: int,
-                  out: np.ndarray) -> np.ndarray:
+    def topk_rows(self, keys: torch.Tensor, k: int,
+                  sampling: TopkSampling) -> tuple[torch.Tensor, torch.Tensor]:
         """TopK selection of :func:`aqsgd.compress.topk.topk_indices` in one compiled pass per row: the
-        integer ``keys`` [R, n] (a float's bits), their sign ``mask``, the sampled positions and the order
-        statistics of the two thresholds; writes ``out`` [R, k] (int64, increasing positions) and returns a
-        bool per row, False where the sample misled (that row is to be ranked in full)."""
-        ok = np.empty(keys.shape[0], dtype=np.bool_)
-        _call("topk_rows", keys, keys.dtype.type(mask), pos, int(j_lo), int(j_hi), int(k), out, ok,
-              *_topk_scratch(keys))
-        return ok
+        integer ``keys`` [R, n] (a float's bits), read without their sign bit, and the sample's two
+        thresholds; the positions [R, k] (int64, increasing) and a bool per row, False where the sample misled
+        (that row is to be ranked in full)."""
+        kn = keys.numpy()
+        out = np.empty((kn.shape[0], k), dtype=np.int64)
+        ok = np.empty(kn.shape[0], dtype=np.bool_)
+        _call("topk_rows", kn, _sign_mask(kn), *_sampled(sampling), int(k), out, ok, *_topk_scratch(kn))
+        return torch.from_numpy(out), torch.from_numpy(ok)
 
-    def topk_pack(self, x: np.ndarray, idx: np.ndarray, wire: torch.dtype, width: int) -> np.ndarray | None:
-        """TopK's payload in one pass: the values of fp32 ``x`` [R, n] at the positions ``idx`` [R, k] cast
+    def topk_pack(self, x2: torch.Tensor, idx: torch.Tensor, wire: torch.dtype,
+                  width: int) -> torch.Tensor | None:
+        """TopK's payload in one pass: the values of fp32 ``x2`` [R, n] at the positions ``idx`` [R, k] cast
         to ``wire`` (fp32, fp16 or bf16, rounded as ``Tensor.to`` rounds), then the positions' low ``width``
         bytes, little-endian: byte for byte what gather, cast, index packing and concatenation make. None
         where a kept value or its cast is not finite (the caller's step-by-step path raises the codec's
         error)."""
+        if x2.dtype != torch.float32 or wire not in STORE_FORMATS:
+            return None
         rows, k = idx.shape
         fmt, payload, vals, index_bytes = _topk_payload(rows, k, wire, width)
         bad = np.empty(rows, dtype=np.bool_)
-        _call("topk_pack", x, idx, fmt, vals, int(width), index_bytes, bad)
-        return None if bad.any() else payload
+        _call("topk_pack", x2.numpy(), idx.numpy(), fmt, vals, int(width), index_bytes, bad)
+        return None if bad.any() else torch.from_numpy(payload)
 
-    def topk_encode(self, keys: np.ndarray, mask: int, pos: np.ndarray, j_lo: int, j_hi: int, k: int,
-                    wire: torch.dtype, width: int) -> np.ndarray | None:
+    def topk_encode(self, x2: torch.Tensor, k: int, sampling: TopkSampling, wire: torch.dtype,
+                    width: int) -> torch.Tensor | None:
         """:meth:`topk_rows` and :meth:`topk_pack` in one kernel, the kept values taken from the selection's
-        candidates (``x`` is read once): the payload, or None where a row's sample misled or a kept value (or
+        candidates (``x2`` is read once): the payload, or None where a row's sample misled or a kept value (or
         its cast) is not finite (the caller then takes the general path)."""
+        if x2.dtype != torch.float32 or wire not in STORE_FORMATS:
+            return None
+        keys = x2.view(torch.int32).numpy()
         rows = keys.shape[0]
         fmt, payload, vals, index_bytes = _topk_payload(rows, k, wire, width)
         ok = np.empty(rows, dtype=np.bool_)
         bad = np.empty(rows, dtype=np.bool_)
-        _call("topk_encode", keys, keys.dtype.type(mask), pos, int(j_lo), int(j_hi), int(k), fmt, vals,
-              int(width), index_bytes, ok, bad, *_topk_scratch(keys))
-        return payload if ok.all() and not bad.any() else None
+        _call("topk_encode", keys, _sign_mask(keys), *_sampled(sampling), int(k), fmt, vals, int(width),
+              index_bytes, ok, bad, *_topk_scratch(keys))
+        return torch.from_numpy(payload) if ok.all() and not bad.any() else None
+
+    # -- the rANS coder (aqsgd.compress.rans)
+    def rans_count(self, body: np.ndarray, width: int, shift: int, nsyms: int) -> np.ndarray:
+        return _call("rans_count", body, width, shift, nsyms)
+
+    def rans_encode(self, body: np.ndarray, width: int, shift: int, nsym: int, block: int, freq: np.ndarray,
+                    cum: np.ndarray, words: np.ndarray, states: np.ndarray, starts: np.ndarray) -> bool:
+        _call("rans_encode", body, width, shift, nsym, block, freq, cum, words, states, starts)
+        return True
+
+    def rans_decode(self, words: np.ndarray, states: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                    slots: np.ndarray, freq: np.ndarray, cum: np.ndarray, nsym: int, block: int,
+                    sym: np.ndarray, bad: np.ndarray) -> bool:
+        _call("rans_decode", words, states, starts, ends, slots, freq, cum, nsym, block, sym, bad)
+        return True
+
+    def rans_pack(self, sym: np.ndarray, width: int, shift: int, out: np.ndarray) -> bool:
+        _call("rans_pack", sym, width, shift, out)
+        return True
 
     # -- AQ-SGD against a cache's rows
     def delta_max_abs(self, x2: torch.Tensor, store: RowStore, rpb: int, by_col: bool) -> torch.Tensor | None:
@@ -238,6 +265,15 @@ class NumbaKernels(Kernels):
 _TOPK_LOCAL = threading.local()
 
 
+def _sign_mask(keys: np.ndarray):
+    """All bits of the keys' integer type but the sign bit (a magnitude's key is ``key & mask``)."""
+    return keys.dtype.type(np.iinfo(keys.dtype).max)
+
+
+def _sampled(sampling: TopkSampling) -> tuple[np.ndarray, int, int]:
+    return sampling.positions.numpy(), int(sampling.j_lo), int(sampling.j_hi)
+
+
 def _topk_scratch(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """This thread's candidate buffers for the TopK kernels, one row per kernel thread, kept between calls
     (fresh ones would fault their pages in on every call)."""
@@ -263,3 +299,7 @@ def _topk_payload(rows: int, k: int, wire: torch.dtype,
 def round_to_storage(v: np.ndarray, store: RowStore) -> None:
     """Round every value of fp32 ``v`` into row 0 of the store as the kernels store values (tests)."""
     _call("round_to_storage", v, _np(store.data), store.fmt)
+
+
+register_backend("numba", NumbaKernels, runs_on=lambda device: device.type == "cpu" and available(),
+                 default_on=("cpu",), rank=10)

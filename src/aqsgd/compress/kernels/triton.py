@@ -59,6 +59,7 @@ import os
 
 import torch
 
+from aqsgd.compress.kernels import register_backend
 from aqsgd.compress.kernels.base import STORE_FORMATS, Kernels, RowStore
 
 __all__ = ["TritonKernels", "available", "interpreting"]
@@ -463,3 +464,6 @@ class TritonKernels(Kernels):
                                                  float(mul), float(low), BY_COL=by_col, BITS=bits,
                                                  BF16=_bf16(store), BLOCK_R=_BLOCK_R, BLOCK_G=_BLOCK_G)
         return out
+
+
+register_backend("triton", TritonKernels, runs_on=available, default_on=("cuda",), rank=10)

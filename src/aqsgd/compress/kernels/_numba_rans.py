@@ -1,5 +1,5 @@
-"""numba kernels of the rANS coder (:mod:`aqsgd.compress.rans`), called through
-``aqsgd.compress.kernels.numba._call``.
+"""numba kernels of the rANS coder (:mod:`aqsgd.compress.rans`), the numba backend's ``rans_*`` operations
+(:mod:`aqsgd.compress.kernels.numba`).
 
 Every kernel reads or writes the quantizer's packed codes directly: symbol ``i`` is the ``width``-bit field
 ``i % (8 // width)`` (low bits first) of byte ``i // (8 // width)``. The symbols are cut into :data:`LANES`
