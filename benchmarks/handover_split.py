@@ -35,6 +35,8 @@ SYSTEMS = ("torch", "receiver", "aqsgd")
 
 def _entry(size: int, repeats: int, rounds: int) -> dict[str, list[float]]:
     from aqsgd.comm import transport as T
+    from aqsgd.comm.wire import _TAG_BASE
+    from aqsgd.comm.workers import _SendItem
     from aqsgd.compress import make_codec
 
     dist.init_process_group("gloo")
@@ -52,7 +54,7 @@ def _entry(size: int, repeats: int, rounds: int) -> dict[str, list[float]]:
     if rank == 0:
         sender = bare._sender(1, T.FORWARD)
         for _ in range((rounds + 1) * repeats):
-            item = T._SendItem(tuple(packets), T.SendHandle(bare, 1, T.FORWARD, sender.stats_key), None, True,
+            item = _SendItem(tuple(packets), T.SendHandle(bare, 1, T.FORWARD, sender.stats_key), None, True,
                                time.monotonic())
             messages, _ = sender._messages(item)
             prebuilt.append([m.clone() for m in messages])
@@ -74,7 +76,7 @@ def _entry(size: int, repeats: int, rounds: int) -> dict[str, list[float]]:
                             dist.send(x, 1)
                         elif name == "receiver":
                             for m in prebuilt[sent]:
-                                group.send([m], 1, T._TAG_BASE + T.FORWARD).wait()
+                                group.send([m], 1, _TAG_BASE + T.FORWARD).wait()
                             sent += 1
                         else:
                             full.isend(packets, 1, T.FORWARD).wait()

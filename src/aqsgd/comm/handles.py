@@ -1,4 +1,4 @@
-"""What the transport's ``isend``/``irecv`` return, and its traffic counters.
+"""What the transport's ``isend``/``irecv`` return.
 
 A :class:`SendHandle` or :class:`RecvHandle` is completed exactly once by the link's background thread (see
 :mod:`aqsgd.comm.workers`), or failed by ``close()``; ``wait()`` returns the outcome on the caller's thread.
@@ -9,74 +9,29 @@ call; the request stays queued and completes if the message comes later). On an 
 message is not delivered before the arrival time its preamble carries: ``wait``/``done`` hold it back. On a
 CUDA transport ``RecvHandle.wait`` marks the payloads as used by the caller's stream (``record_stream``).
 
-:class:`LinkStats` counts one (peer, channel, direction)'s traffic under a :class:`StatsKey`; the transport
-keeps them (:attr:`~aqsgd.comm.transport.Transport.stats`).
+A handle adds the time its caller spent in ``wait()`` to its link's :class:`~aqsgd.comm.stats.LinkStats`.
+It knows its transport as a :class:`~aqsgd.comm.core.TransportCore` (the transport imports this module).
 """
 
 from __future__ import annotations
 
 import _thread
-import dataclasses
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
+from aqsgd.comm.stats import StatsKey
 from aqsgd.compress.packet import Packet
 from aqsgd.errors import PeerTimeout
 
-__all__ = ["LinkStats", "RecvHandle", "SendHandle", "StatsKey"]
+if TYPE_CHECKING:
+    from aqsgd.comm.core import TransportCore
 
-# The aqsgd.comm.transport.Transport that owns a handle (that module imports this one, not the reverse)
-_Transport = Any
+__all__ = ["RecvHandle", "SendHandle"]
+
 _FINISH_LOCK = threading.Lock()
-
-
-class StatsKey(NamedTuple):
-    """Key of :attr:`~aqsgd.comm.transport.Transport.stats`: the peer's rank, the channel and ``"send"``
-    or ``"recv"``."""
-
-    peer: int
-    channel: int
-    direction: str
-
-
-BACKLOG_FACTOR = 1.25  # a message arrived held back: its arrival gap exceeds the sender's hand-over gap by
-BACKLOG_SLACK_S = 1e-3  # this factor and this many seconds (scheduling noise is not a slow link)
-
-
-@dataclasses.dataclass
-class LinkStats:
-    """Traffic on one (peer, channel, direction).
-
-    ``packet_bytes`` is the sum of ``packet.nbytes`` (headers + payloads), ``overhead_bytes`` the rest of
-    the preambles; their sum is what crossed the wire. ``wait_s`` is the time the caller spent blocked in
-    ``wait()`` on handles of this link. ``busy_s`` (sends): the time the link was carrying this process's
-    messages, each from when it was handed over (or the previous one was done, if later) to its completion,
-    so ``wire_bytes / busy_s`` is the throughput the link achieved while in use. On a real network a send is
-    done once the kernel has taken its bytes, so while a slow link's backlog fits the socket buffers this
-    looks faster than the link is.
-
-    ``backlog_bytes`` and ``backlog_s`` (receives): the messages that arrived *held back*, later after the
-    previous one than the sender had handed them over (by more than :data:`BACKLOG_FACTOR` and
-    :data:`BACKLOG_SLACK_S`), so the link was busy carrying them in between; their wire bytes and the
-    seconds between their arrivals. ``backlog_bytes / backlog_s`` is the throughput of a link that is the
-    bottleneck, as its receiver sees it: no sender's buffer hides it.
-    """
-
-    messages: int = 0
-    packets: int = 0
-    packet_bytes: int = 0
-    overhead_bytes: int = 0
-    wait_s: float = 0.0
-    busy_s: float = 0.0
-    backlog_bytes: int = 0
-    backlog_s: float = 0.0
-
-    @property
-    def wire_bytes(self) -> int:
-        return self.packet_bytes + self.overhead_bytes
 
 
 class _Handle:
@@ -88,7 +43,7 @@ class _Handle:
 
     _direction = ""
 
-    def __init__(self, transport: _Transport, peer: int, channel: int, stats_key: StatsKey) -> None:
+    def __init__(self, transport: TransportCore, peer: int, channel: int, stats_key: StatsKey) -> None:
         self._transport = transport
         self.peer = peer
         self.channel = channel

@@ -9,14 +9,17 @@ on the handle it got. The transport is split by concern:
 - :mod:`aqsgd.comm.wire`: the wire format (the preamble, its flags and CRC, the channels' tags, when a message
   travels as one gloo message or two) and the parsed header layout a receiver keeps;
 - :mod:`aqsgd.comm.handles`: the handles ``isend``/``irecv`` return (:class:`SendHandle`,
-  :class:`RecvHandle`) and the traffic counters (:class:`StatsKey`, :class:`LinkStats`);
+  :class:`RecvHandle`);
+- :mod:`aqsgd.comm.stats`: the traffic counters (:class:`StatsKey`, :class:`LinkStats`);
 - :mod:`aqsgd.comm.workers`: the per-link sender and receiver threads and the sender's pooled message
   buffers, with what keeps a small message's latency low;
+- :mod:`aqsgd.comm.core`: what the handles and threads use of the transport that owns them (a protocol, so
+  that they need not import this module, which imports them);
 - this module: :class:`Transport`, which checks peers and channels, starts and stops the threads, stages GPU
   payloads, paces emulated links and keeps the counters, and :func:`naming_peer_failures`.
 
-The names of those modules that the transport's users and tests reach through this one stay importable
-from here.
+The public names among them (``__all__``: the channels, the preamble's size, the handles and counters) are
+importable from here and from :mod:`aqsgd.comm`; the wire format's and the threads' internals are not.
 
 GPUs
 ----
@@ -75,52 +78,13 @@ import torch
 import torch.distributed as dist
 
 from aqsgd.comm.device import HostStager
-from aqsgd.comm.handles import (  # noqa: F401 - re-exported
-    _FINISH_LOCK,
-    LinkStats,
-    RecvHandle,
-    SendHandle,
-    StatsKey,
-    _Handle,
-)
+from aqsgd.comm.handles import RecvHandle, SendHandle
 from aqsgd.comm.link import LinkSpec, Pacer
-from aqsgd.comm.wire import (  # noqa: F401 - re-exported
-    _FLAG_CHECKSUM,
-    _FLAG_INLINE,
-    _FLAG_REFUSED,
-    _FLAGS,
-    _INLINE_MAX,
-    _INLINE_START,
-    _MAGIC,
-    _PREFIX,
-    _PREFIX_BYTES,
-    _TAG_BASE,
-    _U32,
-    _VERSION,
-    BACKWARD,
-    FORWARD,
-    MAX_CHANNEL,
-    MAX_PACKETS,
-    PREAMBLE_BYTES,
-    _build_preamble,
-    _Layout,
-    _next_capacity,
-    _parse_preamble,
-)
-from aqsgd.comm.workers import (  # noqa: F401 - re-exported
-    _LAYOUTS_KEPT,
-    _POOL_DEPTH,
-    _POOL_MAX_BYTES,
-    _POOL_SIZES,
-    _first_line,
-    _memmove,
-    _Receiver,
-    _Sender,
-    _SendItem,
-    _Worker,
-)
+from aqsgd.comm.stats import LinkStats, StatsKey
+from aqsgd.comm.wire import _TAG_BASE, BACKWARD, FORWARD, MAX_CHANNEL, MAX_PACKETS, PREAMBLE_BYTES
+from aqsgd.comm.workers import _Receiver, _Sender, _SendItem, _Worker
 from aqsgd.compress.packet import HEADER_BYTES, Packet
-from aqsgd.errors import ConfigMismatchError, PacketError, PeerFailure, PeerTimeout, TransportError  # noqa: F401
+from aqsgd.errors import PeerFailure, TransportError
 
 __all__ = [
     "BACKWARD",

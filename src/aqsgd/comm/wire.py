@@ -19,7 +19,7 @@ convention). It is a *preamble* and the packets' payloads, sent with the same ta
                     sender's codec refused the message's tensor (a *refusal*, below)
        33     8     gap, float64 seconds: from the sender's hand-over of its previous message on this link to
                     this one's (0 for the first); the receiver compares it with the gap between their
-                    arrivals to see whether the link held them back (:class:`~aqsgd.comm.handles.LinkStats`)
+                    arrivals to see whether the link held them back (:class:`~aqsgd.comm.stats.LinkStats`)
        41     19    reserved (zero)
        60     4     CRC-32 of bytes 0..59 and 64..575
        64     512   the n packets' 64-byte headers, then zeros

@@ -33,7 +33,8 @@ to abort a gloo receive.
 A link's thread that meets an exception (the peer's connection closed, a malformed message) marks the link
 failed; the request being served and every later one fail with a :class:`~aqsgd.errors.PeerFailure`
 naming the peer (see :mod:`aqsgd.comm.handles`). The wire format the threads write and check is
-:mod:`aqsgd.comm.wire`'s; the :class:`~aqsgd.comm.transport.Transport` owns the threads.
+:mod:`aqsgd.comm.wire`'s; the :class:`~aqsgd.comm.transport.Transport` owns the threads, which know it as a
+:class:`~aqsgd.comm.core.TransportCore`.
 """
 
 from __future__ import annotations
@@ -47,45 +48,26 @@ import queue
 import threading
 import time
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from aqsgd.comm.handles import BACKLOG_FACTOR, BACKLOG_SLACK_S, RecvHandle, SendHandle, StatsKey, _Handle
+from aqsgd.comm.handles import RecvHandle, SendHandle, _Handle
 from aqsgd.comm.link import Pacer
-from aqsgd.comm.wire import (
-    _FLAG_CHECKSUM,
-    _FLAG_INLINE,
-    _FLAG_REFUSED,
-    _INLINE_START,
-    _PREFIX_BYTES,
-    _TAG_BASE,
-    PREAMBLE_BYTES,
-    _build_preamble,
-    _Layout,
-    _next_capacity,
-    _parse_preamble,
-    _preamble_gap,
-    REFUSAL_MAX_BYTES,
-)
-from aqsgd.compress.packet import (
-    HEADER_BYTES,
-    Family,
-    Packet,
-    crc32_of_buffer,
-    fill_header,
-    layout_key,
-    layout_keys,
-    message_fields,
-    parse_header,
-)
+from aqsgd.comm.stats import BACKLOG_FACTOR, BACKLOG_SLACK_S, StatsKey
+from aqsgd.comm.wire import (_FLAG_CHECKSUM, _FLAG_INLINE, _FLAG_REFUSED, _INLINE_START, _PREFIX_BYTES,
+                             _TAG_BASE, PREAMBLE_BYTES, REFUSAL_MAX_BYTES, _build_preamble, _Layout,
+                             _next_capacity, _parse_preamble, _preamble_gap)
+from aqsgd.compress.packet import (HEADER_BYTES, Family, Packet, crc32_of_buffer, fill_header, layout_key,
+                                   layout_keys, message_fields, parse_header)
 from aqsgd.errors import ConfigMismatchError, NonFiniteError, PacketError, PeerFailure, TransportError
+
+if TYPE_CHECKING:
+    from aqsgd.comm.core import TransportCore
 
 log = logging.getLogger("aqsgd.comm.transport")  # the transport's logger, for the threads' warnings too
 
-# The aqsgd.comm.transport.Transport that owns a thread (that module imports this one, not the reverse)
-_Transport = Any
 _POOL_MAX_BYTES = 16 * 1024 * 1024  # message buffers a sender link reuses: at most this large,
 _POOL_DEPTH = 4  # this many per size,
 _POOL_SIZES = 8  # of this many sizes
@@ -112,7 +94,7 @@ class _SendItem:
 class _Worker(threading.Thread):
     """Base of the per-link background threads: a FIFO of requests, a sticky failure."""
 
-    def __init__(self, transport: _Transport, peer: int, channel: int, role: str) -> None:
+    def __init__(self, transport: TransportCore, peer: int, channel: int, role: str) -> None:
         super().__init__(name=f"aqsgd-{role}-rank{peer}-ch{channel}", daemon=True)
         self.transport = transport
         self.peer = peer
@@ -189,7 +171,7 @@ class _Worker(threading.Thread):
 
 
 class _Sender(_Worker):
-    def __init__(self, transport: _Transport, dst: int, channel: int, pacer: Pacer | None) -> None:
+    def __init__(self, transport: TransportCore, dst: int, channel: int, pacer: Pacer | None) -> None:
         super().__init__(transport, dst, channel, "send")
         self.pacer = pacer
         # A direct link (no pacing, gloo, host payloads) starts each send on the caller's thread with a gloo
@@ -421,7 +403,7 @@ class _Refusal(Exception):
 
 
 class _Receiver(_Worker):
-    def __init__(self, transport: _Transport, src: int, channel: int) -> None:
+    def __init__(self, transport: TransportCore, src: int, channel: int) -> None:
         super().__init__(transport, src, channel, "recv")
         wire = transport._wire_device
         self._host_wire = wire.type == "cpu"

@@ -3,7 +3,9 @@
 Every process lives in its own network namespace, the namespaces are joined by veth pairs, and each direction
 of each link is shaped with ``tc``. It needs root and the ``ip``/``tc`` tools of iproute2 (and the kernel's
 veth, bridge and ``sch_tbf``); without them every entry point raises :class:`NetemUnavailable` saying what is
-missing.
+missing. What it asks of the host (the probe, the commands, stale clean-up) is :mod:`aqsgd.bench.netem.host`,
+a link's shape :mod:`aqsgd.bench.netem.shape`, and a training run's command line, processes and outcomes
+:mod:`aqsgd.bench.netem.runs`.
 
 Topology: a chain
 -----------------
@@ -72,13 +74,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -90,190 +90,18 @@ from types import FrameType
 from typing import Any, Self
 
 import aqsgd
-from aqsgd.errors import AqsgdError
-from aqsgd.train.config import TrainConfig, options
+from aqsgd.bench.netem.host import (PREFIX, NetemError, check_netem, cleanup_stale, kill_namespace_processes,
+                                    run_cmd)
+from aqsgd.bench.netem.runs import NetemRun, StageOutcome, snake_nodes, train_argv
+from aqsgd.bench.netem.shape import LinkShape
+from aqsgd.train.config import TrainConfig
 
-__all__ = [
-    "LinkShape",
-    "NetemCluster",
-    "NetemError",
-    "NetemRun",
-    "NetemUnavailable",
-    "StageOutcome",
-    "check_netem",
-    "cleanup_stale",
-    "netem_unavailable_reason",
-    "snake_nodes",
-    "sync_link_load",
-    "train_argv",
-    "train_rows",
-]
+__all__ = ["NetemCluster"]
 
 log = logging.getLogger(__name__)
 
-PREFIX = "aqsgd-"
 SUBNET = "10.77"
 MASTER_PORT = 29500  # every run has its own namespaces, so a fixed port never collides
-
-
-class NetemUnavailable(AqsgdError, RuntimeError):
-    """Network namespaces or ``tc`` shaping cannot be used here (not root, ``ip``/``tc`` missing, or the
-    kernel refuses); the message says which and how to fix it."""
-
-
-class NetemError(AqsgdError, RuntimeError):
-    """An ``ip``/``tc`` command failed while building or shaping the namespaces (the message has its
-    command line and stderr)."""
-
-
-# --------------------------------------------------------------------------------------------------------
-# availability
-
-
-def _run_cmd(argv: Sequence[str], *, check: bool = True,
-             timeout: float = 30.0) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
-    if check and proc.returncode != 0:
-        raise NetemError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc
-
-
-_availability: str | None | bool = False  # False: not probed yet; None: available; str: why not
-
-
-def netem_unavailable_reason() -> str | None:
-    """Why namespaces + tc shaping cannot be used here, or None when they can (probed once: creates and
-    deletes a namespace with a veth pair, a bridge and a tbf qdisc)."""
-    global _availability
-    if _availability is not False:
-        return _availability  # type: ignore[return-value]
-    reason: str | None = None
-    if not sys.platform.startswith("linux"):
-        reason = "network namespaces need Linux"
-    elif os.geteuid() != 0:
-        reason = "network namespaces and tc need root (run as root, e.g. with sudo)"
-    else:
-        missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-        if missing:
-            reason = f"{' and '.join(missing)} not found (install iproute2: apt-get install iproute2)"
-    if reason is None:
-        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(3)}-probe"
-        try:
-            _run_cmd(["ip", "netns", "add", name])
-            try:
-                _run_cmd(["ip", "-n", name, "link", "set", "dev", "lo", "up"])
-                _run_cmd(["ip", "-n", name, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
-                _run_cmd(["ip", "-n", name, "link", "add", "br0", "type", "bridge"])
-                _run_cmd(["tc", "-n", name, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "10mbit",
-                          "burst", "4096", "limit", "65536"])
-            finally:
-                _run_cmd(["ip", "netns", "del", name], check=False)
-        except (NetemError, OSError, subprocess.TimeoutExpired) as e:
-            reason = f"cannot create a shaped network namespace here: {e}"
-    _availability = reason
-    return reason
-
-
-def check_netem() -> None:
-    """Raise :class:`NetemUnavailable` unless namespaces and tc shaping work here."""
-    reason = netem_unavailable_reason()
-    if reason:
-        raise NetemUnavailable(f"real-link benchmark/tests unavailable: {reason}")
-
-
-def _list_namespaces() -> list[str]:
-    out = _run_cmd(["ip", "netns", "list"], check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def cleanup_stale(*, prefix: str = PREFIX) -> list[str]:
-    """Delete namespaces named ``<prefix><pid>-...`` whose creating process no longer exists (left by a
-    run that was SIGKILLed); returns their names. Namespaces of live processes are left alone."""
-    removed = []
-    for name in _list_namespaces():
-        if not name.startswith(prefix):
-            continue
-        m = re.match(rf"^{re.escape(prefix)}(\d+)-", name)
-        if m and _pid_alive(int(m.group(1))):
-            continue
-        _kill_namespace_processes(name)
-        if _run_cmd(["ip", "netns", "del", name], check=False).returncode == 0:
-            removed.append(name)
-    if removed:
-        log.info("removed stale namespaces: %s", ", ".join(removed))
-    return removed
-
-
-def _kill_namespace_processes(name: str) -> None:
-    pids = _run_cmd(["ip", "netns", "pids", name], check=False).stdout.split()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid), signal.SIGKILL)
-
-
-# --------------------------------------------------------------------------------------------------------
-# link shaping
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkShape:
-    """How one direction of a link is shaped: ``rate_mbit`` (None: unlimited, veth speed; kernel ``tbf``),
-    one-way ``delay_ms`` with uniform ``jitter_ms`` (reorders frames, like netem; TCP copes) and random
-    ``loss_pct`` (100: the direction is cut). Delay, jitter and loss below 100% go through the user-space
-    wire (:mod:`aqsgd.bench.netem_wire`)."""
-
-    rate_mbit: float | None = None
-    delay_ms: float = 0.0
-    jitter_ms: float = 0.0
-    loss_pct: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.rate_mbit is not None and not self.rate_mbit > 0:
-            raise ValueError(f"rate_mbit must be > 0 or None, got {self.rate_mbit}")
-        if self.delay_ms < 0 or self.jitter_ms < 0 or self.jitter_ms > self.delay_ms:
-            raise ValueError(f"need 0 <= jitter_ms <= delay_ms, got delay {self.delay_ms}, jitter "
-                             f"{self.jitter_ms}")
-        if not 0 <= self.loss_pct <= 100:
-            raise ValueError(f"loss_pct must be in [0, 100], got {self.loss_pct}")
-
-    @property
-    def impaired(self) -> bool:
-        """Whether the wire must do something (delay, jitter or loss) in this direction."""
-        return bool(self.delay_ms or self.jitter_ms or self.loss_pct)
-
-    def describe(self) -> str:
-        parts = [f"{self.rate_mbit:g} Mbit/s" if self.rate_mbit else "unlimited"]
-        if self.delay_ms or self.jitter_ms:
-            parts.append(f"{self.delay_ms:g}±{self.jitter_ms:g} ms" if self.jitter_ms
-                         else f"{self.delay_ms:g} ms")
-        if self.loss_pct:
-            parts.append(f"{self.loss_pct:g}% loss")
-        return ", ".join(parts)
-
-    def tc_commands(self, ns: str, dev: str) -> list[list[str]]:
-        """The tc command lines that put this shape's rate on ``dev`` in namespace ``ns`` (after a root
-        delete; none without a rate)."""
-        if not self.rate_mbit:
-            return []
-        rate_bytes = self.rate_mbit * 1e6 / 8
-        burst = max(4096, int(rate_bytes * 1e-3))  # 1 ms at line rate
-        limit = max(256 * 1024, int(rate_bytes * 0.1))  # >= 100 ms of queue: no tail drops on TCP bursts
-        return [["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
-                 "rate", f"{int(self.rate_mbit * 1000)}kbit", "burst", str(burst), "limit", str(limit)]]
-
-    def impairment_json(self) -> str:
-        return json.dumps({"delay_ms": self.delay_ms, "jitter_ms": self.jitter_ms, "loss_pct": self.loss_pct})
-
 
 _IPERF_SERVER = r"""
 import socket, sys, time, json
@@ -300,30 +128,6 @@ c.shutdown(socket.SHUT_WR); c.recv(1); c.close()
 """
 
 
-# --------------------------------------------------------------------------------------------------------
-# training runs
-
-
-@dataclasses.dataclass
-class StageOutcome:
-    """How one rank's process ended: exit code (negative: killed by that signal; None: still running when the
-    deadline passed and then killed), seconds from start to exit, its result, and for a failure the error it
-    ended with (the last exception line of its log, e.g. ``aqsgd.errors.PeerTimeout: stage 1 did not ...``, or
-    the ``aqsgd: error: ...`` line of the command) plus the tail of its log. ``result``: the run's
-    ``summary.json`` for the rank that writes the metrics, ``{}`` for the others, when they exited cleanly."""
-
-    stage: int  # the rank (the stage, without data parallelism)
-    returncode: int | None
-    elapsed_s: float
-    result: dict[str, Any] | None
-    error: str | None
-    log_tail: str
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and self.result is not None
-
-
 # torch prefixes an uncaught exception's traceback lines with "[rankN]: " under torch.distributed
 _EXC_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?"
                        r"([A-Za-z_][\w.]*(?:Error|Failure|Timeout|Exception|Interrupt): .*)$")
@@ -336,99 +140,6 @@ def _last_exception(text: str) -> str | None:
     found = [m.group(1) for line in text.splitlines()
              for m in (_EXC_LINE.match(line) or _CLI_ERROR.match(line),) if m]
     return found[-1] if found else None
-
-
-def train_argv(opts: Mapping[str, Any]) -> list[str]:
-    """``aqsgd train`` options, given by their flat names (:meth:`~aqsgd.train.config.TrainConfig.of`), as its
-    command line: ``{"max_length": 16, "progress": False, "layers": [2, 1]}`` is ``--max-length 16
-    --no-progress --layers 2,1``; None is ``none``."""
-    by_flat = {o.flat: o for o in options()}
-    argv: list[str] = []
-    for name, value in opts.items():
-        if name not in by_flat:
-            raise ValueError(f"unknown training option {name!r}; see `aqsgd train --help`")
-        o = by_flat[name]
-        if o.base is bool and value is not None:
-            argv.append(o.flag if value else "--no-" + o.flag[2:])
-        elif value is None:
-            argv += [o.flag, "none"]
-        elif o.is_list:
-            argv += [o.flag, ",".join(str(v) for v in value)]
-        else:
-            argv += [o.flag, str(value)]
-    return argv
-
-
-def train_rows(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The ``"kind": "train"`` rows of a run's ``metrics.jsonl``, in file order (a resumed run appends after
-    the rows it kept: a step can appear twice, the later row is the one that counts)."""
-    text = (Path(run_dir) / "metrics.jsonl").read_text()
-    return [row for row in map(json.loads, text.splitlines()) if row.get("kind") == "train"]
-
-
-class NetemRun:
-    """The processes of one :meth:`NetemCluster.run_train` while they run, for its ``during`` callback (fault
-    injection from outside the processes)."""
-
-    def __init__(self, procs: list[subprocess.Popen], started: float, run_dir: Path) -> None:
-        self.procs = procs
-        self.started = started
-        self.run_dir = run_dir
-
-    def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` (default SIGKILL) to the rank's process (SIGSTOP freezes it: it keeps its connections
-        open and answers nothing)."""
-        log.info("sending signal %d to rank %d (pid %d)", sig, rank, self.procs[rank].pid)
-        with contextlib.suppress(ProcessLookupError):
-            self.procs[rank].send_signal(sig)
-
-    def running(self) -> bool:
-        return any(p.poll() is None for p in self.procs)
-
-    def steps_done(self) -> int:
-        """The last optimizer step in the run's ``metrics.jsonl`` (0 before the first; rows that an earlier
-        run left in the directory count until the trainer truncates or replaces them)."""
-        try:
-            text = (self.run_dir / "metrics.jsonl").read_text()
-        except FileNotFoundError:
-            return 0
-        lines = text.splitlines(keepends=True)
-        rows = [json.loads(line) for line in lines if line.endswith("\n")]  # a line being written is left out
-        return max((r["step"] for r in rows if r.get("kind") == "train"), default=0)
-
-    def wait_for_step(self, step: int, *, timeout_s: float = 60.0) -> int:
-        """Block until the metrics show optimizer step ``step`` done (e.g. to strike at a given step); returns
-        the last step seen. Returns early when every process has exited; raises TimeoutError."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            done = self.steps_done()
-            if done >= step or not self.running():
-                return done
-            time.sleep(0.02)
-        raise TimeoutError(f"step {step} was not done within {timeout_s:g} s")
-
-
-def snake_nodes(stages: int, replicas: int = 1) -> list[int]:
-    """The chain node of each rank (``rank = replica * stages + stage``, :mod:`aqsgd.parallel.grid`):
-    replicas lie along the chain alternately forwards and backwards (``0 1 | 3 2 | 4 5 ...``), so that every
-    pipeline boundary is one dedicated link and replica ``r``'s last (or first) stage is the neighbour of
-    replica ``r+1``'s."""
-    if stages < 1 or replicas < 1:
-        raise ValueError(f"stages and replicas must be >= 1, got {stages} and {replicas}")
-    return [r * stages + (s if r % 2 == 0 else stages - 1 - s) for r in range(replicas)
-            for s in range(stages)]
-
-
-def sync_link_load(stages: int, replicas: int = 1) -> int:
-    """How many stages' gradient synchronizations cross the busiest link of the chain under
-    :func:`snake_nodes` (each stage's replicas talk along the stretch of chain between them): the factor by
-    which the ideal model stretches the sync time. 0 without data parallelism."""
-    if replicas < 2:
-        return 0
-    nodes = snake_nodes(stages, replicas)
-    spans = [(min(g), max(g)) for g in ([nodes[r * stages + s] for r in range(replicas)]
-                                        for s in range(stages))]
-    return max(sum(lo <= link < hi for lo, hi in spans) for link in range(stages * replicas - 1))
 
 
 class NetemCluster:
@@ -498,32 +209,32 @@ class NetemCluster:
 
     def _build(self) -> None:
         for ns in self.namespaces + self.wires:
-            _run_cmd(["ip", "netns", "add", ns])
-            _run_cmd(["ip", "-n", ns, "link", "set", "dev", "lo", "up"])
+            run_cmd(["ip", "netns", "add", ns])
+            run_cmd(["ip", "-n", ns, "link", "set", "dev", "lo", "up"])
         for ns in self.namespaces:
-            _run_cmd(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
-            _run_cmd(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.conf.all.rp_filter=0"])
+            run_cmd(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+            run_cmd(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.conf.all.rp_filter=0"])
         for i, wire in enumerate(self.wires):
             left, right = self.namespaces[i], self.namespaces[i + 1]
-            _run_cmd(["ip", "link", "add", "name", "east", "netns", left, "type", "veth", "peer", "name",
+            run_cmd(["ip", "link", "add", "name", "east", "netns", left, "type", "veth", "peer", "name",
                       "wa", "netns", wire])
-            _run_cmd(["ip", "link", "add", "name", "west", "netns", right, "type", "veth", "peer", "name",
+            run_cmd(["ip", "link", "add", "name", "west", "netns", right, "type", "veth", "peer", "name",
                       "wb", "netns", wire])
-            _run_cmd(["ip", "-n", wire, "link", "add", "br0", "type", "bridge"])
+            run_cmd(["ip", "-n", wire, "link", "add", "br0", "type", "bridge"])
             for dev in ("wa", "wb", "br0"):
-                _run_cmd(["ip", "-n", wire, "link", "set", "dev", dev, "up"])
+                run_cmd(["ip", "-n", wire, "link", "set", "dev", dev, "up"])
             self._bridge(i, attach=True)
-            _run_cmd(["ip", "-n", left, "addr", "add", f"{SUBNET}.{i}.1/24", "dev", "east"])
-            _run_cmd(["ip", "-n", right, "addr", "add", f"{SUBNET}.{i}.2/24", "dev", "west"])
-            _run_cmd(["ip", "-n", left, "link", "set", "dev", "east", "up"])
-            _run_cmd(["ip", "-n", right, "link", "set", "dev", "west", "up"])
+            run_cmd(["ip", "-n", left, "addr", "add", f"{SUBNET}.{i}.1/24", "dev", "east"])
+            run_cmd(["ip", "-n", right, "addr", "add", f"{SUBNET}.{i}.2/24", "dev", "west"])
+            run_cmd(["ip", "-n", left, "link", "set", "dev", "east", "up"])
+            run_cmd(["ip", "-n", right, "link", "set", "dev", "west", "up"])
         for node, ns in enumerate(self.namespaces):
             for link in range(self.num_nodes - 1):
                 if link < node - 1:  # left of the left neighbour: via the left neighbour's right address
-                    _run_cmd(["ip", "-n", ns, "route", "add", f"{SUBNET}.{link}.0/24", "via",
+                    run_cmd(["ip", "-n", ns, "route", "add", f"{SUBNET}.{link}.0/24", "via",
                               f"{SUBNET}.{node - 1}.1"])
                 elif link > node:
-                    _run_cmd(["ip", "-n", ns, "route", "add", f"{SUBNET}.{link}.0/24", "via",
+                    run_cmd(["ip", "-n", ns, "route", "add", f"{SUBNET}.{link}.0/24", "via",
                               f"{SUBNET}.{node}.2"])
         for i in range(self.num_nodes - 1):
             self.shapes[(i, i + 1)] = self.shapes[(i + 1, i)] = LinkShape()
@@ -532,7 +243,7 @@ class NetemCluster:
     def _bridge(self, link: int, *, attach: bool) -> None:
         wire = self.wires[link]
         for dev in ("wa", "wb"):
-            _run_cmd(["ip", "-n", wire, "link", "set", "dev", dev]
+            run_cmd(["ip", "-n", wire, "link", "set", "dev", dev]
                      + (["master", "br0"] if attach else ["nomaster"]))
 
     def _stop_forwarder(self, link: int) -> None:
@@ -576,8 +287,8 @@ class NetemCluster:
                 p.wait(timeout=5)
         for ns in self.namespaces + self.wires:
             try:
-                _kill_namespace_processes(ns)
-                _run_cmd(["ip", "netns", "del", ns], check=False)
+                kill_namespace_processes(ns)
+                run_cmd(["ip", "netns", "del", ns], check=False)
             except (OSError, subprocess.TimeoutExpired) as e:  # keep deleting the others
                 log.warning("could not delete namespace %s: %s", ns, e)
         with contextlib.suppress(ValueError):
@@ -595,9 +306,9 @@ class NetemCluster:
         ns, dev = self.namespaces[src], self.device(src, dst)
         old = self.shapes.get((src, dst), LinkShape())
         if shape.rate_mbit != old.rate_mbit:
-            _run_cmd(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
+            run_cmd(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
             for cmd in shape.tc_commands(ns, dev):
-                _run_cmd(cmd)
+                run_cmd(cmd)
         self.shapes[(src, dst)] = shape
         if (shape.impaired or old.impaired) and shape != old:
             self._rewire(min(src, dst))
@@ -616,7 +327,7 @@ class NetemCluster:
     def tx_bytes(self, src: int, dst: int) -> int:
         """Bytes sent so far on the device carrying ``src -> dst`` (the kernel's counter)."""
         path = f"/sys/class/net/{self.device(src, dst)}/statistics/tx_bytes"
-        return int(_run_cmd(["ip", "netns", "exec", self.namespaces[src], "cat", path]).stdout)
+        return int(run_cmd(["ip", "netns", "exec", self.namespaces[src], "cat", path]).stdout)
 
     def wait_for_traffic(self, src: int, dst: int, nbytes: int, *, timeout_s: float = 60.0,
                          run: NetemRun | None = None) -> int:

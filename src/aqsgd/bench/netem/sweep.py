@@ -22,12 +22,12 @@ too slow for bulk Gbit/s links).
 
 Data parallelism (``data_parallel = D > 1``): the ``dp_settings`` also run on ``D`` replicas of the pipeline
 with each gradient sync of ``grad_syncs`` (fp32 ``allreduce`` the baseline, ``q8``, ``powersgd:rank4``, ...).
-The ``S x D`` processes lie along the one chain (:func:`~aqsgd.bench.netem.cluster.snake_nodes`: replica 0
+The ``S x D`` processes lie along the one chain (:func:`~aqsgd.bench.netem.runs.snake_nodes`: replica 0
 forwards, replica 1 backwards, ...), so every pipeline boundary keeps a dedicated link, the last stages of
 replicas 0 and 1 are neighbours, and the other stages' replicas reach each other through the chain, as on a
 real line of hosts. Their syncs then share links: with 2 stages x 2 replicas the middle link carries both
 stages' syncs, and the speed model multiplies the sync time by that load
-(:func:`~aqsgd.bench.netem.cluster.sync_link_load`). Speed-ups of data-parallel rows are against the fp32
+(:func:`~aqsgd.bench.netem.runs.sync_link_load`). Speed-ups of data-parallel rows are against the fp32
 pipeline with the fp32 all-reduce at the same ``D``.
 """
 
@@ -43,15 +43,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from aqsgd.bench.netem.cluster import (
-    LinkShape,
-    NetemCluster,
-    NetemError,
-    NetemRun,
-    check_netem,
-    sync_link_load,
-    train_rows,
-)
+from aqsgd.bench.netem.cluster import NetemCluster
+from aqsgd.bench.netem.host import NetemError, check_netem
+from aqsgd.bench.netem.runs import NetemRun, sync_link_load, train_rows
+from aqsgd.bench.netem.shape import LinkShape
 from aqsgd.bench import speedmodel
 from aqsgd.bench.pipeline import measure, run_options, summarize
 from aqsgd.bench.settings import SETTINGS
