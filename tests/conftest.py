@@ -1,5 +1,8 @@
+import builtins
+import errno
 import os
 import signal
+from pathlib import Path
 import threading
 
 import pytest
@@ -156,3 +159,40 @@ def _signal_handlers_restored():
     if changed:
         pytest.fail("the test left signal handlers changed (put back now): " + "; ".join(changed),
                     pytrace=False)
+
+
+class _FullDisk:
+    """A file whose writes fail as on a full disk."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, _data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """``full_disk(matches)``: from then on, the writes of every file opened for writing whose path
+    ``matches`` fail with ENOSPC, as on a full disk."""
+    real_open = builtins.open
+
+    def fill(matches):
+        def open_(file, mode="r", *args, **kw):
+            f = real_open(file, mode, *args, **kw)
+            named = isinstance(file, (str, bytes, os.PathLike))
+            writing = any(m in mode for m in "wxa")
+            return _FullDisk(f) if named and writing and matches(Path(os.fsdecode(file))) else f
+
+        monkeypatch.setattr(builtins, "open", open_)
+
+    return fill

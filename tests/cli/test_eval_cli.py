@@ -4,8 +4,6 @@ that can be known)."""
 
 from __future__ import annotations
 
-import builtins
-import errno
 import json
 import os
 from pathlib import Path
@@ -123,44 +121,13 @@ def test_out_in_a_read_only_folder_is_refused_before_evaluating(tmp_path, evalua
     assert evaluations == [] and not out.exists()
 
 
-class FullDisk:
-    """A file whose writes fail as on a full disk."""
-
-    def __init__(self, f):
-        self._f = f
-
-    def write(self, _data):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._f.close()
-
-
-def fill_disk(monkeypatch, folder: Path) -> None:
-    """Every file opened for writing under ``folder`` fails its writes with ENOSPC."""
-    real_open = builtins.open
-
-    def open_(file, mode="r", *args, **kw):
-        f = real_open(file, mode, *args, **kw)
-        writing = any(m in mode for m in "wxa") and Path(os.fsdecode(file)).parent == folder
-        return FullDisk(f) if writing else f
-
-    monkeypatch.setattr(builtins, "open", open_)
-
-
-def test_full_disk_is_one_line_and_keeps_the_old_file(tmp_path, evaluations, capsys, monkeypatch):
+def test_full_disk_is_one_line_and_keeps_the_old_file(tmp_path, evaluations, capsys, full_disk):
     run = make_run(tmp_path)
     folder = tmp_path / "results"
     folder.mkdir()
     out = folder / "e.json"
     out.write_text("the previous result")
-    fill_disk(monkeypatch, folder)
+    full_disk(lambda path: path.parent == folder)
     assert main(["eval", str(run), "--out", str(out)]) == 2
     err = one_line_error(capsys)
     assert f"--out {out}: could not write it (No space left on device)" in err

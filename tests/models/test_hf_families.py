@@ -33,7 +33,7 @@ from aqsgd.pipeline.materialize import (
     stage_nbytes,
 )
 from aqsgd.pipeline.partition import partition_model, shared_parameters
-from aqsgd.pipeline.runner import LocalPipeline
+from aqsgd.pipeline.local import LocalPipeline
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ from aqsgd.pipeline.balance import (MIN_GAIN, CostModel, ForwardTimer, StageProf
                                     fit_cost_model, parse_slow_stages)
 from aqsgd.pipeline.compression import CompressionConfig
 from aqsgd.pipeline.partition import balanced_counts, min_max_split
-from aqsgd.pipeline.runner import LocalPipeline
+from aqsgd.pipeline.local import LocalPipeline
 from aqsgd.schemes import Phase
 
 

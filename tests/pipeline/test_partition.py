@@ -14,7 +14,7 @@ from aqsgd.compress import Packet
 from aqsgd.models.resnet import ResNet
 from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig
 from aqsgd.pipeline.partition import balanced_counts, partition_model, shared_parameters
-from aqsgd.pipeline.runner import LocalPipeline
+from aqsgd.pipeline.local import LocalPipeline
 from aqsgd.models.stage import Batch
 from aqsgd.schemes import ids_tag
 

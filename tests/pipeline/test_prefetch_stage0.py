@@ -11,7 +11,7 @@ import torch
 
 from aqsgd.pipeline.compression import CompressionConfig
 from aqsgd.pipeline.partition import partition_model
-from aqsgd.pipeline.runner import LocalPipeline
+from aqsgd.pipeline.local import LocalPipeline
 from aqsgd.schemes import DeltaScheme
 from aqsgd.schemes.cache import DiskCache
 

@@ -11,10 +11,11 @@ import torch
 from aqsgd.compress import make_codec
 from aqsgd.compress.base import deferring_checks
 from aqsgd.errors import NonFiniteError, PacketError
+from aqsgd.pipeline import local as local_module
 from aqsgd.pipeline import runner as runner_module
 from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, CompressionConfig
 from aqsgd.pipeline.partition import partition_model
-from aqsgd.pipeline.runner import LocalPipeline
+from aqsgd.pipeline.local import LocalPipeline
 from aqsgd.schemes import DeltaScheme
 from aqsgd.train.engine import OptimConfig, PipelineEngine
 
@@ -122,7 +123,6 @@ def test_schedule_actions_are_labelled_for_the_profiler():
 def test_outside_a_profiler_no_label_is_made(monkeypatch):
     """Labels cost dispatcher calls per action; without a profiler recording the runner makes none, and the
     step's numbers are those of a labelled step."""
-    import aqsgd.pipeline.runner as runner_module
 
     made = []
     real = runner_module.record_function
@@ -206,7 +206,7 @@ def test_evaluate_keeps_logits_without_leaving_the_stage_flag_set():
 def _corrupt_first_forward_packet(monkeypatch, scale_bytes):
     """The local transport hands the next stage the first forward packet with its first fp16 scale set to
     ``scale_bytes`` (as a corrupted link would)."""
-    real = runner_module._LocalView.isend
+    real = local_module._LocalView.isend
     done = []
 
     def isend(self, packets, dst, channel):
@@ -217,7 +217,7 @@ def _corrupt_first_forward_packet(monkeypatch, scale_bytes):
             packets = [dataclasses.replace(packets[0], payload=payload), *packets[1:]]
         return real(self, packets, dst, channel)
 
-    monkeypatch.setattr(runner_module._LocalView, "isend", isend)
+    monkeypatch.setattr(local_module._LocalView, "isend", isend)
 
 
 def _q4_engine(case):
@@ -300,7 +300,7 @@ def test_error_probes_run_while_a_stage_waits_or_at_the_step_end(schedule, monke
     for r in pipe.runners:
         for b, channel in ((r.stage, FORWARD_CHANNEL), (r.stage - 1, BACKWARD_CHANNEL)):
             if 0 <= b < 2:
-                r.set_probe(b, channel, ["q4", "q2"])
+                r.set_link(b, channel, probe=["q4", "q2"])
     seen = []  # (stage, what): where each stage's probes ran
 
     def late(runner):  # stage 0's receives (of gradients) have not arrived when it comes to them

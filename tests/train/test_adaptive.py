@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from aqsgd.cli import main
 from aqsgd.errors import SpecError
 from aqsgd.train.adaptive import (BITS, ERROR_MARGIN, ERROR_WINDOW, LADDERS, LADDERS_BEFORE_Q6, MAX_ERROR,
-                                   PATIENCE, PROBE_EVERY, QUIET, LinkPolicy, parse_auto, probe_keys)
+                                   PATIENCE, PROBE_EVERY, QUIET, LinkPolicy, LinkSample, StepSample,
+                                   parse_auto)
 from aqsgd.train.config import TrainConfig
 
 RAW = 40_000.0  # fp32 bytes per step of each direction (one micro-batch)
@@ -23,26 +24,25 @@ RAW = 40_000.0  # fp32 bytes per step of each direction (one micro-batch)
 
 def _stats(sent: list[float], mbit: list[float], compute_s: float, overhead: float = 100.0,
            step_s: float | None = None, errors: list[list[float]] | None = None,
-           per_message_s: float = 0.0) -> list[dict[str, float]]:
+           per_message_s: float = 0.0, held_fw_s: float = 0.0) -> StepSample:
     """One step of a 2-stage pipeline (one boundary): the codec bytes ``sent`` of each direction, its forward
     link at ``mbit[0]`` Mbit/s and its backward one at ``mbit[1]``, ``overhead`` wire bytes besides them, the
     step ``step_s`` long (default: long enough that the fill-and-drain rule never binds); ``errors``: the
     relative error of every rung of each direction's ladder, as its sender's probe measured it (none: no
-    probe); ``per_message_s``: what each message costs on top of its bits."""
-    rows = []
-    for stage, key in ((0, "fw"), (1, "bw")):
+    probe); ``per_message_s``: what each message costs on top of its bits; ``held_fw_s``: the seconds the
+    forward link's receiver saw its messages held back."""
+    links = {}
+    for stage, name in ((0, "b0.forward"), (1, "b0.backward")):
         wire = sent[stage] + overhead
-        row = {f"{k}_{f}": 0.0 for k in ("fw", "bw") for f in ("raw", "bytes", "wire_bytes", "busy_s")}
-        row.update(in_fw_held_s=0.0, in_bw_held_s=0.0, step_s=100 * compute_s if step_s is None else step_s)
-        busy = 8 * wire / (1e6 * mbit[stage]) + per_message_s
-        row.update({"compute_s": compute_s, f"{key}_raw": RAW, f"{key}_bytes": sent[stage],
-                    f"{key}_wire_bytes": wire, f"{key}_busy_s": busy})
+        err2: tuple[float, ...] = ()
+        probed = 0.0
         if errors is not None and errors[stage]:
-            keys = probe_keys("forward" if key == "fw" else "backward")
-            samples = 4.0  # the rule reads sqrt(summed squared relative error / samples)
-            row.update({k: e * e * samples for k, e in zip(keys, errors[stage])}, **{keys[-1]: samples})
-        rows.append(row)
-    return rows
+            probed = 4.0  # the rule reads sqrt(summed squared relative error / samples)
+            err2 = tuple(e * e * probed for e in errors[stage])
+        links[name] = LinkSample(raw=RAW, sent=sent[stage], wire=wire,
+                                 busy_s=8 * wire / (1e6 * mbit[stage]) + per_message_s,
+                                 held_s=held_fw_s if stage == 0 else 0.0, err2=err2, probed=probed)
+    return StepSample(links, compute_s=compute_s, step_s=100 * compute_s if step_s is None else step_s)
 
 
 def _run(policy: LinkPolicy, steps: int, mbit: list[float], compute_s: float,
@@ -318,10 +318,9 @@ def test_a_link_that_only_its_receiver_sees_slow_is_compressed_too():
     # a real network: the sender's kernel takes each message at once (a send looks like 1000 Mbit/s), while
     # the receiver sees the messages arrive held back, spaced by their time on a 1 Mbit/s line
     policy = LinkPolicy(1, parse_auto("auto", "forward"), None)
-    for _ in range(3):
-        stats = _stats([RAW / 2, 0.0], [1000.0, 1000.0], compute_s=0.05)
-        stats[1]["in_fw_held_s"] = 8 * (RAW / 2 + 100.0) / 1e6  # the forward bytes at 1 Mbit/s
-        policy.step(stats, 1)
+    for _ in range(3):  # the forward bytes held back as at 1 Mbit/s
+        policy.step(_stats([RAW / 2, 0.0], [1000.0, 1000.0], compute_s=0.05,
+                           held_fw_s=8 * (RAW / 2 + 100.0) / 1e6), 1)
     assert policy.specs()["b0.forward"] == "delta:q2:l2"  # 0.16 s of fp16 per micro-batch: to the floor
     assert policy.describe()["b0.forward"]["mbit_s"] == pytest.approx(1.0)
 

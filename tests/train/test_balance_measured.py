@@ -13,7 +13,8 @@ import pytest
 from aqsgd.cli import main
 from aqsgd.errors import SpecError
 from aqsgd.train.config import TrainConfig
-from aqsgd.train.trainer import Trainer, resume_settings
+from aqsgd.train.resume import resume_settings
+from aqsgd.train.trainer import Trainer
 
 # tiny-llama, 4 blocks over 2 stages: the profiled split is 2,2; with stage 1 four times slower, 3,1 makes its
 # slowest stage about twice as fast (3 blocks at speed 1 against 1 block at speed 4)

@@ -28,6 +28,7 @@ from aqsgd.schemes import DeltaScheme, EF21Scheme, EFScheme, Phase, Side
 from aqsgd.schemes.cache import DiskCache, LowBitCache, MemoryCache
 from aqsgd.schemes.cache.disk import _to_host
 from aqsgd.train.config import TrainConfig
+from aqsgd.train.feed import DataFeed
 from aqsgd.train.trainer import Trainer
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without a GPU")
@@ -422,9 +423,9 @@ def test_training_on_the_device_and_resuming_on_the_cpu(device, tmp_path):
 
 def test_batches_stay_put_on_the_cpu_and_ids_stay_on_the_host():
     batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "sample_ids": torch.tensor([4, 5])}
-    assert Trainer._on_device(SimpleNamespace(device=torch.device("cpu")), batch) is batch
+    assert DataFeed.on_device(SimpleNamespace(device=torch.device("cpu")), batch) is batch
     if torch.cuda.is_available():
-        moved = Trainer._on_device(SimpleNamespace(device=torch.device("cuda", 0)), batch)
+        moved = DataFeed.on_device(SimpleNamespace(device=torch.device("cuda", 0)), batch)
         assert moved["input_ids"].is_cuda and not moved["sample_ids"].is_cuda
 
 
@@ -437,7 +438,7 @@ def test_backend_options_that_would_do_nothing_are_refused():
 
 
 def test_dtype_auto_is_bf16_on_a_gpu_with_bf16_and_fp32_elsewhere(monkeypatch):
-    from aqsgd.train.trainer import compute_dtype
+    from aqsgd.train.build import compute_dtype
 
     assert compute_dtype("auto", torch.device("cpu")) == "fp32"
     assert compute_dtype("bf16", torch.device("cpu")) == "bf16"

@@ -152,7 +152,7 @@ def _exported_loss_matches(run, auto_class: str) -> None:
     assert main(["export", str(run), "--out", str(out)]) == 0
     model = getattr(transformers, auto_class).from_pretrained(str(out), attn_implementation="eager").eval()
     from aqsgd.comm.device import resolve_device
-    from aqsgd.train.trainer import compute_dtype
+    from aqsgd.train.build import compute_dtype
 
     settings = flatten_config(json.loads((run / "config.json").read_text()))
     cfg = TrainConfig.from_flat(settings)

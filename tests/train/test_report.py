@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import builtins
-import errno
 import itertools
 import json
 import logging
@@ -680,36 +678,13 @@ def test_unwritable_out_is_one_line_before_anything_is_loaded(lm_runs, tmp_path,
 
 
 @pytest.mark.parametrize("full", ["r.png", "r.json"])
-def test_full_disk_is_one_line_and_leaves_no_partial_file(lm_runs, tmp_path, capsys, monkeypatch, full):
+def test_full_disk_is_one_line_and_leaves_no_partial_file(lm_runs, tmp_path, capsys, full_disk, full):
     from aqsgd.cli import main
 
     folder = tmp_path / "out"
     folder.mkdir()
     (folder / full).write_text("the previous one")
-    real_open = builtins.open
-
-    class FullDisk:
-        def __init__(self, f):
-            self._f = f
-
-        def write(self, _data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        def __getattr__(self, name):
-            return getattr(self._f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self._f.close()
-
-    def open_(file, mode="r", *args, **kw):  # the writes of one file (or its temporary file) fail
-        f = real_open(file, mode, *args, **kw)
-        name = Path(os.fsdecode(file)).name if isinstance(file, (str, os.PathLike)) else ""
-        return FullDisk(f) if any(m in mode for m in "wxa") and full in name else f
-
-    monkeypatch.setattr(builtins, "open", open_)
+    full_disk(lambda path: full in path.name)  # the writes of one file (or its temporary file) fail
     assert main(["report", *map(str, lm_runs), "--out", str(folder / "r.png"), "--json",
                  str(folder / "r.json")]) == 2
     err = one_line_error(capsys)

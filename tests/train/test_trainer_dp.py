@@ -14,7 +14,6 @@ import itertools
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from aqsgd.pipeline.partition import partition_model
 from aqsgd.train.checkpoint import CheckpointError
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.tasks import setup_task
+from aqsgd.train.feed import DataFeed
 from aqsgd.train.trainer import Trainer
 
 S, D = 2, 2
@@ -178,8 +178,8 @@ def test_uncompressed_dp_matches_one_pipeline_with_twice_the_micro_batches(tmp_p
 
 def _shard_bounds(n: int, parts: int, replica: int) -> tuple[int, int]:
     """The ``[start, stop)`` of a global batch of ``n`` samples that the trainer gives ``replica``."""
-    trainer = types.SimpleNamespace(cfg=TrainConfig.of(data_parallel=parts), replica=replica)
-    ids = Trainer._shard(trainer, {"sample_ids": torch.arange(n)})["sample_ids"]  # type: ignore[arg-type]
+    feed = DataFeed(TrainConfig.of(data_parallel=parts), [], [], replica=replica)  # type: ignore[arg-type]
+    ids = feed.shard({"sample_ids": torch.arange(n)})["sample_ids"]
     return (int(ids[0]), int(ids[-1]) + 1) if ids.numel() else (n if replica else 0, n if replica else 0)
 
 

@@ -228,7 +228,7 @@ def bench_cache_path(codecs: Sequence[str] = (DEFAULT_CODEC,), caches: Sequence[
                 probe = CachePair(spec, codec, shape, microbatches=microbatches, device=device, seed=seed,
                                   cache_dir=Path(tmp) / "probe", activations=xs)
                 eager = None
-                if device.type == "cpu" and kernels.for_device(device).name != "eager":
+                if kernels.on_host(device) and kernels.for_device(device).name != "eager":
                     eager = CachePair(spec, codec, shape, microbatches=microbatches, device=device, seed=seed,
                                       cache_dir=Path(tmp) / "eager", activations=xs, backend="eager")
                 try:

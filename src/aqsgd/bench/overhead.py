@@ -119,7 +119,7 @@ class _Pipeline:
     def batches(self, host: Sequence[dict[str, torch.Tensor]],
                 device: torch.device) -> list[dict[str, torch.Tensor]]:
         """The micro-batches as the trainer hands them to the engine (a mask of ones left out on the host)."""
-        from aqsgd.train.trainer import without_full_mask
+        from aqsgd.train.feed import without_full_mask
 
         return [{k: v.to(device) for k, v in without_full_mask(mb).items()} for mb in host]
 
@@ -152,7 +152,7 @@ def bench_overhead(cfg: OverheadConfig, progress: Callable[[str], None] | None =
     docstring)."""
     from aqsgd.comm.device import resolve_device
     from aqsgd.pipeline.materialize import ModelRecipe
-    from aqsgd.train.trainer import compute_dtype
+    from aqsgd.train.build import compute_dtype
 
     device = resolve_device(cfg.device)
     autocast = torch.bfloat16 if compute_dtype(cfg.dtype, device) == "bf16" else None

@@ -83,7 +83,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     ``--config``; then the options on the command line."""
     values: dict[str, Any] = {}
     if getattr(args, "resume", None):
-        from aqsgd.train.trainer import resume_settings
+        from aqsgd.train.resume import resume_settings
 
         values.update(resume_settings(args.resume))
     given = load_toml(args.config) if args.config else {}

@@ -194,6 +194,7 @@ FAMILY = ModelFamily(
     blocks_key="num_hidden_layers",
     dropout=_dropout,
     auto_class="AutoModelForSequenceClassification",
+    lora_targets=("query", "key", "value"),
     buffer_initializers=tuple(
         (f"transformers.models.{package}.modeling_{package}", class_name, embedding_index_buffers)
         for package, class_name in (

@@ -198,4 +198,5 @@ FAMILY = ModelFamily(
     dropout=_dropout,
     buffer_initializers=((_MODULE, "DebertaV2Embeddings", embedding_index_buffers),),
     auto_class="AutoModelForSequenceClassification",
+    lora_targets=("query_proj", "key_proj", "value_proj"),
 )

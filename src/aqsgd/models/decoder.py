@@ -49,6 +49,8 @@ from aqsgd.models.stage import Batch, LossFn, PipelineStage
 MASK_MODES = ("causal", "sliding-window", "layer-types")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""The attention projections of most decoders: what LoRA adapts by default."""
 
 
 @dataclass(frozen=True)
@@ -284,9 +286,11 @@ def decoder_family(
     tiny_config: Callable[..., dict[str, Any]],
     extra_buffer_initializers: tuple[tuple[str, str, BufferInitializer], ...] = (),
     checkpoint_renames: tuple[tuple[str, str], ...] = (),
+    lora_targets: tuple[str, ...] = ATTENTION_PROJECTIONS,
 ) -> ModelFamily:
     """The :class:`ModelFamily` of a decoder-only family from its stage class (which carries the spec);
-    ``extra_buffer_initializers`` and ``checkpoint_renames`` as in :class:`ModelFamily`."""
+    ``extra_buffer_initializers``, ``checkpoint_renames`` and ``lora_targets`` (default: the separate
+    ``q_proj``/``k_proj``/``v_proj``/``o_proj`` most decoders have) as in :class:`ModelFamily`."""
     spec = stage.spec
     rotary_init = layer_type_rotary_buffers if spec.rotary_per_layer_type else rotary_embedding_buffers
     return ModelFamily(
@@ -307,5 +311,6 @@ def decoder_family(
                              *extra_buffer_initializers),
         auto_class="AutoModelForCausalLM",
         checkpoint_renames=checkpoint_renames,
+        lora_targets=lora_targets,
     )
 

@@ -97,4 +97,5 @@ FAMILY = ModelFamily(
         ("transformers.models.distilbert.modeling_distilbert", "Embeddings", embedding_index_buffers),
     ),
     auto_class="AutoModelForSequenceClassification",
+    lora_targets=("q_lin", "k_lin", "v_lin"),
 )

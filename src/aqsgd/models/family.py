@@ -3,9 +3,9 @@
 A family is one :class:`~aqsgd.models.recipe.ModelRecipe` kind.  Its module under
 :mod:`aqsgd.models` defines a ``FAMILY`` object that says how to build the model from a recipe, how to
 recognise a built model, how to cut it into pipeline stages, how to shorten its config to fewer blocks,
-how to set its dropout, which non-persistent buffers it must recompute after loading weights, and a tiny
-random config for tests and benchmarks.  The generic code (partitioning, materialization, tasks) asks the
-family and knows nothing of any one model.
+how to set its dropout, which non-persistent buffers it must recompute after loading weights, which layers
+LoRA adapts by default, and a tiny random config for tests and benchmarks.  The generic code
+(partitioning, materialization, tasks, LoRA) asks the family and knows nothing of any one model.
 """
 
 from __future__ import annotations
@@ -80,6 +80,9 @@ class ModelFamily:
         checkpoint_renames: ``(model prefix, checkpoint prefix)`` pairs: a tensor whose name in the model
             starts with ``model prefix`` may be stored under ``checkpoint prefix`` instead (GPT-NeoX's
             ``lm_head.`` is saved as ``embed_out.`` by ``save_pretrained``).
+        lora_targets: the linear layers (the last component of their module names) that LoRA adapts when
+            ``--lora-targets`` names none: the family's attention projections, the choice of the LoRA paper
+            (Hu et al., 2021); ``()`` for a family without attention, whose layers the user names.
     """
 
     kind: str
@@ -97,6 +100,7 @@ class ModelFamily:
     buffer_initializers: tuple[tuple[str, str, BufferInitializer], ...] = ()
     auto_class: str | None = None
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    lora_targets: tuple[str, ...] = ()
 
     def checkpoint_aliases(self, name: str) -> list[str]:
         """The other names under which a checkpoint may store the model's tensor ``name``."""

@@ -105,4 +105,5 @@ FAMILY = ModelFamily(
     blocks_key="n_layer",
     dropout=set_dropout,
     auto_class="AutoModelForCausalLM",
+    lora_targets=("c_attn", "c_proj"),  # attn.c_attn (query, key, value fused) and attn.c_proj, its output
 )

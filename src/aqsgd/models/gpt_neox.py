@@ -44,5 +44,8 @@ def _tiny_config(*, layers: int, hidden: int, vocab: int, seq_len: int) -> dict[
 
 
 FAMILY = decoder_family(
-    GPTNeoXStage, tiny_config=_tiny_config, checkpoint_renames=(("lm_head.", "embed_out."),)
+    GPTNeoXStage,
+    tiny_config=_tiny_config,
+    checkpoint_renames=(("lm_head.", "embed_out."),),
+    lora_targets=("query_key_value", "dense"),  # the fused projection and attention.dense, its output
 )

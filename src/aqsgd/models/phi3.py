@@ -38,4 +38,5 @@ def _tiny_config(*, layers: int, hidden: int, vocab: int, seq_len: int) -> dict[
             "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 
 
-FAMILY = decoder_family(Phi3Stage, tiny_config=_tiny_config)
+# the fused query/key/value projection and the attention output
+FAMILY = decoder_family(Phi3Stage, tiny_config=_tiny_config, lora_targets=("o_proj", "qkv_proj"))

@@ -96,10 +96,11 @@ class CompressionConfig:
         return spec.forward if channel == FORWARD_CHANNEL else spec.backward
 
     def make(self, b: int, channel: int, side: str, *, row_shape: tuple[int, ...] | None,
-             dtype: torch.dtype, device: torch.device | str, replica: int = 0) -> BoundaryScheme:
+             dtype: torch.dtype, device: torch.device | str, replica: int = 0,
+             spec: DirectionSpec | None = None) -> BoundaryScheme:
         """The scheme object for one side of one direction of boundary ``b`` (of data-parallel
-        ``replica``)."""
-        d = self.direction(b, channel)
+        ``replica``), with its configured setting or ``spec`` (a link's codec chosen during the run)."""
+        d = spec if spec is not None else self.direction(b, channel)
         name = "forward" if channel == FORWARD_CHANNEL else "backward"
         path = None
         if self.cache.startswith("disk"):

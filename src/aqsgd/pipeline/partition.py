@@ -1,7 +1,9 @@
 """Split a model into pipeline stages.
 
 :func:`partition_model` cuts a supported model between its repeated blocks (transformer layers,
-residual blocks, ``nn.Sequential`` children).  The first stage also holds the embeddings / stem, the
+residual blocks, ``nn.Sequential`` children); a :class:`StageCut` holds a run's choice of cut (stages,
+blocks per stage, balance) so that everything that cuts a run's model (the trainer, LoRA, export) cuts it
+the same way.  The first stage also holds the embeddings / stem, the
 last stage the final norm, the head and the loss.  Stages reference the original sub-modules (no
 copies, no data access), so partitioning works on a model built on the ``meta`` device and the
 stages' gradients can be compared directly with the unsplit model's.
@@ -12,7 +14,9 @@ Where the blocks, embeddings and head of a model are is its family's business
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -219,3 +223,52 @@ def partition_model(
         stages.append(layout.make_stage(index, num_stages, start, start + count))
         start += count
     return stages
+
+
+class CutSettings(Protocol):
+    """What a cut is made of: a config section holding the stage count, the blocks per stage and the
+    balance (``aqsgd.train.config.PipelineSection``, or a :class:`StageCut`)."""
+
+    @property
+    def stages(self) -> int: ...
+
+    @property
+    def layers(self) -> Sequence[int] | None: ...
+
+    @property
+    def balance(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """How a run cuts its model into stages: ``stages`` stages of ``layers`` blocks each (None: as
+    ``balance`` says), as :func:`partition_model` takes them.
+
+    One value per run, so that the trainer, the LoRA adapters and the export cut the same model into the
+    same stages (a checkpoint's stage files only load into the stages they were saved from).
+    """
+
+    stages: int
+    layers: tuple[int, ...] | None = None
+    balance: str = "layers"
+
+    @classmethod
+    def of(cls, section: CutSettings) -> StageCut:
+        """The cut a config section (the pipeline section) describes."""
+        layers = None if section.layers is None else tuple(section.layers)
+        return cls(stages=section.stages, layers=layers, balance=section.balance)
+
+    @classmethod
+    def from_flat(cls, settings: Mapping[str, Any], defaults: CutSettings) -> StageCut:
+        """The cut of a saved run from its flat config ``settings`` (``stages``, ``layers``, ``balance``); an
+        option the config lacks (written before the option existed) takes ``defaults``' value (the pipeline
+        section's own defaults)."""
+        layers = settings.get("layers", defaults.layers)
+        return cls(stages=int(settings.get("stages", defaults.stages)),
+                   layers=None if layers is None else tuple(layers),
+                   balance=str(settings.get("balance", defaults.balance)))
+
+    def cut(self, model: nn.Module, *, loss_fn: LossFn | None = None) -> list[PipelineStage]:
+        """``model`` cut into this cut's stages (see :func:`partition_model`)."""
+        layers = None if self.layers is None else list(self.layers)
+        return partition_model(model, self.stages, layers=layers, balance=self.balance, loss_fn=loss_fn)

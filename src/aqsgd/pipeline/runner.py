@@ -43,7 +43,6 @@ wrote.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import time
@@ -68,8 +67,6 @@ from aqsgd.pipeline.schedule import (
     SEND_F,
     Action,
     ActionKind,
-    build_plans,
-    execution_order,
     get_schedule,
 )
 from aqsgd.models.stage import Batch
@@ -81,8 +78,7 @@ _UNLABELLED = contextlib.nullcontext()
 _profiling = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", lambda: True)
 
 
-__all__ = ["StageRunner", "LocalPipeline", "LocalTransport", "StepStats", "Transport", "forward_plan",
-           "SchemeKey"]
+__all__ = ["StageRunner", "StepStats", "Transport", "Handle", "forward_plan", "SchemeKey"]
 
 SchemeKey = tuple[int, int, str]
 """``(boundary, channel, side)`` of one boundary scheme: boundary ``b`` joins stages ``b`` and ``b + 1``, the
@@ -106,47 +102,6 @@ def _ready(handle: Handle) -> bool:
     """Whether a receive's message is there (a handle that cannot tell, as the local runtime's, is)."""
     done = getattr(handle, "done", None)
     return done is None or done()
-
-
-class _Done:
-    def __init__(self, value: Any = None) -> None:
-        self.value = value
-
-    def wait(self, timeout: float | None = None) -> Any:
-        return self.value
-
-
-class _LocalRecv:
-    def __init__(self, queue: collections.deque) -> None:
-        self.queue = queue
-
-    def wait(self, timeout: float | None = None) -> list[Packet]:
-        if not self.queue:
-            raise RuntimeError("local transport: receive before the matching send (schedule out of order)")
-        return self.queue.popleft()
-
-
-class LocalTransport:
-    """In-memory FIFO channels between the stages of one process. Use :meth:`view` for one stage's side."""
-
-    def __init__(self) -> None:
-        self.queues: dict[tuple[int, int, int], collections.deque] = collections.defaultdict(
-            collections.deque)
-
-    def view(self, rank: int) -> _LocalView:
-        return _LocalView(self, rank)
-
-
-class _LocalView:
-    def __init__(self, hub: LocalTransport, rank: int) -> None:
-        self.hub, self.rank = hub, rank
-
-    def isend(self, packets: Sequence[Packet], dst: int, channel: int) -> Handle:
-        self.hub.queues[(self.rank, dst, channel)].append(list(packets))
-        return _Done()
-
-    def irecv(self, src: int, channel: int) -> Handle:
-        return _LocalRecv(self.hub.queues[(src, self.rank, channel)])
 
 
 @dataclasses.dataclass
@@ -214,9 +169,12 @@ class StageRunner:
         self.ranks = list(rank_of_stage) if rank_of_stage is not None else list(range(num_stages))
         self.schemes: dict[SchemeKey, BoundaryScheme] = {}
         self._built_for: dict[SchemeKey, dict[str, Any]] = {}  # the shape and dtype each scheme was built for
-        self.probes: dict[tuple[int, int], list[str]] = {}  # (boundary, channel) -> codecs (set_probe)
+        # what set_link gave each (boundary, channel): its codec (the config's otherwise), the codecs its
+        # sender probes, and whether its warm-up is sent with its codec
+        self.codecs: dict[tuple[int, int], DirectionSpec] = {}
+        self.probes: dict[tuple[int, int], list[str]] = {}
+        self.warmup_codec: set[tuple[int, int]] = set()
         self.probing = True  # whether this step's probes run (probe_now)
-        self.warmup_codec: set[tuple[int, int]] = set()  # (boundary, channel) that compress_warmup
         self.stats = StepStats()
         self.kept_logits: dict[int, torch.Tensor] = {}
         self.pending_checks = PendingChecks()  # the checks of this step's receives left on the device
@@ -252,54 +210,57 @@ class StageRunner:
         """The scheme for this stage's side of a direction, built on first use for tensors like ``like``."""
         return self._scheme(self.scheme_key(channel, side), tuple(like), dtype)
 
-    def set_codec(self, b: int, channel: int, spec: str) -> None:
-        """One direction of boundary ``b`` sends with ``spec`` (the same scheme, another codec) from the next
-        step on: its schemes already built switch, and those built later take it."""
-        d = DirectionSpec.parse(spec)
-        current = self.compression.for_boundary(b)
-        if (current.forward if channel == FORWARD_CHANNEL else current.backward).scheme != d.scheme:
-            raise ValueError(f"boundary {b}: {spec} changes the scheme; only the codec may change")
-        which = "forward" if channel == FORWARD_CHANNEL else "backward"
-        self.compression.per_boundary[b] = dataclasses.replace(current, **{which: d})
-        for (kb, kc, _), scheme in self.schemes.items():
-            if kb == b and kc == channel:
-                scheme.set_codec(d.codec)
+    def set_link(self, b: int, channel: int, *, codec: DirectionSpec | None = None,
+                 probe: Sequence[str] | None = None, compress_warmup: bool = False) -> None:
+        """One direction of boundary ``b`` from the next step on, where given: sent with ``codec`` (the same
+        scheme, another codec: the schemes already built switch, those built later take it); its sender
+        probes each of ``probe``'s error once per probed step
+        (:meth:`~aqsgd.schemes.base.BoundaryScheme.set_probe`); ``compress_warmup``: both sides send the
+        warm-up (and AQ-SGD's first visits) with their codec instead of in full
+        (:meth:`~aqsgd.schemes.base.BoundaryScheme.compress_warmup`). The run's
+        :class:`~aqsgd.pipeline.compression.CompressionConfig` is left as it is (it may be shared)."""
+        key = (b, channel)
+        if codec is not None:
+            if self.compression.direction(b, channel).scheme != codec.scheme:
+                raise ValueError(f"boundary {b}: {codec.scheme}:{codec.codec} changes the scheme; only the "
+                                 "codec may change")
+            self.codecs[key] = codec
+        if probe is not None:
+            self.probes[key] = list(probe)
+        if compress_warmup:
+            self.warmup_codec.add(key)
+        for (kb, kc, side), scheme in self.schemes.items():
+            if (kb, kc) == key:
+                self._configure(scheme, key, side, codec=codec is not None, probe=probe is not None,
+                                warmup=compress_warmup)
 
-    def set_probe(self, b: int, channel: int, codecs: Sequence[str] | None) -> None:
-        """The sender of one direction of boundary ``b`` measures each of ``codecs``' error once per probed
-        step (:meth:`~aqsgd.schemes.base.BoundaryScheme.set_probe`): now if it is built, else when it is."""
-        self.probes[(b, channel)] = list(codecs or ())
-        scheme = self.schemes.get((b, channel, "sender"))
-        if scheme is not None:
-            scheme.set_probe(self.probes[(b, channel)])
+    def _configure(self, scheme: BoundaryScheme, key: tuple[int, int], side: str, *, codec: bool, probe: bool,
+                   warmup: bool) -> None:
+        """Give a scheme what :meth:`set_link` set for its direction (the parts flagged)."""
+        if codec:
+            scheme.set_codec(self.codecs[key].codec)
+        if probe and side == "sender":
+            scheme.set_probe(self.probes[key])
+            scheme.probe_now(self.probing)
+        if warmup:
+            scheme.compress_warmup()
 
     def probe_now(self, on: bool) -> None:
-        """Whether the senders given probes (:meth:`set_probe`) probe this step's message."""
+        """Whether the senders given probes (:meth:`set_link`) probe this step's message."""
         self.probing = on
         for b, channel in self.probes:
             scheme = self.schemes.get((b, channel, "sender"))
             if scheme is not None:
                 scheme.probe_now(on)
 
-    def compress_warmup(self, b: int, channel: int) -> None:
-        """Both sides of one direction of boundary ``b`` send the warm-up (and AQ-SGD's first visits) with
-        their codec instead of in full (:meth:`~aqsgd.schemes.base.BoundaryScheme.compress_warmup`): now
-        where they are built, else when they are."""
-        self.warmup_codec.add((b, channel))
-        for (kb, kc, _), scheme in self.schemes.items():
-            if (kb, kc) == (b, channel):
-                scheme.compress_warmup()
-
     def _scheme(self, key: SchemeKey, shape: tuple[int, ...], dtype: torch.dtype) -> BoundaryScheme:
         if key not in self.schemes:
             b, channel, side = key
             self.schemes[key] = self.compression.make(b, channel, side, row_shape=tuple(shape[1:]),
-                                                      dtype=dtype, device=self.device, replica=self.replica)
-            if side == "sender" and (b, channel) in self.probes:
-                self.schemes[key].set_probe(self.probes[(b, channel)])
-                self.schemes[key].probe_now(self.probing)
-            if (b, channel) in self.warmup_codec:
-                self.schemes[key].compress_warmup()
+                                                      dtype=dtype, device=self.device, replica=self.replica,
+                                                      spec=self.codecs.get((b, channel)))
+            self._configure(self.schemes[key], (b, channel), side, codec=False,
+                            probe=(b, channel) in self.probes, warmup=(b, channel) in self.warmup_codec)
             self._built_for[key] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
         return self.schemes[key]
 
@@ -601,43 +562,3 @@ class StageRunner:
         for action in self.plan:
             self.run(action)
         return self.end_step()
-
-
-class LocalPipeline:
-    """All stages in one process, driven in a valid interleaving of their plans (same numerics as the
-    distributed runtime, no concurrency)."""
-
-    def __init__(self, stages: Sequence[nn.Module], compression: CompressionConfig, *, schedule: str = "1f1b",
-                 device: torch.device | str = "cpu", autocast: torch.dtype | None = None) -> None:
-        self.hub = LocalTransport()
-        self.schedule = schedule
-        self.runners = [
-            StageRunner(m, i, len(stages), compression, self.hub.view(i), schedule=schedule, device=device,
-                        autocast=autocast)
-            for i, m in enumerate(stages)
-        ]
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.runners)
-
-    def step(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN, *,
-             loss_scale: float = 1.0, keep_logits: bool = False) -> torch.Tensor:
-        """One step of every stage (see :meth:`StageRunner.step`); returns the mean micro-batch loss."""
-        phase = Phase(phase)
-        s, m = self.num_stages, len(microbatches)
-        if phase in (Phase.TRAIN, Phase.WARMUP):
-            plans = build_plans(self.schedule, s, m)
-        else:
-            plans = [forward_plan(i, s, m) for i in range(s)]
-        for r, plan in zip(self.runners, plans):
-            r.begin_step(microbatches, phase, plan, loss_scale=loss_scale, keep_logits=keep_logits)
-        for stage, action in execution_order(plans):
-            self.runners[stage].run(action)
-        losses = [r.end_step() for r in self.runners]
-        loss = losses[-1]
-        assert loss is not None
-        return loss
-
-    def stats(self) -> list[StepStats]:
-        return [r.stats for r in self.runners]

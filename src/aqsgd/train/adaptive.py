@@ -121,11 +121,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
-__all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "is_auto", "link_name", "link_row", "link_seconds",
-           "parse_auto", "parse_link", "probe_keys", "probe_row"]
+__all__ = ["BITS", "LADDERS", "AutoSpec", "LinkPolicy", "LinkRule", "LinkSample", "RuleFactory", "StepSample",
+           "is_auto", "link_name", "link_seconds", "parse_auto", "parse_link"]
 
 LADDERS: dict[str, tuple[str, ...]] = {
     "forward": ("fp16", "q8", "q6", "q4", "q3", "q2:l2"),
@@ -173,13 +173,84 @@ def parse_link(name: str) -> tuple[int, str, int]:
     return int(b), direction, int(b) + (direction == "backward")
 
 
-def link_row(stages: Sequence[Mapping[str, float]], name: str) -> tuple[Mapping[str, float], str, float]:
-    """Link ``name``'s sender's row of a step's per-stage statistics, its keys' prefix (``fw``, ``bw``) and
-    the seconds its receiver (the stage after, forward; before, backward) saw the link hold messages back."""
-    b, direction, sender = parse_link(name)
-    if direction == "forward":
-        return stages[sender], "fw", float(stages[b + 1]["in_fw_held_s"])
-    return stages[sender], "bw", float(stages[b]["in_bw_held_s"])
+@dataclasses.dataclass(frozen=True)
+class LinkSample:
+    """What one link (a boundary's direction) carried in a step, summed over the run's processes: the fp32
+    bytes of its tensors (``raw``), the codec's bytes (``sent``), the bytes on the wire (``wire``), the
+    seconds its sender saw it busy and those its receiver saw its messages held back (:func:`link_seconds`),
+    and its sender's error probe: each rung's summed squared relative error (``err2``) over ``probed``
+    samples (``probed`` 0: nothing was probed)."""
+
+    raw: float = 0.0
+    sent: float = 0.0
+    wire: float = 0.0
+    busy_s: float = 0.0
+    held_s: float = 0.0
+    err2: tuple[float, ...] = ()
+    probed: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """The seconds the link was busy in the step (:func:`link_seconds`)."""
+        return link_seconds(self.busy_s, self.held_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSample:
+    """One step as a link rule sees it: every link's :class:`LinkSample` by name (``b0.forward``), the
+    slowest stage's compute seconds and the step's seconds (the longest any stage measured)."""
+
+    links: Mapping[str, LinkSample]
+    compute_s: float
+    step_s: float
+
+
+class LinkRule(Protocol):
+    """What chooses the codecs of a run's auto links from what they measured (:class:`LinkPolicy` is the
+    rule of ``--forward auto`` / ``--backward auto``). Every process holds one and feeds it the same samples,
+    so all make the same choices at the same step; another rule is one class with these methods, given to
+    the trainer as a :data:`RuleFactory`."""
+
+    def specs(self) -> dict[str, str]:
+        """Every link's current spec, by name."""
+        ...
+
+    def step(self, sample: StepSample, micro_batches: int, *, fills: int = 1) -> dict[str, str]:
+        """Take a step's sample; return the links whose spec changes from the next step on, with it."""
+        ...
+
+    def probes(self) -> dict[str, tuple[str, ...]]:
+        """The codecs each link's sender probes the error of, by link name (none: no probe)."""
+        ...
+
+    def probes_at(self, step: int) -> bool:
+        """Whether the senders probe at ``step`` (counted from 1)."""
+        ...
+
+    def restore(self, levels: Mapping[str, str | int]) -> None:
+        """The links' specs of a checkpoint (:meth:`specs`), for a resumed run."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """What the rule measured (JSON), for a checkpoint."""
+        ...
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state`."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What the rule knows of each link, for the run's summary."""
+        ...
+
+    def overview(self) -> dict[str, Any]:
+        """The rule's inputs after a step, for that step's metrics row."""
+        ...
+
+
+RuleFactory = Callable[[int, "AutoSpec | None", "AutoSpec | None"], LinkRule]
+"""Builds a run's :class:`LinkRule` from its number of boundaries and the ``auto`` spec of each direction
+(None: that direction is fixed); :class:`LinkPolicy` is one."""
 
 
 def is_auto(spec: str) -> bool:
@@ -229,25 +300,6 @@ def parse_auto(text: str, direction: str) -> AutoSpec:
         raise ValueError(f"auto:{floor}: the floor must be one of the {direction} ladder "
                          f"{', '.join(ladder)}")
     return AutoSpec(direction, ladder[: ladder.index(floor) + 1], max_error)
-
-
-def probe_keys(direction: str) -> tuple[str, ...]:
-    """The per-stage statistics of a sender's error probe of ``direction`` (``forward``/``backward``): each
-    rung's summed squared relative error per sample, then the number of samples
-    (:meth:`BoundaryScheme.set_probe`)."""
-    d = "fw" if direction == "forward" else "bw"
-    return (*(f"{d}_err2_{i}" for i in range(len(LADDERS[direction]))), f"{d}_probed")
-
-
-def probe_row(probe: tuple[list[float], float] | None, direction: str) -> list[float]:
-    """One sender's :meth:`~aqsgd.schemes.base.BoundaryScheme.take_probe` as the values of
-    :func:`probe_keys` (zeros where nothing was probed or a floor shortened the ladder)."""
-    row = [0.0] * len(probe_keys(direction))
-    if probe is not None:
-        errs, samples = probe
-        row[: len(errs)] = errs
-        row[-1] = samples
-    return row
 
 
 @dataclasses.dataclass
@@ -362,12 +414,9 @@ class LinkPolicy:
                 rung = old[min(int(saved), len(old) - 1)]
             link.level = ladder.index(rung) if rung in ladder else len(ladder) - 1
 
-    def step(self, stages: Sequence[Mapping[str, float]], micro_batches: int, *,
-             fills: int = 1) -> dict[str, str]:
-        """Take one step's per-stage statistics (the trainer's gathered rows: ``fw_raw``, ``fw_bytes``,
-        ``fw_wire_bytes``, ``fw_busy_s``, the same for ``bw``, ``compute_s``, and what a stage's receivers saw
-        held back, ``in_fw_held_s`` and ``in_bw_held_s``, and ``step_s``) and return the links whose spec
-        changes, with their new spec. ``micro_batches``: in the whole step; ``fills``: pipeline passes per
+    def step(self, sample: StepSample, micro_batches: int, *, fills: int = 1) -> dict[str, str]:
+        """Take one step's :class:`StepSample` and return the links whose spec changes, with their new
+        spec. ``micro_batches``: in the whole step; ``fills``: pipeline passes per
         step. Every message of an auto link is sent with its level's codec, in the warm-up too
         (:meth:`~aqsgd.schemes.base.BoundaryScheme.compress_warmup`), so the codec bytes are the level's
         payload. The first step of a policy (of a run, or of a resumed one after :meth:`load_state`) gives its
@@ -376,17 +425,16 @@ class LinkPolicy:
         if not self.timing:  # one-time work (kernels built, buffers allocated): not a sample of the links,
             self.timing = True
             for name, link in self.links.items():  # but its probe counts
-                self._probed(link, link_row(stages, name)[0], link.auto.direction)
+                self._probed(link, sample.links.get(name, _NOTHING))
             return {}
         n = max(micro_batches, 1)
         self.fills = max(fills, 1)
-        self.budget = _smooth(self.budget, max(float(s["compute_s"]) for s in stages) / n)
-        self.step_s = _smooth(self.step_s, max(float(s["step_s"]) for s in stages))
+        self.budget = _smooth(self.budget, sample.compute_s / n)
+        self.step_s = _smooth(self.step_s, sample.step_s)
         changes = {}
         for name, link in self.links.items():
-            st, d, held = link_row(stages, name)
-            busy = link_seconds(float(st[f"{d}_busy_s"]), held)
-            wire, raw, sent = float(st[f"{d}_wire_bytes"]), float(st[f"{d}_raw"]), float(st[f"{d}_bytes"])
+            seen = sample.links.get(name, _NOTHING)
+            busy, wire, raw, sent = seen.seconds, seen.wire, seen.raw, seen.sent
             if wire <= 0 or busy <= 0 or raw <= 0 or sent <= 0:
                 continue
             bits = BITS[link.auto.ladder[link.level]]
@@ -399,7 +447,7 @@ class LinkPolicy:
             link.seconds_per_bit = _smooth(link.seconds_per_bit, bandwidth_s / (8.0 * wire))
             link.fixed = _smooth(link.fixed, max(wire - sent, 0.0) / n)
             link.payload = _smooth(link.payload, sent / n)
-            self._probed(link, st, link.auto.direction)
+            self._probed(link, seen)
             new = self._choose(link)
             if new != link.level:
                 # the payload scales with the bits: what the new level will send, until it is measured
@@ -409,13 +457,11 @@ class LinkPolicy:
         return changes
 
     @staticmethod
-    def _probed(link: _Link, stats: Mapping[str, float], direction: str) -> None:
-        """Take the step's error probe of the link's sender (``stats``: its stage's row), if it made one."""
-        keys = probe_keys(direction)
-        samples = float(stats.get(keys[-1], 0.0))
-        if samples <= 0:
+    def _probed(link: _Link, seen: LinkSample) -> None:
+        """Take the step's error probe of the link's sender, if it made one."""
+        if seen.probed <= 0:
             return
-        link.errors = [*link.errors, [float(stats[k]) / samples for k in keys[: len(link.auto.ladder)]]]
+        link.errors = [*link.errors, [e / seen.probed for e in seen.err2[: len(link.auto.ladder)]]]
         del link.errors[:-ERROR_WINDOW]
 
     @staticmethod
@@ -485,6 +531,9 @@ class LinkPolicy:
     def probes(self) -> dict[str, tuple[str, ...]]:
         """The codecs each link's sender probes (its whole ladder), by link name."""
         return {name: link.auto.ladder for name, link in self.links.items()}
+
+
+_NOTHING = LinkSample()  # a link no process reported on in a step
 
 
 def _regress(link: _Link, x: float, y: float) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import gc
 import logging
 import statistics
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,13 +31,15 @@ from aqsgd.comm.transport import naming_peer_failures
 from aqsgd.pipeline.balance import ForwardTimer, StageProfile, choose_split, fit_cost_model, parse_slow_stages
 from aqsgd.pipeline.partition import count_parameters, even_counts, model_layout
 from aqsgd.schemes import Phase
+from aqsgd.train.build import build_engine
+from aqsgd.train.linkcontrol import LinkController
 
 if TYPE_CHECKING:
+    from aqsgd.parallel import ProcessGrid
     from aqsgd.train.config import TrainConfig
     from aqsgd.train.engine import PipelineEngine
-
-# the aqsgd.train.trainer.Trainer being set up (that module imports this one, not the reverse)
-Trainer = Any
+    from aqsgd.train.feed import DataFeed
+    from aqsgd.train.tasks import TaskSetup
 
 __all__ = ["measure_split", "emulate_slow_stages"]
 
@@ -50,40 +54,41 @@ def emulate_slow_stages(engine: PipelineEngine, cfg: TrainConfig) -> None:
         runner.slowdown = factors.get(i, 1.0)
 
 
-def measure_split(trainer: Trainer) -> dict[str, Any]:
-    """Profile ``trainer``'s stages with the ``layers`` split and choose the split to train with (see the
-    module docstring); returns what was measured and chosen, ``layers`` the split. (A resumed run takes its
-    checkpoint's split instead, unprofiled: the trainer does not call this then.) Called by every process of
-    the run, before the trainer builds its engine."""
-    cfg = trainer.cfg
+def measure_split(cfg: TrainConfig, task: TaskSetup, feed: DataFeed, *, grid: ProcessGrid | None,
+                  run_dir: Path, total_steps: int, suspects: Sequence[str]) -> dict[str, Any]:
+    """Profile the stages of the run of ``cfg`` with the ``layers`` split and choose the split to train with
+    (see the module docstring); returns what was measured and chosen, ``layers`` the split. (A resumed run
+    takes its checkpoint's split instead, unprofiled: the trainer does not call this then.) Called by every
+    process of the run (``grid``: its place, None in the local runtime), before the trainer builds its engine;
+    ``suspects``: the stages a failed collective may have lost, for the message."""
     p = cfg.pipeline
-    params = [float(count_parameters([b])) for b in model_layout(trainer.task.recipe.build("meta")).blocks]
+    params = [float(count_parameters([b])) for b in model_layout(task.recipe.build("meta")).blocks]
     profiled = even_counts(len(params), p.stages)
     if p.stages == 1:  # one split only: nothing to measure
         return {"balance": "measured", "layers": profiled}
-    trainer.cfg = cfg.replace(layers=profiled)
+    timed = cfg.replace(layers=profiled)
+    built = build_engine(timed, task, grid=grid, run_dir=run_dir, total_steps=total_steps,
+                         links=LinkController(timed), profiling=True)
+    engine, device, transport = built.engine, built.device, built.transport
+    del built
     failed = True
     try:
-        engine = trainer._build_engine(profiling=True)
         emulate_slow_stages(engine, cfg)
-        with naming_peer_failures(trainer.transport, "profiling the stages (--balance measured)",
-                                  trainer._suspects):
-            figures = _profile(trainer, engine, p.balance_passes)
+        with naming_peer_failures(transport, "profiling the stages (--balance measured)", suspects):
+            figures = _profile(engine, feed, device, p.balance_passes, grid is not None)
             del engine
             gc.collect()
-            if trainer.device.type == "cuda":
+            if device.type == "cuda":
                 torch.cuda.empty_cache()
-            figures = _gathered(trainer, figures, profiled)
+            figures = _gathered(figures, profiled, grid is not None)
         failed = False
     finally:
-        trainer.cfg = cfg
-        if trainer.transport is not None:  # the run's own transport is built with its stages
-            trainer.transport.close(failed=failed)
-            trainer.transport = None
+        if transport is not None:  # the run's own transport is built with its stages
+            transport.close(failed=failed)
     profiles = _profiles(figures, profiled)
     model = fit_cost_model(profiles, profiled, params)
     chosen = choose_split(model, profiled)
-    if trainer.distributed:
+    if grid is not None:
         shared = [chosen]
         dist.broadcast_object_list(shared, src=0)
         chosen = shared[0]
@@ -97,7 +102,7 @@ def measure_split(trainer: Trainer) -> dict[str, Any]:
     }
     if p.emulate_slow_stage:
         result["emulated"] = p.emulate_slow_stage
-    if trainer.grid is None or trainer.grid.rank == 0:
+    if grid is None or grid.rank == 0:
         log.info("--balance measured: stages with %s blocks computed %s ms per micro-batch; training with %s "
                  "blocks (predicted %s ms, slowest %.2f -> %.2f ms)", _csv(profiled), _ms(result["stage_ms"]),
                  _csv(chosen), _ms(result["predicted_ms"]), max(result["stage_ms"]),
@@ -113,22 +118,22 @@ def _ms(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
 
 
-def _profile(trainer: Trainer, engine: PipelineEngine, passes: int) -> dict[int, dict[str, Any]]:
+def _profile(engine: PipelineEngine, feed: DataFeed, device: torch.device, passes: int,
+             distributed: bool) -> dict[int, dict[str, Any]]:
     """Per stage this process owns: the medians over ``passes`` pipeline passes (after one that warms up) of
     its compute and forward per micro-batch and of each block's forward, and its device's peak memory (with
     one stage per process on a GPU)."""
-    device = trainer.device
     cuda = device.type == "cuda"
     timer = ForwardTimer(engine.stages, sync=cuda)
     for runner in engine.runners.values():
         runner.synchronize = True
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    batches = trainer._train_batches(0)
+    batches = feed.train_batches(0)
     samples: dict[int, list[tuple[float, float, list[float]]]] = {i: [] for i in engine.stages}
     with timer.attached():
         for k in range(passes + 1):
-            mbs = trainer._passes([trainer._shard(batches[k % len(batches)])])[0]
+            mbs = feed.passes([batches[k % len(batches)]])[0]
             timer.reset()
             engine.forward_backward(mbs, Phase.TRAIN)
             for o in engine.optimizers.values():
@@ -139,7 +144,7 @@ def _profile(trainer: Trainer, engine: PipelineEngine, passes: int) -> dict[int,
                 n = max(timer.calls[i], 1)
                 samples[i].append((stats.compute_s / len(mbs), timer.forward_s[i] / n,
                                    [b / n for b in timer.block_s[i]]))
-    peak = torch.cuda.max_memory_allocated(device) if cuda and trainer.distributed else None
+    peak = torch.cuda.max_memory_allocated(device) if cuda and distributed else None
     out = {}
     for i, rows in samples.items():
         out[i] = {"compute_s": statistics.median(r[0] for r in rows),
@@ -153,7 +158,7 @@ def _profile(trainer: Trainer, engine: PipelineEngine, passes: int) -> dict[int,
 _PER_STAGE = 4
 
 
-def _gathered(trainer: Trainer, figures: dict[int, dict[str, Any]], counts: list[int]) -> torch.Tensor:
+def _gathered(figures: dict[int, dict[str, Any]], counts: list[int], distributed: bool) -> torch.Tensor:
     """Every stage's figures in one vector (per stage :data:`_PER_STAGE` entries, then each block's forward at
     its index in the model, the stages holding ``counts`` blocks), all-reduced over the processes of a
     distributed run by their maximum."""
@@ -166,7 +171,7 @@ def _gathered(trainer: Trainer, figures: dict[int, dict[str, Any]], counts: list
         if f["blocks"]:
             start = stages * _PER_STAGE + sum(counts[:i])
             v[start:start + len(f["blocks"])] = torch.tensor(f["blocks"], dtype=torch.float64)
-    if trainer.distributed:
+    if distributed:
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
     return v
 

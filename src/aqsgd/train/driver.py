@@ -32,7 +32,9 @@ from aqsgd.parallel.grid import GridLayout
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.rundir import check_run_dir, last_logged_step, resolve_run_dir
 from aqsgd.train.tasks import setup_task
-from aqsgd.train.trainer import Trainer, check_partition, collective_timeout, where_to_continue
+from aqsgd.train.build import check_partition, collective_timeout
+from aqsgd.train.resume import where_to_continue
+from aqsgd.train.trainer import Trainer
 
 __all__ = ["run_training", "worker"]
 

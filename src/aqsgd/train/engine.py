@@ -1,7 +1,7 @@
 """The pipeline engine: the stages one process runs, their optimizers, clipping and tied weights.
 
 Locally (one process) the engine owns every stage and drives them through a
-:class:`~aqsgd.pipeline.runner.LocalPipeline`. Distributed, it owns one stage and its
+:class:`~aqsgd.pipeline.local.LocalPipeline`. Distributed, it owns one stage and its
 :class:`~aqsgd.pipeline.runner.StageRunner` talks to the neighbours through a transport. Everything around the
 step (optimizer, learning-rate schedule, clipping by the global norm, tied weights across stages) is written
 once against "the stages this process owns", so both runtimes do the same arithmetic in the same order.
@@ -32,9 +32,10 @@ from torch import nn
 from torch.profiler import record_function
 
 from aqsgd.parallel.grid import new_group
-from aqsgd.pipeline.compression import CompressionConfig
+from aqsgd.pipeline.compression import CompressionConfig, DirectionSpec
 from aqsgd.pipeline.partition import shared_parameters
-from aqsgd.pipeline.runner import LocalPipeline, StageRunner, StepStats, Transport
+from aqsgd.pipeline.local import LocalPipeline
+from aqsgd.pipeline.runner import StageRunner, StepStats, Transport
 from aqsgd.models.stage import Batch
 from aqsgd.schemes import BoundaryScheme, Phase
 from aqsgd.train.optim import clip_coefficient, make_optimizer, squared_grad_norm, warmup_linear_decay
@@ -356,7 +357,35 @@ class PipelineEngine:
                    if n not in frozen and not any(t in tensors for t in tied.get(n, ()))]
         return sorted(missing), sorted(result.unexpected_keys)
 
+    # -- links -----------------------------------------------------------------------------------------
+    def set_link(self, b: int, channel: int, *, codec: DirectionSpec | None = None,
+                 probe: Sequence[str] | None = None, compress_warmup: bool = False) -> None:
+        """:meth:`~aqsgd.pipeline.runner.StageRunner.set_link` on every stage this process owns (those that
+        have no side of boundary ``b`` keep it for nothing)."""
+        for runner in self.runners.values():
+            runner.set_link(b, channel, codec=codec, probe=probe, compress_warmup=compress_warmup)
+
+    def probe_now(self, on: bool) -> None:
+        """Whether the probing senders (:meth:`set_link`) probe this step's message."""
+        for runner in self.runners.values():
+            runner.probe_now(on)
+
     # -- introspection -------------------------------------------------------------------------------
+    def describe_caches(self) -> str | None:
+        """How much memory (or disk) this process's AQ-SGD caches take, in words (None: none): one row per
+        training sample and boundary side, allocated whole at the first visit, often the largest memory a
+        fine-tuning run has."""
+        caches = [s.cache for s in self.schemes().values() if getattr(s, "cache", None) is not None]
+        caches = [c for c in caches if c.row_shape is not None]
+        if not caches:
+            return None
+        total = sum(c.nbytes for c in caches)
+        c = caches[0]
+        where = "on disk" if c.backend == "disk" else "in memory"
+        hint = "; --cache disk keeps them on disk" if c.backend == "memory" else ""
+        return (f"{total / 1e6:.1f} MB {where} ({len(caches)} boundary sides x {c.capacity} samples x "
+                f"{' x '.join(map(str, c.row_shape))} values){hint}")
+
     def stats(self) -> dict[int, StepStats]:
         return {i: r.stats for i, r in self.runners.items()}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from aqsgd.errors import SpecError
-from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL
+from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, DirectionSpec
 from aqsgd.train.adaptive import parse_link
 from aqsgd.train.checkpoint import CheckpointError
 from aqsgd.train.modelfiles import check_same_base
@@ -63,8 +63,8 @@ def evaluate_run(run: str | Path, *, checkpoint: int | None = None, eval_file: s
                             str(run))
         for name, spec in (levels or {}).items():
             b, direction, _ = parse_link(name)
-            for runner in trainer.engine.runners.values():
-                runner.set_codec(b, FORWARD_CHANNEL if direction == "forward" else BACKWARD_CHANNEL, spec)
+            trainer.engine.set_link(b, FORWARD_CHANNEL if direction == "forward" else BACKWARD_CHANNEL,
+                                    codec=DirectionSpec.parse(spec))
         stages = int(settings.get("stages", 1))
         files = [f"stage{i}/model.safetensors" for i in range(stages)]
         manifest.verify(files)

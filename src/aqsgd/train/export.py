@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,7 +31,10 @@ from aqsgd.train.checkpoint import CheckpointError, latest_checkpoint
 from aqsgd.train.checkpoint.layout import one_line
 from aqsgd.train.checkpoint.manifest import head
 
-__all__ = ["MODEL_FILE", "export_run", "model_description", "run_model", "load_stage_weights"]
+if TYPE_CHECKING:
+    from aqsgd.pipeline.partition import StageCut
+
+__all__ = ["MODEL_FILE", "describe_run", "export_run", "model_description", "run_model", "load_stage_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -81,21 +84,16 @@ def _description(run: Path) -> dict[str, Any]:
     return data
 
 
-def load_stage_weights(model: torch.nn.Module, checkpoint: Path, settings: dict[str, Any]) -> None:
-    """Load a checkpoint's stage files into the full ``model``: cut it into the run's stages (``settings``:
-    the run's flat config) and load each stage's verified tensors into its stage. A LoRA run's checkpoint
-    holds only the adapters (and the trained head), which ``model`` must already carry."""
+def load_stage_weights(model: torch.nn.Module, checkpoint: Path, cut: StageCut, *, lora: bool) -> None:
+    """Load a checkpoint's stage files into the full ``model``: cut it into the run's stages (``cut``) and
+    load each stage's verified tensors into its stage. A LoRA run's checkpoint (``lora``) holds only the
+    adapters (and the trained head), which ``model`` must already carry."""
     from safetensors.torch import load_file
 
-    from aqsgd.pipeline.partition import partition_model
-
     manifest, _ = head(checkpoint)
-    stages = int(settings.get("stages", 1))
-    parts = partition_model(model, stages, layers=settings.get("layers"),
-                            balance=settings.get("balance", "layers"))
-    files = [f"stage{i}/model.safetensors" for i in range(stages)]
+    parts = cut.cut(model)
+    files = [f"stage{i}/model.safetensors" for i in range(cut.stages)]
     manifest.verify(files)
-    lora = bool(settings.get("lora"))
     for i, (part, rel) in enumerate(zip(parts, files)):
         tensors = load_file(str(checkpoint / rel))
         result = part.load_state_dict(tensors, strict=False)
@@ -116,7 +114,8 @@ def run_model(run: str | Path, *, checkpoint: int | None = None) -> tuple[torch.
     evaluation mode on the CPU; with the model description and the checkpoint folder."""
     from aqsgd.models.registry import get_family
     from aqsgd.pipeline.materialize import ModelRecipe
-    from aqsgd.train.config import flatten_config
+    from aqsgd.pipeline.partition import StageCut
+    from aqsgd.train.config import PipelineSection, flatten_config
 
     run = Path(run)
     path = _checkpoint(run, checkpoint, "export")
@@ -132,11 +131,13 @@ def run_model(run: str | Path, *, checkpoint: int | None = None) -> tuple[torch.
         raise SpecError(f"{run}: its model ({recipe.kind}) is not a transformers model; its trained weights "
                         f"are the stage files {path}/stage*/model.safetensors")
     settings = flatten_config(state.get("config", {}))
+    cut = StageCut.from_flat(settings, PipelineSection())
     torch.manual_seed(0)  # the weights are all replaced; a fixed seed keeps stray buffers reproducible
     model = recipe.build("cpu")
     if settings.get("lora"):  # the checkpoint holds the adapters and the head: the base comes from its file
         from aqsgd.pipeline.materialize import load_weights
-        from aqsgd.train.lora import add_adapters
+        from aqsgd.train.config import OptimSection
+        from aqsgd.train.lora import LoraSettings, add_adapters
         from aqsgd.train.modelfiles import check_same_base, model_digest
 
         if recipe.weights is None or not Path(recipe.weights).exists():
@@ -149,8 +150,10 @@ def run_model(run: str | Path, *, checkpoint: int | None = None) -> tuple[torch.
             check_same_base(state.get("base_sha256") or described.get("base_sha256"),
                             model_digest(Path(recipe.weights), memo), recipe.weights, str(run))
         load_weights(model, recipe.weights)
-        described = {**described, "targets": add_adapters(model, settings)}
-    load_stage_weights(model, path, settings)
+        seed = int(settings.get("seed", OptimSection().seed))
+        targets = add_adapters(cut.cut(model), LoraSettings.from_flat(settings), model=model, seed=seed)
+        described = {**described, "targets": targets}
+    load_stage_weights(model, path, cut, lora=bool(settings.get("lora")))
     return model.eval(), {**described, "settings": settings}, path
 
 
@@ -281,7 +284,8 @@ def _write_export(run: Path, tmp: Path, *, checkpoint: int | None, dtype: str, l
             from aqsgd.pipeline.materialize import load_weights
 
             base = load_weights(recipe.build("cpu"), recipe.weights)  # type: ignore[arg-type]
-            wrapped = lora_.peft_model(model, base, described["settings"], described["targets"])
+            adapters = lora_.LoraSettings.from_flat(described["settings"])
+            wrapped = lora_.peft_model(model, base, adapters, described["targets"])
             wrapped.peft_config["default"].base_model_name_or_path = base_model_name(described)
             wrapped.to(to).save_pretrained(str(tmp))
         else:
@@ -317,3 +321,13 @@ def _save_tokenizer(described: dict[str, Any], out: Path) -> None:
     except Exception as e:  # noqa: BLE001 - a moved or deleted folder: the weights are still worth having
         log.warning("the tokenizer of %s could not be copied (%s: %s); the export holds the weights only",
                     folder, type(e).__name__, " ".join(str(e).split())[:200])
+
+
+def describe_run(run_dir: Path, cfg: Any, task: Any) -> None:
+    """Write what a run is into its directory: its config, its data (the label set, files and their
+    fingerprints: what the model was trained on) and its model (the architecture and where its tokenizer
+    lives: what ``aqsgd export`` rebuilds)."""
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    if task.data_info:
+        (run_dir / "data.json").write_text(json.dumps(task.data_info, indent=1))
+    (run_dir / MODEL_FILE).write_text(json.dumps(model_description(task), indent=1))

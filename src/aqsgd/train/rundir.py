@@ -274,3 +274,4 @@ def last_logged_step(run_dir: Path) -> int | None:
         if isinstance(row, dict) and row.get("kind") == "train" and isinstance(row.get("step"), int):
             step = row["step"]
     return step
+
