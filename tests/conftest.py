@@ -196,3 +196,13 @@ def full_disk(monkeypatch):
         monkeypatch.setattr(builtins, "open", open_)
 
     return fill
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests (tiny models run faster so than with two, above all on a busy
+    machine); the count is put back after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

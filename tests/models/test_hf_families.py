@@ -47,13 +47,8 @@ MICRO_BATCHES = 2
 Batch = dict[str, torch.Tensor]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The models are tiny: one intra-op thread is faster than two, above all on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models: one intra-op thread is faster than two, above all on a busy machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,8 @@ FAMILIES = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "gemma
 AUTO_DEFAULT = {("llama", True, 2)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster than two, above all on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models: one intra-op thread is faster than two, above all on a busy machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
