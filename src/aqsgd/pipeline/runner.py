@@ -111,6 +111,9 @@ class StepStats:
     bytes_sent: dict[str, int] = dataclasses.field(default_factory=lambda: {"forward": 0, "backward": 0})
     packets_sent: dict[str, int] = dataclasses.field(default_factory=lambda: {"forward": 0, "backward": 0})
     raw_bytes: dict[str, int] = dataclasses.field(default_factory=lambda: {"forward": 0, "backward": 0})
+    # token positions sent (text), and how many of them were padding
+    tokens_sent: dict[str, int] = dataclasses.field(default_factory=lambda: {"forward": 0, "backward": 0})
+    pad_tokens_sent: dict[str, int] = dataclasses.field(default_factory=lambda: {"forward": 0, "backward": 0})
     compute_s: float = 0.0
     encode_s: float = 0.0
     decode_s: float = 0.0
@@ -121,10 +124,27 @@ class StepStats:
             self.bytes_sent[k] += other.bytes_sent[k]
             self.packets_sent[k] += other.packets_sent[k]
             self.raw_bytes[k] += other.raw_bytes[k]
+            self.tokens_sent[k] += other.tokens_sent[k]
+            self.pad_tokens_sent[k] += other.pad_tokens_sent[k]
         self.compute_s += other.compute_s
         self.encode_s += other.encode_s
         self.decode_s += other.decode_s
         self.wait_s += other.wait_s
+
+
+def _real_rows(grid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The rows of a ``[rows, length, ...]`` stage output at the flat ``positions`` of the micro-batch's real
+    tokens: ``[real tokens, ...]``, what crosses the boundary (differentiable: the backward scatters the
+    received gradient into the grid, zeros at the pad positions, whose outputs reach no loss)."""
+    return grid.reshape(-1, *grid.shape[2:]).index_select(0, positions)
+
+
+def _into_grid(rows: torch.Tensor, positions: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The received real-token rows put back at their ``positions`` of a ``[rows, length, ...]`` grid of zeros
+    (``shape``: the micro-batch's ``input_ids`` shape); the inverse of :func:`_real_rows`, and
+    differentiable, so that the gradient sent back is again one row per real token."""
+    flat = rows.new_zeros((shape[0] * shape[1], *rows.shape[1:]))
+    return flat.index_copy(0, positions, rows).view(shape[0], shape[1], *rows.shape[1:])
 
 
 def forward_plan(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
@@ -340,10 +360,14 @@ class StageRunner:
         self._prefetched.add(mb)
         for s in self.schemes.values():
             if isinstance(s, DeltaScheme):
-                s.prefetch(self.microbatches[mb]["sample_ids"])
+                s.prefetch(self._ids(mb))
 
     def _ids(self, mb: int) -> torch.Tensor | None:
-        return self.microbatches[mb].get("sample_ids")
+        """The ids of what micro-batch ``mb`` sends across a boundary: its real tokens' (examples of their own
+        lengths, see :func:`_real_rows`), else its samples'."""
+        batch = self.microbatches[mb]
+        ids = batch.get("token_ids")
+        return ids if ids is not None else batch.get("sample_ids")
 
     def _label(self, what: str, mb: int | None = None) -> record_function | contextlib.nullcontext:
         """The profiler label ``stage{i} {what} mb{mb}`` (``stage{i} {what}`` without a micro-batch), made
@@ -405,11 +429,17 @@ class StageRunner:
                 if keep:
                     # the stage's hook: it keeps its latest logits in last_logits
                     self.module.keep_logits = True
+                positions = batch.get("token_positions")
+                hidden = self.inputs.get(mb)
+                if positions is not None and hidden is not None:  # the real tokens back into their grid
+                    hidden = _into_grid(hidden, positions, batch["input_ids"].shape)
                 try:
-                    out = self.module(self.inputs.get(mb), batch)
+                    out = self.module(hidden, batch)
                 finally:
                     if keep:
                         self.module.keep_logits = False
+                if positions is not None and not self.is_last:  # only the real tokens cross
+                    out = _real_rows(out, positions)
             if self.is_last:
                 self.losses[mb] = out.detach()
                 if keep:
@@ -436,7 +466,8 @@ class StageRunner:
         if kind is BACKWARD:
             out = self.outputs.pop(mb)
             if self.is_last:
-                grad = torch.full_like(out, self.loss_scale / len(self.microbatches))
+                weight = batch.get("loss_weight", 1.0)  # the micro-batch's share of the pass's loss tokens
+                grad = torch.full_like(out, self.loss_scale * weight / len(self.microbatches))
             else:
                 grad = self.out_grads.pop(mb).to(out.dtype)
             torch.autograd.backward(out, grad_tensors=grad)
@@ -530,6 +561,11 @@ class StageRunner:
         self.stats.bytes_sent[name] += sum(p.nbytes for p in packets)
         self.stats.packets_sent[name] += len(packets)
         self.stats.raw_bytes[name] += x.numel() * x.element_size()
+        real = self.microbatches[mb].get("real_tokens")
+        if real is not None and x.dim() >= 2:  # text: the token positions sent, and how many were padding
+            sent = x.numel() // x.shape[-1]
+            self.stats.tokens_sent[name] += sent
+            self.stats.pad_tokens_sent[name] += sent - int(real)
 
     def end_step(self) -> torch.Tensor | None:
         """Finish a step: wait for outstanding sends, then raise the error of a failed check of received data
@@ -548,7 +584,11 @@ class StageRunner:
         self.stats.wait_s += time.perf_counter() - t0
         self._raise_pending()
         if self.is_last and self.losses:
-            return torch.stack([self.losses[mb] for mb in sorted(self.losses)]).mean()
+            losses = torch.stack([self.losses[mb] for mb in sorted(self.losses)])
+            if "loss_weight" in self.microbatches[0]:  # weighed by loss tokens: the pass's mean per token
+                weights = [float(self.microbatches[mb]["loss_weight"]) for mb in sorted(self.losses)]
+                return (losses * losses.new_tensor(weights)).mean()
+            return losses.mean()
         return None
 
     def step(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.TRAIN, *,

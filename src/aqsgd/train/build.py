@@ -117,16 +117,19 @@ class Built:
 
 
 def build_engine(cfg: TrainConfig, task: TaskSetup, *, grid: ProcessGrid | None, run_dir: Path,
-                 total_steps: int, links: LinkController, profiling: bool = False) -> Built:
+                 total_steps: int, links: LinkController, profiling: bool = False,
+                 cache_ids: int | None = None) -> Built:
     """The stages this process owns (all of them without ``grid``, its own one with it) and their engine.
-    ``profiling`` (``--balance measured``): stages whose compute is timed, with uncompressed boundaries."""
+    ``profiling`` (``--balance measured``): stages whose compute is timed, with uncompressed boundaries.
+    ``cache_ids``: how many ids per-sample state is keyed by (:meth:`~aqsgd.train.feed.DataFeed.cache_ids`:
+    the training set's real tokens where only those cross; default its samples)."""
     p, o = cfg.pipeline, cfg.optim
     # locally every stage computes on one device; distributed, each process on cuda:(LOCAL_RANK mod GPUs)
     device = resolve_device(p.device, distributed=grid is not None)
     check_backends(device, p.p2p_backend, p.dp_backend)
     optim = OptimConfig(o.optimizer, o.lr, o.weight_decay, int(o.lr_warmup * total_steps), total_steps,
                         o.max_grad_norm)
-    comp = _compression(cfg, len(task.train), run_dir, grid, links)
+    comp = _compression(cfg, len(task.train) if cache_ids is None else cache_ids, run_dir, grid, links)
     if profiling:  # no codec and no cache: neither takes time nor writes files while stages are timed
         comp = CompressionConfig.simple("none", "none")
     autocast = torch.bfloat16 if compute_dtype(o.dtype, device) == "bf16" else None

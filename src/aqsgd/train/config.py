@@ -203,6 +203,11 @@ class PipelineSection(_Section):
     twice as slow, as if it shared its cores)"""
     schedule: str = "1f1b"
     """pipeline schedule: gpipe or 1f1b"""
+    batching: str = field("auto", check=one_of("auto", "max-length", "bucket", "pack"))
+    """how examples of text become micro-batches: max-length (every example padded to --max-length, pads sent
+    between stages), bucket (examples of similar length together, each micro-batch padded to its own longest,
+    only real tokens sent), pack (examples packed into rows of --max-length tokens, each attending to itself;
+    decoders only) or auto (bucket for instruction and chat data, max-length for the rest)"""
     micro_batches: int = field(4, check=at_least(1))
     """micro-batches per pipeline pass"""
     micro_batch_size: int = field(8, check=at_least(1))
@@ -267,6 +272,15 @@ class PipelineSection(_Section):
                    self.emulate_slow_stage)
         self._check_links()
         return self
+
+    def resolved_batching(self, train: Any) -> str:
+        """``batching`` with ``auto`` resolved for the training data ``train``: ``bucket`` for examples of
+        their own lengths (instruction and chat data), else ``max-length``."""
+        from aqsgd.data.datasets.ragged import RaggedDataset
+
+        if self.batching != "auto":
+            return self.batching
+        return "bucket" if isinstance(train, RaggedDataset) else "max-length"
 
     def _check_links(self) -> None:
         """``--link`` and the backends: what needs stage processes, data parallelism or a GPU."""

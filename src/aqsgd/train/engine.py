@@ -220,7 +220,8 @@ class PipelineEngine:
     def evaluate(self, microbatches: Sequence[Batch], phase: Phase | str = Phase.EVAL, *,
                  keep_logits: bool = False) -> tuple[float | None, list[torch.Tensor] | None]:
         """Forward-only pass in eval mode; returns the loss (the micro-batch losses weighted by their sizes:
-        the mean over the samples, also where the micro-batches are uneven) and (if asked) the last stage's
+        the mean over the samples, also where the micro-batches are uneven; over the loss tokens where a
+        micro-batch counts them, ``loss_tokens``) and (if asked) the last stage's
         logits per micro-batch, where the last stage runs."""
         for m in self.stages.values():
             m.eval()
@@ -233,7 +234,7 @@ class PipelineEngine:
         logits = None
         last = self.runners.get(self.num_stages - 1)
         if last is not None and last.losses:
-            sizes = [next(iter(m.values())).shape[0] for m in microbatches]
+            sizes = [_size(m) for m in microbatches]
             losses = torch.stack([last.losses[mb].double().cpu() for mb in sorted(last.losses)])
             loss = float((losses * torch.tensor(sizes, dtype=torch.float64)).sum() / sum(sizes))
         if keep_logits and last is not None:
@@ -371,10 +372,10 @@ class PipelineEngine:
             runner.probe_now(on)
 
     # -- introspection -------------------------------------------------------------------------------
-    def describe_caches(self) -> str | None:
+    def describe_caches(self, keyed_by: str = "samples") -> str | None:
         """How much memory (or disk) this process's AQ-SGD caches take, in words (None: none): one row per
-        training sample and boundary side, allocated whole at the first visit, often the largest memory a
-        fine-tuning run has."""
+        id (``keyed_by``: training samples, or real tokens for examples of their own lengths) and boundary
+        side, allocated whole at the first visit, often the largest memory a fine-tuning run has."""
         caches = [s.cache for s in self.schemes().values() if getattr(s, "cache", None) is not None]
         caches = [c for c in caches if c.row_shape is not None]
         if not caches:
@@ -383,7 +384,7 @@ class PipelineEngine:
         c = caches[0]
         where = "on disk" if c.backend == "disk" else "in memory"
         hint = "; --cache disk keeps them on disk" if c.backend == "memory" else ""
-        return (f"{total / 1e6:.1f} MB {where} ({len(caches)} boundary sides x {c.capacity} samples x "
+        return (f"{total / 1e6:.1f} MB {where} ({len(caches)} boundary sides x {c.capacity} {keyed_by} x "
                 f"{' x '.join(map(str, c.row_shape))} values){hint}")
 
     def stats(self) -> dict[int, StepStats]:
@@ -421,3 +422,13 @@ def _shared_names(state: Mapping[str, Any]) -> list[list[str]]:
                     t.stride())
             groups.setdefault(view, []).append(name)
     return [names for names in groups.values() if len(names) > 1]
+
+
+def _size(microbatch: Batch) -> int:
+    """What a micro-batch's mean loss is a mean over: its loss tokens where it counts them (examples of their
+    own lengths), else its samples."""
+    if "loss_tokens" in microbatch:
+        return int(microbatch["loss_tokens"])
+    if "sample_ids" in microbatch:
+        return int(microbatch["sample_ids"].numel())
+    return next(iter(microbatch.values())).shape[0]

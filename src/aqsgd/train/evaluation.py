@@ -55,13 +55,15 @@ def evaluate(engine: PipelineEngine, feed: DataFeed, *, classify: bool, main_met
             n = shard["sample_ids"].numel()
             if n == 0:  # fewer samples than replicas in a last batch: every stage of this replica skips it
                 continue
-            loss, logits = engine.evaluate(feed.micro(shard), phase, keep_logits=classify)
+            micro = feed.micro(shard, training=False)
+            loss, logits = engine.evaluate(micro, phase, keep_logits=classify)
             if loss is None:
                 continue
-            sums[0] += loss * n
-            sums[1] += n
-            if classify and logits is not None:
-                sums[2:] += _counts(logits, shard["labels"])
+            weight = feed.weight(micro)  # the pass's samples, or its loss tokens
+            sums[0] += loss * weight
+            sums[1] += weight
+            if classify and logits is not None:  # in the micro-batches' order (a shard may be reordered)
+                sums[2:] += _counts(logits, torch.cat([mb["labels"] for mb in micro]))
         if not holds_loss:
             continue
         tally = dict(zip(_KEYS, replica_sum(sums).tolist()))

@@ -29,7 +29,7 @@ RESUME_MUST_MATCH = frozenset({
     "task", "model", "max_length", "max_train_samples", "model_layers", "hidden_size", "vocab_size", "stages",
     "layers", "balance", "micro_batches", "micro_batch_size", "data_parallel", "grad_sync", "grad_bucket_mb",
     "forward", "backward", "cache", "ef_key", "optimizer", "grad_accum", "seed", "lora", "lora_rank",
-    "lora_alpha", "lora_targets",
+    "lora_alpha", "lora_targets", "batching",
     # which rows are training samples: a changed split or column would turn trained samples into evaluation
     # ones (and give the cache's sample ids other rows)
     "eval_split", "text_column", "text_pair_column", "label_column", "txt_unit"})

@@ -42,6 +42,11 @@ class StageStats:
     wait_s: float = 0.0
     sync_bytes: float = 0.0  # the data-parallel gradient sync's bytes this process sent
     step_s: float = 0.0  # the step as this process timed it
+    tokens: float = 0.0  # the real tokens of its micro-batches (text)
+    fw_tokens_sent: float = 0.0  # token positions it sent forward and backward, and how many were padding
+    fw_pad_sent: float = 0.0
+    bw_tokens_sent: float = 0.0
+    bw_pad_sent: float = 0.0
     # what its links to the next stage (forward) and the previous one (backward) carried
     fw_wire_bytes: float = 0.0
     fw_busy_s: float = 0.0

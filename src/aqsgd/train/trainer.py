@@ -127,7 +127,7 @@ class Trainer:
             self.cfg = self.cfg.replace(layers=self.balance["layers"])
         self.links = LinkController(self.cfg, link_rule)
         built = build_engine(self.cfg, self.task, grid=self.grid, run_dir=self.run_dir,
-                             total_steps=self.total_steps, links=self.links)
+                             total_steps=self.total_steps, links=self.links, cache_ids=self.feed.cache_ids())
         self.engine, self.transport = built.engine, built.transport
         emulate_slow_stages(self.engine, self.cfg)
         # every replica's last stage has a loss; one of them (replica 0's) writes the metrics
@@ -136,7 +136,9 @@ class Trainer:
         self.links.attach(self.engine, self.transport, self.grid, writes_metrics=self.writes_metrics)
         self.guard = FiniteGuard(self.cfg.optim, lambda: where_to_continue(self.run_dir))
         self.position = {"epoch": 0, "batch": 0, "step": 0}
-        self.totals = {"bytes_sent": 0, "raw_bytes": 0, "grad_sync_bytes": 0, "samples": 0, "train_s": 0.0}
+        self.totals = {"bytes_sent": 0, "raw_bytes": 0, "grad_sync_bytes": 0, "samples": 0, "train_s": 0.0,
+                       "tokens": 0, "pad_tokens_sent": 0}
+        self._step_tokens: int | None = None  # this replica's real tokens in the step (text)
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None
         self.checkpoints = Checkpointer(self.run_dir, self.cfg.run, distributed=self.distributed,
@@ -338,7 +340,8 @@ class Trainer:
         self.guard.check(self.engine.skipped, self.position["step"] + 1, loss, self.engine.last_grad_norm)
         if not self._cache_stated:  # allocated by the first step's first visits
             self._cache_stated = True
-            if (caches := self.engine.describe_caches()) is not None:
+            keyed_by = "tokens" if self.feed.cache_ids() != len(self.feed.train) else "samples"
+            if (caches := self.engine.describe_caches(keyed_by)) is not None:
                 who = "" if self.grid is None else f" of stage {self.grid.stage}"
                 log.info("AQ-SGD caches%s: %s", who, caches)
         self.position.update(epoch=epoch, batch=b + self.cfg.optim.grad_accum, step=self.position["step"] + 1)
@@ -354,7 +357,9 @@ class Trainer:
         self.links.before_step(step)
         with naming_peer_failures(self.transport, f"training step {step}", self._suspects):
             try:
-                loss = self.engine.train_step(self.feed.passes(group), phase)
+                passes = self.feed.passes(group)
+                self._step_tokens = DataFeed.tokens(passes)
+                loss = self.engine.train_step(passes, phase)
             except NonFiniteError as e:  # a codec refused a NaN/Inf activation or gradient at a boundary
                 raise self.guard.diverged(step, str(e)) from None
             if loss is not None and d > 1:
@@ -382,6 +387,11 @@ class Trainer:
                               fw_raw=st.raw_bytes["forward"], bw_raw=st.raw_bytes["backward"],
                               compute_s=st.compute_s, encode_s=st.encode_s, decode_s=st.decode_s,
                               wait_s=st.wait_s, sync_bytes=self.engine.last_sync_bytes, step_s=dt,
+                              tokens=self._step_tokens or 0,
+                              fw_tokens_sent=st.tokens_sent["forward"],
+                              bw_tokens_sent=st.tokens_sent["backward"],
+                              fw_pad_sent=st.pad_tokens_sent["forward"],
+                              bw_pad_sent=st.pad_tokens_sent["backward"],
                               **self.links.measure(i))
                 for i, st in self.engine.stats().items()}
         return gather(mine, self.cfg.pipeline.stages, self.distributed)
@@ -396,18 +406,23 @@ class Trainer:
         sent = int(sum(s.fw_bytes + s.bw_bytes for s in stats))
         raw = int(sum(s.fw_raw + s.bw_raw for s in stats))
         sync = int(sum(s.sync_bytes for s in stats))
+        # real tokens of the step over every replica (each stage counts its own replica's), and the token
+        # positions sent across the boundaries that were padding
+        tokens = int(stats[0].tokens) if self._step_tokens is not None else None
+        pad = int(sum(s.fw_pad_sent + s.bw_pad_sent for s in stats))
         for key, value in (("bytes_sent", sent), ("raw_bytes", raw), ("grad_sync_bytes", sync),
-                           ("samples", samples), ("train_s", dt)):
+                           ("samples", samples), ("train_s", dt), ("tokens", tokens or 0),
+                           ("pad_tokens_sent", pad)):
             self.totals[key] += value
         if not self.writes_metrics:
             return
-        tokens = self.task.tokens_per_sample
         skipped = self.engine.skipped
         row = {
             "kind": "train", "step": self.position["step"], "epoch": epoch, "phase": phase.value,
             "loss": None if skipped else loss,
             "lr": self.engine.lr, "samples_per_s": samples / dt,
-            "tokens_per_s": samples * tokens / dt if tokens else None,
+            "tokens_per_s": tokens / dt if tokens else None,
+            "tokens": tokens, "pad_tokens_sent": pad if tokens is not None else None,
             "bytes_sent": sent, "raw_bytes": raw, "ratio": raw / sent if sent else None,
             "bytes": {name: int(s.sent) for name, s in step_sample(stats).links.items()},
             "grad_sync_bytes": sync, **links,
@@ -441,5 +456,8 @@ class Trainer:
             "traffic_saved": 1 - t["bytes_sent"] / t["raw_bytes"] if t["raw_bytes"] else None,
             "grad_sync_bytes": t["grad_sync_bytes"],
             "samples_per_s": t["samples"] / t["train_s"] if t["train_s"] else None,
+            **({"tokens_per_s": t["tokens"] / t["train_s"] if t["train_s"] else None,
+                "pad_tokens_sent": t["pad_tokens_sent"], "batching": self.feed.batching}
+               if t["tokens"] else {}),
             "wall_s": wall, "run_dir": str(self.run_dir),
         }

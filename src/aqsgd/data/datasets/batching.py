@@ -92,8 +92,9 @@ def epoch_batches(
     Every process that passes the same dataset, seed and epoch sees the same batches. The last,
     partial batch is yielded unless ``drop_last``. Each batch holds the stacked item tensors and
     ``sample_ids`` (1-D int64), the ids the AQ-SGD activation cache is indexed by. A
-    :class:`DictDataset` is gathered column-wise; any other map-style dataset must return dicts with a
-    ``sample_id`` and is collated with :func:`collate`.
+    :class:`DictDataset` (or any dataset with a ``gather(ids)``, as
+    :class:`~aqsgd.data.datasets.ragged.RaggedDataset`) is gathered column-wise; any other map-style dataset
+    must return dicts with a ``sample_id`` and is collated with :func:`collate`.
     """
     n = len(dataset)  # type: ignore[arg-type]
     num_batches(n, batch_size)  # validates batch_size
@@ -101,7 +102,8 @@ def epoch_batches(
     stop = (n // batch_size) * batch_size if drop_last else n
     for start in range(0, stop, batch_size):
         idx = order[start:min(start + batch_size, stop)]
-        if isinstance(dataset, DictDataset):
-            yield dataset.gather(idx)
+        gather = getattr(dataset, "gather", None)
+        if isinstance(dataset, DictDataset) or gather is not None:
+            yield (gather or dataset.gather)(idx)
         else:
             yield collate([dataset[int(i)] for i in idx])
