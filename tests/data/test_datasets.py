@@ -264,8 +264,8 @@ HUB_TASKS = {"wikitext-2": "wiki", "glue-cola": "bbc", "glue-qnli": "bbc", "cifa
 
 
 def test_task_registry():
-    assert set(D.task_names(offline_only=True)) == {"bbc", "wiki", "fashion-mnist", "mnist"}
-    assert set(D.task_names()) == {"bbc", "wiki", "fashion-mnist", "mnist", *HUB_TASKS}
+    assert set(D.task_names(offline_only=True)) == {"bbc", "wiki", "instruct", "fashion-mnist", "mnist"}
+    assert set(D.task_names()) == {"bbc", "wiki", "instruct", "fashion-mnist", "mnist", *HUB_TASKS}
     with pytest.raises(SpecError, match="unknown task"):
         load_task("imagenet")
     with pytest.raises(SpecError, match="unknown split"):

@@ -75,12 +75,13 @@ class TaskSection(_Section):
     """Which task (data) a run trains on, and how much of it."""
 
     name: str | None = field(None, flat="task")
-    """task: bbc (the default), wiki, fashion-mnist, mnist, synthetic-lm (offline); wikitext-2, glue-cola,
-    glue-qnli, cifar10 (hub); a task registered from Python; leave it unset to train on --train-file or
-    --dataset"""
+    """task: bbc (the default), wiki, instruct, fashion-mnist, mnist, synthetic-lm (offline); wikitext-2,
+    glue-cola, glue-qnli, cifar10 (hub); a task registered from Python; leave it unset to train on
+    --train-file or --dataset"""
     train_file: str | None = None
     """your training data: .jsonl, .json, .csv, .tsv, .txt (one document per line; see --txt-unit) or
-    .parquet; a label column makes it text classification, none makes it causal-LM fine-tuning"""
+    .parquet; a messages column, or a prompt and a response column, makes it instruction fine-tuning, a label
+    column text classification, neither causal-LM fine-tuning"""
     eval_file: str | None = None
     """your evaluation data, in the training file's format (default: --eval-split of the training data)"""
     txt_unit: str = "line"
@@ -96,6 +97,18 @@ class TaskSection(_Section):
     label_column: str | None = None
     """column holding the class label, strings or integers (default: label, where the data have it; without a
     label column the data are causal-LM text)"""
+    prompt_column: str | None = None
+    """column holding the prompts of instruction data (default: prompt, where the data have prompt and
+    response columns); the loss is on the response only"""
+    response_column: str | None = None
+    """column holding the responses of instruction data (default: response, where the data have prompt and
+    response columns)"""
+    messages_column: str | None = None
+    """column holding conversations, lists of {role, content} turns rendered with the chat template, the loss
+    on the assistant turns only (default: messages, where the data have it; in a .csv, a JSON string)"""
+    chat_template: str | None = None
+    """a Jinja chat template file for instruction data, used instead of the tokenizer's own (needed where it
+    has none); prompt/response pairs are then rendered as a user and an assistant turn"""
     eval_split: float = field(0.1, check=fraction(zero=False))
     """fraction of the training data held out for evaluation (seeded) when there is no evaluation file or
     split"""
@@ -123,9 +136,11 @@ class TaskSection(_Section):
             raise bad("task", f"{self.name!r} and --{own[0].replace('_', '-')} both name the data; give one")
         if self.eval_file is not None and self.train_file is None:
             raise bad("eval_file", "needs --train-file (the training data in the same format)")
-        for name in ("text_column", "text_pair_column", "label_column"):
+        for name in ("text_column", "text_pair_column", "label_column", "prompt_column", "response_column",
+                     "messages_column"):
             if getattr(self, name) is not None and not getattr(self, name).strip():
                 raise bad(name, "must name a column, got an empty string")
+        self._check_instruct(own)
         if self.txt_unit not in TXT_UNITS:
             raise bad("txt_unit", f"{self.txt_unit!r} is not one of {', '.join(TXT_UNITS)}")
         files = [f for f in (self.train_file, self.eval_file) if f is not None]
@@ -133,6 +148,24 @@ class TaskSection(_Section):
             raise bad("txt_unit", f"{self.txt_unit} cuts .txt files into documents, and neither --train-file "
                       "nor --eval-file is one")
         return self
+
+    def _check_instruct(self, own: list[str]) -> None:
+        """The instruction-data options: for your own data only (a named task has its own format), one
+        format (conversations or pairs), not beside --label-column, and a template file that is named."""
+        given = [n for n in ("messages_column", "prompt_column", "response_column", "chat_template")
+                 if getattr(self, n) is not None]
+        if given and not own:
+            raise bad(given[0], "is for your instruction data (--train-file or --dataset); a named task "
+                      "brings its own format")
+        if self.messages_column is not None and (self.prompt_column or self.response_column) is not None:
+            raise bad("messages_column", "names conversations, --prompt-column / --response-column "
+                      "prompt/response pairs: give one or the other")
+        columns = [n for n in given if n != "chat_template"]
+        if columns and self.label_column is not None:
+            raise bad("label_column", f"makes the data classification, --{columns[0].replace('_', '-')} "
+                      "instruction data: give one or the other")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise bad("chat_template", "must name a Jinja template file, got an empty string")
 
 
 

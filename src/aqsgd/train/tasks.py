@@ -65,7 +65,6 @@ class TaskSetup:
     train: Dataset
     eval: Dataset
     num_labels: int | None
-    tokens_per_sample: int | None  # for tokens/s (LM and text tasks)
     main_metric: str  # accuracy | perplexity | mcc
     data_info: dict[str, Any] = dataclasses.field(default_factory=dict)  # label names, files, fingerprint
     model_folder: Path | None = None  # the transformers folder the model (and its tokenizer) came from
@@ -322,7 +321,8 @@ def _largest_token_id(datasets: list[Dataset]) -> int | None:
     a dataset given from Python may compute its items)."""
     largest = -1
     for ds in datasets:
-        ids = (getattr(ds, "columns", None) or {}).get("input_ids")
+        # padded columns, or the flat token columns of examples of their own lengths
+        ids = (getattr(ds, "columns", None) or getattr(ds, "tokens", None) or {}).get("input_ids")
         if not isinstance(ids, torch.Tensor):
             return None
         if ids.numel():
@@ -396,7 +396,9 @@ def _own_data(cfg: TrainConfig) -> tuple[Dataset, Dataset, str, Path | None]:
     n_train, n_eval = sample_caps(cfg)
     common = dict(max_length=t.max_length, text_column=t.text_column, text_pair_column=t.text_pair_column,
                   label_column=t.label_column, eval_split=t.eval_split, seed=cfg.optim.seed,
-                  max_train_samples=n_train, max_eval_samples=n_eval)
+                  max_train_samples=n_train, max_eval_samples=n_eval, prompt_column=t.prompt_column,
+                  response_column=t.response_column, messages_column=t.messages_column,
+                  chat_template=t.chat_template)
     folders: dict[str, Path | None] = {}
 
     def tokenizer_for(kind: str) -> Any:  # the model's own tokenizer, once the data say which kind of model
@@ -469,9 +471,9 @@ def setup_task(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None)
         metric = "mcc"
     data_info = {k: info[k] for k in ("label_names", "train_file", "eval_file", "dataset", "fingerprint",
                                        "fingerprints", "text_column", "text_pair_column", "label_column",
-                                       "txt_unit", "rows_read")
+                                       "txt_unit", "rows_read", "format", "prompt_column", "response_column",
+                                       "messages_column", "chat_template", "truncated", "dropped")
                  if info.get(k) is not None}
     digest = None if folder is None else model_digest(folder, _cache(cfg) / "weights")
-    return TaskSetup(name, kind, recipe, train, evals, num_labels,
-                     cfg.task.max_length if kind != "image-classification" else None, metric, data_info,
-                     folder, _named_model(cfg, kind), digest)
+    return TaskSetup(name, kind, recipe, train, evals, num_labels, metric, data_info, folder,
+                     _named_model(cfg, kind), digest)

@@ -1,9 +1,11 @@
 """Map-style datasets with stable sample ids, task loaders, and a deterministic micro-batch iterator.
 
 AQ-SGD keeps one cached activation per training example, so every item carries a ``sample_id``: its
-index in the split, the same on every process. All datasets here hold their columns as tensors of one
-shape per split (text is padded/truncated or chunked to a fixed length), so an activation cache row has
-a single shape.
+index in the split, the same on every process. A :class:`DictDataset` holds its columns as tensors of one
+shape per split (text is padded/truncated or chunked to a fixed length); a :class:`RaggedDataset` holds
+examples of their own lengths (instruction and chat data: :func:`prompt_response_dataset`,
+:func:`chat_dataset`), whose micro-batches carry only real tokens across the stages
+(:mod:`aqsgd.data.datasets.ragged`).
 
 Item layouts (``dataset[i]``; :func:`epoch_batches` stacks them and adds ``sample_ids``):
 
@@ -14,8 +16,8 @@ Item layouts (``dataset[i]``; :func:`epoch_batches` stacks them and adds ``sampl
 * images (:func:`image_classification`): ``pixel_values`` ``[C, H, W]`` float32, normalised;
   ``labels`` scalar int64.
 
-Task loaders (:func:`load_task`): ``bbc``, ``wiki``, ``fashion-mnist`` and ``mnist`` come from the
-offline sources in :mod:`aqsgd.data.sources`; ``wikitext-2``, ``glue-cola``, ``glue-qnli`` and
+Task loaders (:func:`load_task`): ``bbc``, ``wiki``, ``instruct``, ``fashion-mnist`` and ``mnist`` come from
+the offline sources in :mod:`aqsgd.data.sources`; ``wikitext-2``, ``glue-cola``, ``glue-qnli`` and
 ``cifar10`` need the ``datasets`` package and the Hugging Face hub, and otherwise raise a
 :class:`~aqsgd.errors.DataSourceError` naming the offline task to use instead.
 """
@@ -40,8 +42,16 @@ from aqsgd.data.datasets.files import (
     read_records,
 )
 from aqsgd.data.datasets.hub import HUB_PROBE_TIMEOUT_S as HUB_PROBE_TIMEOUT_S
+from aqsgd.data.datasets.instruct import (
+    ChatTemplate,
+    chat_dataset,
+    instruct_pairs,
+    prompt_response_dataset,
+    read_chat_template,
+)
 from aqsgd.data.datasets.images import FASHION_MNIST_CLASSES as FASHION_MNIST_CLASSES
 from aqsgd.data.datasets.images import image_classification, read_idx
+from aqsgd.data.datasets.ragged import RaggedDataset
 from aqsgd.data.datasets.tasks import (
     SPLITS,
     TASKS,
@@ -58,15 +68,19 @@ __all__ = [
     "SPLITS",
     "SUPPORTED_EXTENSIONS",
     "TASKS",
+    "ChatTemplate",
     "DictDataset",
+    "RaggedDataset",
     "Records",
     "TaskArgs",
     "TaskSpec",
+    "chat_dataset",
     "collate",
     "data_fingerprint",
     "epoch_batches",
     "epoch_order",
     "image_classification",
+    "instruct_pairs",
     "document_separator",
     "lm_chunks",
     "load_hub_dataset",
@@ -74,7 +88,9 @@ __all__ = [
     "load_text_files",
     "load_tokenizer",
     "num_batches",
+    "prompt_response_dataset",
     "read_bbc",
+    "read_chat_template",
     "read_idx",
     "read_records",
     "read_wiki",

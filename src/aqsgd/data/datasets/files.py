@@ -13,9 +13,20 @@
 * **Causal LM**: the documents (blank ones skipped) are tokenized, joined with the document separator
   (``<|endoftext|>``, else EOS, else SEP) and cut into ``max_length``-token chunks
   (:func:`~aqsgd.data.datasets.text.lm_chunks`).
+* **Instruction data** (:mod:`aqsgd.data.datasets.instruct`, a
+  :class:`~aqsgd.data.datasets.ragged.RaggedDataset` of examples of their own lengths, the loss on the answers
+  only): the training data have a messages column (``messages_column``, default ``messages``: a list of
+  ``{"role", "content"}`` turns, rendered with the tokenizer's chat template or ``chat_template``), else both
+  a prompt and a response column (``prompt_column`` / ``response_column``, defaults ``prompt`` and
+  ``response``; ``prompt`` + ``response`` + EOS, or the two turns rendered with ``chat_template`` where one is
+  given). A column option given names a column that must exist; found columns take precedence over a
+  ``label`` column found, a ``label_column`` given over columns found (both given: an error). Lists survive
+  ``.jsonl``, ``.json`` and ``.parquet`` cells; a ``messages`` cell of a ``.csv``/``.tsv`` file is a JSON
+  string of the list. Each example keeps its first ``max_length`` tokens (``info["truncated"]`` counts those
+  cut, ``info["dropped"]`` those left without a response token, and both are logged).
 * **Evaluation data**: the evaluation file (or the hub data set's ``validation``/``test`` split) when there is
   one, else a seeded hold-out of ``eval_split`` of the training rows: stratified by label for classification,
-  a seeded choice of documents (before chunking) for causal LM.
+  a seeded choice of documents (before chunking) for causal LM, of whole examples for instruction data.
 * **Sample ids**: both splits keep the file's row order, so the same files, seed and options give the same
   datasets in the same order on every process; ``max_*_samples`` keep the first N samples (chunks for LM).
 
@@ -27,6 +38,7 @@ or hub split), e.g. ``--train-file data/train.csv: no column 'text'; the columns
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +50,8 @@ import torch
 from aqsgd.data.datasets.base import DictDataset, PathLike
 from aqsgd.data.datasets.batching import _rng, stratified_split
 from aqsgd.data.datasets.hub import _hub_probe
+from aqsgd.data.datasets.instruct import chat_dataset, prompt_response_dataset, read_chat_template
+from aqsgd.data.datasets.ragged import RaggedDataset
 from aqsgd.data.datasets.records import (
     SUPPORTED_EXTENSIONS,
     Records,
@@ -87,7 +101,11 @@ def load_text_files(
     max_train_samples: int | None = None,
     max_eval_samples: int | None = None,
     txt_unit: str = "line",
-) -> tuple[DictDataset, DictDataset]:
+    prompt_column: str | None = None,
+    response_column: str | None = None,
+    messages_column: str | None = None,
+    chat_template: PathLike | None = None,
+) -> tuple[DictDataset | RaggedDataset, DictDataset | RaggedDataset]:
     """The (train, eval) datasets of the user's data files (any of :data:`SUPPORTED_EXTENSIONS`).
 
     Args:
@@ -112,6 +130,12 @@ def load_text_files(
             ``None`` keeps all.
         txt_unit: how a ``.txt`` file is cut into documents (:data:`~aqsgd.data.datasets.records.TXT_UNITS`):
             ``line`` (one per line), ``paragraph`` (lines up to a blank line) or ``file`` (the whole file).
+        prompt_column, response_column, messages_column: the columns of instruction data (see the module
+            docstring); ``None``: ``prompt`` and ``response``, or ``messages``, where the training data have
+            them.
+        chat_template: a Jinja chat template file (``--chat-template``) for instruction data: renders the
+            ``messages`` instead of the tokenizer's own template, and prompt/response pairs as a user and an
+            assistant turn. Its contents join the ``fingerprint``.
 
     Both datasets' ``info`` hold ``kind`` (``causal-lm`` / ``sequence-classification``), ``num_labels`` and
     ``label_names`` (``None`` for LM), ``source`` (``files``), ``train_file``, ``eval_file``, the columns,
@@ -119,7 +143,8 @@ def load_text_files(
     combined with ``txt_unit`` where a ``.txt`` file is read otherwise than by line: the same file read as
     other documents gives other samples), ``fingerprints`` (per file), ``txt_unit`` (``None`` without a
     ``.txt`` file), ``rows_read`` (rows read per file), ``rows`` (source rows in this split),
-    ``split``, ``seed``, ``eval_split`` (``None`` with an evaluation file), plus the builders' metadata.
+    ``split``, ``seed``, ``eval_split`` (``None`` with an evaluation file), plus the builders' metadata
+    (for instruction data: ``format``, the columns, ``chat_template``, ``truncated``, ``dropped``).
 
     Raises a one-line :class:`~aqsgd.errors.DataFileError` for bad data, a
     :class:`~aqsgd.errors.SpecError` for a bad argument.
@@ -144,7 +169,8 @@ def load_text_files(
     return _logged(train, evals, tokenizer=tokenizer, tokenizer_for=tokenizer_for, max_length=max_length,
                    text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
                    eval_split=eval_split, seed=seed, max_train_samples=max_train_samples,
-                   max_eval_samples=max_eval_samples, info=info)
+                   max_eval_samples=max_eval_samples, info=info,
+                   instruct=_Instruct(prompt_column, response_column, messages_column, chat_template))
 
 
 def load_hub_dataset(
@@ -160,7 +186,11 @@ def load_hub_dataset(
     seed: int = 0,
     max_train_samples: int | None = None,
     max_eval_samples: int | None = None,
-) -> tuple[DictDataset, DictDataset]:
+    prompt_column: str | None = None,
+    response_column: str | None = None,
+    messages_column: str | None = None,
+    chat_template: PathLike | None = None,
+) -> tuple[DictDataset | RaggedDataset, DictDataset | RaggedDataset]:
     """The (train, eval) datasets of a Hugging Face hub data set ``spec``, ``NAME[:CONFIG]`` (``--dataset``).
 
     Loads with ``datasets.load_dataset(NAME, CONFIG)`` once the hub is known to be usable (the same quick
@@ -186,10 +216,12 @@ def load_hub_dataset(
         raise _error("--dataset", spec, f"no 'train' split; the splits are: {', '.join(names) or '(none)'}")
     eval_name = next((s for s in ("validation", "test") if s in names), None)
     train_ds = splits["train"]
+    instruct = _Instruct(prompt_column, response_column, messages_column, chat_template)
     label = label_column
-    if label is None and "label" in train_ds.column_names:
+    if label is None and "label" in train_ds.column_names and not instruct.applies(train_ds.column_names):
         label = "label"
-    wanted = [c for c in dict.fromkeys((text_column, text_pair_column, label)) if c is not None]
+    wanted = [c for c in dict.fromkeys((text_column, text_pair_column, label, *instruct.names()))
+              if c is not None]
     train = _hub_records(train_ds, spec, "train", wanted)
     evals = None if eval_name is None else _hub_records(splits[eval_name], spec, eval_name, wanted)
     feature = getattr(train_ds, "features", {}).get(label) if label is not None else None
@@ -207,7 +239,7 @@ def load_hub_dataset(
     return _logged(train, evals, tokenizer=tokenizer, tokenizer_for=tokenizer_for, max_length=max_length,
                    text_column=text_column, text_pair_column=text_pair_column, label_column=label,
                    eval_split=eval_split, seed=seed, max_train_samples=max_train_samples,
-                   max_eval_samples=max_eval_samples, info=info, class_names=class_names)
+                   max_eval_samples=max_eval_samples, info=info, class_names=class_names, instruct=instruct)
 
 
 def _hub_records(ds: Any, spec: str, split: str, wanted: Sequence[str]) -> Records:
@@ -222,7 +254,8 @@ def _hub_records(ds: Any, spec: str, split: str, wanted: Sequence[str]) -> Recor
 # --------------------------------------------------------------------------------------------------
 
 
-def _logged(train: Records, evals: Records | None, **kw: Any) -> tuple[DictDataset, DictDataset]:
+def _logged(train: Records, evals: Records | None, **kw: Any
+            ) -> tuple[DictDataset | RaggedDataset, DictDataset | RaggedDataset]:
     """:func:`_build`, with what was read and what it became in the log (tokenizing a large file takes a
     while)."""
     log.info("%s %s: %s%s; tokenizing", train.option, train.source, train.read_as,
@@ -237,7 +270,8 @@ def _build(train: Records, evals: Records | None, *, tokenizer: Any,
            tokenizer_for: Callable[[str], Any] | None, max_length: int, text_column: str,
            text_pair_column: str | None, label_column: str | None, eval_split: float, seed: int,
            max_train_samples: int | None, max_eval_samples: int | None, info: Mapping[str, Any],
-           class_names: Sequence[str] | None = None) -> tuple[DictDataset, DictDataset]:
+           class_names: Sequence[str] | None = None, instruct: _Instruct | None = None
+           ) -> tuple[DictDataset | RaggedDataset, DictDataset | RaggedDataset]:
     if not isinstance(max_length, (int, np.integer)) or max_length < 1:
         raise SpecError(f"max_length must be an integer >= 1, got {max_length!r}")
     for arg, value in (("max_train_samples", max_train_samples), ("max_eval_samples", max_eval_samples)):
@@ -247,11 +281,16 @@ def _build(train: Records, evals: Records | None, *, tokenizer: Any,
         raise SpecError(f"eval_split must be in (0, 1), got {eval_split}")
     if seed < 0:
         raise SpecError(f"seed must be >= 0, got {seed}")
-    if label_column is None and "label" in train.column_names:
+    instruct = instruct or _Instruct()
+    fmt = instruct.format(train, label_column, text_pair_column)
+    template = None if instruct.chat_template is None else read_chat_template(instruct.chat_template)
+    if template is not None:
+        info = _with_template(info, template.text)
+    if label_column is None and "label" in train.column_names and fmt is None:
         label_column = "label"
     common = {
         **info,
-        "text_column": text_column,
+        "text_column": text_column if fmt is None else None,
         "text_pair_column": text_pair_column,
         "label_column": label_column,
         "seed": seed,
@@ -260,12 +299,15 @@ def _build(train: Records, evals: Records | None, *, tokenizer: Any,
     }
     if (tokenizer is None) == (tokenizer_for is None):
         raise SpecError("give a tokenizer or tokenizer_for (not both)")
-    for name in (text_column, label_column):  # bad columns are reported before a tokenizer is loaded
+    for name in (() if fmt is not None else (text_column, label_column)):  # before a tokenizer is loaded
         if name is not None:
             train.column(name)
     if tokenizer_for is not None:
         tokenizer = tokenizer_for("causal-lm" if label_column is None else "sequence-classification")
     tok = load_tokenizer(tokenizer)
+    if fmt is not None:
+        return _build_instruct(train, evals, tok, max_length, fmt, template, eval_split, seed,
+                               max_train_samples, max_eval_samples, common)
     if label_column is None:
         return _build_lm(train, evals, tok, max_length, text_column, text_pair_column, eval_split, seed,
                          max_train_samples, max_eval_samples, common)
@@ -303,6 +345,112 @@ def _build_lm(train: Records, evals: Records | None, tok: Any, max_length: int, 
     eval_ds = _chunks(train if evals is None else evals, eval_what, eval_docs, tok, max_length, max_eval,
                       {**meta, "split": "eval", "rows": len(eval_docs)})
     return train_ds, eval_ds
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruct:
+    """The options of instruction data: the columns given (None: the default name, where the data have that
+    column) and the chat template file."""
+
+    prompt_column: str | None = None
+    response_column: str | None = None
+    messages_column: str | None = None
+    chat_template: PathLike | None = None
+
+    def names(self) -> tuple[str, ...]:
+        """The columns instruction data may be read from (a hub split is read only for the columns needed)."""
+        return (self.prompt_column or "prompt", self.response_column or "response",
+                self.messages_column or "messages")
+
+    def applies(self, names: Sequence[str]) -> bool:
+        """Whether data with the columns ``names`` are instruction data (a column given, or found)."""
+        given = (self.prompt_column, self.response_column, self.messages_column)
+        found = "messages" in names or {"prompt", "response"} <= set(names)
+        return found or any(c is not None for c in given)
+
+    def format(self, train: Records, label_column: str | None, text_pair_column: str | None
+               ) -> tuple[str, ...] | None:
+        """``("messages", column)``, ``("prompt-response", prompt, response)`` or None (not instruction data),
+        by the rule of the module docstring; the columns it names exist."""
+        pair_given = self.prompt_column is not None or self.response_column is not None
+        given = self.messages_column is not None or pair_given
+        if self.messages_column is not None and pair_given:
+            raise SpecError("--messages-column names conversations, --prompt-column / --response-column "
+                            "prompt/response pairs: give one or the other")
+        if given and label_column is not None:
+            raise SpecError(f"--label-column {label_column!r} makes the data classification and the "
+                            "instruction columns make them instruction data: give one or the other")
+        names = train.column_names
+        fmt: tuple[str, ...] | None = None
+        if self.messages_column is not None:
+            fmt = ("messages", self.messages_column)
+        elif pair_given:
+            fmt = ("prompt-response", self.prompt_column or "prompt", self.response_column or "response")
+        elif label_column is None and "messages" in names:
+            fmt = ("messages", "messages")
+        elif label_column is None and "prompt" in names and "response" in names:
+            fmt = ("prompt-response", "prompt", "response")
+        if fmt is None:
+            if self.chat_template is not None:
+                raise train.error(f"--chat-template {self.chat_template} is for instruction data, and the "
+                                  "data have neither a 'messages' column nor 'prompt' and 'response' columns "
+                                  f"(the columns are: {', '.join(names) or '(none)'})")
+            return None
+        if text_pair_column is not None:
+            raise SpecError(f"--text-pair-column {text_pair_column!r} is for sentence-pair classification, "
+                            "not instruction data")
+        for column in fmt[1:]:
+            train.column(column)
+        return fmt
+
+
+def _with_template(info: Mapping[str, Any], text: str) -> dict[str, Any]:
+    """``info`` with the chat template's contents joined to its ``fingerprint``: the same data rendered with
+    another template are other samples."""
+    fingerprint = info.get("fingerprint")
+    if fingerprint is None:
+        return dict(info)
+    return {**info, "fingerprint": _combine([fingerprint, f"chat_template={_combine([text])}"])}
+
+
+def _build_instruct(train: Records, evals: Records | None, tok: Any, max_length: int, fmt: tuple[str, ...],
+                    template: Any, eval_split: float, seed: int, max_train: int | None, max_eval: int | None,
+                    common: dict[str, Any]) -> tuple[RaggedDataset, RaggedDataset]:
+    """Instruction data: the examples of each split (the evaluation file's, else a seeded hold-out of whole
+    examples of the training rows, each split in file order)."""
+    if evals is None:
+        n = len(train)
+        k = round(n * eval_split)
+        if k == 0:
+            raise train.error(f"too few examples to hold out eval_split={eval_split} of {n} for evaluation; "
+                              "give --eval-file or raise --eval-split")
+        if k == n:
+            raise train.error(f"holding out eval_split={eval_split} of {n} examples leaves none to train on; "
+                              "lower --eval-split")
+        order = _rng(seed, 0).permutation(n)
+        parts = (_subset(train, np.sort(order[k:])), _subset(train, np.sort(order[:k])))
+    else:
+        parts = (train, evals)
+    meta = {**common, "kind": "causal-lm", "num_labels": None, "label_names": None}
+    out = []
+    for split, part, cap in (("train", parts[0], max_train), ("eval", parts[1], max_eval)):
+        kw = dict(chat_template=template, max_examples=cap, records=part,
+                  info={**meta, "split": split, "rows": len(part)},
+                  label=f"the {split} examples of {train.option} {train.source}")
+        if fmt[0] == "messages":
+            out.append(chat_dataset(part.column(fmt[1]), tok, max_length, column=fmt[1], **kw))
+        else:
+            out.append(prompt_response_dataset(part.column(fmt[1]), part.column(fmt[2]), tok, max_length,
+                                               columns=(fmt[1], fmt[2]), **kw))
+    return out[0], out[1]
+
+
+def _subset(records: Records, rows: Sequence[int]) -> Records:
+    """The rows ``rows`` of ``records`` (each still named by its place in the file)."""
+    columns = {k: [v[i] for i in rows] for k, v in records.columns.items()}
+    return Records(records.source, records.option, columns, [records.lines[i] for i in rows],
+                   unit=records.unit, column_names=records.column_names,
+                   text_limit=records.text_limit, read_as=records.read_as)
 
 
 def _documents(records: Records, column: str) -> list[str]:

@@ -71,7 +71,8 @@ class Records:
         option: the option that named the source (``--train-file``, ``--eval-file``, ``--dataset``).
         columns: column name -> one value per row, in the source's order. Values are what the format gives:
             strings for ``.csv``/``.tsv``/``.txt``, JSON values for ``.json``/``.jsonl`` (``None`` where a row
-            lacks the column), Python values for ``.parquet``.
+            lacks the column), Python values for ``.parquet``; lists and objects stay as they are (a
+            ``messages`` column of instruction data).
         column_names: every column of the source (a hub split is read only for the columns needed, so this
             may name more than ``columns`` holds).
         lines: for each row, its 1-based line number in the file (``.jsonl``, ``.csv``, ``.tsv``, ``.txt``),

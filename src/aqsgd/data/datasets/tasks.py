@@ -9,6 +9,7 @@ from typing import Any
 
 from aqsgd.data.datasets.base import DictDataset, PathLike, TaskArgs
 from aqsgd.data.datasets.images import _load_cifar10, _load_fashion_mnist, _load_mnist
+from aqsgd.data.datasets.instruct import _load_instruct
 from aqsgd.data.datasets.text import _load_bbc, _load_glue, _load_wiki, _load_wikitext2
 from aqsgd.errors import SpecError
 
@@ -33,8 +34,9 @@ def _split(split: str) -> str:
 class TaskSpec:
     """A named task: how to load it, whether it works offline and, if not, its offline stand-in.
 
-    ``loader(args: TaskArgs) -> DictDataset`` returns one split (``args.split``) with stable sample ids: the
-    same arguments must give the same samples in the same order in every process. ``kind`` is one of
+    ``loader(args: TaskArgs) -> DictDataset`` (or a :class:`~aqsgd.data.datasets.ragged.RaggedDataset`)
+    returns one split (``args.split``) with stable sample ids: the same arguments must give the same samples
+    in the same order in every process. ``kind`` is one of
     :data:`TASK_KIND_NAMES`; the loader's dataset ``info`` should hold ``num_labels`` for classification.
     """
 
@@ -51,6 +53,9 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
              "BBC News, 5 classes, MiniLM tokenizer; seeded stratified 80/20 split", _load_bbc),
     TaskSpec("wiki", "causal-lm", True,
              "Wikipedia lead sections, SmolLM2 tokenizer; last 10% of articles for eval", _load_wiki),
+    TaskSpec("instruct", "causal-lm", True,
+             "instructions made from the wiki and bbc sources (prompt/response, loss on the response), "
+             "SmolLM2 tokenizer and chat template; last 10% for eval", _load_instruct),
     TaskSpec("fashion-mnist", "image-classification", True, "Fashion-MNIST, 60k/10k", _load_fashion_mnist),
     TaskSpec("mnist", "image-classification", True, "MNIST, 60k/10k", _load_mnist),
     TaskSpec("wikitext-2", "causal-lm", False, "WikiText-2 (raw) from the hub, GPT-2 tokenizer",
@@ -114,21 +119,22 @@ def load_task(
     seed: int = 0,
     eval_fraction: float | None = None,
 ) -> DictDataset:
-    """Load one split of a named task as a :class:`DictDataset`.
+    """Load one split of a named task as a :class:`DictDataset` (``instruct``: a
+    :class:`~aqsgd.data.datasets.ragged.RaggedDataset` of examples of their own lengths).
 
     Args:
-        name: a task in :data:`TASKS` (``bbc``, ``wiki``, ``fashion-mnist``, ``mnist`` offline;
+        name: a task in :data:`TASKS` (``bbc``, ``wiki``, ``instruct``, ``fashion-mnist``, ``mnist`` offline;
             ``wikitext-2``, ``glue-cola``, ``glue-qnli``, ``cifar10`` from the hub).
         split: ``train`` or ``eval`` (aliases ``test``, ``validation``).
         cache_dir: the sources' cache (default ``$AQSGD_CACHE`` or ``~/.cache/aqsgd``); missing sources
             are prepared on first use.
         seq_len: tokens per sample for causal-LM tasks.
-        max_length: padded/truncated length for text classification.
+        max_length: padded/truncated length for text classification; tokens kept per example of ``instruct``.
         max_samples: keep only the first ``max_samples`` samples of the split (ids unchanged).
         tokenizer: a source name, tokenizer folder or tokenizer object; defaults per task (MiniLM for
-            classification, SmolLM2 for ``wiki``, GPT-2 for ``wikitext-2``).
+            classification, SmolLM2 for ``wiki`` and ``instruct``, GPT-2 for ``wikitext-2``).
         seed: seed of seeded splits (``bbc``); splits of other tasks are fixed.
-        eval_fraction: eval share of the split (``bbc`` 0.2, ``wiki`` 0.1 by default).
+        eval_fraction: eval share of the split (``bbc`` 0.2, ``wiki`` and ``instruct`` 0.1 by default).
 
     The dataset's ``info`` holds ``task``, ``split`` and the kind's metadata (``num_labels``,
     ``label_names``, ``vocab_size``, ...).

@@ -20,6 +20,7 @@ from aqsgd.data.datasets.base import DictDataset, PathLike, _Args, _max
 from aqsgd.data.datasets.batching import stratified_split
 from aqsgd.data.datasets.hub import _hub_datasets, _hub_split
 from aqsgd.data.datasets.pieces import BATCH_CHARS, count, encode, id_dtype, leading, pieces
+from aqsgd.data.datasets.ragged import RaggedDataset
 from aqsgd.data.sources import SOURCES, require
 from aqsgd.errors import DataSourceError, SpecError
 from aqsgd.logs import ProgressLog
@@ -164,8 +165,10 @@ def text_classification(
     info: Mapping[str, Any] | None = None,
     batch_texts: int = 1024,
     label: str = "texts",
-) -> DictDataset:
-    """Text (or text-pair) classification samples, padded/truncated to exactly ``max_length`` tokens.
+    ragged: bool = False,
+) -> DictDataset | RaggedDataset:
+    """Text (or text-pair) classification samples, padded/truncated to exactly ``max_length`` tokens (with
+    ``ragged``: each its own length, see :func:`_ragged_classification`).
 
     Items: ``input_ids``, ``attention_mask`` and ``token_type_ids`` (if the tokenizer makes them), each
     ``[max_length]`` int64, ``labels`` (scalar int64) and ``sample_id``. The texts are tokenized
@@ -184,6 +187,10 @@ def text_classification(
     if len(texts) != labels_t.numel() or (text_pairs is not None and len(text_pairs) != len(texts)):
         raise SpecError(f"{len(texts)} texts, {labels_t.numel()} labels"
                         + ("" if text_pairs is None else f", {len(text_pairs)} pairs"))
+    if ragged:
+        return _ragged_classification(texts, labels_t, tokenizer, max_length, text_pairs=text_pairs,
+                                      label_names=label_names, info=info, batch_texts=batch_texts,
+                                      label=label)
     if getattr(tokenizer, "pad_token_id", None) is None:
         raise SpecError("the tokenizer has no pad token; set tokenizer.pad_token first")
     progress = ProgressLog(log, f"tokenizing {label}", total=len(texts), unit="texts")
@@ -235,6 +242,101 @@ def text_classification(
             "pad_token_id": tokenizer.pad_token_id, "vocab_size": _vocab_size(tokenizer)}
     meta.update(info or {})
     return DictDataset(cols, info=meta)
+
+
+def _ragged_classification(texts: Sequence[str], labels: Tensor, tokenizer: Any, max_length: int, *,
+                           text_pairs: Sequence[str] | None, label_names: Sequence[str] | None,
+                           info: Mapping[str, Any] | None, batch_texts: int, label: str) -> RaggedDataset:
+    """:func:`text_classification` without padding: each text (or pair) tokenized as the tokenizer does it
+    for a model (special tokens included), truncated to at most ``max_length`` tokens, in a
+    :class:`~aqsgd.data.datasets.ragged.RaggedDataset`: token columns ``input_ids`` and, where the
+    tokenizer makes them, ``token_type_ids``; the value column ``labels``. A text is tokenized only as far as
+    it is kept, as in the padded form. ``info`` holds ``truncated`` (texts cut to ``max_length``),
+    ``dropped`` (texts that give no token at all, left out with a warning) and ``pad_token_id`` (the
+    tokenizer's pad id, else its EOS id)."""
+    progress = ProgressLog(log, f"tokenizing {label}", total=len(texts), unit="texts")
+    cut_right = getattr(tokenizer, "truncation_side", "right") == "right"
+    dtype = id_dtype(_vocab_size(tokenizer))
+    parts: dict[str, list[np.ndarray]] = {}
+    lengths: list[int] = []
+    kept: list[int] = []
+    counts = {"truncated": 0, "dropped": 0}
+    rows: list[int] = []
+    firsts: list[str] = []
+    seconds: list[str] = []
+    cut: list[bool] = []  # whether a text of the batch is known to be longer than what is kept
+    chars = 0
+
+    def flush(done: int) -> None:
+        nonlocal chars
+        args: tuple[Any, ...] = (firsts,) if text_pairs is None else (firsts, seconds)
+        enc = tokenizer(*args, truncation=True, max_length=max_length, verbose=False)
+        _mark_truncated(tokenizer, args, enc["input_ids"], cut, max_length)
+        for j, ids in enumerate(enc["input_ids"]):
+            if not ids:
+                counts["dropped"] += 1
+                continue
+            counts["truncated"] += cut[j]
+            parts.setdefault("input_ids", []).append(np.asarray(ids, dtype=dtype))
+            if "token_type_ids" in enc:
+                types = np.asarray(enc["token_type_ids"][j], dtype=np.int8)
+                parts.setdefault("token_type_ids", []).append(types)
+            lengths.append(len(ids))
+            kept.append(rows[j])
+        for held in (rows, firsts, seconds, cut):
+            held.clear()
+        chars = 0
+        progress.update(done)
+
+    for i, text in enumerate(texts):
+        pair = None if text_pairs is None else text_pairs[i]
+        whole = (text, pair)
+        if cut_right:
+            text, pair = _beginnings(text, pair, tokenizer, max_length)
+        rows.append(i)
+        firsts.append(text)
+        cut.append((text, pair) != whole)
+        chars += len(text)
+        if pair is not None:
+            seconds.append(pair)
+            chars += len(pair)
+        if len(firsts) >= batch_texts or chars >= BATCH_CHARS:
+            flush(i + 1)
+    if firsts:
+        flush(len(texts))
+    if counts["dropped"]:
+        log.warning("%s: %d of %d texts give no tokens and are left out", label, counts["dropped"],
+                    len(texts))
+    if counts["truncated"]:
+        log.info("%s: %d of %d texts cut to --max-length %d tokens", label, counts["truncated"], len(texts),
+                 max_length)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.as_tensor(lengths, dtype=torch.int64), 0)
+    tokens = {k: torch.from_numpy(np.concatenate(v)) for k, v in parts.items()}
+    tokens.setdefault("input_ids", torch.zeros(0, dtype=torch.int32))
+    num_labels = len(label_names) if label_names is not None else (int(labels.max()) + 1 if len(texts) else 0)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    meta = {"kind": "sequence-classification", "max_length": max_length, "num_labels": num_labels,
+            "label_names": list(label_names) if label_names is not None else None,
+            "pad_token_id": pad if pad is not None else getattr(tokenizer, "eos_token_id", None),
+            "vocab_size": _vocab_size(tokenizer), **counts}
+    meta.update(info or {})
+    return RaggedDataset(tokens, offsets, values={"labels": labels[torch.as_tensor(kept, dtype=torch.int64)]},
+                         info=meta)
+
+
+def _mark_truncated(tokenizer: Any, args: tuple[Any, ...], encoded: list[list[int]], cut: list[bool],
+                    max_length: int) -> None:
+    """Set ``cut[j]`` for the texts of the batch that ``max_length`` truncated: those that filled it are
+    tokenized again, whole (as far as they were kept before, which is short), to see whether they had
+    more."""
+    full = [j for j, ids in enumerate(encoded) if len(ids) >= max_length and not cut[j]]
+    if not full:
+        return
+    again = tuple([texts[j] for j in full] for texts in args)
+    whole = tokenizer(*again, truncation=False, verbose=False)["input_ids"]
+    for j, ids in zip(full, whole):
+        cut[j] = len(ids) > max_length
 
 
 def _beginnings(text: str, pair: str | None, tokenizer: Any, max_length: int) -> tuple[str, str | None]:
