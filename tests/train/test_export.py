@@ -117,3 +117,36 @@ def test_eval_of_a_checkpoint_gives_the_runs_numbers_and_takes_another_file(tmp_
     assert json.loads((tmp_path / "o.json").read_text())["eval"]["uncompressed"]["loss"] != pytest.approx(
         final["uncompressed"]["loss"], rel=1e-3)
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+
+def test_a_run_keeps_a_copy_of_its_chat_template(tmp_path):
+    """The --chat-template file a run names is copied into the run directory when it starts (what export and
+    generate then apply, wherever the file goes); a resumed run whose file is gone keeps its copy; a run
+    with no copy and no file is one line naming the option."""
+    from types import SimpleNamespace
+
+    from aqsgd.errors import SpecError
+    from aqsgd.train.export import CHAT_TEMPLATE_FILE, describe_run, run_chat_template
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}", encoding="utf-8")
+    recipe = SimpleNamespace(to_dict=lambda: {"kind": "qwen2"})
+    task = SimpleNamespace(data_info=None, recipe=recipe, kind="causal-lm", name="chat", model_folder=None,
+                           model_name="m", base_sha256=None)
+    cfg = SimpleNamespace(to_dict=lambda: {"task": {"chat_template": str(template)}})
+    run = tmp_path / "run"
+    run.mkdir()
+    describe_run(run, cfg, task)
+    assert (run / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8") == template.read_text(encoding="utf-8")
+    settings = {"chat_template": str(template)}
+    text = template.read_text(encoding="utf-8")
+    template.unlink()
+    describe_run(run, cfg, task)  # (resumed)
+    assert run_chat_template(run, settings) == text
+    (run / CHAT_TEMPLATE_FILE).unlink()
+    with pytest.raises(SpecError, match=f"--chat-template {template}, cannot be read") as e:
+        run_chat_template(run, settings)
+    assert "\n" not in str(e.value)
+    with pytest.raises(SpecError, match=f"--chat-template {template}: cannot read it"):
+        describe_run(run, cfg, task)
+    assert run_chat_template(run, {}) is None  # none named: the tokenizer's own applies

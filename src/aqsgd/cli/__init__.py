@@ -18,7 +18,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from aqsgd.cli import bench, codecs, data, evaluate, export, models, report, train
+    from aqsgd.cli import bench, codecs, data, evaluate, export, generate, models, report, train
 
     parser = _Parser(
         prog="aqsgd",
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.register(sub)
     export.register(sub)
     evaluate.register(sub)
+    generate.register(sub)
     _plain_descriptions(parser)
     return parser
 

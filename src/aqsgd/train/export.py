@@ -12,6 +12,11 @@ What the run was trained on is recorded when it starts, in ``RUN/model.json`` (:
 the recipe (family and config, with the run's classification head and dropout) and the folder of the
 model's tokenizer. A LoRA run is merged into the base weights (``--lora-export merged``, the default) or
 written as a PEFT adapter folder beside the base model's name (``adapter``).
+
+The export is what the run's model is used as, so it carries what using it needs: the tokenizer's chat
+template (the run's own, :func:`run_chat_template`, set on the tokenizer before it is saved: what the run was
+trained with where it named one) and the model folder's generation settings (``generation_config.json``)
+where the model the run started from has them.
 """
 
 from __future__ import annotations
@@ -34,11 +39,15 @@ from aqsgd.train.checkpoint.manifest import head
 if TYPE_CHECKING:
     from aqsgd.pipeline.partition import StageCut
 
-__all__ = ["MODEL_FILE", "describe_run", "export_run", "model_description", "run_model", "load_stage_weights"]
+__all__ = ["CHAT_TEMPLATE_FILE", "MODEL_FILE", "describe_run", "export_run", "generation_ready",
+           "load_stage_weights", "model_description", "run_chat_template", "run_model"]
 
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""A run's copy of the chat template it was trained with (``--chat-template FILE``), written when it starts:
+what export and generate use, whatever became of the file since."""
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -275,24 +284,20 @@ def _write_export(run: Path, tmp: Path, *, checkpoint: int | None, dtype: str, l
         raise SpecError(f"--lora-export {lora}: {run} is a full fine-tuning, not a LoRA run; it has no "
                         "adapters to export (leave --lora-export out)")
     lora = lora or "merged"
-    if is_lora:
-        from aqsgd.pipeline.materialize import ModelRecipe
+    template = run_chat_template(run, described["settings"])  # (a template gone: refused before the writing)
+    if is_lora and lora == "adapter":  # a PEFT folder over the model the run started from
+        from aqsgd.pipeline.materialize import ModelRecipe, load_weights
         from aqsgd.train import lora as lora_
 
         recipe = ModelRecipe.from_dict(described["recipe"])
-        if lora == "adapter":  # a PEFT folder over the model the run started from
-            from aqsgd.pipeline.materialize import load_weights
-
-            base = load_weights(recipe.build("cpu"), recipe.weights)  # type: ignore[arg-type]
-            adapters = lora_.LoraSettings.from_flat(described["settings"])
-            wrapped = lora_.peft_model(model, base, adapters, described["targets"])
-            wrapped.peft_config["default"].base_model_name_or_path = base_model_name(described)
-            wrapped.to(to).save_pretrained(str(tmp))
-        else:
-            lora_.merged(model, recipe.build("cpu")).to(to).save_pretrained(str(tmp))
+        base = load_weights(recipe.build("cpu"), recipe.weights)  # type: ignore[arg-type]
+        adapters = lora_.LoraSettings.from_flat(described["settings"])
+        wrapped = lora_.peft_model(model, base, adapters, described["targets"])
+        wrapped.peft_config["default"].base_model_name_or_path = base_model_name(described)
+        wrapped.to(to).save_pretrained(str(tmp))
     else:
-        model.to(to).save_pretrained(str(tmp))
-    _save_tokenizer(described, tmp)
+        generation_ready(model, described).to(to).save_pretrained(str(tmp))
+    _save_tokenizer(described, tmp, template)
     files = sorted(p.name for p in tmp.iterdir()) + [EXPORT_MARKER]
     (tmp / EXPORT_MARKER).write_text(json.dumps(
         {"run": str(run.resolve()), "checkpoint": path.name, "dtype": dtype,
@@ -309,7 +314,54 @@ def base_model_name(described: dict[str, Any]) -> str | None:
     return described.get("model") or described.get("model_folder")
 
 
-def _save_tokenizer(described: dict[str, Any], out: Path) -> None:
+def generation_ready(model: torch.nn.Module, described: dict[str, Any]) -> torch.nn.Module:
+    """The run's model (from :func:`run_model`, with its ``described``) as one plain transformers model: a
+    LoRA run's adapters merged into a fresh copy of the architecture, and a causal LM given the generation
+    settings of the model folder it started from (its ``generation_config.json``: an instruct model's end
+    tokens, its sampling defaults), where that folder has them. What ``save_pretrained`` writes as the
+    export, and what ``aqsgd generate`` runs."""
+    if described["settings"].get("lora"):
+        from aqsgd.pipeline.materialize import ModelRecipe
+        from aqsgd.train import lora as lora_
+
+        model = lora_.merged(model, ModelRecipe.from_dict(described["recipe"]).build("cpu")).eval()
+    folder = described.get("model_folder")
+    can_generate = getattr(model, "can_generate", None)
+    if folder is None or not callable(can_generate) or not can_generate():
+        return model
+    file = Path(folder) / "generation_config.json"
+    if file.is_file():
+        from transformers import GenerationConfig
+
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(folder)
+        except Exception as e:  # noqa: BLE001 - the weights do not depend on it: said, and the model's own kept
+            log.warning("%s could not be read (%s); the model's generation settings are those of its config",
+                        file, one_line(e))
+    return model
+
+
+def run_chat_template(run: Path, settings: dict[str, Any]) -> str | None:
+    """The chat template ``run`` was trained with (``settings``: its flat settings): its copy in the run
+    directory (:data:`CHAT_TEMPLATE_FILE`), else the file its ``--chat-template`` names; None where it named
+    none (the tokenizer's own then applies). A named file that is gone, with no copy: one line."""
+    copy = run / CHAT_TEMPLATE_FILE
+    if copy.is_file():
+        return copy.read_text(encoding="utf-8")
+    named = settings.get("chat_template")
+    if not named:
+        return None
+    try:
+        return Path(named).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecError(f"{run}: the chat template it was trained with, --chat-template {named}, cannot be "
+                        f"read ({one_line(e)}) and the run holds no copy ({CHAT_TEMPLATE_FILE}); put the "
+                        f"file back there or copy it to {copy}") from None
+
+
+def _save_tokenizer(described: dict[str, Any], out: Path, template: str | None = None) -> None:
+    """The run's tokenizer into ``out``, with ``template`` (the run's chat template) as its chat template
+    where there is one, so that a plain ``AutoTokenizer.from_pretrained(out)`` applies it."""
     folder = described.get("model_folder")
     if folder is None:
         log.warning("the run's model has no tokenizer folder (a bundled random model): none is exported")
@@ -317,17 +369,42 @@ def _save_tokenizer(described: dict[str, Any], out: Path) -> None:
     from transformers import AutoTokenizer
 
     try:
-        AutoTokenizer.from_pretrained(folder).save_pretrained(str(out))
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        if template is not None:
+            tokenizer.chat_template = template
+        tokenizer.save_pretrained(str(out))
     except Exception as e:  # noqa: BLE001 - a moved or deleted folder: the weights are still worth having
-        log.warning("the tokenizer of %s could not be copied (%s: %s); the export holds the weights only",
-                    folder, type(e).__name__, " ".join(str(e).split())[:200])
+        log.warning("the tokenizer of %s could not be copied (%s: %s); the export holds the weights only%s",
+                    folder, type(e).__name__, " ".join(str(e).split())[:200],
+                    " (and not the run's chat template)" if template is not None else "")
 
 
 def describe_run(run_dir: Path, cfg: Any, task: Any) -> None:
     """Write what a run is into its directory: its config, its data (the label set, files and their
-    fingerprints: what the model was trained on) and its model (the architecture and where its tokenizer
-    lives: what ``aqsgd export`` rebuilds)."""
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    fingerprints: what the model was trained on), its model (the architecture and where its tokenizer
+    lives: what ``aqsgd export`` rebuilds) and a copy of its chat template (:data:`CHAT_TEMPLATE_FILE`)
+    where it names one."""
+    config = cfg.to_dict()
+    (run_dir / "config.json").write_text(json.dumps(config, indent=1))
     if task.data_info:
         (run_dir / "data.json").write_text(json.dumps(task.data_info, indent=1))
     (run_dir / MODEL_FILE).write_text(json.dumps(model_description(task), indent=1))
+    _copy_chat_template(run_dir, config)
+
+
+def _copy_chat_template(run_dir: Path, config: dict[str, Any]) -> None:
+    """Copy the run's ``--chat-template`` file (``config``: its nested config) into ``run_dir``, so that
+    export and generate apply the template it was trained with even once the file has moved or changed. A
+    resumed run whose file is gone keeps the copy it made when it started."""
+    from aqsgd.train.config import flatten_config
+
+    named = flatten_config(config).get("chat_template")
+    if not named:
+        return
+    try:
+        text = Path(named).read_text(encoding="utf-8")
+    except OSError as e:
+        if (run_dir / CHAT_TEMPLATE_FILE).is_file():
+            return
+        raise SpecError(f"--chat-template {named}: cannot read it ({one_line(e)})") from None
+    (run_dir / CHAT_TEMPLATE_FILE).write_text(text, encoding="utf-8")
