@@ -4,6 +4,7 @@ the checks that read two sections, and every bad value gives one line naming its
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from aqsgd.train.config import (
     RunSection,
     TaskSection,
     TrainConfig,
+    load_toml,
 )
 
 BAD = [
@@ -325,3 +327,11 @@ def test_checks_across_sections_are_the_configs(flat, line):
     for name in ("task", "model", "pipeline", "compression", "optim", "run"):
         getattr(config, name).validate()
     assert _error(flat) == line
+
+
+@pytest.mark.parametrize("preset", sorted((Path(__file__).parents[2] / "configs").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_preset_in_configs_loads(preset):
+    """The presets the docs point to are valid settings (every key known, every value in range)."""
+    cfg = TrainConfig.of(**load_toml(preset)).validate()
+    assert cfg.task.max_length >= 1
