@@ -180,6 +180,15 @@ def test_train_overwrite_refuses_a_model_folder_or_a_run_holding_the_users_files
         (runs / "b" / "notes.txt").unlink()
 
 
+def test_train_overwrite_takes_the_runs_own_chat_template_copy(tmp_path):
+    """A run trained with --chat-template holds a copy of it (chat_template.jinja): its own entry, which
+    --overwrite replaces like the rest of the run."""
+    Trainer(_cfg(tmp_path, run_name="r", max_steps=1, checkpoint_every=0)).run()
+    (tmp_path / "r" / "chat_template.jinja").write_text("{{ messages }}")
+    Trainer(_cfg(tmp_path, run_name="r", max_steps=1, checkpoint_every=0, overwrite=True)).run()
+    assert not (tmp_path / "r" / "chat_template.jinja").exists()
+
+
 def test_train_overwrite_refuses_the_working_directory(tmp_path, monkeypatch):
     Trainer(_cfg(tmp_path, run_name="r", max_steps=1)).run()
     monkeypatch.chdir(tmp_path / "r")
