@@ -38,6 +38,11 @@ TASKS: dict[str, dict[str, Any]] = {
     "smollm2-wiki": dict(task="wiki", model="smollm2", max_length=32, max_train_samples=256,
                          max_eval_samples=64, stages=4, micro_batches=2, micro_batch_size=4, epochs=4,
                          warmup_epochs=1, lr=5e-5),
+    # instruction tuning (the `instruct` study): SmolLM2 whole, examples of their own lengths cut to 128
+    # tokens (bucketed: only real tokens cross), the loss and perplexity on the responses only
+    "smollm2-instruct": dict(task="instruct", model="smollm2", max_length=128, max_train_samples=96,
+                             max_eval_samples=32, stages=4, micro_batches=2, micro_batch_size=4, epochs=3,
+                             warmup_epochs=1, lr=5e-5),
     # a smoke test of the study itself (seconds; a random-token LM, no data source needed)
     "synthetic-lm": dict(task="synthetic-lm", max_length=12, max_train_samples=48, max_eval_samples=16,
                          stages=3, micro_batches=2, micro_batch_size=4, epochs=3, warmup_epochs=1, lr=3e-3),
@@ -74,9 +79,16 @@ FEWER_BITS_SETTINGS: dict[str, list[str]] = {
 _LORA = ["fp32", "lora fp32", "lora aqsgd fw2/bw4 l2", "lora aqsgd fw2/bw4 rot zstd"]
 LORA_SETTINGS: dict[str, list[str]] = {"minilm-bbc": _LORA, "smollm2-wiki": _LORA,
                                        "synthetic-lm": ["fp32", "lora fp32", "lora aqsgd fw2/bw4 l2"]}
+# the `instruct` study: fp32, aqsgd train's default setting and the entropy-coded deltas, full fine-tuning and
+# LoRA, on instruction data
+INSTRUCT_SETTINGS: dict[str, list[str]] = {
+    "smollm2-instruct": ["fp32", "aqsgd fw2/bw4 l2", "aqsgd fw2 ec/bw4 rot", "lora fp32",
+                         "lora aqsgd fw2/bw4 l2", "lora aqsgd fw2 ec/bw4 rot"],
+}
 #: the studies there are: their default settings per task (their result files are named ``<study>-<task>``)
 STUDIES: dict[str, dict[str, list[str]]] = {"convergence": DEFAULT_SETTINGS,
-                                            "fewer-bits": FEWER_BITS_SETTINGS, "lora": LORA_SETTINGS}
+                                            "fewer-bits": FEWER_BITS_SETTINGS, "lora": LORA_SETTINGS,
+                                            "instruct": INSTRUCT_SETTINGS}
 
 
 def _slug(name: str) -> str:

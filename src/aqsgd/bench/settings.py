@@ -95,6 +95,8 @@ SETTINGS: dict[str, Setting] = {
     "lora aqsgd fw2/bw4 l2": Setting("delta:q2:l2", "direct:q4", {"lora": True}, lr_factor=10.0),
     "lora aqsgd fw2/bw4 rot zstd": Setting("delta:q2:rot64:l2:midrise:zstd", "direct:q4:rot64:l2:zstd",
                                            {"lora": True}, lr_factor=10.0),
+    "lora aqsgd fw2 ec/bw4 rot": Setting("delta:q4:rot128:step1:rc", "direct:q4:rot64:l2:zstd",
+                                         {"lora": True}, lr_factor=10.0),
     "tah-quant zstd": Setting("direct:tah:zstd", "direct:tah6:zstd"),
     # the rotated AQ-SGD row with 3-bit deltas: what one more bit does to its training-loss gap
     "aqsgd fw3/bw4 rot zstd": Setting("delta:q3:rot64:l2:midrise:zstd", "direct:q4:rot64:l2:zstd"),

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from aqsgd.cli.bench.options import add_options, ints, option, wide_console
 from aqsgd.cli.options import positive_int
+from aqsgd.errors import SpecError
 
 DESCRIPTION = ("Train every setting with the same seed, data order and steps on reduced tasks; write curves "
                "and final metrics (compression on and off at eval) as JSON, a PNG per task and a table.")
@@ -74,6 +75,10 @@ def run_convergence(args: argparse.Namespace) -> int:
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     command = args.command_line
+    for task in args.tasks:
+        if task not in STUDIES[args.study] and not args.settings:
+            raise SpecError(f"--study {args.study} has no settings for {task}; its tasks: "
+                            f"{', '.join(STUDIES[args.study])} (or give --settings)")
     for task in args.tasks:
         results = run_study(task, args.runs_dir, settings=args.settings, overrides=overrides,
                             seeds=args.seeds, progress=lambda m: console.print(m), command=command,

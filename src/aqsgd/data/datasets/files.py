@@ -323,18 +323,10 @@ def _build_lm(train: Records, evals: Records | None, tok: Any, max_length: int, 
                           "the data have no label column (no 'label'; name one with --label-column)")
     docs = _documents(train, text_column)
     if evals is None:
-        n = len(docs)
-        k = round(n * eval_split)
-        if k == 0:
-            raise train.error(f"too few documents to hold out eval_split={eval_split} of {n} for evaluation; "
-                              "give --eval-file or raise --eval-split")
-        if k == n:
-            raise train.error(f"holding out eval_split={eval_split} of {n} documents leaves none to train "
-                              "on; lower --eval-split")
-        order = _rng(seed, 0).permutation(n)
-        train_docs = [docs[i] for i in np.sort(order[k:])]
-        eval_docs = [docs[i] for i in np.sort(order[:k])]
-        eval_what = f"the held-out evaluation documents ({k})"
+        kept, held = _held_out(train, len(docs), eval_split, seed, "documents")
+        train_docs = [docs[i] for i in kept]
+        eval_docs = [docs[i] for i in held]
+        eval_what = f"the held-out evaluation documents ({len(held)})"
     else:
         train_docs = docs
         eval_docs = _documents(evals, text_column)
@@ -413,22 +405,30 @@ def _with_template(info: Mapping[str, Any], text: str) -> dict[str, Any]:
     return {**info, "fingerprint": _combine([fingerprint, f"chat_template={_combine([text])}"])}
 
 
+def _held_out(train: Records, n: int, eval_split: float, seed: int,
+              what: str) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded hold-out of ``eval_split`` of ``n`` documents or examples (``what``): the positions kept for
+    training and those held out for evaluation, each in file order; none held out, or none left, is one
+    line."""
+    k = round(n * eval_split)
+    if k == 0:
+        raise train.error(f"too few {what} to hold out eval_split={eval_split} of {n} for evaluation; "
+                          "give --eval-file or raise --eval-split")
+    if k == n:
+        raise train.error(f"holding out eval_split={eval_split} of {n} {what} leaves none to train on; "
+                          "lower --eval-split")
+    order = _rng(seed, 0).permutation(n)
+    return np.sort(order[k:]), np.sort(order[:k])
+
+
 def _build_instruct(train: Records, evals: Records | None, tok: Any, max_length: int, fmt: tuple[str, ...],
                     template: Any, eval_split: float, seed: int, max_train: int | None, max_eval: int | None,
                     common: dict[str, Any]) -> tuple[RaggedDataset, RaggedDataset]:
     """Instruction data: the examples of each split (the evaluation file's, else a seeded hold-out of whole
     examples of the training rows, each split in file order)."""
     if evals is None:
-        n = len(train)
-        k = round(n * eval_split)
-        if k == 0:
-            raise train.error(f"too few examples to hold out eval_split={eval_split} of {n} for evaluation; "
-                              "give --eval-file or raise --eval-split")
-        if k == n:
-            raise train.error(f"holding out eval_split={eval_split} of {n} examples leaves none to train on; "
-                              "lower --eval-split")
-        order = _rng(seed, 0).permutation(n)
-        parts = (_subset(train, np.sort(order[k:])), _subset(train, np.sort(order[:k])))
+        kept, held = _held_out(train, len(train), eval_split, seed, "examples")
+        parts = (_subset(train, kept), _subset(train, held))
     else:
         parts = (train, evals)
     meta = {**common, "kind": "causal-lm", "num_labels": None, "label_names": None}
