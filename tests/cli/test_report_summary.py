@@ -101,3 +101,10 @@ def test_replicas_of_one_stage_keep_the_runtime(capsys, monkeypatch):
                                                  grad_sync="q8", grad_sync_bytes=4096))
     assert lines[0].strip() == "wiki · 1 stage x 2 replicas (distributed)"
     assert row(lines, "bytes sent between replicas (q8)") == "4,096"
+
+
+def test_text_runs_show_real_tokens_and_the_pads_sent(capsys, monkeypatch):
+    lines = printed(capsys, monkeypatch, summary(tokens_per_s=412.3, pad_tokens_sent=0, batching="bucket"))
+    assert row(lines, "real tokens/s (bucket)") == "412"
+    assert row(lines, "pad tokens sent between stages") == "0"
+    assert not any("tokens" in line for line in printed(capsys, monkeypatch, summary()))

@@ -156,6 +156,10 @@ def print_summary(s: dict[str, Any]) -> None:
         table.add_row(f"bytes sent between replicas ({s['grad_sync']})", f"{s['grad_sync_bytes']:,}")
     if s.get("samples_per_s"):
         table.add_row("samples/s", format_rate(s["samples_per_s"]))
+    if s.get("tokens_per_s"):  # text: real tokens, and how the examples were batched
+        table.add_row(f"real tokens/s ({s['batching']})", format_rate(s["tokens_per_s"]))
+        if stages > 1:
+            table.add_row("pad tokens sent between stages", f"{s['pad_tokens_sent']:,}")
     table.add_row("run directory", s["run_dir"])
     console = Console()
     console.print(table)
