@@ -192,6 +192,16 @@ def balance_measured(d: dict) -> list[str]:
     return out
 
 
+def batching(d: dict) -> list[str]:
+    out = ["| runtime | batching | real tokens/s | speed-up | boundary bytes per real token | at fp32 | "
+           "pad tokens sent |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        out.append(f"| {r['runtime']} | {r['batching']} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
+                   f"{r['bytes_per_token']:,.0f} | {r['fp32_bytes_per_token']:,.0f} | "
+                   f"{r['pad_tokens_sent']:,} |")
+    return out
+
+
 def gpu_check(d: dict) -> list[str]:
     """``python -m benchmarks.gpu_check run``'s report (``gpu-check.json``): the markdown the check writes."""
     from benchmarks.gpu_check import markdown
@@ -202,7 +212,8 @@ def gpu_check(d: dict) -> list[str]:
 RENDERERS = {"codecs": codecs, "codecs-cache-path": codecs_cache_path, "codecs-quality": codecs_quality,
              "codecs-quality-specs": codec_quality_specs, "pipeline": pipeline, "convergence": convergence,
              "netem": netem, "boundary_errors": boundary_errors, "vs-torch": vs_torch, "overhead": overhead,
-             "adaptive": adaptive, "balance-measured": balance_measured, "gpu-check": gpu_check}
+             "adaptive": adaptive, "balance-measured": balance_measured, "gpu-check": gpu_check,
+             "batching": batching}
 
 
 def main(paths: list[str]) -> int:
