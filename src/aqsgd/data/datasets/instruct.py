@@ -48,7 +48,7 @@ from aqsgd.data.datasets.batching import _rng
 from aqsgd.data.datasets.pieces import BATCH_CHARS, id_dtype, leading
 from aqsgd.data.datasets.ragged import IGNORE_INDEX, RaggedDataset
 from aqsgd.data.datasets.records import Records, _describe, _error, _first_line
-from aqsgd.data.datasets.text import _vocab_size, load_tokenizer
+from aqsgd.data.datasets.text import _vocab_size, bbc_articles, load_tokenizer
 from aqsgd.errors import AqsgdError, DataFileError, SpecError
 from aqsgd.logs import ProgressLog
 
@@ -575,23 +575,17 @@ def _bbc_articles(root: Path) -> list[tuple[str, str, str]]:
     order: the first line is the headline, the paragraphs after it are kept up to :data:`_BBC_BODY_CHARS`
     characters (at least one)."""
     out = []
-    for section in sorted(p.name for p in root.iterdir() if p.is_dir()):
-        for f in sorted((root / section).glob("*.txt")):
-            raw = f.read_bytes()
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                text = raw.decode("latin-1")
-            lines = [" ".join(line.split()) for line in text.splitlines()]
-            paragraphs = [line for line in lines if line]
-            if len(paragraphs) < 2:
-                continue
-            body: list[str] = []
-            for p in paragraphs[1:]:
-                if body and sum(map(len, body)) + len(p) > _BBC_BODY_CHARS:
-                    break
-                body.append(p)
-            out.append((section, paragraphs[0], "\n".join(body)))
+    for _, section, text in bbc_articles(root):
+        lines = [" ".join(line.split()) for line in text.splitlines()]
+        paragraphs = [line for line in lines if line]
+        if len(paragraphs) < 2:
+            continue
+        body: list[str] = []
+        for p in paragraphs[1:]:
+            if body and sum(map(len, body)) + len(p) > _BBC_BODY_CHARS:
+                break
+            body.append(p)
+        out.append((section, paragraphs[0], "\n".join(body)))
     return out
 
 

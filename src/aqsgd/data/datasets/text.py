@@ -397,21 +397,27 @@ def load_tokenizer(spec: Any, cache_dir: PathLike | None = None) -> Any:
 # --------------------------------------------------------------------------------------------------
 
 
-def read_bbc(root: Path) -> tuple[list[str], list[int], list[str]]:
-    """(texts, labels, class names) of the prepared BBC source, in (class, file name) order."""
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-    texts: list[str] = []
-    labels: list[int] = []
-    for label, cls in enumerate(classes):
+def bbc_articles(root: Path) -> Iterator[tuple[int, str, str]]:
+    """(class index, class name, raw text) of each article of the prepared BBC source, in (class, file name)
+    order; a file that is not UTF-8 is read as Latin-1."""
+    for label, cls in enumerate(sorted(p.name for p in root.iterdir() if p.is_dir())):
         for f in sorted((root / cls).glob("*.txt")):
             raw = f.read_bytes()
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
                 text = raw.decode("latin-1")
-            texts.append(" ".join(text.split()))
-            labels.append(label)
-    return texts, labels, classes
+            yield label, cls, text
+
+
+def read_bbc(root: Path) -> tuple[list[str], list[int], list[str]]:
+    """(texts, labels, class names) of the prepared BBC source, in (class, file name) order."""
+    texts: list[str] = []
+    labels: list[int] = []
+    for label, _, text in bbc_articles(root):
+        texts.append(" ".join(text.split()))
+        labels.append(label)
+    return texts, labels, sorted(p.name for p in root.iterdir() if p.is_dir())
 
 
 def read_wiki(root: Path) -> list[str]:
