@@ -104,6 +104,7 @@ class Family(enum.IntEnum):
     OUTLIER = 6
     ENTROPY = 7
     TAH = 8
+    SUBSPACE = 9
 
 
 @dataclasses.dataclass(frozen=True)

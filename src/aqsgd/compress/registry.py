@@ -30,6 +30,11 @@ Wrapper options, after any codec's own (see :mod:`aqsgd.compress.wrappers`): ``r
 entropy stage), ``rc`` (``q<b>`` only, optionally rotated: the codes through an order-0 rANS coder, lossless).
 They compose as ``zstd(outlier(rot(codec)))`` or ``rc(rot(codec))`` whatever their order.
 
+The subspace stage (see :mod:`aqsgd.compress.subspace`), outermost: ``pca<r>`` sends each row's ``r``
+coefficients in a basis that the boundary learns from what crosses it, compressed by the rest of the spec;
+``refresh<N>`` re-estimates the basis every N compressed messages (default 32, 0: never). It needs a
+boundary scheme to hold the basis: ``delta:q4:rot128:step1:rc:pca144``, ``ef:q4:pca192``.
+
 Examples: ``q4``, ``q2:token``, ``q3:block64:stochastic``, ``topk0.1``, ``topk0.1+q8``, ``q3:rot64:l2``,
 ``q2:l2:outlier8:zstd``.
 """
@@ -58,7 +63,8 @@ SPEC_HELP = (
     "| tah | tah<bits> "
     "(e.g. q4, q2:token, q3:block64:stochastic, topk0.1, topk0.1+q8, q3:rot64:l2, q2:l2:outlier8:zstd); "
     "scale default: max, but mean (mean |x|) for 1 bit with nearest rounding; "
-    "wrappers on any codec: :rot<G> (q only), :outlier<F>, :zstd[<level>], :rc (q only, optionally rot)"
+    "wrappers on any codec: :rot<G> (q only), :outlier<F>, :zstd[<level>], :rc (q only, optionally rot); "
+    "at a boundary, outermost: :pca<rank>[:refresh<messages>] (coefficients in a learned basis)"
 )
 _QUANT_RE = re.compile(r"q(\d+)")
 _STEP_RE = re.compile(r"step(\d*\.?\d+)")
@@ -68,6 +74,8 @@ _OUTLIER_RE = re.compile(r"outlier(\d*\.?\d+)")
 _ZSTD_RE = re.compile(r"zstd(\d*)")
 _TAH_RE = re.compile(r"tah(\d*)")
 _RC_RE = re.compile(r"rc")
+_PCA_RE = re.compile(r"pca(\d+)")
+_REFRESH_RE = re.compile(r"refresh(\d+)")
 _WRAPPERS = (("rot", _ROT_RE), ("outlier", _OUTLIER_RE), ("zstd", _ZSTD_RE), ("rc", _RC_RE))
 
 
@@ -161,6 +169,11 @@ def make_codec(spec: str, *, backend: str | None = None) -> Codec:
 @functools.lru_cache(maxsize=256)
 def _make_codec(spec: str) -> Codec:
     text = spec.strip().lower()
+    toks = text.split(":")
+    pca = [t for t in toks if _PCA_RE.fullmatch(t)]
+    refresh = [t for t in toks if _REFRESH_RE.fullmatch(t)]
+    if pca or refresh:
+        return _make_subspace(spec, [t for t in toks if t not in pca and t not in refresh], pca, refresh)
     wrappers: dict[str, re.Match] = {}
     core: list[str] = []
     for tok in text.split(":"):
@@ -200,6 +213,24 @@ def _make_codec(spec: str) -> Codec:
             raise
         raise _error(spec, str(e)) from None
     return codec
+
+
+def _make_subspace(spec: str, rest: list[str], pca: list[str], refresh: list[str]) -> Codec:
+    from aqsgd.compress.subspace import DEFAULT_REFRESH, SubspaceCodec
+
+    if len(pca) > 1 or len(refresh) > 1:
+        raise _error(spec, "option 'pca' given twice" if len(pca) > 1 else "option 'refresh' given twice")
+    if not pca:
+        raise _error(spec, "refresh<N> sets how often a pca<r> basis is re-estimated: give pca<r> too")
+    if not rest:
+        raise _error(spec, "pca<r> needs a codec for the coefficients, e.g. q4:pca64")
+    rank = int(_PCA_RE.fullmatch(pca[0]).group(1))
+    every = int(_REFRESH_RE.fullmatch(refresh[0]).group(1)) if refresh else DEFAULT_REFRESH
+    inner = _make_codec(":".join(rest))
+    try:
+        return SubspaceCodec(inner, rank, every)
+    except SpecError as e:
+        raise _error(spec, str(e)) from None
 
 
 def _make_core(spec: str, text: str) -> Codec:

@@ -34,7 +34,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aqsgd.compress import Codec, Packet, make_codec
-from aqsgd.compress.cast import RawCodec
+from aqsgd.compress.cast import CastCodec, RawCodec
+from aqsgd.compress.subspace import Subspace, SubspaceCodec
 from aqsgd.errors import PacketMismatchError, SchemeError
 
 __all__ = ["Phase", "Kind", "Side", "BoundaryScheme", "ids_tag"]
@@ -42,6 +43,8 @@ __all__ = ["Phase", "Kind", "Side", "BoundaryScheme", "ids_tag"]
 log = logging.getLogger(__name__)
 # Bytes of a generator's state by device type: a CPU generator (Mersenne Twister) holds 5056, a CUDA one
 # (Philox) its seed and offset, 16. A state of the other type was saved on another kind of device.
+_BASIS_CODEC = CastCodec("fp16")  # a subspace's basis on the wire: its fp16 values, exactly
+_BASIS_FILE, _ESTIMATE_FILE = "basis.safetensors", "basis-estimate.safetensors"
 _GENERATOR_STATE_BYTES = {"cpu": torch.Generator().get_state().numel(), "cuda": 16}
 
 
@@ -60,6 +63,7 @@ class Kind(enum.IntEnum):
     DELTA = 3  # C(x - m): AQ-SGD
     EF = 4  # C(x + e)
     EF21 = 5  # C(x - g)
+    BASIS = 6  # a new basis of the boundary's subspace (fp16), ahead of the message it encodes
 
 
 class Side(str, enum.Enum):
@@ -109,7 +113,8 @@ class BoundaryScheme(abc.ABC):
 
     def __init__(self, codec: Codec | str, side: Side | str, *, label: str = "boundary", seed: int = 0,
                  device: torch.device | str = "cpu") -> None:
-        self.codec = make_codec(codec) if isinstance(codec, str) else codec
+        self.subspace: Subspace | None = None  # the basis of a pca<r> codec (see set_codec)
+        self.codec = self._bind(make_codec(codec) if isinstance(codec, str) else codec)
         self.raw = RawCodec()
         try:
             self.side = Side(side)
@@ -229,12 +234,20 @@ class BoundaryScheme(abc.ABC):
         ids = as_ids(sample_ids, x.shape[0] if x.dim() else 1, self.needs_ids and phase in
                      (Phase.WARMUP, Phase.TRAIN), f"{self.label} ({self.name})")
         tag = ids_tag(ids, slot)
+        if self.subspace is not None:
+            self.subspace.learning = phase == Phase.TRAIN
+            if phase == Phase.WARMUP:  # what crosses in full: the first basis is estimated from it
+                self.subspace.observe(x)
         if phase == Phase.EVAL_RAW:
             packets = [self._tagged(self.raw.encode(x), tag, Kind.RAW)]
         elif phase == Phase.EVAL:
             packets = [self._tagged(self.codec.encode(x, generator=self.generator), tag, Kind.DIRECT)]
         else:
             packets = [p.with_tag(tag, p.kind) for p in self._send(x, ids, phase, slot)]
+        if self.subspace is not None:
+            basis = self.subspace.take_unsent()
+            if basis is not None:  # ahead of the message it encodes
+                packets.insert(0, self._tagged(_BASIS_CODEC.encode(basis), tag, Kind.BASIS))
         return packets
 
     def recv(self, packets: Packet | Sequence[Packet], sample_ids: torch.Tensor | Sequence[int] | None = None,
@@ -242,6 +255,7 @@ class BoundaryScheme(abc.ABC):
         """Decode the packets of one micro-batch into the tensor the next stage computes with."""
         phase = self._check(Side.RECEIVER, phase)
         packets = [packets] if isinstance(packets, Packet) else list(packets)
+        basis = packets.pop(0) if packets and packets[0].kind == Kind.BASIS else None
         if not packets:
             raise PacketMismatchError(f"{self.label}: no packets received")
         rows = packets[0].shape[0] if packets[0].shape else 1
@@ -250,13 +264,31 @@ class BoundaryScheme(abc.ABC):
         ids = as_ids(sample_ids, rows, self.needs_ids and phase in (Phase.WARMUP, Phase.TRAIN),
                      f"{self.label} ({self.name})")
         tag = ids_tag(ids, slot)
-        for p in packets:
+        for p in packets if basis is None else [basis, *packets]:
             p.expect(tag=tag, what=self.label)
+        if basis is not None:
+            self._install_basis(basis)
         if phase in (Phase.EVAL_RAW, Phase.EVAL):
             kind, codec = (Kind.RAW, self.raw) if phase == Phase.EVAL_RAW else (Kind.DIRECT, self.codec)
             self._expect_kinds(packets, [kind], phase)
             return codec.decode(packets[0])
         return self._recv(packets, ids, phase, slot)
+
+    def _install_basis(self, packet: Packet) -> None:
+        if self.subspace is None:
+            raise PacketMismatchError(f"{self.label}: received a basis, but this receiver's codec "
+                                      f"{self.codec.spec!r} has no subspace stage")
+        self.subspace.install(_BASIS_CODEC.decode(packet))
+
+    def _bind(self, codec: Codec) -> Codec:
+        """``codec`` computing with this scheme's basis, where it has a subspace stage (:mod:`aqsgd.compress
+        .subspace`): one basis per scheme, kept when the codec changes to another of the same rank."""
+        if not isinstance(codec, SubspaceCodec):
+            return codec
+        held = self.subspace
+        if held is None or (held.rank, held.refresh) != (codec.rank, codec.refresh):
+            self.subspace = codec.new_state()
+        return codec.bound(self.subspace)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors of the scheme's small state (the generator; subclasses add theirs). A cache is not part of
@@ -283,6 +315,10 @@ class BoundaryScheme(abc.ABC):
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self._saved_state().items()}, str(d / "state.safetensors"))
+        if self.subspace is not None:
+            save_file({k: v.contiguous() for k, v in self.subspace.mirrored().items()},
+                      str(d / _BASIS_FILE))
+            save_file({k: v.contiguous() for k, v in self.subspace.own().items()}, str(d / _ESTIMATE_FILE))
         (d / "scheme.json").write_text(json.dumps(self.describe(), indent=1))
 
     def load(self, directory: str | os.PathLike[str]) -> None:
@@ -298,13 +334,15 @@ class BoundaryScheme(abc.ABC):
         if meta != self.describe():
             raise SchemeError(f"{self.label}: saved scheme {meta} does not match this one {self.describe()}")
         self.load_state_dict(_load_tensors(d / "state.safetensors"))
+        if self.subspace is not None:
+            self.subspace.load(_load_tensors(d / _BASIS_FILE), _load_tensors(d / _ESTIMATE_FILE), self.device)
 
     def mirrored_state(self) -> tuple[str, ...]:
         """Paths inside :meth:`save`'s folder that the other side of the boundary saves byte for byte
         identically (a trailing ``/``: every file below). Checkpoints compare the two sides' checksums of
         these on load; stateless sides and state that only one side holds (EF's error, generators) are not
-        listed."""
-        return ()
+        listed. A subspace's basis is mirrored (the sender's estimate in progress is its own)."""
+        return (_BASIS_FILE,) if self.subspace is not None else ()
 
     def _saved_state(self) -> dict[str, torch.Tensor]:
         """The tensors :meth:`save` writes to ``state.safetensors``."""
@@ -314,7 +352,7 @@ class BoundaryScheme(abc.ABC):
         """Encode (sender) or decode (receiver) with ``codec`` from now on. Both sides of a link must switch
         between the same two packets (at a step boundary); a scheme's state (AQ-SGD's cache of activations)
         does not depend on the codec, so it stays valid."""
-        self.codec = make_codec(codec) if isinstance(codec, str) else codec
+        self.codec = self._bind(make_codec(codec) if isinstance(codec, str) else codec)
 
     def describe(self) -> dict[str, Any]:
         """Settings that both sides (and a checkpoint) must agree on."""

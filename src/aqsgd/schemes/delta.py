@@ -168,4 +168,4 @@ class DeltaScheme(BoundaryScheme):
         self.cache.load(f"{directory}/cache")
 
     def mirrored_state(self) -> tuple[str, ...]:
-        return ("cache/",)  # both sides' caches are bit-identical by construction
+        return ("cache/", *super().mirrored_state())  # both sides' caches are bit-identical by construction

@@ -161,8 +161,9 @@ class _FeedbackScheme(BoundaryScheme):
 
     def mirrored_state(self) -> tuple[str, ...]:
         if not self.two_sided:
-            return ()
-        return ("cache/",) if isinstance(self.state, SampleState) else (_SLOTS_FILE,)
+            return super().mirrored_state()
+        own = ("cache/",) if isinstance(self.state, SampleState) else (_SLOTS_FILE,)
+        return own + super().mirrored_state()
 
     def _raw(self, x: torch.Tensor) -> list[Packet]:
         return [self._tagged(self.raw.encode(x), 0, Kind.RAW)]

@@ -1,0 +1,286 @@
+"""``<codec>:pca<r>[:refresh<N>]``: a boundary's learned subspace in front of any codec.
+
+Every tensor crossing a boundary is viewed as rows of its last dimension ``D`` (a token's hidden state, or
+its gradient). Those rows are far from isotropic in a pretrained transformer: a few directions hold most of
+their energy. The subspace stage sends the ``r`` coefficients ``c = z U^T`` of each row ``z`` in an
+orthonormal basis ``U`` (``[r, D]``) instead of its ``D`` values, and the inner codec (a quantizer, rotated
+tiles, the range coder, ...) compresses the coefficients ``[rows, r]``; the receiver computes ``c_hat U``.
+At ``r = D/4`` a 4-bit quantizer sends one bit per value of ``z``.
+
+The basis is state of one boundary, one direction: a :class:`Subspace`, held by the boundary scheme on each
+side (:mod:`aqsgd.schemes.base`). Only the sender estimates it, from the rows it sends:
+
+* it sums ``z^T z`` over the rows of every message (``D x D``, float64);
+* the first basis is the top ``r`` eigenvectors of that sum (``torch.linalg.eigh``), taken at the first
+  compressed message (after the warm-up, which it observes: what crosses it in full);
+* every ``N`` compressed messages after that (``refresh<N>``, default 32; ``refresh0``: never) the basis is
+  refreshed from the rows of those ``N`` messages by two steps of subspace iteration started from the
+  current basis (``Q, _ = qr(S U^T)``): it tracks the subspace as training moves it, at ``O(D^2 r)``
+  rather than an eigendecomposition's ``O(D^3)``.
+
+A new basis is rounded to fp16 and travels once, as a packet of its own ahead of the first message it
+encodes (``r x D x 2`` bytes, counted in the traffic like every packet); both sides then compute with the
+same fp16 values, so their reconstructions are bit-identical. Each basis has a version, counted on both
+sides, that is part of the codec's fingerprint in every packet header: a receiver holding another basis
+refuses the packet (:class:`~aqsgd.errors.PacketMismatchError`) instead of decoding it wrongly.
+
+What the subspace leaves out is not lost where the scheme carries an error forward:
+
+* AQ-SGD (``delta``): the cache absorbs only what was sent (``m <- m + c_hat U``), so the part of
+  ``x - m`` outside the basis stays in the next visit's delta. It is sent once the basis covers it, and the
+  basis is re-estimated from those very deltas: a persistent residual gains energy in their sum until a
+  refresh takes it in.
+* ``ef`` / ``ef21``: the error (or estimate) is computed against the whole row, so the dropped part is
+  added to the next message of its slot (sample), which the basis is refreshed from as well.
+* ``direct`` drops it; use it for what tolerates a biased low-rank message.
+
+Payload: the inner codec's payload for the coefficients ``[numel / D, r]``. The projection is a matrix
+product (``torch.matmul``: BLAS on the CPU, cuBLAS on CUDA) on every backend; the inner codec computes with
+the kernel backend as everywhere else, so the bytes are equal on every backend of a device.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from typing import Sequence
+
+import torch
+
+from aqsgd.compress.base import Codec, numel_of
+from aqsgd.compress.packet import Family, Packet
+from aqsgd.errors import CodecError, NonFiniteError, PacketMismatchError, SpecError
+
+__all__ = ["SubspaceCodec", "Subspace", "DEFAULT_REFRESH"]
+
+DEFAULT_REFRESH = 32  # compressed messages between two refreshes of the basis
+_ITERATIONS = 2  # subspace iteration steps per refresh
+
+
+class Subspace:
+    """The basis of one boundary's direction, on one side (see the module's text).
+
+    ``basis``: ``[r, D]`` float32 holding fp16 values, or None before the first; ``version``: how many
+    bases there were. The sender's sum of ``z^T z`` and its message count since the last refresh are its
+    own state (saved in checkpoints, for an exact resume); ``captured``: the share of that sum's energy
+    the basis holds, measured at each refresh (the sender's, for reports)."""
+
+    def __init__(self, rank: int, refresh: int = DEFAULT_REFRESH) -> None:
+        self.rank, self.refresh = rank, refresh
+        self.basis: torch.Tensor | None = None
+        self.version = 0
+        self.spectrum: torch.Tensor | None = None  # eigenvalues of the first estimate, descending
+        self.captured: list[float] = []
+        self._sum: torch.Tensor | None = None
+        self._messages = 0
+        self._unsent: torch.Tensor | None = None
+        self.learning = False  # set by the scheme: whether the message now encoded is training's
+
+    @property
+    def empty(self) -> bool:
+        """Whether no row was observed since the last basis (or ever)."""
+        return self._sum is None or self._messages == 0
+
+    # -- the sender ------------------------------------------------------------------------------------
+    def observe(self, z: torch.Tensor) -> None:
+        """Add the rows of ``z`` (``[..., D]``) to the sum the next basis is estimated from."""
+        d = z.shape[-1]
+        if self.basis is not None and d != self.basis.shape[1]:
+            raise CodecError(f"pca{self.rank}: rows of {d} values, the basis has {self.basis.shape[1]}")
+        z2 = z.detach().reshape(-1, d).to(torch.float32)
+        if self._sum is None:
+            self._sum = torch.zeros((d, d), dtype=torch.float64, device=z2.device)
+        elif self._sum.shape[0] != d:
+            raise CodecError(f"pca{self.rank}: rows of {d} values after rows of {self._sum.shape[0]}")
+        self._sum += (z2.T @ z2).to(torch.float64)
+        self._messages += 1
+
+    def due(self) -> bool:
+        """Whether the next compressed message needs a new basis first."""
+        return self.basis is None or (self.refresh > 0 and self._messages >= self.refresh)
+
+    def renew(self) -> None:
+        """Estimate a new basis from the rows observed since the last one, and queue it to be sent."""
+        if self._sum is None:
+            raise CodecError(f"pca{self.rank}: no rows observed to estimate a basis from")
+        s = self._sum
+        d = s.shape[0]
+        if not bool(torch.isfinite(s).all()):
+            raise NonFiniteError(f"pca{self.rank}: the rows observed hold NaN or Inf; no basis estimated")
+        if self.rank > d:
+            raise CodecError(f"pca{self.rank}: rank {self.rank} above the {d} values of a row")
+        s = (s + s.T) * 0.5
+        if self.basis is None:
+            values, vectors = torch.linalg.eigh(s)  # ascending
+            self.spectrum = values.flip(0).clamp_min(0).to(torch.float32).cpu()
+            u = vectors[:, -self.rank:].flip(1)  # [D, r], descending energy
+        else:
+            u = self.basis.to(torch.float64).T
+            for _ in range(_ITERATIONS):
+                u, _r = torch.linalg.qr(s @ u)
+        u = _fix_signs(u.T)  # [r, D]
+        trace = float(torch.diagonal(s).sum())
+        held = float(torch.einsum("rd,de,re->", u, s, u))
+        self.captured.append(held / trace if trace > 0 else 1.0)
+        self.basis = u.to(torch.float16).to(torch.float32)
+        self.version += 1
+        self._unsent = self.basis.to(torch.float16)
+        self._sum.zero_()
+        self._messages = 0
+
+    def take_unsent(self) -> torch.Tensor | None:
+        """The fp16 basis estimated since the last call (to be sent ahead of the message it encodes)."""
+        u, self._unsent = self._unsent, None
+        return u
+
+    # -- the receiver ------------------------------------------------------------------------------------
+    def install(self, basis: torch.Tensor) -> None:
+        """Take the basis the sender sent (``[r, D]`` fp16 values)."""
+        if basis.dim() != 2 or basis.shape[0] != self.rank:
+            raise PacketMismatchError(f"pca{self.rank}: received a basis of shape {tuple(basis.shape)}, "
+                                      f"expected [{self.rank}, D]")
+        self.basis = basis.to(torch.float32)
+        self.version += 1
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def mirrored(self) -> dict[str, torch.Tensor]:
+        """What both sides hold identically: the basis and its version."""
+        if self.basis is None:
+            return {"version": torch.tensor([self.version], dtype=torch.int64)}
+        return {"basis": self.basis.cpu(), "version": torch.tensor([self.version], dtype=torch.int64)}
+
+    def own(self) -> dict[str, torch.Tensor]:
+        """The sender's estimate in progress (empty on a receiver, or before anything was observed)."""
+        if self._sum is None:
+            return {}
+        out = {"sum": self._sum.cpu(), "messages": torch.tensor([self._messages], dtype=torch.int64)}
+        if self.spectrum is not None:
+            out["spectrum"] = self.spectrum
+        if self.captured:
+            out["captured"] = torch.tensor(self.captured, dtype=torch.float64)
+        return out
+
+    def load(self, mirrored: dict[str, torch.Tensor], own: dict[str, torch.Tensor],
+             device: torch.device) -> None:
+        self.version = int(mirrored["version"][0])
+        self.basis = mirrored["basis"].to(device, torch.float32) if "basis" in mirrored else None
+        self._unsent = None
+        if "sum" in own:
+            self._sum = own["sum"].to(device, torch.float64)
+            self._messages = int(own["messages"][0])
+        self.spectrum = own.get("spectrum")
+        self.captured = own["captured"].tolist() if "captured" in own else []
+
+
+def _fix_signs(u: torch.Tensor) -> torch.Tensor:
+    """Each basis vector's sign chosen so that its largest entry is positive (eigenvectors' signs are
+    arbitrary; a fixed rule keeps consecutive bases comparable)."""
+    idx = u.abs().argmax(dim=1, keepdim=True)
+    return u * torch.sign(u.gather(1, idx)).where(u.gather(1, idx) != 0, torch.ones_like(u[:, :1]))
+
+
+class SubspaceCodec(Codec):
+    """``<inner>:pca<r>[:refresh<N>]``: coefficients in a boundary's basis, compressed by ``inner``.
+
+    As built from its spec, it describes the stage (rank, refresh, inner codec); a boundary scheme binds it
+    to its :class:`Subspace` (:meth:`bound`), which it needs to encode or decode."""
+
+    family = Family.SUBSPACE
+
+    def __init__(self, inner: Codec, rank: int, refresh: int = DEFAULT_REFRESH) -> None:
+        if not isinstance(rank, int) or rank < 1:
+            raise SpecError(f"the subspace rank must be a positive integer, got {rank!r}")
+        if not isinstance(refresh, int) or refresh < 0:
+            raise SpecError(f"the refresh interval must be a non-negative integer (0: never), got "
+                            f"{refresh!r}")
+        if isinstance(inner, SubspaceCodec):
+            raise SpecError("pca<r> given twice")
+        self.inner, self.rank, self.refresh = inner, rank, refresh
+        self.fixed_size = inner.fixed_size  # type: ignore[misc]
+        self.state: Subspace | None = None
+
+    @property
+    def spec(self) -> str:
+        spec = f"{self.inner.spec}:pca{self.rank}"
+        return spec if self.refresh == DEFAULT_REFRESH else f"{spec}:refresh{self.refresh}"
+
+    @property
+    def fingerprint(self) -> int:
+        """The spec's CRC-32 and the basis version: a packet names the basis it was encoded in."""
+        version = self.state.version if self.state is not None else 0
+        return zlib.crc32(f"{self.spec}#basis{version}".encode())
+
+    def bound(self, state: Subspace) -> SubspaceCodec:
+        """This codec computing with ``state``'s basis (a copy; this one is unchanged)."""
+        if (state.rank, state.refresh) != (self.rank, self.refresh):
+            raise SpecError(f"{self.spec}: a subspace of rank {state.rank}, refresh {state.refresh}")
+        clone = copy.copy(self)
+        clone.state = state
+        return clone
+
+    def new_state(self) -> Subspace:
+        return Subspace(self.rank, self.refresh)
+
+    def _rows(self, shape: Sequence[int]) -> tuple[int, int]:
+        if len(shape) == 0:
+            raise CodecError(f"{self.spec}: a tensor with a last dimension (rows of values), not a scalar")
+        d = int(shape[-1])
+        return (numel_of(shape) // d if d else 0), d
+
+    def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
+        rows, _ = self._rows(shape)
+        return self.inner.payload_bytes((rows, self.rank), torch.float32)
+
+    def _basis(self, d: int, device: torch.device) -> torch.Tensor:
+        state = self.state
+        if state is None:
+            raise CodecError(f"{self.spec}: a subspace codec encodes and decodes at a boundary, with the "
+                             "basis its scheme holds")
+        if state.basis is None:
+            raise CodecError(f"{self.spec}: no basis yet")
+        u = state.basis
+        if u.shape[1] != d:
+            raise CodecError(f"{self.spec}: rows of {d} values, the basis has {u.shape[1]}")
+        if u.device != device:
+            u = state.basis = u.to(device)
+        return u
+
+    def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        rows, d = self._rows(x.shape)
+        state = self.state
+        observed = False
+        if state is not None and (state.basis is None or (state.learning and state.due())):
+            if state.empty:  # nothing observed yet (no warm-up): the first basis is this message's own
+                state.observe(x)
+                observed = True
+            state.renew()
+        if self.rank > d:
+            raise CodecError(f"{self.spec}: rank {self.rank} above the {d} values of a row")
+        if rows == 0:
+            payload = self.inner._encode(x.new_zeros((0, self.rank), dtype=torch.float32), generator)
+        else:
+            u = self._basis(d, x.device)
+            c = x.reshape(rows, d).to(torch.float32) @ u.T
+            payload = self.inner._encode(c.contiguous(), generator)
+        if state is not None and state.learning and not observed:  # after the encode: a refused input adds
+            # nothing
+            state.observe(x)
+        return payload
+
+    def _decode(self, packet: Packet) -> torch.Tensor:
+        rows, d = self._rows(packet.shape)
+        if rows == 0:
+            return torch.zeros(packet.shape, dtype=packet.dtype, device=packet.payload.device)
+        u = self._basis(d, packet.payload.device)
+        c = self.inner._decode(Packet(self.inner.family, torch.float32, (rows, self.rank),
+                                      self.inner.fingerprint, packet.payload))
+        out = (c.to(torch.float32) @ u).view(packet.shape)
+        return out if packet.dtype == torch.float32 else out.to(packet.dtype)
+
+    def check_packet(self, packet: Packet) -> None:
+        if (packet.family == self.family and packet.fingerprint != self.fingerprint
+                and self.state is not None):
+            raise PacketMismatchError(
+                f"{self.spec}: packet encoded in another basis than this receiver's (version "
+                f"{self.state.version}): sender and receiver bases are out of step")
+        super().check_packet(packet)
