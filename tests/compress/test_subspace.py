@@ -36,12 +36,23 @@ def test_spec_is_canonical_and_pca_outermost():
     assert make_codec("q4:pca16:refresh32").spec == "q4:pca16"  # the default refresh is not spelled
     c = make_codec("q4:rot64:rc:pca16")
     assert isinstance(c, SubspaceCodec) and c.inner.spec == "q4:rot64:rc"
+    assert make_codec("q4:pca/4").spec == "q4:pca/4"
+
+
+def test_a_relative_rank_is_a_share_of_the_row_rounded_up():
+    codec = make_codec("q4:pca/4")
+    assert codec.rank_for(64) == 16 and codec.rank_for(576) == 144 and codec.rank_for(30) == 8
+    assert codec.payload_bytes((10, 576)) == make_codec("q4").payload_bytes((10, 144))
+    send, recv = _pair("direct", "q4:pca/4")
+    recv.recv(send.send(_low_rank(64, 16), phase="warmup"), phase="warmup")
+    recv.recv(send.send(_low_rank(8, 16)))
+    assert send.subspace.basis.shape == recv.subspace.basis.shape == (16, D)
 
 
 @pytest.mark.parametrize("spec,why", [
     ("pca16", "needs a codec for the coefficients"), ("q4:refresh8", "give pca<r> too"),
     ("q4:pca0", "positive integer"), ("q4:pca4:pca8", "'pca' given twice"),
-    ("q4:pca4:refresh1:refresh2", "'refresh' given twice"),
+    ("q4:pca4:refresh1:refresh2", "'refresh' given twice"), ("q4:pca/0", "divisor of pca/<k>"),
 ])
 def test_bad_specs_are_one_line(spec, why):
     with pytest.raises(SpecError, match=why) as e:

@@ -74,7 +74,7 @@ _OUTLIER_RE = re.compile(r"outlier(\d*\.?\d+)")
 _ZSTD_RE = re.compile(r"zstd(\d*)")
 _TAH_RE = re.compile(r"tah(\d*)")
 _RC_RE = re.compile(r"rc")
-_PCA_RE = re.compile(r"pca(\d+)")
+_PCA_RE = re.compile(r"pca(/?)(\d+)")
 _REFRESH_RE = re.compile(r"refresh(\d+)")
 _WRAPPERS = (("rot", _ROT_RE), ("outlier", _OUTLIER_RE), ("zstd", _ZSTD_RE), ("rc", _RC_RE))
 
@@ -224,11 +224,13 @@ def _make_subspace(spec: str, rest: list[str], pca: list[str], refresh: list[str
         raise _error(spec, "refresh<N> sets how often a pca<r> basis is re-estimated: give pca<r> too")
     if not rest:
         raise _error(spec, "pca<r> needs a codec for the coefficients, e.g. q4:pca64")
-    rank = int(_PCA_RE.fullmatch(pca[0]).group(1))
-    every = int(_REFRESH_RE.fullmatch(refresh[0]).group(1)) if refresh else DEFAULT_REFRESH
+    relative, number = _PCA_RE.fullmatch(pca[0]).groups()  # type: ignore[union-attr]
+    every = int(_REFRESH_RE.fullmatch(refresh[0]).group(1)) if refresh else DEFAULT_REFRESH  # type: ignore[union-attr]
     inner = _make_codec(":".join(rest))
     try:
-        return SubspaceCodec(inner, rank, every)
+        if relative:
+            return SubspaceCodec(inner, None, every, divisor=int(number))
+        return SubspaceCodec(inner, int(number), every)
     except SpecError as e:
         raise _error(spec, str(e)) from None
 

@@ -65,8 +65,10 @@ class Subspace:
     own state (saved in checkpoints, for an exact resume); ``captured``: the share of that sum's energy
     the basis holds, measured at each refresh (the sender's, for reports)."""
 
-    def __init__(self, rank: int, refresh: int = DEFAULT_REFRESH) -> None:
-        self.rank, self.refresh = rank, refresh
+    def __init__(self, rank: int | None, refresh: int = DEFAULT_REFRESH, *,
+                 divisor: int | None = None) -> None:
+        self.rank, self.divisor, self.refresh = rank, divisor, refresh
+        self.name = f"pca{rank}" if rank is not None else f"pca/{divisor}"
         self.basis: torch.Tensor | None = None
         self.version = 0
         self.spectrum: torch.Tensor | None = None  # eigenvalues of the first estimate, descending
@@ -81,17 +83,29 @@ class Subspace:
         """Whether no row was observed since the last basis (or ever)."""
         return self._sum is None or self._messages == 0
 
+    @property
+    def key(self) -> tuple[int | None, int | None, int]:
+        return self.rank, self.divisor, self.refresh
+
+    def rank_for(self, d: int) -> int:
+        """The number of coefficients of a row of ``d`` values: the rank, or ``ceil(d / divisor)``;
+        :class:`CodecError` above ``d``."""
+        r = self.rank if self.rank is not None else -(-d // self.divisor)  # type: ignore[operator]
+        if r > d:
+            raise CodecError(f"{self.name}: rank {r} above the {d} values of a row")
+        return r
+
     # -- the sender ------------------------------------------------------------------------------------
     def observe(self, z: torch.Tensor) -> None:
         """Add the rows of ``z`` (``[..., D]``) to the sum the next basis is estimated from."""
         d = z.shape[-1]
         if self.basis is not None and d != self.basis.shape[1]:
-            raise CodecError(f"pca{self.rank}: rows of {d} values, the basis has {self.basis.shape[1]}")
+            raise CodecError(f"{self.name}: rows of {d} values, the basis has {self.basis.shape[1]}")
         z2 = z.detach().reshape(-1, d).to(torch.float32)
         if self._sum is None:
             self._sum = torch.zeros((d, d), dtype=torch.float64, device=z2.device)
         elif self._sum.shape[0] != d:
-            raise CodecError(f"pca{self.rank}: rows of {d} values after rows of {self._sum.shape[0]}")
+            raise CodecError(f"{self.name}: rows of {d} values after rows of {self._sum.shape[0]}")
         self._sum += (z2.T @ z2).to(torch.float64)
         self._messages += 1
 
@@ -102,18 +116,17 @@ class Subspace:
     def renew(self) -> None:
         """Estimate a new basis from the rows observed since the last one, and queue it to be sent."""
         if self._sum is None:
-            raise CodecError(f"pca{self.rank}: no rows observed to estimate a basis from")
+            raise CodecError(f"{self.name}: no rows observed to estimate a basis from")
         s = self._sum
         d = s.shape[0]
         if not bool(torch.isfinite(s).all()):
-            raise NonFiniteError(f"pca{self.rank}: the rows observed hold NaN or Inf; no basis estimated")
-        if self.rank > d:
-            raise CodecError(f"pca{self.rank}: rank {self.rank} above the {d} values of a row")
+            raise NonFiniteError(f"{self.name}: the rows observed hold NaN or Inf; no basis estimated")
+        r = self.rank_for(d)
         s = (s + s.T) * 0.5
         if self.basis is None:
             values, vectors = torch.linalg.eigh(s)  # ascending
             self.spectrum = values.flip(0).clamp_min(0).to(torch.float32).cpu()
-            u = vectors[:, -self.rank:].flip(1)  # [D, r], descending energy
+            u = vectors[:, -r:].flip(1)  # [D, r], descending energy
         else:
             u = self.basis.to(torch.float64).T
             for _ in range(_ITERATIONS):
@@ -136,9 +149,8 @@ class Subspace:
     # -- the receiver ------------------------------------------------------------------------------------
     def install(self, basis: torch.Tensor) -> None:
         """Take the basis the sender sent (``[r, D]`` fp16 values)."""
-        if basis.dim() != 2 or basis.shape[0] != self.rank:
-            raise PacketMismatchError(f"pca{self.rank}: received a basis of shape {tuple(basis.shape)}, "
-                                      f"expected [{self.rank}, D]")
+        if basis.dim() != 2 or not basis.shape[1] or basis.shape[0] != self.rank_for(basis.shape[1]):
+            raise PacketMismatchError(f"{self.name}: received a basis of shape {tuple(basis.shape)}")
         self.basis = basis.to(torch.float32)
         self.version += 1
 
@@ -187,21 +199,26 @@ class SubspaceCodec(Codec):
 
     family = Family.SUBSPACE
 
-    def __init__(self, inner: Codec, rank: int, refresh: int = DEFAULT_REFRESH) -> None:
-        if not isinstance(rank, int) or rank < 1:
+    def __init__(self, inner: Codec, rank: int | None, refresh: int = DEFAULT_REFRESH, *,
+                 divisor: int | None = None) -> None:
+        if (rank is None) == (divisor is None):
+            raise SpecError("a subspace takes a rank or a divisor of the row's width, one of them")
+        if rank is not None and (not isinstance(rank, int) or rank < 1):
             raise SpecError(f"the subspace rank must be a positive integer, got {rank!r}")
+        if divisor is not None and (not isinstance(divisor, int) or divisor < 1):
+            raise SpecError(f"the divisor of pca/<k> must be a positive integer, got {divisor!r}")
         if not isinstance(refresh, int) or refresh < 0:
             raise SpecError(f"the refresh interval must be a non-negative integer (0: never), got "
                             f"{refresh!r}")
         if isinstance(inner, SubspaceCodec):
             raise SpecError("pca<r> given twice")
-        self.inner, self.rank, self.refresh = inner, rank, refresh
+        self.inner, self.rank, self.divisor, self.refresh = inner, rank, divisor, refresh
         self.fixed_size = inner.fixed_size  # type: ignore[misc]
         self.state: Subspace | None = None
 
     @property
     def spec(self) -> str:
-        spec = f"{self.inner.spec}:pca{self.rank}"
+        spec = f"{self.inner.spec}:" + (f"pca{self.rank}" if self.rank is not None else f"pca/{self.divisor}")
         return spec if self.refresh == DEFAULT_REFRESH else f"{spec}:refresh{self.refresh}"
 
     @property
@@ -212,14 +229,22 @@ class SubspaceCodec(Codec):
 
     def bound(self, state: Subspace) -> SubspaceCodec:
         """This codec computing with ``state``'s basis (a copy; this one is unchanged)."""
-        if (state.rank, state.refresh) != (self.rank, self.refresh):
-            raise SpecError(f"{self.spec}: a subspace of rank {state.rank}, refresh {state.refresh}")
+        if state.key != self.key:
+            raise SpecError(f"{self.spec}: a subspace of another rank or refresh ({state.name}, refresh "
+                            f"{state.refresh})")
         clone = copy.copy(self)
         clone.state = state
         return clone
 
+    @property
+    def key(self) -> tuple[int | None, int | None, int]:
+        return self.rank, self.divisor, self.refresh
+
     def new_state(self) -> Subspace:
-        return Subspace(self.rank, self.refresh)
+        return Subspace(self.rank, self.refresh, divisor=self.divisor)
+
+    def rank_for(self, d: int) -> int:
+        return Subspace(self.rank, divisor=self.divisor).rank_for(d)
 
     def _rows(self, shape: Sequence[int]) -> tuple[int, int]:
         if len(shape) == 0:
@@ -228,8 +253,8 @@ class SubspaceCodec(Codec):
         return (numel_of(shape) // d if d else 0), d
 
     def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> int:
-        rows, _ = self._rows(shape)
-        return self.inner.payload_bytes((rows, self.rank), torch.float32)
+        rows, d = self._rows(shape)
+        return self.inner.payload_bytes((rows, self.rank_for(d) if d else 0), torch.float32)
 
     def _basis(self, d: int, device: torch.device) -> torch.Tensor:
         state = self.state
@@ -254,10 +279,9 @@ class SubspaceCodec(Codec):
                 state.observe(x)
                 observed = True
             state.renew()
-        if self.rank > d:
-            raise CodecError(f"{self.spec}: rank {self.rank} above the {d} values of a row")
+        r = self.rank_for(d)
         if rows == 0:
-            payload = self.inner._encode(x.new_zeros((0, self.rank), dtype=torch.float32), generator)
+            payload = self.inner._encode(x.new_zeros((0, r), dtype=torch.float32), generator)
         else:
             u = self._basis(d, x.device)
             c = x.reshape(rows, d).to(torch.float32) @ u.T
@@ -272,7 +296,7 @@ class SubspaceCodec(Codec):
         if rows == 0:
             return torch.zeros(packet.shape, dtype=packet.dtype, device=packet.payload.device)
         u = self._basis(d, packet.payload.device)
-        c = self.inner._decode(Packet(self.inner.family, torch.float32, (rows, self.rank),
+        c = self.inner._decode(Packet(self.inner.family, torch.float32, (rows, u.shape[0]),
                                       self.inner.fingerprint, packet.payload))
         out = (c.to(torch.float32) @ u).view(packet.shape)
         return out if packet.dtype == torch.float32 else out.to(packet.dtype)

@@ -286,7 +286,7 @@ class BoundaryScheme(abc.ABC):
         if not isinstance(codec, SubspaceCodec):
             return codec
         held = self.subspace
-        if held is None or (held.rank, held.refresh) != (codec.rank, codec.refresh):
+        if held is None or held.key != codec.key:
             self.subspace = codec.new_state()
         return codec.bound(self.subspace)
 
