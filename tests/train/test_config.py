@@ -178,9 +178,9 @@ BAD = [
      "--forward: auto:bad: the floor must be one of the forward ladder fp16, q8, q6, q4, q3, q2:l2"),
     ({'warmup_codec': 'zzz'},
      "--warmup-codec: invalid codec spec 'zzz': unknown codec name..."),
-    ({'warmup_codec': 'q8', 'forward': 'ef:q4'},
-     "--warmup-codec: --forward ef:q4: ef keeps the warm-up's exact values (error feedback); only direct "
-     "and delta directions take a warm-up codec"),
+    ({'warmup_codec': 'q8', 'forward': 'ef21:q4'},
+     "--warmup-codec: --forward ef21:q4: ef21 keeps the warm-up's exact values (its estimate); only direct, "
+     "delta and ef directions take a warm-up codec"),
     ({'warmup_codec': 'q8', 'forward': 'none', 'backward': 'none'},
      "--warmup-codec: is for directions compressed with a fixed setting; --forward none and --backward none "
      "have none (auto links send their level in the warm-up)"),
@@ -191,8 +191,8 @@ BAD = [
      "--warmup-codec: with --warmup-epochs 0 only AQ-SGD's first visits go in full, and no direction here "
      "is delta: nothing would be sent with it"),
     ({'warmup_codec': 'q8', 'backward': 'ef21:q4'},
-     "--warmup-codec: --backward ef21:q4: ef21 keeps the warm-up's exact values (error feedback); only "
-     "direct and delta directions take a warm-up codec"),
+     "--warmup-codec: --backward ef21:q4: ef21 keeps the warm-up's exact values (its estimate); only "
+     "direct, delta and ef directions take a warm-up codec"),
     ({'cache': 'bogus'},
      "--cache: invalid cache spec 'bogus'..."),
     ({'cache': 'lowbit9'},
@@ -302,9 +302,9 @@ def test_good_values_pass(flat):
     (PipelineSection, {"link": "100mbit"},
      "--link: emulates the links between stage processes: it needs --runtime distributed (the local runtime "
      "passes tensors in memory)"),
-    (CompressionSection, {"warmup_codec": "q8", "forward": "ef:q4"},
-     "--warmup-codec: --forward ef:q4: ef keeps the warm-up's exact values (error feedback); only direct and "
-     "delta directions take a warm-up codec"),
+    (CompressionSection, {"warmup_codec": "q8", "forward": "ef21:q4"},
+     "--warmup-codec: --forward ef21:q4: ef21 keeps the warm-up's exact values (its estimate); only direct, "
+     "delta and ef directions take a warm-up codec"),
     (OptimSection, {"lr": 0.0}, "--lr: must be > 0, got 0.0"),
     (OptimSection, {"seed": -1}, "--seed: must be in 0..4294967295 (2**32 - 1), got -1"),
     (RunSection, {"run_name": "../x"}, "--run-name: '../x' must be a plain folder name (letters, digits and "

@@ -41,10 +41,11 @@ from typing import Sequence
 import torch
 
 from aqsgd.bench.timing import interleaved_medians, minor_faults, sync
-from aqsgd.compress import kernels, make_codec
+from aqsgd.compress import Codec, kernels, make_codec
+from aqsgd.compress.subspace import SubspaceCodec
 
 __all__ = ["CLONE_SPREAD_LIMIT", "DEFAULT_CODECS", "CodecRow", "bench_codecs", "clone_spread_warning",
-           "launch_costs", "machine_description", "queued_seconds"]
+           "codec_for", "launch_costs", "machine_description", "queued_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
     nbytes = x.numel() * x.element_size()
     rows = []
     for spec in specs:
-        codec = make_codec(spec)
+        codec = codec_for(spec, x)
         packet = codec.encode(x, generator=g)
         calls = {
             "clone": lambda: x.clone(),
@@ -138,7 +139,7 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             "decode": lambda: codec.decode(packet),
         }
         if compare_eager:
-            eager = make_codec(spec, backend="eager")
+            eager = codec_for(spec, x, backend="eager", like=codec)
             calls["eager_encode"] = lambda: eager.encode(x, generator=g)
             calls["eager_decode"] = lambda: eager.decode(packet)
         faults = minor_faults()
@@ -168,6 +169,21 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
     if warning:
         log.warning(warning)
     return rows
+
+
+def codec_for(spec: str, x: torch.Tensor, *, backend: str | None = None, like: Codec | None = None) -> Codec:
+    """The codec of ``spec``; one with a subspace stage (``pca<r>``) bound to a basis estimated from ``x``
+    itself (as a boundary's warm-up would; ``like``: share that codec's basis), since it encodes only with
+    a basis. Only the encode and decode are timed, not the estimate (once per refresh in training)."""
+    codec = make_codec(spec, backend=backend)
+    if not isinstance(codec, SubspaceCodec):
+        return codec
+    if isinstance(like, SubspaceCodec) and like.state is not None:
+        return codec.bound(like.state)
+    state = codec.new_state()
+    state.observe(x)
+    state.renew()
+    return codec.bound(state)
 
 
 def clone_spread_warning(rows: Sequence[CodecRow], limit: float = CLONE_SPREAD_LIMIT) -> str | None:

@@ -121,6 +121,13 @@ SETTINGS: dict[str, Setting] = {
     # about 4.1 bits per value, TAH's 4.15
     "direct fw4/bw6 rot outlier zstd": Setting("direct:q4:rot128:l2:midrise:outlier32:zstd",
                                                "direct:q6:rot32:zstd"),
+    # -- the subspace codec (the `subspace` study): coefficients in a basis each boundary learns -----------
+    # forward: the entropy-coded deltas' coder on 96 coefficients a row (D/4 on MiniLM, D/6 on SmolLM2);
+    # backward: the gradients' own basis with error feedback
+    "aqsgd pca96 ec/ef pca96 ec": Setting("delta:q4:rot128:step1:rc:pca96", "ef:q4:rot128:step1:rc:pca96"),
+    "aqsgd pca96 q4/ef pca96 q4": Setting("delta:q4:pca96", "ef:q4:pca96"),
+    "aqsgd pca96 ec/bw4 rot": Setting("delta:q4:rot128:step1:rc:pca96", "direct:q4:rot64:l2:zstd"),
+    "fw2 ec/ef pca96 ec": Setting("delta:q4:rot128:step1:rc", "ef:q4:rot128:step1:rc:pca96"),
 }
 
 

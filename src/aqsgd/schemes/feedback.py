@@ -170,13 +170,17 @@ class _FeedbackScheme(BoundaryScheme):
 
 
 class EFScheme(_FeedbackScheme):
-    """Error feedback: send ``C(x + e)``, keep ``e <- x + e - decode``. Only the sender has state."""
+    """Error feedback: send ``C(x + e)``, keep ``e <- x + e - decode``. Only the sender has state. The
+    warm-up goes in full, or with :meth:`~aqsgd.schemes.base.BoundaryScheme.compress_warmup` as ``C_w(x)``
+    (kind DIRECT): the error starts at zero after it either way, as it holds nothing of the warm-up."""
 
     name = "ef"
+    warmup_codec_allowed = True
 
     def _send(self, x: torch.Tensor, ids: torch.Tensor | None, phase: Phase, slot: int) -> list[Packet]:
         if phase == Phase.WARMUP:
-            return self._raw(x)
+            kind, codec = self._first()
+            return [self._tagged(codec.encode(x, generator=self.generator), 0, kind)]
         v = x.to(self.state.dtype) + self.state.read(ids, slot, x)
         packet = self.codec.encode(v, generator=self.generator)
         self.state.write(ids, slot, v - self.codec.decode(packet))
@@ -184,8 +188,9 @@ class EFScheme(_FeedbackScheme):
 
     def _recv(self, packets: list[Packet], ids: torch.Tensor | None, phase: Phase, slot: int) -> torch.Tensor:
         if phase == Phase.WARMUP:
-            self._expect_kinds(packets, [Kind.RAW], phase)
-            return self.raw.decode(packets[0])
+            kind, codec = self._first()
+            self._expect_kinds(packets, [kind], phase)
+            return codec.decode(packets[0])
         self._expect_kinds(packets, [Kind.EF], phase)
         return self.codec.decode(packets[0])
 

@@ -363,7 +363,7 @@ class CompressionSection(_Section):
     --warmup-codec"""
     warmup_codec: str = "none"
     """what the warm-up epochs and AQ-SGD's first visits send on every direction compressed with a fixed
-    direct or delta setting: none (in full, as in the AQ-SGD paper) or a codec such as q8 (AQ-SGD then caches
+    direct, delta or ef setting: none (in full, as in the AQ-SGD paper) or a codec such as q8 (AQ-SGD then caches
     what it decodes to, and its next visit's delta carries the difference); auto links send their level"""
 
     def validate(self) -> Self:
@@ -386,9 +386,9 @@ class CompressionSection(_Section):
         parsed("warmup_codec", make_codec, self.warmup_codec)
         fixed = self.fixed_compressed()
         for d, spec in fixed.items():
-            if spec.scheme not in ("direct", "delta"):
+            if spec.scheme not in ("direct", "delta", "ef"):
                 raise bad("warmup_codec", f"--{d} {getattr(self, d)}: {spec.scheme} keeps the warm-up's "
-                          "exact values (error feedback); only direct and delta directions take a warm-up "
+                          "exact values (its estimate); only direct, delta and ef directions take a warm-up "
                           "codec")
         if not fixed:
             raise bad("warmup_codec", f"is for directions compressed with a fixed setting; --forward "
