@@ -81,7 +81,8 @@ def test_invalid_values_name_the_option(tmp_path, field, value, needle):
 
 @pytest.mark.parametrize("kw, needle", [
     (dict(warmup_codec="q9"), "--warmup-codec: .*q9"),
-    (dict(warmup_codec="q8", backward="ef21:q4"), "--warmup-codec: --backward ef21:q4: ef21 keeps the warm-up's"),
+    (dict(warmup_codec="q8", backward="ef21:q4"),
+     "--warmup-codec: --backward ef21:q4: ef21 keeps the warm-up's"),
     (dict(warmup_codec="q8", forward="none", backward="none"),
      "--warmup-codec: is for directions compressed"),
     (dict(warmup_codec="q8", runtime="distributed", forward="auto", backward="auto"),

@@ -363,8 +363,9 @@ class CompressionSection(_Section):
     --warmup-codec"""
     warmup_codec: str = "none"
     """what the warm-up epochs and AQ-SGD's first visits send on every direction compressed with a fixed
-    direct, delta or ef setting: none (in full, as in the AQ-SGD paper) or a codec such as q8 (AQ-SGD then caches
-    what it decodes to, and its next visit's delta carries the difference); auto links send their level"""
+    direct, delta or ef setting: none (in full, as in the AQ-SGD paper) or a codec such as q8 (AQ-SGD then
+    caches what it decodes to, and its next visit's delta carries the difference; ef starts its error
+    after it); auto links send their level"""
 
     def validate(self) -> Self:
         """The fields' checks, then every spec parsed: each direction's, the warm-up codec's (and that it has
