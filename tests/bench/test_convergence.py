@@ -123,3 +123,21 @@ def test_fewer_bits_study_reports_loss_gap_wire_bits_and_step_time(tmp_path):
     # 2-bit codes and a scale per 64 values (2.25 bits) or fewer after zstd; more than nothing
     assert 0.5 < z["wire_bits_per_value"] < 2.6 and 2 < z["wire_bits_per_value_backward"] < 4.6
     assert rot["traffic"]["forward_bits_per_value"] > rotz["traffic"]["forward_bits_per_value"] * 0.99
+
+
+def test_the_subspace_study_records_and_draws_what_each_basis_held(tmp_path):
+    """A run with a subspace stage records, from its last checkpoint (read before it is deleted), each
+    boundary direction's rank, the warm-up's energy by rank and what each basis held; the study draws it."""
+    runs = tmp_path / "runs"
+    results = run_study("synthetic-lm", runs, settings=["aqsgd pca/4 ec/ef pca/4 ec"],
+                        overrides={"epochs": 2}, study="subspace")
+    energy = results["runs"]["aqsgd pca/4 ec/ef pca/4 ec"]["subspace"]
+    assert set(energy) == {"b0-forward", "b0-backward", "b1-forward", "b1-backward"}  # 3 stages
+    for e in energy.values():
+        assert e["rank"] == -(-e["width"] // 4) and e["bases"] >= 1
+        cum = e["warmup_energy_by_rank"]
+        assert len(cum) == e["width"] and abs(cum[-1] - 1) < 1e-9 and cum == sorted(cum)
+        assert all(0 <= h <= 1 + 1e-9 for h in e.get("held", []))
+    _, png = write_results("synthetic-lm", results, runs, tmp_path / "out", command="test", machine="cpu",
+                           study="subspace")
+    assert (tmp_path / "out" / "subspace-synthetic-lm-energy.png").stat().st_size > 1000

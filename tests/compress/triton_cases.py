@@ -537,3 +537,18 @@ def test_no_operation_that_waits_for_a_gpu_inside_the_fused_aqsgd_steps(spec, de
     caches[3].put(ids, caches[3].get(ids) + make_codec(spec, backend="eager").decode(packet))  # step by step
     assert torch.equal(caches[1].get(ids), caches[2].get(ids))
     assert torch.equal(caches[2].get(ids), caches[3].get(ids))
+
+
+@pytest.mark.parametrize("spec", ["q4:pca16", "q2:token:pca/4", "q3:rot64:l2:pca24"])
+def test_subspace_packets_equal_the_other_backends(spec):
+    """The subspace stage projects with a matrix product on every backend; its coefficients go through the
+    backend's quantizer kernels: the same bytes (the basis estimated and sent by each sender alike)."""
+    from aqsgd.schemes import make_scheme
+
+    sent = {}
+    for backend in ("triton", "eager", "numba"):
+        send = make_scheme("direct", make_codec(spec, backend=backend), "sender")
+        packets = send.send(_data((6, 16, 64)), phase="warmup")
+        packets += send.send(_data((4, 8, 64), seed=1)) + send.send(_data((2, 8, 64), seed=2))
+        sent[backend] = [p.to_bytes() for p in packets]
+    assert sent["triton"] == sent["eager"] == sent["numba"]

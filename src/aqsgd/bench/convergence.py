@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from aqsgd.bench.settings import SETTINGS
+from aqsgd.bench.subspace import boundary_energy, plot_energy
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.report import HIGHER_IS_BETTER, load_run
 from aqsgd.train.trainer import Trainer
@@ -85,10 +86,15 @@ INSTRUCT_SETTINGS: dict[str, list[str]] = {
     "smollm2-instruct": ["fp32", "aqsgd fw2/bw4 l2", "aqsgd fw2 ec/bw4 rot", "lora fp32",
                          "lora aqsgd fw2/bw4 l2", "lora aqsgd fw2 ec/bw4 rot"],
 }
+# the `subspace` study: AQ-SGD's deltas and the gradients in bases the boundaries learn (pca/4: a quarter of
+# a row's dimensions; about 0.6 bits per value each way), full fine-tuning and LoRA, against fp32
+_SUBSPACE = ["fp32", "aqsgd pca/4 ec/ef pca/4 ec", "lora fp32", "lora aqsgd pca/4 ec/ef pca/4 ec"]
+SUBSPACE_SETTINGS: dict[str, list[str]] = {"minilm-bbc": _SUBSPACE, "smollm2-wiki": _SUBSPACE,
+                                           "synthetic-lm": ["fp32", "aqsgd pca/4 ec/ef pca/4 ec"]}
 #: the studies there are: their default settings per task (their result files are named ``<study>-<task>``)
 STUDIES: dict[str, dict[str, list[str]]] = {"convergence": DEFAULT_SETTINGS,
                                             "fewer-bits": FEWER_BITS_SETTINGS, "lora": LORA_SETTINGS,
-                                            "instruct": INSTRUCT_SETTINGS}
+                                            "instruct": INSTRUCT_SETTINGS, "subspace": SUBSPACE_SETTINGS}
 
 
 def _slug(name: str) -> str:
@@ -143,6 +149,9 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
                                                time.perf_counter() - t0)
             if command:
                 results["runs"][key]["command"] = command
+            energy = boundary_energy(out / run_name)  # read before the checkpoints go
+            if energy:
+                results["runs"][key]["subspace"] = energy
             out.mkdir(parents=True, exist_ok=True)
             result_path.write_text(json.dumps(results, indent=1))
             if not keep_checkpoints:
@@ -306,4 +315,8 @@ def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_
     png = out / f"{stem}.png"
     plot_runs([load_run(d, label=name) for name, d in dirs.items()], png,
               baseline="fp32" if "fp32" in results["runs"] else None)
+    for key, r in results["runs"].items():  # the first seed-0 run with a subspace stage: its bases' energy
+        if r.get("subspace") and r.get("seed", 0) == 0:
+            plot_energy(r["subspace"], out / f"{stem}-energy.png", title=f"{task}: {key}")
+            break
     return path, png

@@ -122,12 +122,17 @@ SETTINGS: dict[str, Setting] = {
     "direct fw4/bw6 rot outlier zstd": Setting("direct:q4:rot128:l2:midrise:outlier32:zstd",
                                                "direct:q6:rot32:zstd"),
     # -- the subspace codec (the `subspace` study): coefficients in a basis each boundary learns -----------
-    # forward: the entropy-coded deltas' coder on 96 coefficients a row (D/4 on MiniLM, D/6 on SmolLM2);
-    # backward: the gradients' own basis with error feedback
-    "aqsgd pca96 ec/ef pca96 ec": Setting("delta:q4:rot128:step1:rc:pca96", "ef:q4:rot128:step1:rc:pca96"),
-    "aqsgd pca96 q4/ef pca96 q4": Setting("delta:q4:pca96", "ef:q4:pca96"),
-    "aqsgd pca96 ec/bw4 rot": Setting("delta:q4:rot128:step1:rc:pca96", "direct:q4:rot64:l2:zstd"),
-    "fw2 ec/ef pca96 ec": Setting("delta:q4:rot128:step1:rc", "ef:q4:rot128:step1:rc:pca96"),
+    # (aqsgd.compress.subspace). Forward: AQ-SGD's deltas in a quarter (an eighth) of the row's dimensions,
+    # the entropy-coded deltas' coder on the coefficients; backward: the gradients in a basis of their own,
+    # with error feedback (what the basis leaves out goes with the slot's next message)
+    "aqsgd pca/4 ec/ef pca/4 ec": Setting("delta:q4:rot128:step1:rc:pca/4", "ef:q4:rot128:step1:rc:pca/4"),
+    "aqsgd pca/8 ec/ef pca/4 ec": Setting("delta:q4:rot128:step1:rc:pca/8", "ef:q4:rot128:step1:rc:pca/4"),
+    "aqsgd pca/4 q4/ef pca/4 q4": Setting("delta:q4:pca/4", "ef:q4:pca/4"),
+    "lora aqsgd pca/4 ec/ef pca/4 ec": Setting("delta:q4:rot128:step1:rc:pca/4",
+                                               "ef:q4:rot128:step1:rc:pca/4", {"lora": True}, lr_factor=10.0),
+    # the same with the warm-up (and AQ-SGD's first visits) sent as 8-bit codes: the whole run compressed
+    "aqsgd pca/4 ec/ef pca/4 ec warmup q8": Setting("delta:q4:rot128:step1:rc:pca/4",
+                                                    "ef:q4:rot128:step1:rc:pca/4", {"warmup_codec": "q8"}),
 }
 
 

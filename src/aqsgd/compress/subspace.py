@@ -62,8 +62,9 @@ class Subspace:
 
     ``basis``: ``[r, D]`` float32 holding fp16 values, or None before the first; ``version``: how many
     bases there were. The sender's sum of ``z^T z`` and its message count since the last refresh are its
-    own state (saved in checkpoints, for an exact resume); ``captured``: the share of that sum's energy
-    the basis holds, measured at each refresh (the sender's, for reports)."""
+    own state (saved in checkpoints, for an exact resume). For reports, the sender records at each refresh
+    ``captured``, the new basis's share of the energy of the rows it was estimated from, and ``held``, the
+    share that the basis it replaces held of the rows it encoded (what the subspace kept of what was sent)."""
 
     def __init__(self, rank: int | None, refresh: int = DEFAULT_REFRESH, *,
                  divisor: int | None = None) -> None:
@@ -72,7 +73,8 @@ class Subspace:
         self.basis: torch.Tensor | None = None
         self.version = 0
         self.spectrum: torch.Tensor | None = None  # eigenvalues of the first estimate, descending
-        self.captured: list[float] = []
+        self.captured: list[float] = []  # each new basis: its share of the rows it was estimated from
+        self.held: list[float] = []  # each basis replaced: its share of the rows it encoded meanwhile
         self._sum: torch.Tensor | None = None
         self._messages = 0
         self._unsent: torch.Tensor | None = None
@@ -123,6 +125,10 @@ class Subspace:
             raise NonFiniteError(f"{self.name}: the rows observed hold NaN or Inf; no basis estimated")
         r = self.rank_for(d)
         s = (s + s.T) * 0.5
+        trace = float(torch.diagonal(s).sum())
+        if self.basis is not None and trace > 0:  # what the basis in use held of the rows it encoded
+            old = self.basis.to(s.device, torch.float64)
+            self.held.append(float(torch.einsum("rd,de,re->", old, s, old)) / trace)
         if self.basis is None:
             values, vectors = torch.linalg.eigh(s)  # ascending
             self.spectrum = values.flip(0).clamp_min(0).to(torch.float32).cpu()
@@ -132,7 +138,6 @@ class Subspace:
             for _ in range(_ITERATIONS):
                 u, _r = torch.linalg.qr(s @ u)
         u = _fix_signs(u.T)  # [r, D]
-        trace = float(torch.diagonal(s).sum())
         held = float(torch.einsum("rd,de,re->", u, s, u))
         self.captured.append(held / trace if trace > 0 else 1.0)
         self.basis = u.to(torch.float16).to(torch.float32)
@@ -170,6 +175,8 @@ class Subspace:
             out["spectrum"] = self.spectrum
         if self.captured:
             out["captured"] = torch.tensor(self.captured, dtype=torch.float64)
+        if self.held:
+            out["held"] = torch.tensor(self.held, dtype=torch.float64)
         return out
 
     def load(self, mirrored: dict[str, torch.Tensor], own: dict[str, torch.Tensor],
@@ -182,6 +189,7 @@ class Subspace:
             self._messages = int(own["messages"][0])
         self.spectrum = own.get("spectrum")
         self.captured = own["captured"].tolist() if "captured" in own else []
+        self.held = own["held"].tolist() if "held" in own else []
 
 
 def _fix_signs(u: torch.Tensor) -> torch.Tensor:

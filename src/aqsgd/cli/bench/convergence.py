@@ -24,7 +24,8 @@ def _options() -> list:
                choices=list(TASKS), default=list(DEFAULT_TASKS), metavar="TASK"),
         option("--study", "which study: its default settings and the name of its result files, "
                "<study>-TASK.json (default: convergence; fewer-bits: rotated tiles, outlier rows, zstd, "
-               "1-bit AQ-SGD, TAH-Quant; lora: LoRA in fp32 and with AQ-SGD against full fine-tuning)",
+               "1-bit AQ-SGD, TAH-Quant; lora: LoRA in fp32 and with AQ-SGD against full fine-tuning; "
+               "instruct: instruction tuning; subspace: both directions in learned bases, pca/4)",
                choices=list(STUDIES), default="convergence"),
         option("--settings", "settings (default: the study's)", nargs="+", choices=list(SETTINGS),
                default=None, metavar="SETTING"),
