@@ -71,7 +71,7 @@ def test_payload_is_the_inner_codecs_for_the_coefficients(inner):
         send, _ = _pair("direct", f"{inner}:pca16")
         send.send(_low_rank(200, 16), phase="warmup")
         *basis, packet = send.send(torch.randn(shape), phase="eval")
-        assert [p.kind for p in basis] == [Kind.BASIS] and basis[0].nbytes == HEADER_BYTES + 16 * D * 2
+        assert [p.kind for p in basis] == [Kind.BASIS] and basis[0].nbytes == HEADER_BYTES + 16 * (D + 2)
         assert packet.nbytes == HEADER_BYTES + codec.payload_bytes(shape)
 
 
@@ -81,8 +81,8 @@ def test_a_row_in_the_basis_comes_back_to_the_inner_codecs_error():
     send.send(x, phase="warmup")  # the warm-up: the receiver's side of it is not needed here
     recv.recv(send.send(x[:16], phase="warmup"), phase="warmup")
     y = recv.recv(send.send(x[:16]))
-    # the basis crossed in fp16: reconstruction within fp16's rounding of an orthonormal basis
-    assert (y - x[:16]).norm() / x[:16].norm() < 2e-3
+    # the basis crossed as 8-bit codes: reconstruction within their rounding of an orthonormal basis
+    assert (y - x[:16]).norm() / x[:16].norm() < 2e-2
     z = torch.randn(16, D)  # mostly outside: only its part in the basis comes back
     basis = send.subspace.basis
     assert torch.allclose(recv.recv(send.send(z)), (z @ basis.T) @ basis, atol=1e-5)
@@ -97,8 +97,7 @@ def test_the_first_basis_holds_the_warmups_principal_directions():
     assert state.spectrum is not None and state.spectrum.shape == (D,)
     assert torch.all(state.spectrum[:-1] >= state.spectrum[1:])
     u = state.basis
-    assert torch.allclose(u @ u.T, torch.eye(4), atol=2e-3)  # orthonormal to fp16's rounding
-    assert torch.equal(u, u.half().float())
+    assert torch.allclose(u @ u.T, torch.eye(4), atol=2e-2)  # orthonormal to the 8-bit codes' rounding
 
 
 # -- sender and receiver ---------------------------------------------------------------------------------
@@ -155,7 +154,7 @@ def test_without_a_warmup_the_first_message_estimates_its_own_basis():
     send, recv = _pair("direct", "none:pca8")
     x = _low_rank(32, 8)
     y = recv.recv(send.send(x))
-    assert (y - x).norm() / x.norm() < 2e-3
+    assert (y - x).norm() / x.norm() < 2e-2
 
 
 def test_a_codec_outside_a_scheme_says_it_needs_one():

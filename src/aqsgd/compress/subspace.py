@@ -18,11 +18,12 @@ side (:mod:`aqsgd.schemes.base`). Only the sender estimates it, from the rows it
   current basis (``Q, _ = qr(S U^T)``): it tracks the subspace as training moves it, at ``O(D^2 r)``
   rather than an eigendecomposition's ``O(D^3)``.
 
-A new basis is rounded to fp16 and travels once, as a packet of its own ahead of the first message it
-encodes (``r x D x 2`` bytes, counted in the traffic like every packet); both sides then compute with the
-same fp16 values, so their reconstructions are bit-identical. Each basis has a version, counted on both
-sides, that is part of the codec's fingerprint in every packet header: a receiver holding another basis
-refuses the packet (:class:`~aqsgd.errors.PacketMismatchError`) instead of decoding it wrongly.
+A new basis travels once, as a packet of its own ahead of the first message it encodes (:data:`BASIS_CODEC`:
+8 bits a value and a scale per vector, ``r x (D + 2)`` bytes, counted in the traffic like every packet); both
+sides then compute with the values it decodes to, so their reconstructions are bit-identical. Each basis has a
+version, counted on both sides, that is part of the codec's fingerprint in every packet header: a receiver
+holding another basis refuses the packet (:class:`~aqsgd.errors.PacketMismatchError`) instead of decoding it
+wrongly.
 
 What the subspace leaves out is not lost where the scheme carries an error forward:
 
@@ -49,11 +50,16 @@ import torch
 
 from aqsgd.compress.base import Codec, numel_of
 from aqsgd.compress.packet import Family, Packet
+from aqsgd.compress.quant import QuantCodec
 from aqsgd.errors import CodecError, NonFiniteError, PacketMismatchError, SpecError
 
 __all__ = ["SubspaceCodec", "Subspace", "DEFAULT_REFRESH"]
 
 DEFAULT_REFRESH = 32  # compressed messages between two refreshes of the basis
+# a basis on the wire: 8 bits a value with a scale per basis vector (about 1 % relative error per vector, a
+# tenth of the coefficients' quantizer's at 4 bits: the sides compute with the decoded values, so it costs no
+# consistency), half the bytes of fp16
+BASIS_CODEC = QuantCodec(8, granularity="token")
 _ITERATIONS = 2  # subspace iteration steps per refresh
 
 
@@ -140,23 +146,26 @@ class Subspace:
         u = _fix_signs(u.T)  # [r, D]
         held = float(torch.einsum("rd,de,re->", u, s, u))
         self.captured.append(held / trace if trace > 0 else 1.0)
-        self.basis = u.to(torch.float16).to(torch.float32)
+        packet = BASIS_CODEC.encode(u.to(torch.float32))
+        self.basis = BASIS_CODEC.decode(packet)  # what the receiver will hold
         self.version += 1
-        self._unsent = self.basis.to(torch.float16)
+        self._unsent = packet
         self._sum.zero_()
         self._messages = 0
 
-    def take_unsent(self) -> torch.Tensor | None:
-        """The fp16 basis estimated since the last call (to be sent ahead of the message it encodes)."""
-        u, self._unsent = self._unsent, None
-        return u
+    def take_unsent(self) -> Packet | None:
+        """The packet of the basis estimated since the last call (to be sent ahead of the message it
+        encodes), or None."""
+        packet, self._unsent = self._unsent, None
+        return packet
 
     # -- the receiver ------------------------------------------------------------------------------------
-    def install(self, basis: torch.Tensor) -> None:
-        """Take the basis the sender sent (``[r, D]`` fp16 values)."""
-        if basis.dim() != 2 or not basis.shape[1] or basis.shape[0] != self.rank_for(basis.shape[1]):
-            raise PacketMismatchError(f"{self.name}: received a basis of shape {tuple(basis.shape)}")
-        self.basis = basis.to(torch.float32)
+    def install(self, packet: Packet) -> None:
+        """Take the basis the sender sent (a :data:`BASIS_CODEC` packet of ``[r, D]``)."""
+        shape = packet.shape
+        if len(shape) != 2 or not shape[1] or shape[0] != self.rank_for(shape[1]):
+            raise PacketMismatchError(f"{self.name}: received a basis of shape {tuple(shape)}")
+        self.basis = BASIS_CODEC.decode(packet)
         self.version += 1
 
     # -- checkpoints ---------------------------------------------------------------------------------------

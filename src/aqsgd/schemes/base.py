@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aqsgd.compress import Codec, Packet, make_codec
-from aqsgd.compress.cast import CastCodec, RawCodec
+from aqsgd.compress.cast import RawCodec
 from aqsgd.compress.subspace import Subspace, SubspaceCodec
 from aqsgd.errors import PacketMismatchError, SchemeError
 
@@ -43,7 +43,6 @@ __all__ = ["Phase", "Kind", "Side", "BoundaryScheme", "ids_tag"]
 log = logging.getLogger(__name__)
 # Bytes of a generator's state by device type: a CPU generator (Mersenne Twister) holds 5056, a CUDA one
 # (Philox) its seed and offset, 16. A state of the other type was saved on another kind of device.
-_BASIS_CODEC = CastCodec("fp16")  # a subspace's basis on the wire: its fp16 values, exactly
 _BASIS_FILE, _ESTIMATE_FILE = "basis.safetensors", "basis-estimate.safetensors"
 _GENERATOR_STATE_BYTES = {"cpu": torch.Generator().get_state().numel(), "cuda": 16}
 
@@ -247,7 +246,7 @@ class BoundaryScheme(abc.ABC):
         if self.subspace is not None:
             basis = self.subspace.take_unsent()
             if basis is not None:  # ahead of the message it encodes
-                packets.insert(0, self._tagged(_BASIS_CODEC.encode(basis), tag, Kind.BASIS))
+                packets.insert(0, self._tagged(basis, tag, Kind.BASIS))
         return packets
 
     def recv(self, packets: Packet | Sequence[Packet], sample_ids: torch.Tensor | Sequence[int] | None = None,
@@ -278,7 +277,7 @@ class BoundaryScheme(abc.ABC):
         if self.subspace is None:
             raise PacketMismatchError(f"{self.label}: received a basis, but this receiver's codec "
                                       f"{self.codec.spec!r} has no subspace stage")
-        self.subspace.install(_BASIS_CODEC.decode(packet))
+        self.subspace.install(packet)
 
     def _bind(self, codec: Codec) -> Codec:
         """``codec`` computing with this scheme's basis, where it has a subspace stage (:mod:`aqsgd.compress
