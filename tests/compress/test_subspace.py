@@ -251,7 +251,7 @@ def test_save_and_load_continue_bit_for_bit(tmp_path, scheme):
 
 
 @pytest.mark.parametrize("spec", ["q4:pca16", "q2:token:pca16", "q3:rot64:l2:pca24",
-                                  "q4:rot64:step1:rc:pca16", "topk0.25:pca16"])
+                                  "q4:rot64:step1:rc:pca16", "topk0.25:pca16", "q2:l2:outlier4:zstd:pca16"])
 def test_bytes_equal_on_every_cpu_backend(spec):
     packets = {}
     for backend in ("eager", "numba"):
