@@ -128,6 +128,9 @@ SETTINGS: dict[str, Setting] = {
     "aqsgd pca/4 ec/ef pca/4 ec": Setting("delta:q4:rot128:step1:rc:pca/4", "ef:q4:rot128:step1:rc:pca/4"),
     "aqsgd pca/8 ec/ef pca/4 ec": Setting("delta:q4:rot128:step1:rc:pca/8", "ef:q4:rot128:step1:rc:pca/4"),
     "aqsgd pca/4 q4/ef pca/4 q4": Setting("delta:q4:pca/4", "ef:q4:pca/4"),
+    # ablations: one direction in its subspace, the other in fp32
+    "aqsgd pca/4 ec only": Setting("delta:q4:rot128:step1:rc:pca/4", "none"),
+    "ef pca/4 ec only": Setting("none", "ef:q4:rot128:step1:rc:pca/4"),
     "lora aqsgd pca/4 ec/ef pca/4 ec": Setting("delta:q4:rot128:step1:rc:pca/4",
                                                "ef:q4:rot128:step1:rc:pca/4", {"lora": True}, lr_factor=10.0),
     # the same with the warm-up (and AQ-SGD's first visits) sent as 8-bit codes: the whole run compressed
