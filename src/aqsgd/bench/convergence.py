@@ -87,7 +87,8 @@ INSTRUCT_SETTINGS: dict[str, list[str]] = {
                          "lora aqsgd fw2/bw4 l2", "lora aqsgd fw2 ec/bw4 rot"],
 }
 # the `subspace` study: AQ-SGD's deltas and the gradients in bases the boundaries learn (pca/4: a quarter of
-# a row's dimensions; 0.61 / 0.63 bits per value on MiniLM, bases included), full fine-tuning and LoRA, against fp32
+# a row's dimensions; 0.61 / 0.63 bits per value on MiniLM, bases included), full fine-tuning and LoRA,
+# against fp32
 _SUBSPACE = ["fp32", "aqsgd pca/4 ec/ef pca/4 ec", "lora fp32", "lora aqsgd pca/4 ec/ef pca/4 ec"]
 SUBSPACE_SETTINGS: dict[str, list[str]] = {"minilm-bbc": _SUBSPACE, "smollm2-wiki": _SUBSPACE,
                                            "synthetic-lm": ["fp32", "aqsgd pca/4 ec/ef pca/4 ec"]}
