@@ -66,9 +66,9 @@ _ITERATIONS = 2  # subspace iteration steps per refresh
 class Subspace:
     """The basis of one boundary's direction, on one side (see the module's text).
 
-    ``basis``: ``[r, D]`` float32 holding fp16 values, or None before the first; ``version``: how many
-    bases there were. The sender's sum of ``z^T z`` and its message count since the last refresh are its
-    own state (saved in checkpoints, for an exact resume). For reports, the sender records at each refresh
+    ``basis``: ``[r, D]`` float32, the values :data:`BASIS_CODEC` decodes to, or None before the first;
+    ``version``: how many bases there were. The sender's sum of ``z^T z`` and its message count since the
+    last refresh are its own state (saved in checkpoints, for an exact resume). For reports, the sender records at each refresh
     ``captured``, the new basis's share of the energy of the rows it was estimated from, and ``held``, the
     share that the basis it replaces held of the rows it encoded (what the subspace kept of what was sent)."""
 
@@ -83,7 +83,7 @@ class Subspace:
         self.held: list[float] = []  # each basis replaced: its share of the rows it encoded meanwhile
         self._sum: torch.Tensor | None = None
         self._messages = 0
-        self._unsent: torch.Tensor | None = None
+        self._unsent: Packet | None = None
         self.learning = False  # set by the scheme: whether the message now encoded is training's
 
     @property
@@ -96,12 +96,7 @@ class Subspace:
         return self.rank, self.divisor, self.refresh
 
     def rank_for(self, d: int) -> int:
-        """The number of coefficients of a row of ``d`` values: the rank, or ``ceil(d / divisor)``;
-        :class:`CodecError` above ``d``."""
-        r = self.rank if self.rank is not None else -(-d // self.divisor)  # type: ignore[operator]
-        if r > d:
-            raise CodecError(f"{self.name}: rank {r} above the {d} values of a row")
-        return r
+        return _rank_for(self.rank, self.divisor, d)
 
     # -- the sender ------------------------------------------------------------------------------------
     def observe(self, z: torch.Tensor) -> None:
@@ -201,6 +196,16 @@ class Subspace:
         self.held = own["held"].tolist() if "held" in own else []
 
 
+def _rank_for(rank: int | None, divisor: int | None, d: int) -> int:
+    """The number of coefficients of a row of ``d`` values: ``rank``, or ``ceil(d / divisor)``;
+    :class:`CodecError` above ``d``."""
+    r = rank if rank is not None else -(-d // divisor)  # type: ignore[operator]
+    if r > d:
+        name = f"pca{rank}" if rank is not None else f"pca/{divisor}"
+        raise CodecError(f"{name}: rank {r} above the {d} values of a row")
+    return r
+
+
 def _fix_signs(u: torch.Tensor) -> torch.Tensor:
     """Each basis vector's sign chosen so that its largest entry is positive (eigenvectors' signs are
     arbitrary; a fixed rule keeps consecutive bases comparable)."""
@@ -261,7 +266,7 @@ class SubspaceCodec(Codec):
         return Subspace(self.rank, self.refresh, divisor=self.divisor)
 
     def rank_for(self, d: int) -> int:
-        return Subspace(self.rank, divisor=self.divisor).rank_for(d)
+        return _rank_for(self.rank, self.divisor, d)
 
     def _rows(self, shape: Sequence[int]) -> tuple[int, int]:
         if len(shape) == 0:

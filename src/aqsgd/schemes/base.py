@@ -41,9 +41,10 @@ from aqsgd.errors import PacketMismatchError, SchemeError
 __all__ = ["Phase", "Kind", "Side", "BoundaryScheme", "ids_tag"]
 
 log = logging.getLogger(__name__)
+# a subspace's files in a scheme's folder: the basis both sides hold, the sender's estimate in progress
+_BASIS_FILE, _ESTIMATE_FILE = "basis.safetensors", "basis-estimate.safetensors"
 # Bytes of a generator's state by device type: a CPU generator (Mersenne Twister) holds 5056, a CUDA one
 # (Philox) its seed and offset, 16. A state of the other type was saved on another kind of device.
-_BASIS_FILE, _ESTIMATE_FILE = "basis.safetensors", "basis-estimate.safetensors"
 _GENERATOR_STATE_BYTES = {"cpu": torch.Generator().get_state().numel(), "cuda": 16}
 
 
@@ -62,7 +63,7 @@ class Kind(enum.IntEnum):
     DELTA = 3  # C(x - m): AQ-SGD
     EF = 4  # C(x + e)
     EF21 = 5  # C(x - g)
-    BASIS = 6  # a new basis of the boundary's subspace (fp16), ahead of the message it encodes
+    BASIS = 6  # a new basis of the boundary's subspace (8-bit codes), ahead of the message it encodes
 
 
 class Side(str, enum.Enum):
