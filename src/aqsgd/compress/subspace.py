@@ -68,9 +68,10 @@ class Subspace:
 
     ``basis``: ``[r, D]`` float32, the values :data:`BASIS_CODEC` decodes to, or None before the first;
     ``version``: how many bases there were. The sender's sum of ``z^T z`` and its message count since the
-    last refresh are its own state (saved in checkpoints, for an exact resume). For reports, the sender records at each refresh
-    ``captured``, the new basis's share of the energy of the rows it was estimated from, and ``held``, the
-    share that the basis it replaces held of the rows it encoded (what the subspace kept of what was sent)."""
+    last refresh are its own state (saved in checkpoints, for an exact resume). For reports, the sender
+    records at each refresh ``captured``, the new basis's share of the energy of the rows it was estimated
+    from, and ``held``, the share that the basis it replaces held of the rows it encoded (what the subspace
+    kept of what was sent)."""
 
     def __init__(self, rank: int | None, refresh: int = DEFAULT_REFRESH, *,
                  divisor: int | None = None) -> None:
