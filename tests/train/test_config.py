@@ -10,6 +10,9 @@ import pytest
 
 from aqsgd.errors import SpecError
 from aqsgd.train.config import (
+    DEFAULT_BACKWARD,
+    DEFAULT_FORWARD,
+    DEFAULT_WARMUP_CODEC,
     CompressionSection,
     ModelSection,
     OptimSection,
@@ -335,3 +338,29 @@ def test_every_preset_in_configs_loads(preset):
     """The presets the docs point to are valid settings (every key known, every value in range)."""
     cfg = TrainConfig.of(**load_toml(preset)).validate()
     assert cfg.task.max_length >= 1
+
+
+def test_the_default_preset_compresses_as_the_embedded_default():
+    """``configs/minilm-bbc-aqsgd.toml`` names the default setting (warm-up codec resolved) and the defaults'
+    other compression fields."""
+    preset = TrainConfig.of(**load_toml(Path(__file__).parents[2] / "configs" / "minilm-bbc-aqsgd.toml"))
+    default = TrainConfig().to_dict()["compression"]
+    assert preset.to_dict()["compression"] == {**default, "warmup_codec": DEFAULT_WARMUP_CODEC}
+    assert preset.compression.warmup == TrainConfig().compression.warmup == DEFAULT_WARMUP_CODEC
+
+
+@pytest.mark.parametrize("flat, warmup", [
+    ({}, DEFAULT_WARMUP_CODEC),  # the default setting, warm-up included
+    ({"warmup_codec": "none"}, "none"),  # the paper's warm-up in full, asked for
+    ({"warmup_codec": "q8"}, "q8"),
+    # a setting of one's own keeps the paper's warm-up unless one is asked for: no direction then sends a
+    # warm-up it was not measured with, and none that takes no warm-up codec (ef21, auto, none) is refused
+    ({"forward": "delta:q2:l2"}, "none"),
+    ({"backward": "ef21:q4"}, "none"),
+    ({"forward": "none", "backward": "none"}, "none"),
+    ({"forward": "auto", "backward": "auto", "runtime": "distributed"}, "none"),
+    ({"forward": DEFAULT_FORWARD, "backward": DEFAULT_BACKWARD}, DEFAULT_WARMUP_CODEC),
+])
+def test_the_default_warmup_codec_goes_with_the_default_setting_only(flat, warmup):
+    cfg = TrainConfig.from_flat(flat).validate()
+    assert cfg.compression.warmup == warmup

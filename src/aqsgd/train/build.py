@@ -100,10 +100,9 @@ def warmup_codecs(cfg: TrainConfig) -> dict[int, str]:
     fixed compressed setting; validated to be direct or delta) and the codec; auto links send their level
     instead (:meth:`~aqsgd.train.linkcontrol.LinkController.attach`)."""
     c = cfg.compression
-    if c.warmup_codec == "none":
+    if c.warmup == "none":
         return {}
-    return {FORWARD_CHANNEL if d == "forward" else BACKWARD_CHANNEL: c.warmup_codec
-            for d in c.fixed_compressed()}
+    return {FORWARD_CHANNEL if d == "forward" else BACKWARD_CHANNEL: c.warmup for d in c.fixed_compressed()}
 
 
 @dataclasses.dataclass

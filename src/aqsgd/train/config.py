@@ -49,8 +49,18 @@ from aqsgd.train.fields import (
     typed,
 )
 
+# The default setting: the most compressed one measured within 1 % of fp32 on both study tasks (3 seeds,
+# evaluation uncompressed; docs/convergence.md, "The default setting"). Forward, AQ-SGD's deltas in a basis of
+# a quarter of each row's dimensions that the boundary learns, the coefficients on the entropy-coded 4-bit grid;
+# backward, the gradients the same way with error feedback; the warm-up and AQ-SGD's first visits on that grid
+# without the basis (which the warm-up estimates).
+DEFAULT_FORWARD = "delta:q4:rot128:step1:rc:pca/4"
+DEFAULT_BACKWARD = "ef:q4:rot128:step1:rc:pca/4"
+DEFAULT_WARMUP_CODEC = "q4:rot128:step1:rc"
+
 __all__ = ["TrainConfig", "TaskSection", "ModelSection", "PipelineSection", "CompressionSection",
-           "OptimSection", "RunSection", "Option", "options", "load_toml", "flatten_config", "check_run_name"]
+           "OptimSection", "RunSection", "Option", "options", "load_toml", "flatten_config", "check_run_name",
+           "DEFAULT_FORWARD", "DEFAULT_BACKWARD", "DEFAULT_WARMUP_CODEC"]
 
 
 MAX_SEED = 2**32 - 1
@@ -347,13 +357,15 @@ class PipelineSection(_Section):
 class CompressionSection(_Section):
     """What crosses each stage boundary."""
 
-    forward: str = "delta:q2:l2"
+    forward: str = DEFAULT_FORWARD
     """activations: [SCHEME:]CODEC, scheme direct|delta|ef|ef21 (see `aqsgd codecs`), or auto[:FLOOR][:err=E]:
     AQ-SGD with the bits of each boundary chosen from its measured link (fp16, q8, q6, q4, q3, q2:l2;
     distributed) and each level's measured relative error at most E (default 0.1; none: no budget); the
-    default is AQ-SGD at 2 bits with MSE-clipped per-channel scales"""
-    backward: str = "direct:q4"
-    """activation gradients: [SCHEME:]CODEC, or auto[:FLOOR][:err=E] (bf16, q8, q6, q4 chosen per link)"""
+    default is AQ-SGD's deltas in a quarter of each row's dimensions (a basis the boundary learns), their
+    coefficients on the entropy-coded 4-bit grid: about 0.6-0.8 bits a value"""
+    backward: str = DEFAULT_BACKWARD
+    """activation gradients: [SCHEME:]CODEC, or auto[:FLOOR][:err=E] (bf16, q8, q6, q4 chosen per link); the
+    default is the gradients in a basis of their own, with error feedback, coded as the forward's"""
     cache: str = "memory"
     """AQ-SGD cache: memory[:fp16|bf16|fp32], disk[:dtype], lowbit<b>[:block<N>]"""
     ef_key: str = field("slot", check=one_of("slot", "sample"))
@@ -361,11 +373,12 @@ class CompressionSection(_Section):
     warmup_epochs: int = 1
     """epochs without compression first (AQ-SGD fills its cache there), but for auto links and a
     --warmup-codec"""
-    warmup_codec: str = "none"
+    warmup_codec: str = "default"
     """what the warm-up epochs and AQ-SGD's first visits send on every direction compressed with a fixed
     direct, delta or ef setting: none (in full, as in the AQ-SGD paper) or a codec such as q8 (AQ-SGD then
     caches what it decodes to, and its next visit's delta carries the difference; ef starts its error
-    after it); auto links send their level"""
+    after it); auto links send their level. default: the default setting's own, q4:rot128:step1:rc (about
+    2.2 bits a value), where --forward and --backward are the defaults too, and none with any other"""
 
     def validate(self) -> Self:
         """The fields' checks, then every spec parsed: each direction's, the warm-up codec's (and that it has
@@ -374,7 +387,7 @@ class CompressionSection(_Section):
 
         check_fields(self)
         self.specs  # noqa: B018 (parsed here, once: the one-line error naming the option)
-        if self.warmup_codec != "none":
+        if self.warmup != "none":
             self._check_warmup_codec()
         if not self.cache.startswith("disk"):
             parsed("cache", lambda spec: make_cache(spec, 1, row_shape=(1,), path="/dev/null"), self.cache)
@@ -384,7 +397,7 @@ class CompressionSection(_Section):
         """A warm-up codec is a codec, and some direction sends with it."""
         from aqsgd.compress import make_codec
 
-        parsed("warmup_codec", make_codec, self.warmup_codec)
+        parsed("warmup_codec", make_codec, self.warmup)
         fixed = self.fixed_compressed()
         for d, spec in fixed.items():
             if spec.scheme not in ("direct", "delta", "ef"):
@@ -410,6 +423,15 @@ class CompressionSection(_Section):
             return parse_auto(text, d) if is_auto(text) else DirectionSpec.parse(text)
 
         return {d: parsed(d, lambda t, d=d: parse(d, t), getattr(self, d)) for d in ("forward", "backward")}
+
+    @property
+    def warmup(self) -> str:
+        """The warm-up codec in force: ``--warmup-codec``, with ``default`` resolved (the default setting's
+        warm-up codec when both directions are the defaults, else ``none``)."""
+        if self.warmup_codec != "default":
+            return self.warmup_codec
+        defaults = self.forward == DEFAULT_FORWARD and self.backward == DEFAULT_BACKWARD
+        return DEFAULT_WARMUP_CODEC if defaults else "none"
 
     def fixed_compressed(self) -> dict[str, Any]:
         """The directions compressed with a fixed setting (not auto, codec not none), by name, as parsed

@@ -152,7 +152,7 @@ class Trainer:
         c = self.cfg.compression
         asked = [f"--{d} {getattr(c, d)}" for d in c.fixed_compressed()]  # auto: warm-up too
         warm = self.steps_per_epoch * c.warmup_epochs
-        if (not asked or c.warmup_codec != "none" or self.total_steps > warm
+        if (not asked or c.warmup != "none" or self.total_steps > warm
                 or (self.grid is not None and self.grid.rank != 0)):
             return
         log.warning("no step of this run will be compressed: its %d steps all fall in the %d uncompressed "
@@ -445,6 +445,7 @@ class Trainer:
         return {
             "task": self.task.name, "model": self.task.recipe.kind,
             "setting": f"{self.cfg.compression.forward}/{self.cfg.compression.backward}",
+            "warmup_codec": self.cfg.compression.warmup,
             "stages": self.cfg.pipeline.stages, "data_parallel": self.cfg.pipeline.data_parallel,
             "grad_sync": self.cfg.pipeline.grad_sync, **self.links.summary(),
             **({"balance": self.balance} if self.balance is not None else {}),
