@@ -1,6 +1,7 @@
-"""Pipeline x data parallelism: the process grid and (compressed) gradient synchronization."""
+"""Pipeline x data parallelism: the process grid, (compressed) gradient synchronization and outer steps."""
 
 from aqsgd.parallel.grid import GridLayout, ProcessGrid
+from aqsgd.parallel.outer import OuterSync, make_outer_sync
 from aqsgd.parallel.sync import (
     GRAD_SYNC_HELP,
     AllReduceSync,
@@ -19,10 +20,12 @@ __all__ = [
     "GradSync",
     "GradSyncSpec",
     "GridLayout",
+    "OuterSync",
     "PowerSGDSync",
     "ProcessGrid",
     "QuantizedSync",
     "allreduce_bytes",
     "make_grad_sync",
+    "make_outer_sync",
     "parse_grad_sync",
 ]

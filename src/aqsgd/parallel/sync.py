@@ -109,8 +109,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-GRAD_SYNC_HELP = ("grad sync spec: allreduce | q<bits 1-8>[:block<N>] | powersgd[:rank<R>] (e.g. q8, "
-                  "q4:block256, powersgd:rank4)")
+GRAD_SYNC_HELP = ("grad sync spec: allreduce | q<bits 1-8>[:block<N>] | powersgd[:rank<R>] | "
+                  "diloco:<H>[:lr<F>][:momentum<F>][:allreduce|:q<bits>[:block<N>]] (e.g. q8, q4:block256, "
+                  "powersgd:rank4, diloco:50:q8)")
 DEFAULT_BUCKET_MB = 25.0
 DEFAULT_BLOCK = 64
 
@@ -129,6 +130,12 @@ class GradSyncSpec:
     bits: int = 0
     block: int = DEFAULT_BLOCK
     rank: int = 1
+    # diloco: the outer step every ``every`` steps, its SGD's lr and (Nesterov) momentum, and the spec of the
+    # pseudo-gradients' averaging (allreduce or quant)
+    every: int = 0
+    outer_lr: float = 0.7
+    momentum: float = 0.9
+    average: str = "allreduce"
 
 
 def _spec_error(spec: str, why: str) -> SpecError:
@@ -156,6 +163,8 @@ def parse_grad_sync(spec: str) -> GradSyncSpec:
                 raise _spec_error(spec, f"unknown option {opt!r} (quantized gradients take block<N>, N >= 1)")
             block = int(b.group(1))
         return GradSyncSpec("quant", bits=bits, block=block)
+    if head == "diloco":
+        return _parse_diloco(spec, opts)
     if head == "powersgd":
         rank = 1
         if len(opts) > 1:
@@ -166,6 +175,40 @@ def parse_grad_sync(spec: str) -> GradSyncSpec:
             rank = int(r.group(1))
         return GradSyncSpec("powersgd", rank=rank)
     raise _spec_error(spec, f"unknown method {head!r}")
+
+
+def _parse_diloco(spec: str, opts: list[str]) -> GradSyncSpec:
+    """``diloco:<H>[:lr<F>][:momentum<F>][:<averaging>]``: H first, then the outer optimizer's options, then
+    how the pseudo-gradients are averaged (allreduce, the default, or q<b>[:block<N>])."""
+    if not opts or not re.fullmatch(r"-?\d+", opts[0]):
+        raise _spec_error(spec, "diloco needs the outer step's interval H in steps first (diloco:50)")
+    every = int(opts[0])
+    if every < 1:
+        raise _spec_error(spec, f"the outer step's interval H must be at least 1 step, got {every}")
+    lr, momentum, rest = GradSyncSpec.outer_lr, GradSyncSpec.momentum, opts[1:]
+    while rest and (m := re.fullmatch(r"(lr|momentum)(.*)", rest[0])):
+        try:
+            value = float(m.group(2))
+        except ValueError:
+            raise _spec_error(spec, f"{rest[0]!r}: {m.group(1)} takes a number") from None
+        if m.group(1) == "lr":
+            if not (value > 0 and value < float("inf")):
+                raise _spec_error(spec, f"the outer learning rate must be positive, got {m.group(2)}")
+            lr = value
+        else:
+            if not 0 <= value < 1:
+                raise _spec_error(spec, f"the outer momentum must be in [0, 1), got {m.group(2)}")
+            momentum = value
+        rest = rest[1:]
+    average = ":".join(rest) or "allreduce"
+    try:
+        inner = parse_grad_sync(average)
+    except SpecError:
+        inner = None
+    if inner is None or inner.kind not in ("allreduce", "quant"):
+        raise _spec_error(spec, f"diloco averages its pseudo-gradients with allreduce or q<bits>[:block<N>], "
+                                f"got {average!r}")
+    return GradSyncSpec("diloco", every=every, outer_lr=lr, momentum=momentum, average=average)
 
 
 # -- buckets ----------------------------------------------------------------------------------------------
@@ -569,6 +612,9 @@ def make_grad_sync(spec: str, group: Any = None, *, bucket_mb: float = DEFAULT_B
     """The :class:`GradSync` for a spec (``allreduce``, ``q8``, ``q4:block256``, ``powersgd:rank4``) over
     ``group`` (None: the default group), its buffers and state on ``device`` (the GPU for an NCCL group)."""
     parsed = parse_grad_sync(spec)
+    if parsed.kind == "diloco":
+        raise ValueError(f"{spec!r} synchronizes parameters, not gradients: build it with "
+                         "aqsgd.parallel.outer.make_outer_sync")
     if parsed.kind == "allreduce":
         return AllReduceSync(group, bucket_mb=bucket_mb, link=link, device=device)
     if parsed.kind == "quant":

@@ -21,7 +21,7 @@ from aqsgd.comm import Transport
 from aqsgd.errors import ConfigMismatchError, SpecError
 from aqsgd.parallel.grid import check_same_settings
 from aqsgd.comm.device import check_backends, gpu_sharing, group_backend, resolve_device, resolve_dp_backend
-from aqsgd.parallel import make_grad_sync
+from aqsgd.parallel import make_grad_sync, make_outer_sync, parse_grad_sync
 from aqsgd.pipeline.checkpointing import checkpoint_blocks
 from aqsgd.pipeline.compression import BACKWARD_CHANNEL, FORWARD_CHANNEL, BoundarySpec, CompressionConfig
 from aqsgd.pipeline.materialize import load_weights, materialize_stage
@@ -159,7 +159,7 @@ def build_engine(cfg: TrainConfig, task: TaskSetup, *, grid: ProcessGrid | None,
     ties = shared_parameters(StageCut.of(p).cut(recipe.build("meta")))
     if cfg.model.lora:  # a frozen tied weight (an embedding and its LM head) gets no gradient to sum
         ties = [t for t in ties if all(is_trainable(name) for name in t.values())]
-    grad_sync = None
+    grad_sync = outer = None
     if p.data_parallel > 1:
         # NCCL replica groups of their own (collective, the same on every rank); gloo: the grid's groups, with
         # the buckets in host memory
@@ -168,13 +168,18 @@ def build_engine(cfg: TrainConfig, task: TaskSetup, *, grid: ProcessGrid | None,
                               shared_gpu=replicas_sharing_a_gpu(cfg, grid, device)) == "nccl":
             group = grid.new_dp_group(group_backend("nccl"), timeout_s=collective_timeout(p.timeout))
             sync_device = device
-        grad_sync = make_grad_sync(p.grad_sync, group, bucket_mb=p.grad_bucket_mb, link=sync_link,
-                                   seed=o.seed, device=sync_device)
+        if parse_grad_sync(p.grad_sync).kind == "diloco":  # the stage's trainable parameters (LoRA: adapters)
+            outer = make_outer_sync(p.grad_sync, list(module.parameters()), group, bucket_mb=p.grad_bucket_mb,
+                                    link=sync_link, device=sync_device)
+        else:
+            grad_sync = make_grad_sync(p.grad_sync, group, bucket_mb=p.grad_bucket_mb, link=sync_link,
+                                       seed=o.seed, device=sync_device)
     transport = Transport(timeout_s=p.timeout, links=initial, peer_labels=grid.peer_labels(), device=device,
                           backend=p.p2p_backend, checksum=p.checksum)
     links.pace(transport)
     engine = PipelineEngine({grid.stage: module}, p.stages, comp, optim, schedule=p.schedule, device=device,
-                            transport=transport, ties=ties, autocast=autocast, grid=grid, grad_sync=grad_sync)
+                            transport=transport, ties=ties, autocast=autocast, grid=grid, grad_sync=grad_sync,
+                            outer=outer)
     return Built(engine, device, transport)
 
 

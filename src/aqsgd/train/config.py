@@ -287,8 +287,10 @@ class PipelineSection(_Section):
     data_parallel: int = field(1, check=at_least(1))
     """replicas of the pipeline (distributed runtime); world size = stages x data_parallel"""
     grad_sync: str = "allreduce"
-    """data-parallel gradient synchronization: allreduce, q<bits>[:block<N>], powersgd[:rank<R>] (e.g. q8,
-    q4:block256, powersgd:rank4)"""
+    """data-parallel synchronization: every step the gradients, allreduce, q<bits>[:block<N>] or
+    powersgd[:rank<R>] (e.g. q8, q4:block256, powersgd:rank4); or outer steps, diloco:<H>[:lr<F>][:momentum<F>]
+    [:allreduce|:q<bits>]: each replica alone for H steps, then the averaged pseudo-gradients through SGD with
+    Nesterov momentum (lr 0.7, momentum 0.9), e.g. diloco:50:q8"""
     grad_bucket_mb: float = field(25.0, check=above(0))
     """gradient bucket size of the data-parallel synchronization, in MB"""
 
@@ -303,7 +305,9 @@ class PipelineSection(_Section):
         if self.data_parallel > 1 and self.runtime != "distributed":
             raise bad("data_parallel", f"{self.data_parallel} replicas need --runtime distributed (one "
                       "process per stage and replica); the local runtime runs one pipeline")
-        parsed("grad_sync", parse_grad_sync, self.grad_sync)
+        if parsed("grad_sync", parse_grad_sync, self.grad_sync).kind == "diloco" and self.data_parallel < 2:
+            raise bad("grad_sync", f"{self.grad_sync} averages replicas at its outer steps: it needs "
+                      "--data-parallel 2 or more")
         parsed("schedule", get_schedule, self.schedule)
         if self.layers is not None and len(self.layers) != self.stages:
             raise bad("layers", f"{len(self.layers)} counts for {self.stages} stages")

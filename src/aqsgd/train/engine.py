@@ -41,7 +41,7 @@ from aqsgd.schemes import BoundaryScheme, Phase
 from aqsgd.train.optim import clip_coefficient, make_optimizer, squared_grad_norm, warmup_linear_decay
 
 if TYPE_CHECKING:
-    from aqsgd.parallel import GradSync, ProcessGrid
+    from aqsgd.parallel import GradSync, OuterSync, ProcessGrid
 
 __all__ = ["PipelineEngine", "OptimConfig"]
 
@@ -74,23 +74,31 @@ class PipelineEngine:
         autocast: torch.dtype | None = None,
         grid: ProcessGrid | None = None,
         grad_sync: GradSync | None = None,
+        outer: OuterSync | None = None,
     ) -> None:
         """``grid`` (distributed, data parallel): this process's place in the stages x replicas grid; it gives
         the pipeline ranks (unless ``rank_of_stage`` is given), the group for the global gradient norm and the
         replicas for tied-weight groups. ``grad_sync`` averages this stage's gradients over its replicas after
-        backward and tied-weight sync, before clipping (compressed except in the warm-up phase)."""
+        backward and tied-weight sync, before clipping (compressed except in the warm-up phase). ``outer``
+        (DiLoCo, instead of ``grad_sync``) leaves the replicas alone for its interval and takes its outer step
+        after the optimizers' (:mod:`aqsgd.parallel.outer`)."""
         self.num_stages = num_stages
         self.stages = dict(stages)
         self.distributed = transport is not None
         self.transport = transport
         self.grid = grid
         self.grad_sync = grad_sync
+        self.outer = outer
+        if outer is not None:
+            outer.end = optim.total_steps  # the replicas end the run agreed
         self.last_sync_bytes = 0
         if rank_of_stage is None and grid is not None:
             rank_of_stage = grid.rank_of_stage
         self.ranks = list(rank_of_stage) if rank_of_stage is not None else list(range(num_stages))
-        if grad_sync is not None and not self.distributed:
+        if (grad_sync is not None or outer is not None) and not self.distributed:
             raise ValueError("grad_sync needs a distributed engine (one stage per process in a process grid)")
+        if grad_sync is not None and outer is not None:
+            raise ValueError("a stage's replicas sync gradients every step or take outer steps, not both")
         if self.distributed:
             if len(self.stages) != 1:
                 raise ValueError("a distributed engine runs exactly one stage per process")
@@ -199,6 +207,9 @@ class PipelineEngine:
                 if not self.skipped:
                     self.optimizers[i].step()
                 self.schedulers[i].step()
+        if self.outer is not None:
+            with record_function("outer step" if self.outer.due else "count outer step"):
+                self.last_sync_bytes = self.outer.step(compress=Phase(phase) != Phase.WARMUP)
         return loss
 
     def _replicas_finite(self, loss: float | None) -> bool:
@@ -287,7 +298,9 @@ class PipelineEngine:
         * ``optimizer``: the optimizer's ``state_dict()``; ``optimizer_class``: the optimizer's class name;
         * ``scheduler``: the LR scheduler's ``state_dict()``;
         * ``schemes``: the runner's boundary schemes (:meth:`StageRunner.state_dict`);
-        * ``grad_sync`` (with gradient synchronization): its ``state_dict()``, tensors.
+        * ``grad_sync`` (with gradient synchronization): its ``state_dict()``, tensors;
+        * ``outer`` (with outer steps): the round's anchors, the outer momentum and the steps taken, tensors;
+          ``agreed_model``: ``model`` with the anchors in place of the trainable parameters.
 
         The values refer to the live state; nothing is copied."""
         out: dict[int, dict[str, Any]] = {}
@@ -304,6 +317,12 @@ class PipelineEngine:
                       "scheduler": self.schedulers[i].state_dict(), "schemes": self.runners[i].state_dict()}
             if self.grad_sync is not None:
                 out[i]["grad_sync"] = self.grad_sync.state_dict()
+            if self.outer is not None:
+                out[i]["outer"] = self.outer.state_dict()
+                # the weights the replicas last agreed on (the stage's model for export and evaluation)
+                agreed = {name: self.outer.agreed(p)
+                          for name, p in self.stages[i].named_parameters(remove_duplicate=False)}
+                out[i]["agreed_model"] = {k: v if agreed.get(k) is None else agreed[k] for k, v in model.items()}
         return out
 
     def load_state_dict(self, state: Mapping[int, Mapping[str, Any]], *, strict: bool = True,
@@ -347,6 +366,10 @@ class PipelineEngine:
                 if self.grad_sync is None:
                     raise ValueError("this engine has no gradient synchronization to restore")
                 self.grad_sync.load_state_dict(entries["grad_sync"])
+            if "outer" in entries:
+                if self.outer is None:
+                    raise ValueError("this engine takes no outer steps (diloco) to restore")
+                self.outer.load_state_dict(entries["outer"])
         return fits
 
     def _load_model(self, i: int, tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
@@ -408,7 +431,8 @@ def _frozen(module: torch.nn.Module) -> set[str]:
     return {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
-_STAGE_STATE = frozenset({"model", "optimizer", "optimizer_class", "scheduler", "schemes", "grad_sync"})
+_STAGE_STATE = frozenset({"model", "optimizer", "optimizer_class", "scheduler", "schemes", "grad_sync",
+                          "outer", "agreed_model"})
 
 
 def _shared_names(state: Mapping[str, Any]) -> list[list[str]]:

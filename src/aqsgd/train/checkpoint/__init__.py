@@ -27,6 +27,13 @@ global rank as always)::
     stage{i}/replica{r}/grad_sync.safetensors the gradient synchronization's error-feedback state (quantized
                                               sync, PowerSGD), one per rank
 
+Replicas that take outer steps (``--grad-sync diloco:H``) differ inside a round: each writes its own
+``model.safetensors``, ``optimizer.pt`` and ``scheduler.json`` under ``stage{i}/replica{r}/``, beside
+``outer.safetensors`` (the round's anchors, the outer momentum, the steps taken, the averaging's error
+feedback); ``stage{i}/model.safetensors`` then holds the weights the replicas last agreed on (the last outer
+step's), what export and evaluation read. A run's last step ends a round: its final checkpoint's replicas
+agree.
+
 With ``D = 1`` the layout is the one above (no ``replica{r}`` level), as before data parallelism.
 
 State
@@ -42,6 +49,7 @@ A checkpoint holds no knowledge of the engine's insides: it asks
     schemes          {(b, channel, side): {"shape", "dtype", "scheme"}}
                                                  [replica{r}/]schemes/<key>/: scheme.save(folder), shape.json
     grad_sync        {name: tensor}              [replica{r}/]grad_sync.safetensors
+    outer            {name: tensor}              replica{r}/outer.safetensors
 
 A boundary scheme's state is written by the scheme itself into its folder (disk caches can be many GB);
 :meth:`~aqsgd.pipeline.runner.StageRunner.load_state_dict` takes that folder in place of the scheme, builds

@@ -111,8 +111,9 @@ def _plan(manifest: Manifest, engine: Any, held: dict[int, dict[str, Any]], rank
         d = f"stage{i}"
         if not any(f.startswith(d + "/") for f in manifest.files):
             raise CheckpointError(f"{path} has no stage{i}: was it written with another number of stages?")
-        files += [f"{d}/model.safetensors", f"{d}/optimizer.pt", f"{d}/scheduler.json"]
         own = d if data_parallel == 1 else f"{d}/replica{replica}"
+        w = own if "outer" in state else d  # outer steps (diloco): each replica's weights of its own
+        files += [f"{w}/model.safetensors", f"{w}/optimizer.pt", f"{w}/scheduler.json"]
         prefix = f"{own}/schemes/"
         trees += sorted({prefix + f[len(prefix):].split("/")[0] for f in manifest.files
                          if f.startswith(prefix)})
@@ -121,6 +122,11 @@ def _plan(manifest: Manifest, engine: Any, held: dict[int, dict[str, Any]], rank
                 raise CheckpointError(f"{path / own} has no grad_sync.safetensors: was it written without "
                                       "data parallelism?")
             files.append(f"{own}/grad_sync.safetensors")
+        if "outer" in state:
+            if not manifest.has(f"{own}/outer.safetensors"):
+                raise CheckpointError(f"{path / own} has no outer.safetensors: was it written without outer "
+                                      "steps (--grad-sync diloco:H)?")
+            files.append(f"{own}/outer.safetensors")
     for t in trees:
         if t not in manifest.trees:
             raise CheckpointError(f"{path / t}: not a scheme folder of the checkpoint's manifests (damaged "
@@ -177,14 +183,15 @@ def _restore(path: Path, engine: Any, held: dict[int, dict[str, Any]], rank: int
     for i, state in held.items():
         d = path / f"stage{i}"
         own = per_replica_dir(d, replica, data_parallel)
-        file = d / "model.safetensors"
+        w = own if "outer" in state else d
+        file = w / "model.safetensors"
         with _reading(file, f"cannot load the weights of stage {i}"):
             missing, unexpected = engine.load_state_dict({i: {"model": load_file(str(file))}},
                                                          strict=False)[i]
         if missing or unexpected:
             raise CheckpointError(f"{file}: weights do not fit stage {i} (missing {sorted(missing)[:5]}, "
                                   f"unexpected {sorted(unexpected)[:5]})")
-        file = d / "optimizer.pt"
+        file = w / "optimizer.pt"
         kind = optimizers.get(relative(file, path))
         if kind is not None and kind != state["optimizer_class"]:
             raise CheckpointError(f"{file}: holds the state of the {kind} optimizer, this run's stage {i} "
@@ -193,7 +200,7 @@ def _restore(path: Path, engine: Any, held: dict[int, dict[str, Any]], rank: int
             # read onto the host wherever it was saved; the optimizer moves it to its parameters' device
             saved = torch.load(file, weights_only=True, map_location="cpu")
             engine.load_state_dict({i: {"optimizer": saved}})
-        file = d / "scheduler.json"
+        file = w / "scheduler.json"
         sched = read_json(file)
         with _reading(file, f"does not fit the LR scheduler of stage {i}"):
             if not isinstance(sched, dict):
@@ -214,6 +221,10 @@ def _restore(path: Path, engine: Any, held: dict[int, dict[str, Any]], rank: int
             file = own / "grad_sync.safetensors"
             with _reading(file, "cannot restore the gradient synchronization state"):
                 engine.load_state_dict({i: {"grad_sync": load_file(str(file))}})
+        if "outer" in state:
+            file = own / "outer.safetensors"
+            with _reading(file, "cannot restore the outer steps' state"):
+                engine.load_state_dict({i: {"outer": load_file(str(file))}})
     file = path / f"rank{rank}.rng.json"
     rng = read_json(file)
     with _reading(file, "not a Python RNG state"):

@@ -182,12 +182,18 @@ def _write_own(writer: _Writer, engine: Any, position: dict[str, Any], rank: int
         d = tmp / f"stage{i}"
         own = per_replica_dir(d, replica, data_parallel)
         writer.mkdir(own)
-        if replica == 0:  # replicas hold identical weights and optimizer states: written once per stage
-            writer.file(d / "model.safetensors", lambda p, t=state["model"]: _save_tensors(t, p))
-            writer.file(d / "optimizer.pt", lambda p, o=state["optimizer"]: _torch_save(o, p))
-            optimizers[f"stage{i}/optimizer.pt"] = state["optimizer_class"]
-            writer.file(d / "scheduler.json", lambda p, s=state["scheduler"]: p.write_text(
+        # replicas that average every step hold identical weights and optimizer states: written once per stage,
+        # by replica 0; those that take outer steps (diloco) differ inside a round: each writes its own, and
+        # replica 0 the weights they last agreed on as the stage's
+        w = own if "outer" in state else d
+        if replica == 0 or "outer" in state:
+            writer.file(w / "model.safetensors", lambda p, t=state["model"]: _save_tensors(t, p))
+            writer.file(w / "optimizer.pt", lambda p, o=state["optimizer"]: _torch_save(o, p))
+            optimizers[relative(w / "optimizer.pt", tmp)] = state["optimizer_class"]
+            writer.file(w / "scheduler.json", lambda p, s=state["scheduler"]: p.write_text(
                 json.dumps(s, default=_jsonable)))
+        if replica == 0 and "outer" in state:  # the stage's model for export and evaluation: the agreed one
+            writer.file(d / "model.safetensors", lambda p, t=state["agreed_model"]: _save_tensors(t, p))
         for key, entry in state["schemes"].items():
             sd = own / "schemes" / scheme_dir(key)
 
@@ -199,6 +205,8 @@ def _write_own(writer: _Writer, engine: Any, position: dict[str, Any], rank: int
             mirrored[relative(sd, tmp)] = _mirrored_files(entry["scheme"], sd)
         if "grad_sync" in state:
             writer.file(own / "grad_sync.safetensors", lambda p, t=state["grad_sync"]: _save_tensors(t, p))
+        if "outer" in state:
+            writer.file(own / "outer.safetensors", lambda p, t=state["outer"]: _save_tensors(t, p))
     py_state = random.getstate()
     writer.file(tmp / f"rank{rank}.rng.json", lambda p: p.write_text(
         json.dumps({"python": [py_state[0], list(py_state[1]), py_state[2]]})))
