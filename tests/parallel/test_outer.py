@@ -1,5 +1,5 @@
-"""Outer steps (DiLoCo, ``--grad-sync diloco:H``): the spec and its one-line refusals, the outer step on its own
-(2 processes), and training 2 stages x 2 replicas: H = 1 with lr 1 and no momentum is per-step parameter
+"""Outer steps (DiLoCo, ``--grad-sync diloco:H``): the spec and its one-line refusals, the outer step on its
+own (2 processes), and training 2 stages x 2 replicas: H = 1 with lr 1 and no momentum is per-step parameter
 averaging, the replicas end every round (and the run) with bit-identical weights, the bytes go only at the
 rounds' ends, and a resume inside a round continues it exactly.
 

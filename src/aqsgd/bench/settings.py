@@ -138,7 +138,8 @@ SETTINGS: dict[str, Setting] = {
                                                     "ef:q4:rot128:step1:rc:pca/4", {"warmup_codec": "q8"}),
     # ... and as the entropy-coded 4-bit grid (about 2.2 bits a value on activations and gradients alike): the
     # setting that sends 16x less than fp32 over a run whose first half is the warm-up
-    "aqsgd pca/4 ec/ef pca/4 ec warmup ec": Setting("delta:q4:rot128:step1:rc:pca/4", "ef:q4:rot128:step1:rc:pca/4",
+    "aqsgd pca/4 ec/ef pca/4 ec warmup ec": Setting("delta:q4:rot128:step1:rc:pca/4",
+                                                    "ef:q4:rot128:step1:rc:pca/4",
                                                     {"warmup_codec": "q4:rot128:step1:rc"}),
 }
 

@@ -63,7 +63,7 @@ class OuterSync:
         self.optimizer = torch.optim.SGD(self.anchors, lr=lr, momentum=momentum, nesterov=momentum > 0)
         self.steps = 0  # inner steps taken in the current round
         self.taken = 0  # inner steps taken in all
-        self.end = 0  # the run's last step (0: none known): a round ends there too, so the replicas end agreed
+        self.end = 0  # the run's last step (0: none known): a round ends there too (the replicas end agreed)
         self.rounds = 0
         self.last_bytes = 0
         self.last_raw_bytes = 0

@@ -50,10 +50,10 @@ from aqsgd.train.fields import (
 )
 
 # The default setting: the most compressed one measured within 1 % of fp32 on both study tasks (3 seeds,
-# evaluation uncompressed; docs/convergence.md, "The default setting"). Forward, AQ-SGD's deltas in a basis of
-# a quarter of each row's dimensions that the boundary learns, the coefficients on the entropy-coded 4-bit grid;
-# backward, the gradients the same way with error feedback; the warm-up and AQ-SGD's first visits on that grid
-# without the basis (which the warm-up estimates).
+# evaluation uncompressed; docs/convergence.md, "The default setting"). Forward, AQ-SGD's deltas in a basis
+# of a quarter of each row's dimensions that the boundary learns, the coefficients on the entropy-coded 4-bit
+# grid; backward, the gradients the same way with error feedback; the warm-up and AQ-SGD's first visits on
+# that grid without the basis (which the warm-up estimates).
 DEFAULT_FORWARD = "delta:q4:rot128:step1:rc:pca/4"
 DEFAULT_BACKWARD = "ef:q4:rot128:step1:rc:pca/4"
 DEFAULT_WARMUP_CODEC = "q4:rot128:step1:rc"
@@ -288,9 +288,9 @@ class PipelineSection(_Section):
     """replicas of the pipeline (distributed runtime); world size = stages x data_parallel"""
     grad_sync: str = "allreduce"
     """data-parallel synchronization: every step the gradients, allreduce, q<bits>[:block<N>] or
-    powersgd[:rank<R>] (e.g. q8, q4:block256, powersgd:rank4); or outer steps, diloco:<H>[:lr<F>][:momentum<F>]
-    [:allreduce|:q<bits>]: each replica alone for H steps, then the averaged pseudo-gradients through SGD with
-    Nesterov momentum (lr 0.7, momentum 0.9), e.g. diloco:50:q8"""
+    powersgd[:rank<R>] (e.g. q8, q4:block256, powersgd:rank4); or outer steps,
+    diloco:<H>[:lr<F>][:momentum<F>][:allreduce|:q<bits>]: each replica alone for H steps, then the averaged
+    pseudo-gradients through SGD with Nesterov momentum (lr 0.7, momentum 0.9), e.g. diloco:50:q8"""
     grad_bucket_mb: float = field(25.0, check=above(0))
     """gradient bucket size of the data-parallel synchronization, in MB"""
 

@@ -322,7 +322,8 @@ class PipelineEngine:
                 # the weights the replicas last agreed on (the stage's model for export and evaluation)
                 agreed = {name: self.outer.agreed(p)
                           for name, p in self.stages[i].named_parameters(remove_duplicate=False)}
-                out[i]["agreed_model"] = {k: v if agreed.get(k) is None else agreed[k] for k, v in model.items()}
+                out[i]["agreed_model"] = {k: v if agreed.get(k) is None else agreed[k]
+                                          for k, v in model.items()}
         return out
 
     def load_state_dict(self, state: Mapping[int, Mapping[str, Any]], *, strict: bool = True,

@@ -182,9 +182,9 @@ def _write_own(writer: _Writer, engine: Any, position: dict[str, Any], rank: int
         d = tmp / f"stage{i}"
         own = per_replica_dir(d, replica, data_parallel)
         writer.mkdir(own)
-        # replicas that average every step hold identical weights and optimizer states: written once per stage,
-        # by replica 0; those that take outer steps (diloco) differ inside a round: each writes its own, and
-        # replica 0 the weights they last agreed on as the stage's
+        # replicas that average every step hold identical weights and optimizer states: written once per
+        # stage, by replica 0; those that take outer steps (diloco) differ inside a round: each writes its
+        # own, and replica 0 the weights they last agreed on as the stage's
         w = own if "outer" in state else d
         if replica == 0 or "outer" in state:
             writer.file(w / "model.safetensors", lambda p, t=state["model"]: _save_tensors(t, p))
