@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from aqsgd.comm.testing import run_processes
+from aqsgd.compress.bitpack import packed_nbytes
 from aqsgd.errors import SpecError
 from aqsgd.parallel import AllReduceSync, OuterSync, make_outer_sync, parse_grad_sync
 from aqsgd.train.config import TrainConfig
@@ -49,10 +50,10 @@ def test_diloco_specs_parse(spec, every, lr, momentum, average):
     ("diloco:5:lr-0.7", "the outer learning rate must be positive, got -0.7"),
     ("diloco:5:lrx", "'lrx': lr takes a number"),
     ("diloco:5:momentum1", "the outer momentum must be in [0, 1), got 1"),
-    ("diloco:5:powersgd", "diloco averages its pseudo-gradients with allreduce or q<bits>[:block<N>], got "
-                          "'powersgd'"),
-    ("diloco:5:q8:lr0.5", "diloco averages its pseudo-gradients with allreduce or q<bits>[:block<N>], got "
-                          "'q8:lr0.5'"),
+    ("diloco:5:powersgd", "diloco averages its pseudo-gradients with allreduce, q<bits>[:block<N>] or "
+                          "topk<P>%[:q<bits>], got 'powersgd'"),
+    ("diloco:5:q8:lr0.5", "diloco averages its pseudo-gradients with allreduce, q<bits>[:block<N>] or "
+                          "topk<P>%[:q<bits>], got 'q8:lr0.5'"),
 ])
 def test_bad_diloco_specs_are_refused_in_one_line(tmp_path, spec, why):
     with pytest.raises(SpecError) as e:
@@ -175,6 +176,7 @@ def outer_run(tmp_path_factory):
     cfgs = {"per-step": _cfg(tmp, **sgd, grad_sync="allreduce"),
             "diloco-1": _cfg(tmp, **sgd, grad_sync="diloco:1:lr1:momentum0"),
             "h3-q8": _cfg(tmp, grad_sync="diloco:3:q8", max_steps=STEPS, checkpoint_every=4),
+            "h3-topk": _cfg(tmp, grad_sync="diloco:3:topk5%:q2", max_steps=STEPS),
             "h3-part": _cfg(tmp, grad_sync="diloco:3:q8", max_steps=STEPS, checkpoint_every=4)}
     cfgs = {name: cfg.replace(run_name=name) for name, cfg in cfgs.items()}
     runs = [(n, c.to_json(), 5 if n == "h3-part" else None) for n, c in cfgs.items()]
@@ -223,6 +225,22 @@ def test_replicas_agree_after_every_round_and_bytes_go_at_its_end_only(outer_run
             own = load_file(str(ckpt / f"stage{stage}" / f"replica{replica}" / "model.safetensors"))
             assert own.keys() == agreed.keys() and all(torch.equal(own[k], agreed[k]) for k in own)
             assert (ckpt / f"stage{stage}" / f"replica{replica}" / "outer.safetensors").is_file()
+
+
+def test_topk_pseudo_gradients_agree_and_send_a_fraction(outer_run):
+    cfgs, ranks = outer_run
+    numel = _stage_numel(cfgs["h3-topk"])
+    for r in ranks:
+        stage, _ = r["h3-topk"]["coords"]
+        k = math.ceil(0.05 * numel[stage])  # 4-byte indices, 2-bit values with an fp16 scale per 64
+        topk = (D - 1) * (4 * k + 2 * math.ceil(k / 64) + packed_nbytes(k, 2))
+        assert r["h3-topk"]["sync_bytes"] == [0, 0, topk, 0, 0, topk, 0, topk]
+        assert topk < _q8_bytes(numel[stage]) / 4
+    for a, b in ((ranks[0], ranks[2]), (ranks[1], ranks[3])):
+        for name, value in a["h3-topk"]["params"].items():
+            assert torch.equal(value, b["h3-topk"]["params"][name]), name
+    losses = _losses(ranks[1]["h3-topk"]["history"])
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
 
 def test_a_resume_inside_a_round_continues_it_exactly(outer_run):

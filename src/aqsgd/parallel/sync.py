@@ -31,6 +31,15 @@ sent. Three implementations, chosen by a spec string (:func:`make_grad_sync`):
     :class:`HookBucket` provides them over our own flat bucket. ``dist.GradBucket`` itself has no Python
     constructor. Warm-up is decided here, not by the state's iteration counter (see below).
 
+``topk<P>%[:q<b>][:block<N>]`` (default q8, block 64; e.g. ``topk3%:q2``)
+    Each rank sends the P % of its bucket largest in magnitude, after adding its error buffer: int32 indices
+    and the values quantized (:class:`TopKSync`), in one all-gather; the rest stays in the error buffer.
+    Meant for DiLoCo's pseudo-gradients (``diloco:50:topk3%:q2``, SparseLoCo's recipe), usable every step.
+
+``diloco:<H>[:...]``
+    Not a gradient sync: outer steps every H steps (:mod:`aqsgd.parallel.outer`), whose pseudo-gradients are
+    averaged by one of the above.
+
 Warm-up and phases
     ``sync(..., compress=False)`` runs the fp32 all-reduce for every method and leaves the error-feedback
     state untouched (the caller passes it from the training phase; no global flag).
@@ -79,6 +88,7 @@ import abc
 import contextlib
 import dataclasses
 import logging
+import math
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -102,6 +112,7 @@ __all__ = [
     "HookBucket",
     "PowerSGDSync",
     "QuantizedSync",
+    "TopKSync",
     "allreduce_bytes",
     "make_grad_sync",
     "parse_grad_sync",
@@ -110,8 +121,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 GRAD_SYNC_HELP = ("grad sync spec: allreduce | q<bits 1-8>[:block<N>] | powersgd[:rank<R>] | "
-                  "diloco:<H>[:lr<F>][:momentum<F>][:allreduce|:q<bits>[:block<N>]] (e.g. q8, q4:block256, "
-                  "powersgd:rank4, diloco:50:q8)")
+                  "topk<P>%[:q<bits>][:block<N>] | diloco:<H>[:lr<F>][:momentum<F>][:<one of those but "
+                  "powersgd>] (e.g. q8, q4:block256, powersgd:rank4, topk3%:q2, diloco:50:q8, "
+                  "diloco:50:topk3%:q2)")
 DEFAULT_BUCKET_MB = 25.0
 DEFAULT_BLOCK = 64
 
@@ -128,6 +140,7 @@ class GradSyncSpec:
 
     kind: str
     bits: int = 0
+    fraction: float = 0.0  # topk: the share of each bucket's values sent
     block: int = DEFAULT_BLOCK
     rank: int = 1
     # diloco: the outer step every ``every`` steps, its SGD's lr and (Nesterov) momentum, and the spec of the
@@ -165,6 +178,21 @@ def parse_grad_sync(spec: str) -> GradSyncSpec:
         return GradSyncSpec("quant", bits=bits, block=block)
     if head == "diloco":
         return _parse_diloco(spec, opts)
+    if m := re.fullmatch(r"topk(\d+(?:\.\d+)?)%", head):
+        percent = float(m.group(1))
+        if not 0 < percent <= 100:
+            raise _spec_error(spec, f"the share kept must be in (0, 100] %, got {m.group(1)}%")
+        bits, block = 8, DEFAULT_BLOCK
+        for opt in opts:
+            if q := re.fullmatch(r"q(\d+)", opt):
+                bits = int(q.group(1))
+                if not 1 <= bits <= 8:
+                    raise _spec_error(spec, f"bits must be 1..8, got {bits}")
+            elif (b := re.fullmatch(r"block(\d+)", opt)) and int(b.group(1)) >= 1:
+                block = int(b.group(1))
+            else:
+                raise _spec_error(spec, f"unknown option {opt!r} (top-k takes q<bits> and block<N>)")
+        return GradSyncSpec("topk", bits=bits, block=block, fraction=percent / 100)
     if head == "powersgd":
         rank = 1
         if len(opts) > 1:
@@ -205,9 +233,9 @@ def _parse_diloco(spec: str, opts: list[str]) -> GradSyncSpec:
         inner = parse_grad_sync(average)
     except SpecError:
         inner = None
-    if inner is None or inner.kind not in ("allreduce", "quant"):
-        raise _spec_error(spec, f"diloco averages its pseudo-gradients with allreduce or q<bits>[:block<N>], "
-                                f"got {average!r}")
+    if inner is None or inner.kind not in ("allreduce", "quant", "topk"):
+        raise _spec_error(spec, f"diloco averages its pseudo-gradients with allreduce, q<bits>[:block<N>] or "
+                                f"topk<P>%[:q<bits>], got {average!r}")
     return GradSyncSpec("diloco", every=every, outer_lr=lr, momentum=momentum, average=average)
 
 
@@ -474,6 +502,86 @@ class QuantizedSync(GradSync):
 
 
 # -- PowerSGD through PyTorch's hook ----------------------------------------------------------------------
+# -- top-k with error feedback ------------------------------------------------------------------------------
+class TopKSync(GradSync):
+    """``topk<P>%[:q<b>][:block<N>]``: each rank sends the P % of its bucket's values largest in magnitude
+    (after adding its error buffer) as their indices (int32) and their values quantized to b bits (one fp16
+    scale per block of N), in one all-gather; everything it did not send, and the quantization error of what
+    it did, stays in its error buffer for the next sync (SparseLoCo's pseudo-gradient compression: top-k,
+    low-bit values, error feedback). Every rank decodes the same D payloads and adds them in replica order
+    (a rank's indices are distinct: no two writes to one value in one ``index_add_``): the averages are
+    bit-identical on every rank."""
+
+    rounds = 1
+
+    def __init__(self, group: Any = None, *, fraction: float = 0.03, bits: int = 8, block: int = DEFAULT_BLOCK,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, link: LinkSpec | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(group, bucket_mb=bucket_mb, link=link, device=device)
+        if not 0 < fraction <= 1:
+            raise ValueError(f"the share kept must be in (0, 1], got {fraction}")
+        self.fraction, self.bits, self.block = fraction, bits, block
+        self.codec = QuantCodec(bits, granularity="block", block=block)
+        self.ef: dict[int, torch.Tensor] = {}
+
+    def kept(self, numel: int) -> int:
+        """Values a rank sends of a bucket of ``numel``: ``ceil(P % of numel)``, at least 1."""
+        return min(numel, max(1, math.ceil(self.fraction * numel)))
+
+    def payload_bytes(self, numel: int) -> int:
+        """Exact bytes of one rank's payload for a bucket: 4 per index, then the quantized values (fp16
+        scales, bit-packed codes)."""
+        k = self.kept(numel)
+        return 4 * k + 2 * -(-k // self.block) + packed_nbytes(k, self.bits)
+
+    def expected_bytes(self, numel: int) -> int:
+        """Bytes one rank sends for a bucket: its payload to each of the ``D - 1`` others (all-gather)."""
+        return (self.world - 1) * self.payload_bytes(numel)
+
+    def _sync(self, buckets: list[_Bucket]) -> int:
+        d = self.world
+        launched = []
+        for b in buckets:
+            e = self.ef.get(b.index)
+            if e is None:
+                e = self.ef[b.index] = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
+            elif e.numel() != b.numel:
+                raise ValueError(f"error-feedback buffer of bucket {b.index} has {e.numel()} values, expected "
+                                 f"{b.numel} (state from another model, bucket size or group size?)")
+            e.add_(b.flatten(self.device))  # e is now v = g + e
+            k = self.kept(b.numel)
+            idx = e.abs().topk(k, sorted=False).indices.to(torch.int32)
+            packet = self.codec.encode(e[idx])
+            e.index_add_(0, idx, self.codec.decode(packet).float(), alpha=-1.0)  # what was not sent stays
+            payload = torch.cat([idx.view(torch.uint8), packet.payload])
+            out = torch.empty(d * payload.numel(), dtype=torch.uint8, device=self.device)
+            launched.append((b, k, out, _all_gather(out, payload, self.group)))
+        nbytes = 0
+        for b, k, out, work in launched:
+            work.wait()
+            avg = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
+            for row in out.view(d, -1):  # in replica order: the same sums on every rank
+                idx = row[: 4 * k].clone().view(torch.int32).long()
+                packet = Packet(self.codec.family, torch.float32, (k,), self.codec.fingerprint,
+                                row[4 * k :].contiguous())
+                avg.index_add_(0, idx, self.codec.decode(packet).float())
+            b.unflatten(avg.div_(d))
+            nbytes += self.expected_bytes(b.numel)
+        return nbytes
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"ef.{i}": t for i, t in self.ef.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        ef = {}
+        for key, value in state.items():
+            m = re.fullmatch(r"ef\.(\d+)", key)
+            if m is None:
+                raise KeyError(f"unexpected key {key!r} in a top-k grad sync state (ef.<i>)")
+            ef[int(m.group(1))] = value.detach().to(self.device, torch.float32, copy=True)
+        self.ef = ef
+
+
 class HookBucket:
     """What a DDP communication hook reads from ``dist.GradBucket``, over a flat buffer of our own.
 
@@ -620,5 +728,8 @@ def make_grad_sync(spec: str, group: Any = None, *, bucket_mb: float = DEFAULT_B
     if parsed.kind == "quant":
         return QuantizedSync(group, bits=parsed.bits, block=parsed.block, bucket_mb=bucket_mb, link=link,
                              device=device)
+    if parsed.kind == "topk":
+        return TopKSync(group, fraction=parsed.fraction, bits=parsed.bits, block=parsed.block,
+                        bucket_mb=bucket_mb, link=link, device=device)
     return PowerSGDSync(group, rank=parsed.rank, bucket_mb=bucket_mb, link=link, seed=seed, device=device)
 
