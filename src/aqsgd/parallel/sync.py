@@ -514,8 +514,8 @@ class TopKSync(GradSync):
 
     rounds = 1
 
-    def __init__(self, group: Any = None, *, fraction: float = 0.03, bits: int = 8, block: int = DEFAULT_BLOCK,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, link: LinkSpec | None = None,
+    def __init__(self, group: Any = None, *, fraction: float = 0.03, bits: int = 8,
+                 block: int = DEFAULT_BLOCK, bucket_mb: float = DEFAULT_BUCKET_MB, link: LinkSpec | None = None,
                  device: torch.device | str = "cpu") -> None:
         super().__init__(group, bucket_mb=bucket_mb, link=link, device=device)
         if not 0 < fraction <= 1:
@@ -546,8 +546,8 @@ class TopKSync(GradSync):
             if e is None:
                 e = self.ef[b.index] = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
             elif e.numel() != b.numel:
-                raise ValueError(f"error-feedback buffer of bucket {b.index} has {e.numel()} values, expected "
-                                 f"{b.numel} (state from another model, bucket size or group size?)")
+                raise ValueError(f"error-feedback buffer of bucket {b.index} has {e.numel()} values, "
+                                 f"expected {b.numel} (state from another model, bucket size or group size?)")
             e.add_(b.flatten(self.device))  # e is now v = g + e
             k = self.kept(b.numel)
             idx = e.abs().topk(k, sorted=False).indices.to(torch.int32)
