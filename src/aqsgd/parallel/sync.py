@@ -515,8 +515,8 @@ class TopKSync(GradSync):
     rounds = 1
 
     def __init__(self, group: Any = None, *, fraction: float = 0.03, bits: int = 8,
-                 block: int = DEFAULT_BLOCK, bucket_mb: float = DEFAULT_BUCKET_MB, link: LinkSpec | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 block: int = DEFAULT_BLOCK, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 link: LinkSpec | None = None, device: torch.device | str = "cpu") -> None:
         super().__init__(group, bucket_mb=bucket_mb, link=link, device=device)
         if not 0 < fraction <= 1:
             raise ValueError(f"the share kept must be in (0, 1], got {fraction}")
