@@ -3,7 +3,8 @@ and compared bit for bit, so that a refactor that claims "behaviour unchanged" i
 
 The runs go through the command line, the interface users keep:
 
-(a) the default job (``aqsgd train``) cut to ``--max-steps 12``;
+(a) the default job (``aqsgd train``) on 192 of its articles (6 steps an epoch) for 12 steps: its warm-up
+    epoch, then an epoch of the default setting;
 (b) a 2-stage distributed run on synthetic data with AQ-SGD fw2/bw4;
 (c) data parallelism, 2 stages x 2 replicas, gradients synchronized with ``q8``;
 (d) a resume from the checkpoint in the middle of a local run with error-feedback state on both sides.
@@ -42,7 +43,7 @@ _QUIET = ["--no-progress", "--no-tensorboard", "--device", "cpu"]
 _SYNTH = ["--task", "synthetic-lm", "--max-train-samples", "64", "--max-eval-samples", "16", "--max-length",
           "32", "--micro-batches", "2", "--micro-batch-size", "4", "--epochs", "2", "--warmup-epochs", "1"]
 CASES: dict[str, list[str]] = {
-    "default_job": ["--max-steps", "12"],
+    "default_job": ["--max-train-samples", "192", "--max-steps", "12"],
     "distributed_aqsgd": [*_SYNTH, "--runtime", "distributed", "--stages", "2", "--forward", "delta:q2",
                           "--backward", "direct:q4"],
     "data_parallel_q8": [*_SYNTH, "--runtime", "distributed", "--stages", "2", "--data-parallel", "2",
