@@ -350,6 +350,22 @@ class GradSync(abc.ABC):
     def _sync(self, buckets: list[_Bucket]) -> int:
         """The compressed synchronization of every bucket; returns the bytes sent."""
 
+    # -- for the methods with a codec and error feedback (q<b>, topk) ------------------------------------
+    def _packet(self, payload: torch.Tensor, shape: tuple[int, ...]) -> Packet:
+        """A packet of ``self.codec``'s payload bytes, for its decode."""
+        codec = self.codec  # type: ignore[attr-defined]
+        return Packet(codec.family, torch.float32, shape, codec.fingerprint, payload.contiguous())
+
+    def _buffer(self, store: dict[int, torch.Tensor], index: int, numel: int) -> torch.Tensor:
+        """Bucket ``index``'s error-feedback buffer in ``store``: zeros at first, refused at another size."""
+        buf = store.get(index)
+        if buf is None:
+            buf = store[index] = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        elif buf.numel() != numel:
+            raise ValueError(f"error-feedback buffer of bucket {index} has {buf.numel()} values, expected "
+                             f"{numel} (state from another model, bucket size or group size?)")
+        return buf
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
@@ -439,17 +455,6 @@ class QuantizedSync(GradSync):
     def _whole_bytes(self, c: int) -> bool:
         return c * self.bits % 8 == 0
 
-    def _packet(self, payload: torch.Tensor, shape: tuple[int, ...]) -> Packet:
-        return Packet(self.codec.family, torch.float32, shape, self.codec.fingerprint, payload.contiguous())
-
-    def _buffer(self, store: dict[int, torch.Tensor], index: int, numel: int) -> torch.Tensor:
-        buf = store.get(index)
-        if buf is None:
-            buf = store[index] = torch.zeros(numel, dtype=torch.float32, device=self.device)
-        elif buf.numel() != numel:
-            raise ValueError(f"error-feedback buffer of bucket {index} has {buf.numel()} values, expected "
-                             f"{numel} (state from another model, bucket size or group size?)")
-        return buf
 
     def _sync(self, buckets: list[_Bucket]) -> int:
         d = self.world
@@ -542,12 +547,7 @@ class TopKSync(GradSync):
         d = self.world
         launched = []
         for b in buckets:
-            e = self.ef.get(b.index)
-            if e is None:
-                e = self.ef[b.index] = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
-            elif e.numel() != b.numel:
-                raise ValueError(f"error-feedback buffer of bucket {b.index} has {e.numel()} values, "
-                                 f"expected {b.numel} (state from another model, bucket size or group size?)")
+            e = self._buffer(self.ef, b.index, b.numel)
             e.add_(b.flatten(self.device))  # e is now v = g + e
             k = self.kept(b.numel)
             idx = e.abs().topk(k, sorted=False).indices.to(torch.int32)
@@ -562,9 +562,7 @@ class TopKSync(GradSync):
             avg = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
             for row in out.view(d, -1):  # in replica order: the same sums on every rank
                 idx = row[: 4 * k].clone().view(torch.int32).long()
-                packet = Packet(self.codec.family, torch.float32, (k,), self.codec.fingerprint,
-                                row[4 * k :].contiguous())
-                avg.index_add_(0, idx, self.codec.decode(packet).float())
+                avg.index_add_(0, idx, self.codec.decode(self._packet(row[4 * k :], (k,))).float())
             b.unflatten(avg.div_(d))
             nbytes += self.expected_bytes(b.numel)
         return nbytes
