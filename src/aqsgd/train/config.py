@@ -287,10 +287,11 @@ class PipelineSection(_Section):
     data_parallel: int = field(1, check=at_least(1))
     """replicas of the pipeline (distributed runtime); world size = stages x data_parallel"""
     grad_sync: str = "allreduce"
-    """data-parallel synchronization: every step the gradients, allreduce, q<bits>[:block<N>] or
-    powersgd[:rank<R>] (e.g. q8, q4:block256, powersgd:rank4); or outer steps,
-    diloco:<H>[:lr<F>][:momentum<F>][:allreduce|:q<bits>]: each replica alone for H steps, then the averaged
-    pseudo-gradients through SGD with Nesterov momentum (lr 0.7, momentum 0.9), e.g. diloco:50:q8"""
+    """data-parallel synchronization: every step the gradients, allreduce, q<bits>[:block<N>],
+    powersgd[:rank<R>] or topk<P>%[:q<bits>] (e.g. q8, q4:block256, powersgd:rank4, topk3%:q2); or outer
+    steps, diloco:<H>[:lr<F>][:momentum<F>][:allreduce|:q<bits>|:topk<P>%[:q<bits>]]: each replica alone for
+    H steps, then the averaged pseudo-gradients through SGD with Nesterov momentum (lr 0.7, momentum 0.9),
+    e.g. diloco:50:q8"""
     grad_bucket_mb: float = field(25.0, check=above(0))
     """gradient bucket size of the data-parallel synchronization, in MB"""
 
