@@ -49,11 +49,12 @@ def _optional(conv):
 
 def _help_text(text: str, default: Any) -> str:
     """A field's help with its default appended, unless the text already says what the default is (a None
-    default means "derived", which the text explains)."""
-    if default is None or "(default" in text:
-        return text
-    shown = ",".join(map(str, default)) if isinstance(default, list) else default
-    return f"{text} (default: {shown})"
+    default means "derived", which the text explains); each ``%`` doubled (argparse formats help with
+    ``%``)."""
+    if default is not None and "(default" not in text:
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        text = f"{text} (default: {shown})"
+    return text.replace("%", "%%")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
