@@ -19,14 +19,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from aqsgd.bench.dpsync import LINK_MBIT, WINDOW, elapsed, sync_curve, target_loss, time_to_target
 from aqsgd.bench.settings import SETTINGS
 from aqsgd.bench.subspace import boundary_energy, plot_energy
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.report import HIGHER_IS_BETTER, load_run
-from aqsgd.train.trainer import Trainer
+from aqsgd.train.driver import run_training
 
-__all__ = ["SETTINGS", "TASKS", "DEFAULT_TASKS", "STUDIES", "run_study", "study_table", "write_results",
-           "format_relative"]
+__all__ = ["SETTINGS", "TASKS", "DEFAULT_TASKS", "STUDIES", "default_tasks", "run_study", "study_table",
+           "write_results", "format_relative"]
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,21 @@ TASKS: dict[str, dict[str, Any]] = {
     "smollm2-instruct": dict(task="instruct", model="smollm2", max_length=128, max_train_samples=96,
                              max_eval_samples=32, stages=4, micro_batches=2, micro_batch_size=4, epochs=3,
                              warmup_epochs=1, lr=5e-5),
+    # data parallelism over a slow link (the `diloco` study): 2 stages x 2 (4) replicas on the distributed
+    # runtime, boundaries in fp32, no warm-up; long enough for rounds of 50 steps (global batch 16 (32))
+    "minilm-bbc-dp2": dict(task="bbc", model="minilm", max_length=64, max_train_samples=800,
+                           max_eval_samples=200, stages=2, micro_batches=2, micro_batch_size=4,
+                           data_parallel=2, runtime="distributed", epochs=4, warmup_epochs=0, lr=2e-4),
+    "minilm-bbc-dp4": dict(task="bbc", model="minilm", max_length=64, max_train_samples=1600,
+                           max_eval_samples=200, stages=2, micro_batches=2, micro_batch_size=4,
+                           data_parallel=4, runtime="distributed", epochs=4, warmup_epochs=0, lr=2e-4),
     # a smoke test of the study itself (seconds; a random-token LM, no data source needed)
     "synthetic-lm": dict(task="synthetic-lm", max_length=12, max_train_samples=48, max_eval_samples=16,
                          stages=3, micro_batches=2, micro_batch_size=4, epochs=3, warmup_epochs=1, lr=3e-3),
+    # ... and of the diloco study (2 stages x 2 replicas: process start-up is most of it)
+    "synthetic-lm-dp2": dict(task="synthetic-lm", max_length=12, max_train_samples=64, max_eval_samples=16,
+                             stages=2, micro_batches=2, micro_batch_size=2, data_parallel=2,
+                             runtime="distributed", epochs=2, warmup_epochs=0, lr=3e-3),
 }
 DEFAULT_TASKS = ["minilm-bbc", "smollm2-wiki"]
 
@@ -92,10 +105,25 @@ INSTRUCT_SETTINGS: dict[str, list[str]] = {
 _SUBSPACE = ["fp32", "aqsgd pca/4 ec/ef pca/4 ec", "lora fp32", "lora aqsgd pca/4 ec/ef pca/4 ec"]
 SUBSPACE_SETTINGS: dict[str, list[str]] = {"minilm-bbc": _SUBSPACE, "smollm2-wiki": _SUBSPACE,
                                            "synthetic-lm": ["fp32", "aqsgd pca/4 ec/ef pca/4 ec"]}
+# the `diloco` study: the replicas' sync per step in fp32 (the `fp32` row: all-reduce) and q8, against
+# DiLoCo's outer steps every 10 and 50 steps with fp32, q8 and top-k 3 % + 2-bit pseudo-gradients; the
+# boundaries in fp32
+_DILOCO = ["fp32", "sync q8", "diloco10", "diloco10 q8", "diloco10 topk3% q2", "diloco50", "diloco50 q8",
+           "diloco50 topk3% q2"]
+DILOCO_SETTINGS: dict[str, list[str]] = {"minilm-bbc-dp2": _DILOCO, "minilm-bbc-dp4": _DILOCO,
+                                         "synthetic-lm-dp2": ["fp32", "sync q8", "diloco10 q8"]}
 #: the studies there are: their default settings per task (their result files are named ``<study>-<task>``)
 STUDIES: dict[str, dict[str, list[str]]] = {"convergence": DEFAULT_SETTINGS,
                                             "fewer-bits": FEWER_BITS_SETTINGS, "lora": LORA_SETTINGS,
-                                            "instruct": INSTRUCT_SETTINGS, "subspace": SUBSPACE_SETTINGS}
+                                            "instruct": INSTRUCT_SETTINGS, "subspace": SUBSPACE_SETTINGS,
+                                            "diloco": DILOCO_SETTINGS}
+
+
+def default_tasks(study: str) -> list[str]:
+    """The tasks a study runs when none is named: the default tasks it has settings for, else all of its own
+    but the smoke tests (``instruct``: smollm2-instruct; ``diloco``: the data-parallel tasks)."""
+    return ([t for t in DEFAULT_TASKS if t in STUDIES[study]]
+            or [t for t in STUDIES[study] if not t.startswith("synthetic")])
 
 
 def _slug(name: str) -> str:
@@ -144,7 +172,7 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
             if progress:
                 progress(f"{task}: {key} ({fw} / {bw})")
             t0 = time.perf_counter()
-            summary = Trainer(cfg).run()
+            summary = run_training(cfg)
             run = load_run(out / run_name)
             results["runs"][key] = _run_record(name, seed, run_name, fw, bw, summary, run,
                                                time.perf_counter() - t0)
@@ -183,12 +211,15 @@ def _traffic(run: Any) -> dict[str, Any]:
 
 def _run_record(name: str, seed: int, run_name: str, fw: str, bw: str, summary: dict[str, Any], run: Any,
                 wall_s: float) -> dict[str, Any]:
-    return {"setting": name, "seed": seed, "run_dir": run_name,
-            "forward": fw, "backward": bw, "summary": summary, "wall_s": wall_s, "traffic": _traffic(run),
-            "train_loss": [(r["step"], r["loss"]) for r in run.train_rows],
-            "eval": [{"step": r["step"], "compressed": r["compressed"], "uncompressed": r["uncompressed"]}
-                     for r in run.eval_rows],
-    }
+    record = {"setting": name, "seed": seed, "run_dir": run_name,
+              "forward": fw, "backward": bw, "summary": summary, "wall_s": wall_s, "traffic": _traffic(run),
+              "train_loss": [(r["step"], r["loss"]) for r in run.train_rows],
+              "eval": [{"step": r["step"], "compressed": r["compressed"], "uncompressed": r["uncompressed"]}
+                       for r in run.eval_rows],
+              }
+    if summary.get("data_parallel", 1) > 1:  # each step's seconds and sync bytes: its time over a slow link
+        record["sync_curve"] = sync_curve(run.train_rows)
+    return record
 
 
 def study_table(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -257,8 +288,37 @@ def study_table(results: dict[str, Any]) -> list[dict[str, Any]]:
                      "wire_bits_per_value_backward": mean([t.get("backward_bits_per_value")
                                                            for t in traffic]),
                      "step_s": mean([t.get("step_s") for t in traffic]),
-                     "steps": first["summary"]["steps"], "wall_s": sum(r["wall_s"] for r in runs)})
+                     "steps": first["summary"]["steps"], "wall_s": sum(r["wall_s"] for r in runs),
+                     **_sync_figures(runs, fp32_runs, mean, std)})
     return rows
+
+
+def _sync_figures(runs: list[dict[str, Any]], fp32_runs: list[dict[str, Any] | None], mean: Callable,
+                  std: Callable) -> dict[str, Any]:
+    """With data parallelism (runs holding a ``sync_curve``): the sync's bytes per step (every rank's,
+    summed), the run's length over a :data:`~aqsgd.bench.dpsync.LINK_MBIT` Mbit/s link, and the time to the
+    paired fp32 run's final training loss (the mean of its last :data:`~aqsgd.bench.dpsync.WINDOW` steps, or
+    of its last quarter when shorter; :mod:`aqsgd.bench.dpsync`) with how many times sooner than fp32 got
+    there (None where a run never did)."""
+    if not all(r.get("sync_curve") for r in runs):
+        return {}
+    reach, sooner, windows = [], [], []
+    for r, b in zip(runs, fp32_runs):
+        ref_curve = (b or {}).get("sync_curve") or []
+        window = min(WINDOW, max(1, len(ref_curve) // 4))  # a quarter of a run shorter than 4 windows
+        windows.append(window)
+        target = target_loss(ref_curve, window) if ref_curve else None
+        got = time_to_target(r["sync_curve"], target, window=window) if target is not None else None
+        ref = time_to_target(ref_curve, target, window=window) if target is not None else None
+        reach.append(got[1] if got else None)
+        sooner.append(ref[1] / got[1] if got and ref else None)
+    return {"grad_sync": runs[0]["summary"].get("grad_sync"),
+            "sync_bytes_per_step": mean([r["summary"]["grad_sync_bytes"] / max(r["summary"]["steps"], 1)
+                                         for r in runs]),
+            "link_mbit": LINK_MBIT, "target_window": max(windows),
+            "link_run_s": mean([elapsed(r["sync_curve"])[-1] for r in runs]),
+            "time_to_target_s": mean(reach), "time_to_target_runs": reach,
+            "sooner_than_fp32": mean(sooner), "sooner_than_fp32_std": std(sooner)}
 
 
 def _gap(run: dict[str, Any], fp32: dict[str, Any] | None) -> float | None:

@@ -141,6 +141,18 @@ SETTINGS: dict[str, Setting] = {
     "aqsgd pca/4 ec/ef pca/4 ec warmup ec": Setting("delta:q4:rot128:step1:rc:pca/4",
                                                     "ef:q4:rot128:step1:rc:pca/4",
                                                     {"warmup_codec": "q4:rot128:step1:rc"}),
+    # -- the replicas' sync (the `diloco` study; its tasks are data parallel, the boundaries stay fp32) ------
+    # per step: every step's gradients averaged as 8-bit codes with error feedback (`fp32`: all-reduce)
+    "sync q8": Setting("none", "none", {"grad_sync": "q8"}),
+    # DiLoCo: H inner AdamW steps alone, then the outer Nesterov step (lr 0.7, momentum 0.9) on the averaged
+    # pseudo-gradient, sent in fp32, as 8-bit codes, or as the top 3 % of each block with 2-bit values
+    # (SparseLoCo's recipe), the last two with error feedback
+    "diloco10": Setting("none", "none", {"grad_sync": "diloco:10"}),
+    "diloco10 q8": Setting("none", "none", {"grad_sync": "diloco:10:q8"}),
+    "diloco10 topk3% q2": Setting("none", "none", {"grad_sync": "diloco:10:topk3%:q2"}),
+    "diloco50": Setting("none", "none", {"grad_sync": "diloco:50"}),
+    "diloco50 q8": Setting("none", "none", {"grad_sync": "diloco:50:q8"}),
+    "diloco50 topk3% q2": Setting("none", "none", {"grad_sync": "diloco:50:topk3%:q2"}),
 }
 
 

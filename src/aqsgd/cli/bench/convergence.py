@@ -20,12 +20,13 @@ def _options() -> list:
     from aqsgd.bench.convergence import DEFAULT_TASKS, SETTINGS, STUDIES, TASKS
 
     return [
-        option("tasks", f"tasks, of {', '.join(TASKS)} (default: {' '.join(DEFAULT_TASKS)})", nargs="*",
-               choices=list(TASKS), default=list(DEFAULT_TASKS), metavar="TASK"),
+        option("tasks", f"tasks, of {', '.join(TASKS)} (default: the study's; {' '.join(DEFAULT_TASKS)} for "
+               "the convergence study)", nargs="*", choices=list(TASKS), default=None, metavar="TASK"),
         option("--study", "which study: its default settings and the name of its result files, "
                "<study>-TASK.json (default: convergence; fewer-bits: rotated tiles, outlier rows, zstd, "
                "1-bit AQ-SGD, TAH-Quant; lora: LoRA in fp32 and with AQ-SGD against full fine-tuning; "
-               "instruct: instruction tuning; subspace: both directions in learned bases, pca/4)",
+               "instruct: instruction tuning; subspace: both directions in learned bases, pca/4; diloco: the "
+               "replicas' sync per step against DiLoCo's outer steps, on the data-parallel tasks)",
                choices=list(STUDIES), default="convergence"),
         option("--settings", "settings (default: the study's)", nargs="+", choices=list(SETTINGS),
                default=None, metavar="SETTING"),
@@ -66,7 +67,7 @@ def run_convergence(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from aqsgd.bench.codecs import machine_description
-    from aqsgd.bench.convergence import STUDIES, run_study, study_table, write_results
+    from aqsgd.bench.convergence import STUDIES, default_tasks, run_study, study_table, write_results
 
     console = wide_console()
     overrides = {k: v for k, v in (("epochs", args.epochs), ("max_train_samples", args.max_train_samples),
@@ -76,11 +77,12 @@ def run_convergence(args: argparse.Namespace) -> int:
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     command = args.command_line
-    for task in args.tasks:
+    tasks = args.tasks or default_tasks(args.study)
+    for task in tasks:
         if task not in STUDIES[args.study] and not args.settings:
             raise SpecError(f"--study {args.study} has no settings for {task}; its tasks: "
                             f"{', '.join(STUDIES[args.study])} (or give --settings)")
-    for task in args.tasks:
+    for task in tasks:
         results = run_study(task, args.runs_dir, settings=args.settings, overrides=overrides,
                             seeds=args.seeds, progress=lambda m: console.print(m), command=command,
                             keep_checkpoints=args.keep_checkpoints, study=args.study)
@@ -89,8 +91,9 @@ def run_convergence(args: argparse.Namespace) -> int:
                                   study=args.study, settings=args.settings)
         rows = [r for r in study_table(results) if args.study == "convergence"
                 or r["setting"] in STUDIES[args.study][task] or r["setting"] in (args.settings or [])]
-        console.print(_table(rows, f"{args.study}: {task}"
-                             + (f" (means over seeds {args.seeds})" if len(args.seeds) > 1 else "")))
+        title = f"{args.study}: {task}" + (f" (means over seeds {args.seeds})" if len(args.seeds) > 1 else "")
+        sync = all("sync_bytes_per_step" in r for r in rows)
+        console.print(_sync_table(rows, title) if sync else _table(rows, title))
         console.print(f"wrote {path}"
                       + (f" and {png}" if png else " (the plot needs every seed-0 run directory)"))
     return 0
@@ -112,4 +115,36 @@ def _table(rows: list[dict], title: str) -> Table:
                       format_relative(r["rel_best_off_vs_fp32"], r["rel_best_off_vs_fp32_std"]),
                       fmt(r["train_loss_gap"], 3), fmt(r["wire_bits_per_value"], 2),
                       fmt(r["compression_ratio"], 2))
+    return table
+
+
+_SYNC_COLUMNS = ("setting", "grad sync", "sync MB/step", "fewer than q8", "run at {mbit} Mbit/s",
+                 "to fp32's loss", "sooner than fp32", "metric", "eval (comp. off)", "off vs fp32",
+                 "best vs fp32")
+
+
+def _sync_table(rows: list[dict], title: str) -> Table:
+    """A data-parallel study (the ``diloco`` study) as a table: what the replicas' sync sent per step, the
+    run's length over the slow link, how soon it reached fp32's final training loss, and its evaluation."""
+    from aqsgd.bench.convergence import format_relative
+
+    mbit = rows[0]["link_mbit"] if rows else 0
+    q8 = next((r["sync_bytes_per_step"] for r in rows if r["grad_sync"] == "q8"), None)
+    table = Table(title=title)
+    for col in _SYNC_COLUMNS:
+        table.add_column(col.format(mbit=f"{mbit:g}"), no_wrap=col in ("setting", "grad sync"),
+                         justify="left" if col in ("setting", "grad sync", "metric") else "right")
+    for r in rows:
+        minutes = lambda s: "-" if s is None else f"{s:.1f} s" if s < 60 else f"{s / 60:.1f} min"  # noqa: E731
+        reached = [t for t in r["time_to_target_runs"] if t is not None]
+        to_target = (minutes(r["time_to_target_s"]) if reached else "never") + (
+            f" ({len(reached)}/{len(r['seeds'])})" if len(reached) < len(r["seeds"]) else "")
+        sooner = r["sooner_than_fp32"]
+        per_step = r["sync_bytes_per_step"]
+        table.add_row(r["setting"], r["grad_sync"], f"{per_step / 1e6:.3f}",
+                      "-" if not q8 or not per_step else f"{q8 / per_step:.1f}x",
+                      minutes(r["link_run_s"]), to_target, "-" if sooner is None else f"{sooner:.2f}x",
+                      r["metric"], "-" if r["eval_off"] is None else f"{r['eval_off']:.4f}",
+                      format_relative(r["rel_off_vs_fp32"], r["rel_off_vs_fp32_std"]),
+                      format_relative(r["rel_best_off_vs_fp32"], r["rel_best_off_vs_fp32_std"]))
     return table
