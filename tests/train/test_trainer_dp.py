@@ -207,6 +207,31 @@ def test_invalid_data_parallel_values_name_the_option(tmp_path, field, value, ne
         _cfg(tmp_path, **{field: value}).validate()
 
 
+@pytest.mark.parametrize("kw,needle", [
+    (dict(dp_link="30mbit", data_parallel=1), "--dp-link: emulates the links between replicas: it needs "
+                                              "--data-parallel 2"),
+    (dict(dp_link="fast"), "--dp-link"),
+])
+def test_bad_dp_links_are_refused_in_one_line(tmp_path, kw, needle):
+    with pytest.raises(SpecError, match=needle):
+        _cfg(tmp_path, **kw).validate()
+
+
+def test_the_replicas_sync_is_paced_by_dp_link_before_link(tmp_path):
+    """The sync's emulated link: --dp-link, else --link's setting, else none; the boundaries keep --link."""
+    from aqsgd.comm.link import LinkSpec
+    from aqsgd.parallel.grid import GridLayout, ProcessGrid
+    from aqsgd.train.linkcontrol import LinkController
+
+    grid = ProcessGrid(GridLayout(S, D), 0, None, None)
+    sync = lambda **kw: LinkController(_cfg(tmp_path, **kw).validate()).process_links(grid)  # noqa: E731
+    assert sync() == (None, None)
+    assert sync(dp_link="30mbit,20ms") == (None, LinkSpec.parse("30mbit,20ms"))
+    boundaries, link = sync(link="1gbit", dp_link="30mbit")
+    assert link == LinkSpec.parse("30mbit") and set(boundaries.values()) == {LinkSpec.parse("1gbit")}
+    assert sync(link="1gbit")[1] == LinkSpec.parse("1gbit")
+
+
 def test_data_parallel_needs_the_distributed_runtime(tmp_path):
     with pytest.raises(SpecError, match="--data-parallel: 2 replicas need --runtime distributed"):
         _cfg(tmp_path, runtime="local").validate()

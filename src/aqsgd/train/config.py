@@ -292,6 +292,10 @@ class PipelineSection(_Section):
     steps, diloco:<H>[:lr<F>][:momentum<F>][:allreduce|:q<bits>|:topk<P>%[:q<bits>]]: each replica alone for
     H steps, then the averaged pseudo-gradients through SGD with Nesterov momentum (lr 0.7, momentum 0.9),
     e.g. diloco:50:q8"""
+    dp_link: str | None = None
+    """emulated link of each rank to its replicas (distributed, data parallel): one setting (30mbit,20ms);
+    the replicas' sync then takes at least its bytes' transfer at that speed (default: --link's setting, else
+    unpaced)"""
     grad_bucket_mb: float = field(25.0, check=above(0))
     """gradient bucket size of the data-parallel synchronization, in MB"""
 
@@ -338,6 +342,12 @@ class PipelineSection(_Section):
         if self.link is not None and not distributed:
             raise bad("link", "emulates the links between stage processes: it needs --runtime distributed "
                       "(the local runtime passes tensors in memory)")
+        if self.dp_link is not None:
+            from aqsgd.comm.link import LinkSpec
+
+            if self.data_parallel < 2:
+                raise bad("dp_link", "emulates the links between replicas: it needs --data-parallel 2 or more")
+            parsed("dp_link", LinkSpec.parse, self.dp_link)
         if self.link is not None:
             schedules = parsed("link", lambda text: parse_links(text, self.stages - 1), self.link)
             if self.data_parallel > 1 and len(set(schedules)) > 1:

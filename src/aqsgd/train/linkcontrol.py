@@ -63,6 +63,7 @@ class LinkController:
         self.fixed: dict[str, DirectionSpec | None] = {
             d: spec if isinstance(spec, DirectionSpec) else None for d, spec in specs.items()}
         self.schedules: list[LinkSchedule] = parse_links(p.link, p.stages - 1) if p.link else []
+        self.dp_link: LinkSpec | None = LinkSpec.parse(p.dp_link) if p.dp_link else None
         self.stages = p.stages
         self.passes = p.micro_batches * cfg.optim.grad_accum  # micro-batches a step, over its passes
         self.fills = cfg.optim.grad_accum
@@ -89,13 +90,14 @@ class LinkController:
 
     def process_links(self, grid: ProcessGrid) -> tuple[dict[int, LinkSpec] | None, LinkSpec | None]:
         """This process's links by the rank at their other end (its boundaries' settings), for its transport,
-        and the setting of its replicas' sync (the one ``--link`` then has; a schedule that varies is refused
-        with replicas). None where ``--link`` is not given."""
+        and the setting of its replicas' sync (``--dp-link``, else the one ``--link`` then has; a schedule
+        that varies is refused with replicas). None where they are not given."""
         if not self.schedules:
-            return None, None
+            return None, self.dp_link
         schedules = boundary_links(self.schedules, grid.stage, lambda s: grid.rank_of_stage[s])
         self._varying = {dst: schedule for dst, schedule in schedules.items() if schedule.varies}
-        return {dst: schedule.initial for dst, schedule in schedules.items()}, self.schedules[0].initial
+        return ({dst: schedule.initial for dst, schedule in schedules.items()},
+                self.dp_link or self.schedules[0].initial)
 
     def pace(self, transport: Transport) -> None:
         """Links whose setting changes during the run (``--link ...~SPEC@STEP``) are paced from the start, and
