@@ -28,13 +28,16 @@ def device(request) -> torch.device:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` run only where a ``-m`` expression names them (``-m slow``)."""
-    if "slow" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="slow: run with -m slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    """Tests marked ``slow`` (or ``exhaustive``) run only where a ``-m`` expression names that marker (``-m
+    slow``; CI runs the default suite, then ``-m slow``)."""
+    expression = config.getoption("-m") or ""
+    for marker in ("slow", "exhaustive"):
+        if marker in expression:
+            continue
+        skip = pytest.mark.skip(reason=f"{marker}: run with -m {marker}")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 # aten operations after which the host waits for a CUDA device whatever the sizes: a value read to the host,

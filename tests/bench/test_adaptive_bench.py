@@ -145,6 +145,7 @@ def test_repeats_are_combined_into_medians_with_never_as_the_longest():
         bench_adaptive(AdaptiveBenchConfig(repeats=0))
 
 
+@pytest.mark.slow
 def test_the_command_end_to_end_on_a_tiny_pipeline(tmp_path):
     from aqsgd.cli import main
 

@@ -125,6 +125,7 @@ def test_fewer_bits_study_reports_loss_gap_wire_bits_and_step_time(tmp_path):
     assert rot["traffic"]["forward_bits_per_value"] > rotz["traffic"]["forward_bits_per_value"] * 0.99
 
 
+@pytest.mark.slow
 def test_the_subspace_study_records_and_draws_what_each_basis_held(tmp_path):
     """A run with a subspace stage records, from its last checkpoint (read before it is deleted), each
     boundary direction's rank, the warm-up's energy by rank and what each basis held; the study draws it."""

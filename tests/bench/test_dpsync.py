@@ -51,6 +51,7 @@ def test_time_to_target_is_the_first_step_whose_window_mean_gets_there():
         time_to_target(curve, 1.0, window=0)
 
 
+@pytest.mark.slow
 def test_the_diloco_study_records_sync_bytes_and_times_on_two_replicas(tmp_path, capsys):
     """``bench convergence --study diloco`` on 2 stages x 2 replicas: per-step sync sends every step, DiLoCo
     only at its outer steps (every 10th and the run's last); the table gives bytes per step, the run over the

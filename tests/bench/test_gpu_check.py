@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import gpu_check
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_a_smoke_run_reports_every_step_it_ran(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "run", "--budget", "200",

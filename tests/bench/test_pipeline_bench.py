@@ -42,6 +42,7 @@ def test_measure_takes_the_medians_of_the_timed_steps():
     assert m["fw_bytes_per_mb"] == [20] and m["bw_bytes_per_mb"] == [0]
 
 
+@pytest.mark.slow
 def test_sweep_produces_its_rows(tmp_path):
     cfg = PipelineBenchConfig(stages=(2,), bandwidths_mbps=(1000,), settings=("fp32", "aqsgd fw2/bw4"),
                               hidden=32, layers=2, seq_len=16, vocab=64, microbatch_size=2,

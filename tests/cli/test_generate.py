@@ -164,6 +164,7 @@ def test_sampling_settings_and_seed_are_transformers_own(full_export, capsys):
     assert _json(capsys, *argv) == got  # seeded: the same answer again
 
 
+@pytest.mark.slow
 def test_a_lora_run_answers_as_its_merged_and_its_adapter_exports(model_folder, tmp_path_factory):
     from aqsgd.train.generate import generate
 

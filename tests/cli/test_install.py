@@ -90,6 +90,7 @@ def test_python_dash_m_runs_the_command(module):
 
 @pytest.mark.parametrize("command", [["train"], ["codecs"], ["report"], ["data"], ["bench", "codecs"],
                                      ["bench", "pipeline"], ["bench", "convergence"], ["bench", "netem"]])
+@pytest.mark.slow
 def test_help_states_each_default_at_most_once(command):
     keep = {k: v for k, v in os.environ.items() if k == "PYTHONPATH"}  # where aqsgd is found, not installed
     out = subprocess.run([sys.executable, "-m", "aqsgd", *command, "--help"], capture_output=True, text=True,

@@ -33,6 +33,7 @@ def test_every_option_is_documented():
                                          (["--cache", "tape"], "--cache"),
                                          (["--config", "/nonexistent.toml"], "--config"),
                                          (["--data-parallel", "2"], "--data-parallel")])
+@pytest.mark.slow
 def test_invalid_value_is_one_line_naming_the_option(argv, needle):
     out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", *argv], capture_output=True, text=True)
     assert out.returncode == 2
@@ -52,6 +53,7 @@ def test_preset_with_override_runs_locally(tmp_path, capsys):
     assert json.loads((tmp_path / "cli" / "summary.json").read_text())["steps"] == 8
 
 
+@pytest.mark.slow
 def test_distributed_runtime_starts_one_process_per_stage(tmp_path):
     out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", *QUICK, "--stages", "2", "--runtime",
                           "distributed", "--output-dir", str(tmp_path), "--run-name", "dist", "--cache-dir",

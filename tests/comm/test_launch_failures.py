@@ -92,6 +92,7 @@ def _stage_name(rank: int) -> str:
 
 
 # ---------------------------------------------------------------------------- faults
+@pytest.mark.slow
 def test_frozen_stage_is_named_and_does_not_hold_the_launcher(tmp_path):
     # stage 1 freezes (SIGSTOP). Stage 3 times out first (after 2 s), naming stage 2, which is alive but
     # blocked on stage 1; stage 2 times out next naming stage 1, stage 0 last. The first process to fail
@@ -256,6 +257,7 @@ def test_a_stage_that_returned_while_a_peer_waited_is_at_fault():
 
 # ---------------------------------------------------------------------------- the command line
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
 def test_cli_frozen_stage_ends_in_one_error_line(tmp_path):
     """`aqsgd train --runtime distributed` with stage 1 frozen mid-training: exit code 2 and exactly one
     `aqsgd: error: stage 1 ...` line, no traceback from the launcher or any stage, promptly."""

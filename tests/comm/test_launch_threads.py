@@ -243,6 +243,7 @@ def test_the_launch_leaves_this_processs_signal_handlers_as_it_found_them(clean_
     assert [signal.getsignal(s) for s in watched] == before
 
 
+@pytest.mark.slow
 def test_stage_processes_of_a_distributed_run_use_at_most_their_share(tmp_path, recording_task):
     spec, folder = recording_task
     assert run_training(_cfg(tmp_path, spec.name, runtime="distributed", run_name="dist")) is not None

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from aqsgd.cli import main
 
 
+@pytest.mark.slow
 def test_every_boundary_link_is_measured_per_step(tmp_path):
     argv = ["train", "--task", "synthetic-lm", "--runtime", "distributed", "--stages", "3", "--link",
             "inf/4mbit,5ms", "--max-steps", "3", "--max-train-samples", "32", "--max-length", "12",

@@ -181,6 +181,7 @@ def _run_ranks(tmp_path, seats: list[tuple[int, int, str | None]], *extra: str,
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo on the loopback interface 'lo'")
+@pytest.mark.slow
 def test_stages_follow_the_node_ranks_of_the_machines(tmp_path):
     # two emulated machines of two processes, ranks and local ranks shuffled against the node ranks so that
     # every process lands elsewhere than its started rank would put it: machine A (group 0, node 1) holds
@@ -222,6 +223,7 @@ def test_colliding_node_ranks_stop_every_process_with_one_line(tmp_path):
         assert "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_stage_processes_of_the_local_launcher_prefix_their_log_lines(tmp_path):
     # no node rank: every process keeps its rank (nothing said about placement), and each log line of a
     # stage process names its stage

@@ -26,12 +26,14 @@ def _stuck_teardown(rank: int, world_size: int) -> int:
     return rank * 10
 
 
+@pytest.mark.slow
 def test_a_rank_that_hangs_is_named_with_its_stack(capfd):
     with pytest.raises(ProcessTimeout, match=r"ranks \[1\] did not finish"):
         run_processes(_hang_on_rank_one, 2, timeout_s=12)
     assert "_hang_on_rank_one" in capfd.readouterr().err  # the stuck rank's stack, printed before the kill
 
 
+@pytest.mark.slow
 def test_results_arrive_even_where_the_teardown_blocks():
     t0 = time.monotonic()
     assert run_processes(_stuck_teardown, 2, timeout_s=60) == [0, 10]

@@ -148,6 +148,7 @@ def test_an_unregistered_backend_is_refused_again():
 
 
 @pytest.mark.skipif(not numba_kernels.available(), reason="numba is not installed")
+@pytest.mark.slow
 def test_topk_and_rans_fast_paths_are_kernel_operations():
     """TopK's one-pass payload and the rANS coder are reached through the seam: a backend that has them
     (here the numba backend's, recorded) serves them to the codecs."""

@@ -110,6 +110,7 @@ def test_midrise_grid_uses_every_code_and_has_no_zero(bits):
 @pytest.mark.parametrize("grid", ["midtread", "midrise"])
 @pytest.mark.parametrize("bits", [1, 2, 4])
 @pytest.mark.parametrize("granularity", ["channel", "block"])
+@pytest.mark.slow
 def test_stochastic_rounding_is_unbiased(bits, granularity, grid):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 16, generator=g)

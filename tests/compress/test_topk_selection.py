@@ -157,6 +157,7 @@ def test_more_nan_than_k_keeps_the_first_nans():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("per", ["row", "tensor"])
+@pytest.mark.slow
 def test_half_and_double_inputs(dtype, per):
     x = torch.randn(4, 6000, generator=torch.Generator().manual_seed(6)).to(dtype)
     x[1, 7] = float("nan")

@@ -51,6 +51,7 @@ def _failed(stdout: str) -> str:
     return f"{len(failed)} failed: " + "; ".join(failed[:20]) + "\n" + stdout[-4000:]
 
 
+@pytest.mark.slow
 def test_every_triton_kernel_equals_the_other_backends_byte_for_byte():
     fault = _interpreter_fault()
     if fault:

@@ -11,6 +11,7 @@ _REASON = netem_unavailable_reason()
 pytestmark = [pytest.mark.netem, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
+@pytest.mark.slow
 def test_sweep_with_data_parallel_rows(tmp_path):
     cfg = NetemBenchConfig(bandwidths_mbps=[50.0], settings=("fp32", "aqsgd fw2/bw4"), hidden=64, layers=2,
                            seq_len=32, vocab=128, measure_steps=2, timeout_s=60, data_parallel=2,

@@ -52,6 +52,7 @@ def _failed_naming(outcome: StageOutcome, peer: str) -> bool:
             and _PEER_ERROR.search(outcome.error) is not None and peer in outcome.error)
 
 
+@pytest.mark.slow
 def test_cut_link_fails_fast_naming_the_peer(tmp_path):
     """netem-style 100% loss on the only link, for longer than the run's timeout: both stages stop with
     PeerTimeout/PeerFailure naming the other stage, a few seconds after the timeout, no hang."""
@@ -98,6 +99,7 @@ def test_killed_stage_stops_the_others_naming_it(tmp_path):
         assert o.elapsed_s - killed_at[0] < 10, (o.stage, o.elapsed_s, killed_at)  # well before the timeout
 
 
+@pytest.mark.slow
 def test_lossy_delayed_link_gives_the_same_losses(tmp_path):
     """1% loss and 50 +- 10 ms delay (reordering) on every link: TCP retransmits, the packets' CRCs pass,
     and the losses equal those over a clean link bit for bit."""
@@ -122,6 +124,7 @@ def _train_losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in train_rows(run_dir)}
 
 
+@pytest.mark.slow
 def test_resume_after_failure_matches_uninterrupted_run(tmp_path):
     """``aqsgd train`` across two namespaces (AQ-SGD fw2/bw4, checkpoints every 4 steps); stage 1 is killed
     after the step-8 checkpoint, stage 0 stops naming it; restarting both with ``--resume`` continues from the

@@ -108,6 +108,7 @@ def dp_run(tmp_path_factory):
     return cfgs, ranks
 
 
+@pytest.mark.slow
 def test_uncompressed_dp_equals_one_pipeline_on_the_full_batch(dp_run):
     cfgs, ranks = dp_run
     cfg = cfgs["exact"]

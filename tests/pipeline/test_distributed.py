@@ -118,6 +118,7 @@ def test_dead_stage_stops_every_other_stage_naming_it(tmp_path):
     assert time.monotonic() - t0 < 90
 
 
+@pytest.mark.slow
 def test_silent_stage_times_out_naming_it(tmp_path):
     cfg = _cfg(tmp_path, stages=3, layers=[2, 1, 1], max_steps=4, timeout=4.0)
     setup_task(cfg)

@@ -325,6 +325,7 @@ def test_a_link_that_only_its_receiver_sees_slow_is_compressed_too():
     assert policy.describe()["b0.forward"]["mbit_s"] == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_a_distributed_run_compresses_its_slow_link_more_and_resumes_with_its_choices(tmp_path):
     # the activations without an error budget: their first epoch is first visits, sent with the link's codec,
     # whose own error puts q4 and below over the default budget (11-13 %) on both links alike
@@ -427,6 +428,7 @@ def test_a_link_s_statistics_leave_out_the_evaluations_traffic(tmp_path):
 
 
 @pytest.mark.parametrize("warmup", [0, 1])
+@pytest.mark.slow
 def test_aqsgd_caches_stay_identical_on_both_sides_across_changes_of_bits(tmp_path, warmup):
     # 8 samples, one step per epoch: step 1 sends the first visits (or the warm-up epoch) with the ladder's
     # top, fp16, not in full: an auto link's warm-up follows its level. Then AQ-SGD sends deltas against its
@@ -504,6 +506,7 @@ def test_a_resumed_policy_s_first_step_gives_its_probe_and_nothing_else():
     assert resumed.step(slow, 1) != {}  # the same step, timed: the links go down
 
 
+@pytest.mark.slow
 def test_the_step_after_an_evaluation_measures_the_links_as_the_others_do(tmp_path):
     # every process leaves an evaluation together (Trainer._resync): before, a stage that left first sent
     # the next step's first messages while its receiver was still evaluating, and the wait read as the link's

@@ -492,6 +492,7 @@ def _dp_worker(rank: int, world: int, out: str) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_distributed_ranks_agree_on_every_failure(tmp_path):
     from aqsgd.comm.testing import run_processes
     from aqsgd.train.tasks import setup_task

@@ -194,6 +194,7 @@ def test_a_refusal_received_or_met_after_a_lost_peer_is_named_as_the_sender_name
                             "NaN or Inf (micro-batch 2, codec q4)")
 
 
+@pytest.mark.slow
 def test_distributed_stages_all_stop_at_the_same_step(tmp_path):
     """Every stage learns of the NaN from the norm's all-reduce: one line naming the divergence, exit 3."""
     out = subprocess.run([sys.executable, "-m", "aqsgd.cli", "train", *DIVERGING, "--runtime", "distributed",

@@ -1,13 +1,13 @@
 """Every run ``aqsgd train`` can make evaluates, resumes and exports: each model family, full fine-tuning and
 LoRA, one stage and two, fixed codecs and links that choose their bits (``auto``). A run trains a step,
 stops, resumes to its second step, then ``aqsgd eval`` gives its final evaluation and ``aqsgd export`` a
-folder that ``from_pretrained`` loads; with ``-m slow`` every case also checks that the resumed losses equal
-an uninterrupted run's (the default suite checks that for the tied-embedding LoRA case below, and
+folder that ``from_pretrained`` loads; with ``-m exhaustive`` every case also checks that the resumed losses
+equal an uninterrupted run's (the default suite checks that for the tied-embedding LoRA case below, and
 ``test_checkpoint_integrity``/``test_lora`` for the rest of the machinery).
 
 The default suite runs each family in two of the four (fine-tuning, stages) combinations, alternating, so that
 each combination meets seven families, and one ``auto`` case (it needs the distributed runtime: a process per
-stage, started three times); ``-m slow`` runs all of them."""
+stage, started three times); ``-m exhaustive`` runs all of them."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ FAMILIES = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "gemma
             "phi3": True, "olmo2": True, "gpt2": True, "gpt_neox": True, "bert": False, "roberta": False,
             "deberta-v2": False, "distilbert": False}
 # the auto case of the default suite (a distributed run starts a process per stage, three times: about half a
-# minute on two cores); every family's with -m slow
+# minute on two cores); every family's with -m exhaustive
 AUTO_DEFAULT = {("llama", True, 2)}
 
 
@@ -124,14 +124,14 @@ def _check(tmp_path: Path, family_data, model_type: str, lora: bool, stages: int
 
 
 def _cases(default: Callable[[int, bool, int], bool]) -> list[Any]:
-    """Every (family, fine-tuning, stages), marked slow unless ``default(family index, lora, stages)``."""
+    """Every (family, fine-tuning, stages), marked exhaustive unless ``default(family index, lora, stages)``."""
     return [pytest.param(t, lora, stages, id=f"{t}-{'lora' if lora else 'full'}-{stages}",
-                         marks=() if default(i, lora, stages) else pytest.mark.slow)
+                         marks=() if default(i, lora, stages) else pytest.mark.exhaustive)
             for i, t in enumerate(FAMILIES) for lora in (False, True) for stages in (1, 2)]
 
 
 def _slow_run(request) -> bool:
-    return "slow" in (request.config.getoption("-m") or "")
+    return "exhaustive" in (request.config.getoption("-m") or "")
 
 
 # even families: full on 1 stage, LoRA on 2; odd ones: full on 2, LoRA on 1

@@ -127,6 +127,7 @@ def test_bad_lora_targets_are_one_line(tmp_path, tokenizer_dir, capsys):
     assert "--lora-rank: must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_data_parallel_replicas_sync_the_adapters_only(tmp_path):
     """2 stages x 2 replicas: the replicas' gradient sync carries the adapters' gradients and nothing of the
     frozen base, measured in the run's own byte count: exactly the fp32 all-reduce of the adapters the

@@ -116,6 +116,7 @@ def test_models_command_lists_the_families(capsys):
         assert model_type in out, model_type
 
 
+@pytest.mark.slow
 def test_deberta_distributed_equals_local(tmp_path, tokenizer_dir):
     """DeBERTa's relative-position table is held by every stage (a tie across all three): the distributed run
     sums its gradient over the stages exactly as the local one does."""

@@ -116,6 +116,7 @@ def _worker(rank: int, world: int, cfg_json: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_distributed_equals_local_and_replicas_keep_their_own_tokens(tmp_path):
     """A distributed run of 2 stages computes the local run's losses; with 2 replicas each replica's cache
     holds the rows of the examples it was given, whole (a shard is an epoch's: an example may reach either

@@ -104,6 +104,7 @@ def test_sigterm_on_a_local_run(tmp_path):
     _check(err, 143, proc.returncode, tmp_path / "run", "SIGTERM")
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_a_distributed_run(tmp_path):
     """Ctrl-C reaches the launcher and every stage process at once (one process group)."""
     proc = _start(tmp_path, "--runtime", "distributed")
@@ -113,6 +114,7 @@ def test_ctrl_c_on_a_distributed_run(tmp_path):
     assert elapsed < _launcher_grace()
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_stage(tmp_path):
     """Only the launcher gets it (a job scheduler's stop): it forwards it to the stages and ends with them."""
     proc = _start(tmp_path, "--runtime", "distributed")
@@ -122,6 +124,7 @@ def test_sigterm_to_the_launcher_stops_every_stage(tmp_path):
     assert elapsed < _launcher_grace()
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_stage_names_it(tmp_path):
     proc = _start(tmp_path, "--runtime", "distributed", "--timeout", "20")
     _wait_for_checkpoint(proc, tmp_path / "run")

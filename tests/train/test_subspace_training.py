@@ -58,6 +58,7 @@ def _worker(rank: int, world: int, cfg_json: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_each_replica_boundary_holds_its_own_basis_on_both_sides(tmp_path):
     """2 stages x 2 replicas: a replica's sender estimates its basis from its own shard and sends it to its
     own receiver; the two replicas' bases differ (their data do), each is held identically on both sides."""

@@ -74,6 +74,7 @@ def dp_resume(tmp_path_factory):
     return tmp, cfg, ranks
 
 
+@pytest.mark.slow
 def test_world_size_must_be_stages_times_replicas(dp_resume):
     _, _, ranks = dp_resume
     for r in ranks:
