@@ -124,7 +124,8 @@ def _check(tmp_path: Path, family_data, model_type: str, lora: bool, stages: int
 
 
 def _cases(default: Callable[[int, bool, int], bool]) -> list[Any]:
-    """Every (family, fine-tuning, stages), marked exhaustive unless ``default(family index, lora, stages)``."""
+    """Every (family, fine-tuning, stages), marked exhaustive unless ``default(family index, lora,
+    stages)``."""
     return [pytest.param(t, lora, stages, id=f"{t}-{'lora' if lora else 'full'}-{stages}",
                          marks=() if default(i, lora, stages) else pytest.mark.exhaustive)
             for i, t in enumerate(FAMILIES) for lora in (False, True) for stages in (1, 2)]

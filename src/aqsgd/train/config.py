@@ -346,7 +346,8 @@ class PipelineSection(_Section):
             from aqsgd.comm.link import LinkSpec
 
             if self.data_parallel < 2:
-                raise bad("dp_link", "emulates the links between replicas: it needs --data-parallel 2 or more")
+                raise bad("dp_link", "emulates the links between replicas: it needs --data-parallel 2 or "
+                          "more")
             parsed("dp_link", LinkSpec.parse, self.dp_link)
         if self.link is not None:
             schedules = parsed("link", lambda text: parse_links(text, self.stages - 1), self.link)
