@@ -28,10 +28,10 @@ def device(request) -> torch.device:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` (or ``exhaustive``) run only where a ``-m`` expression names that marker (``-m
-    slow``; CI runs the default suite, then ``-m slow``)."""
+    """Tests marked ``slow``, ``exhaustive`` or ``long`` run only where a ``-m`` expression names that marker
+    (``-m slow``; CI runs the default suite, then ``-m slow``)."""
     expression = config.getoption("-m") or ""
-    for marker in ("slow", "exhaustive"):
+    for marker in ("slow", "exhaustive", "long"):
         if marker in expression:
             continue
         skip = pytest.mark.skip(reason=f"{marker}: run with -m {marker}")

@@ -29,7 +29,7 @@ def test_sweep_with_data_parallel_rows(tmp_path):
     assert report["links"]["50"]["forward_mbps"] > 40
 
 
-@pytest.mark.slow  # about 45 s of real shaped links: run with -m slow
+@pytest.mark.long  # about 45 s of real shaped links, timed: run by hand with -m long
 def test_one_tc_setting_per_boundary_that_changes_during_the_run(tmp_path):
     from aqsgd.bench.netem import bench_netem_links
 
