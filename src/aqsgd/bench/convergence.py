@@ -7,6 +7,10 @@ with TopK 30 %. Every compressed run starts with the same uncompressed warm-up e
 there; for the others it keeps the comparison fair). Each run's curves and final metrics with compression on
 and off at evaluation go to ``<out>/<task>/<setting>/`` (a normal run directory), and one JSON per task
 collects them all.
+
+The data-parallel tasks (``*-dp2``, ``*-dp4``: the ``diloco`` study) run on the distributed runtime, a process
+per stage and replica; their records add each step's seconds and sync bytes, from which the study gives the
+run's length over a slow data-parallel link and its time to fp32's loss (:mod:`aqsgd.bench.dpsync`).
 """
 
 from __future__ import annotations
