@@ -6,7 +6,7 @@ import json
 import pytest
 
 from aqsgd.bench.convergence import study_table
-from aqsgd.bench.dpsync import elapsed, sync_curve, target_loss, time_to_target
+from aqsgd.bench.dpsync import elapsed, sync_curve, time_to_target
 from aqsgd.cli import main
 
 
@@ -39,23 +39,21 @@ def test_elapsed_adds_each_steps_transfer_at_the_links_speed():
         elapsed(curve, 0)
 
 
-def test_time_to_target_is_the_first_step_whose_window_mean_gets_there():
+def test_time_to_target_is_the_end_of_the_first_evaluation_that_gets_there():
     curve = sync_curve(_rows())
-    assert target_loss(curve, window=2) == pytest.approx(1.5)  # the last two losses (step 3 has none)
-    assert target_loss(curve, window=5) is None
-    assert time_to_target(curve, 2.5, 30.0, window=2) == (2, pytest.approx(2.1))
-    assert time_to_target(curve, 1.5, 30.0, window=2) == (4, pytest.approx(5.6))
-    assert time_to_target(curve, 1.0, 30.0, window=2) is None
-    assert time_to_target(curve, 3.0, 30.0, window=1) == (1, pytest.approx(0.5))
-    with pytest.raises(ValueError, match="window"):
-        time_to_target(curve, 1.0, window=0)
+    evals = [(2, 0.9), (4, 0.5)]
+    assert time_to_target(curve, evals, 1.0, 30.0) == (2, pytest.approx(2.1))
+    assert time_to_target(curve, evals, 0.5, 30.0) == (4, pytest.approx(5.6))
+    assert time_to_target(curve, evals, 0.4, 30.0) is None
+    assert time_to_target(curve, [(2, None), (4, 0.5)], 1.0, 60.0) == (4, pytest.approx(4.1))
+    assert time_to_target(curve, [(9, 0.1)], 1.0) is None  # an evaluation after the last logged step
 
 
 @pytest.mark.slow
 def test_the_diloco_study_records_sync_bytes_and_times_on_two_replicas(tmp_path, capsys):
     """``bench convergence --study diloco`` on 2 stages x 2 replicas: per-step sync sends every step, DiLoCo
     only at its outer steps (every 10th and the run's last); the table gives bytes per step, the run over the
-    30 Mbit/s link and the time to fp32's loss (fp32: 1x)."""
+    30 Mbit/s link and the time to fp32's final evaluation loss (fp32: 1x)."""
     runs, out = tmp_path / "runs", tmp_path / "out"
     names = ["fp32", "diloco10 q8"]
     assert main(["bench", "convergence", "synthetic-lm-dp2", "--study", "diloco", "--settings", *names,
@@ -71,6 +69,8 @@ def test_the_diloco_study_records_sync_bytes_and_times_on_two_replicas(tmp_path,
     rows = {r["setting"]: r for r in saved["table"]}
     assert rows["fp32"]["sooner_than_fp32"] == pytest.approx(1.0)
     assert rows["fp32"]["time_to_target_s"] <= rows["fp32"]["link_run_s"]
+    assert (rows["fp32"]["time_to_target_s"] == pytest.approx(rows["fp32"]["link_run_s"])
+            or fp32["eval"][0]["uncompressed"]["loss"] <= fp32["eval"][-1]["uncompressed"]["loss"])
     assert rows["fp32"]["sync_bytes_per_step"] == fp32["summary"]["grad_sync_bytes"] / steps
     assert rows["diloco10 q8"]["sync_bytes_per_step"] < rows["fp32"]["sync_bytes_per_step"] / 10
     assert rows == {r["setting"]: r for r in study_table(saved)}

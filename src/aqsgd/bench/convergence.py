@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from aqsgd.bench.dpsync import LINK_MBIT, WINDOW, elapsed, sync_curve, target_loss, time_to_target
+from aqsgd.bench.dpsync import LINK_MBIT, elapsed, sync_curve, time_to_target
 from aqsgd.bench.settings import SETTINGS
 from aqsgd.bench.subspace import boundary_energy, plot_energy
 from aqsgd.train.config import TrainConfig
@@ -110,10 +110,10 @@ _SUBSPACE = ["fp32", "aqsgd pca/4 ec/ef pca/4 ec", "lora fp32", "lora aqsgd pca/
 SUBSPACE_SETTINGS: dict[str, list[str]] = {"minilm-bbc": _SUBSPACE, "smollm2-wiki": _SUBSPACE,
                                            "synthetic-lm": ["fp32", "aqsgd pca/4 ec/ef pca/4 ec"]}
 # the `diloco` study: the replicas' sync per step in fp32 (the `fp32` row: all-reduce) and q8, against
-# DiLoCo's outer steps every 10 and 50 steps with fp32, q8 and top-k 3 % + 2-bit pseudo-gradients; the
-# boundaries in fp32
+# DiLoCo's outer steps every 10 and 50 steps with fp32, q8 and top-k 3 % + 2-bit pseudo-gradients, and with
+# the outer step as plain averaging (lr 1, no momentum); the boundaries in fp32
 _DILOCO = ["fp32", "sync q8", "diloco10", "diloco10 q8", "diloco10 topk3% q2", "diloco50", "diloco50 q8",
-           "diloco50 topk3% q2"]
+           "diloco50 topk3% q2", "diloco50 avg q8", "diloco50 avg topk3% q2", "diloco10 avg q8"]
 DILOCO_SETTINGS: dict[str, list[str]] = {"minilm-bbc-dp2": _DILOCO, "minilm-bbc-dp4": _DILOCO,
                                          "synthetic-lm-dp2": ["fp32", "sync q8", "diloco10 q8"]}
 #: the studies there are: their default settings per task (their result files are named ``<study>-<task>``)
@@ -301,26 +301,26 @@ def _sync_figures(runs: list[dict[str, Any]], fp32_runs: list[dict[str, Any] | N
                   std: Callable) -> dict[str, Any]:
     """With data parallelism (runs holding a ``sync_curve``): the sync's bytes per step (every rank's,
     summed), the run's length over a :data:`~aqsgd.bench.dpsync.LINK_MBIT` Mbit/s link, and the time to the
-    paired fp32 run's final training loss (the mean of its last :data:`~aqsgd.bench.dpsync.WINDOW` steps, or
-    of its last quarter when shorter; :mod:`aqsgd.bench.dpsync`) with how many times sooner than fp32 got
-    there (None where a run never did)."""
+    paired fp32 run's final evaluation loss (compression off; :mod:`aqsgd.bench.dpsync`) with how many times
+    sooner than fp32 it got there (None where a run never did)."""
     if not all(r.get("sync_curve") for r in runs):
         return {}
-    reach, sooner, windows = [], [], []
+
+    def evals(r: dict[str, Any]) -> list[tuple[int, float]]:
+        return [(e["step"], (e.get("uncompressed") or {}).get("loss")) for e in r.get("eval", [])]
+
+    reach, sooner = [], []
     for r, b in zip(runs, fp32_runs):
-        ref_curve = (b or {}).get("sync_curve") or []
-        window = min(WINDOW, max(1, len(ref_curve) // 4))  # a quarter of a run shorter than 4 windows
-        windows.append(window)
-        target = target_loss(ref_curve, window) if ref_curve else None
-        got = time_to_target(r["sync_curve"], target, window=window) if target is not None else None
-        ref = time_to_target(ref_curve, target, window=window) if target is not None else None
+        ref_evals = evals(b) if b and b.get("sync_curve") else []
+        target = ref_evals[-1][1] if ref_evals else None
+        got = time_to_target(r["sync_curve"], evals(r), target) if target is not None else None
+        ref = time_to_target(b["sync_curve"], ref_evals, target) if target is not None else None
         reach.append(got[1] if got else None)
         sooner.append(ref[1] / got[1] if got and ref else None)
     return {"grad_sync": runs[0]["summary"].get("grad_sync"),
             "sync_bytes_per_step": mean([r["summary"]["grad_sync_bytes"] / max(r["summary"]["steps"], 1)
                                          for r in runs]),
-            "link_mbit": LINK_MBIT, "target_window": max(windows),
-            "link_run_s": mean([elapsed(r["sync_curve"])[-1] for r in runs]),
+            "link_mbit": LINK_MBIT, "link_run_s": mean([elapsed(r["sync_curve"])[-1] for r in runs]),
             "time_to_target_s": mean(reach), "time_to_target_runs": reach,
             "sooner_than_fp32": mean(sooner), "sooner_than_fp32_std": std(sooner)}
 

@@ -153,6 +153,12 @@ SETTINGS: dict[str, Setting] = {
     "diloco50": Setting("none", "none", {"grad_sync": "diloco:50"}),
     "diloco50 q8": Setting("none", "none", {"grad_sync": "diloco:50:q8"}),
     "diloco50 topk3% q2": Setting("none", "none", {"grad_sync": "diloco:50:topk3%:q2"}),
+    # the outer step as plain averaging (lr 1, no momentum: every replica to the mean of their weights, Local
+    # SGD / FedAvg): fine-tuning a pretrained model for a few rounds, where the paper's Nesterov step (tuned
+    # for pre-training over thousands of rounds) may overshoot
+    "diloco50 avg q8": Setting("none", "none", {"grad_sync": "diloco:50:lr1:momentum0:q8"}),
+    "diloco50 avg topk3% q2": Setting("none", "none", {"grad_sync": "diloco:50:lr1:momentum0:topk3%:q2"}),
+    "diloco10 avg q8": Setting("none", "none", {"grad_sync": "diloco:10:lr1:momentum0:q8"}),
 }
 
 
