@@ -74,3 +74,4 @@ def test_the_diloco_study_records_sync_bytes_and_times_on_two_replicas(tmp_path,
     assert rows["fp32"]["sync_bytes_per_step"] == fp32["summary"]["grad_sync_bytes"] / steps
     assert rows["diloco10 q8"]["sync_bytes_per_step"] < rows["fp32"]["sync_bytes_per_step"] / 10
     assert rows == {r["setting"]: r for r in study_table(saved)}
+    assert (out / "diloco-synthetic-lm-dp2-sync.png").stat().st_size > 0

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from aqsgd.bench.dpsync import LINK_MBIT, elapsed, sync_curve, time_to_target
+from aqsgd.bench.dpsync import LINK_MBIT, elapsed, plot_sync, sync_curve, time_to_target
 from aqsgd.bench.settings import SETTINGS
 from aqsgd.bench.subspace import boundary_energy, plot_energy
 from aqsgd.train.config import TrainConfig
@@ -380,6 +380,10 @@ def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_
     png = out / f"{stem}.png"
     plot_runs([load_run(d, label=name) for name, d in dirs.items()], png,
               baseline="fp32" if "fp32" in results["runs"] else None)
+    sync = {r.get("setting", key): r for key, r in results["runs"].items()
+            if r.get("seed", 0) == 0 and r.get("sync_curve")}
+    if sync:  # data parallel: evaluation against the time over the slow link, and the sync's bytes
+        plot_sync(sync, out / f"{stem}-sync.png", title=f"{task}: the replicas' sync (seed 0)")
     for key, r in results["runs"].items():  # the first seed-0 run with a subspace stage: its bases' energy
         if r.get("subspace") and r.get("seed", 0) == 0:
             plot_energy(r["subspace"], out / f"{stem}-energy.png", title=f"{task}: {key}")

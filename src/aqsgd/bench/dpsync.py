@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["LINK_MBIT", "sync_curve", "elapsed", "time_to_target"]
+__all__ = ["LINK_MBIT", "sync_curve", "elapsed", "time_to_target", "plot_sync"]
 
 #: the study's data-parallel link (the issue's slow link)
 LINK_MBIT = 30.0
@@ -72,3 +72,43 @@ def time_to_target(curve: Sequence[Step], evals: Sequence[tuple[int, float]], ta
         if loss is not None and loss <= target and step in times:
             return step, times[step]
     return None
+
+
+def plot_sync(runs: dict[str, dict[str, Any]], png: Any, mbit: float = LINK_MBIT, title: str = "") -> Any:
+    """Two panels from a study's seed-0 records (``{setting: record}``, each with a ``sync_curve``): the
+    evaluation loss (compression off) against the time over ``mbit`` Mbit/s links, and the sync's bytes per
+    step (every rank's, summed) of each setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    names = [n for n, r in runs.items() if r.get("sync_curve")]
+    for name in names:
+        r = runs[name]
+        times = dict(zip((s[0] for s in r["sync_curve"]), elapsed(r["sync_curve"], mbit)))
+        points = [(times[e["step"]] / 60, e["uncompressed"]["loss"]) for e in r.get("eval", [])
+                  if e["step"] in times and (e.get("uncompressed") or {}).get("loss") is not None]
+        if points:
+            left.plot(*zip(*points), marker="o", label=name)
+    left.set_xscale("log")
+    left.set_xlabel(f"minutes over a {mbit:g} Mbit/s data-parallel link (measured steps + sync transfer)")
+    left.set_ylabel("evaluation loss (the replicas' agreed weights)")
+    left.set_title("evaluation loss against time")
+    if left.lines:
+        left.legend(fontsize=7)
+    per_step = [runs[n]["summary"]["grad_sync_bytes"] / max(runs[n]["summary"]["steps"], 1) / 1e6
+                for n in names]
+    right.barh(names, per_step)
+    right.set_xscale("log")
+    right.invert_yaxis()
+    right.set_xlabel("MB per step, every rank's sync summed")
+    right.set_title("what the replicas' sync sends")
+    right.tick_params(axis="y", labelsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
