@@ -85,13 +85,14 @@ def plot_sync(runs: dict[str, dict[str, Any]], png: Any, mbit: float = LINK_MBIT
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     names = [n for n, r in runs.items() if r.get("sync_curve")]
-    for name in names:
+    colors = plt.get_cmap("tab20").colors  # more settings than the default cycle's 10 colours
+    for i, name in enumerate(names):
         r = runs[name]
         times = dict(zip((s[0] for s in r["sync_curve"]), elapsed(r["sync_curve"], mbit)))
         points = [(times[e["step"]] / 60, e["uncompressed"]["loss"]) for e in r.get("eval", [])
                   if e["step"] in times and (e.get("uncompressed") or {}).get("loss") is not None]
         if points:
-            left.plot(*zip(*points), marker="o", label=name)
+            left.plot(*zip(*points), marker="o", label=name, color=colors[(2 * i) % 20 + (2 * i) // 20 % 2])
     left.set_xscale("log")
     left.set_xlabel(f"minutes over a {mbit:g} Mbit/s data-parallel link (measured steps + sync transfer)")
     left.set_ylabel("evaluation loss (the replicas' agreed weights)")
@@ -100,7 +101,7 @@ def plot_sync(runs: dict[str, dict[str, Any]], png: Any, mbit: float = LINK_MBIT
         left.legend(fontsize=7)
     per_step = [runs[n]["summary"]["grad_sync_bytes"] / max(runs[n]["summary"]["steps"], 1) / 1e6
                 for n in names]
-    right.barh(names, per_step)
+    right.barh(names, per_step, color=[colors[(2 * i) % 20 + (2 * i) // 20 % 2] for i in range(len(names))])
     right.set_xscale("log")
     right.invert_yaxis()
     right.set_xlabel("MB per step, every rank's sync summed")
