@@ -68,6 +68,7 @@ def test_wire_and_cache_bytes(rows):
 
 
 @pytest.mark.parametrize("cache", ["memory", "lowbit4", "disk", "memory:fp32"])
+@pytest.mark.slow
 def test_sender_path_stores_m_plus_decoded_delta(cache, tmp_path):
     """What the benchmark times is the real scheme: after one TRAIN micro-batch the sender's cache holds
     round(m + decode(packet)) (round = the cache's storage), the receiver returns and stores the same."""

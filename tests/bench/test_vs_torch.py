@@ -9,6 +9,7 @@ from aqsgd.bench.vs_torch import (LatencyConfig, VsTorchConfig, bench_latency, b
 
 
 @pytest.mark.skipif(pipelining_supported() is not None, reason=str(pipelining_supported()))
+@pytest.mark.slow
 def test_both_pipelines_run_and_start_from_the_same_loss():
     cfg = VsTorchConfig(stages=(2,), hidden=32, layers=2, seq_len=16, vocab=64, microbatch_size=2,
                         num_microbatches=3, steps=1, repeats=1)

@@ -137,6 +137,7 @@ def test_crashed_stage_is_named(tmp_path):
     assert "\n" not in str(e)
 
 
+@pytest.mark.slow
 def test_error_of_a_stage_is_named_with_its_traceback_in_the_log(tmp_path, caplog):
     caplog.set_level("DEBUG", logger="aqsgd.comm.launch")
     with pytest.raises(StageFailedError) as info:

@@ -211,6 +211,7 @@ def test_stages_follow_the_node_ranks_of_the_machines(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo on the loopback interface 'lo'")
+@pytest.mark.slow
 def test_colliding_node_ranks_stop_every_process_with_one_line(tmp_path):
     done = _run_ranks(tmp_path, [(0, 0, "0"), (1, 0, "1"), (2, 0, "1"), (3, 0, "2")], "--data-parallel", "2",
                       timeout=120)

@@ -72,6 +72,7 @@ def test_no_checksum_is_a_command_line_option():
     assert TrainConfig.of(checksum=False).flat()["checksum"] is False
 
 
+@pytest.mark.slow
 def test_stages_with_different_checksum_settings_stop_at_start_up(runs):
     _, ranks = runs
     for r in ranks:

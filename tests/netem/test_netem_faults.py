@@ -74,6 +74,7 @@ def test_cut_link_fails_fast_naming_the_peer(tmp_path):
         assert o.elapsed_s - cut_at[0] < opts["timeout"] + 15, (o.stage, o.elapsed_s, cut_at)
 
 
+@pytest.mark.slow
 def test_killed_stage_stops_the_others_naming_it(tmp_path):
     """SIGKILL the middle of three stages mid-training: its neighbours fail at once naming stage 1.
 

@@ -369,6 +369,7 @@ def test_a_distributed_run_compresses_its_slow_link_more_and_resumes_with_its_ch
     assert train[-1]["codecs"] == chosen, (train[-1]["codecs"], chosen)
 
 
+@pytest.mark.slow
 def test_the_policy_follows_a_link_that_slows_down_during_the_run(tmp_path):
     # 2 stages over loopback; the link drops to 1 Mbit/s from step 4 on (32 KB of fp16 activations per
     # micro-batch: a few ms before, 0.26 s after, far above the tiny model's compute per micro-batch)

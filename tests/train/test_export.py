@@ -25,6 +25,7 @@ def _common(tmp_path, folder, text, *extra):
 
 
 @pytest.mark.parametrize("runtime", ["local", "distributed"])
+@pytest.mark.slow
 def test_export_of_a_causal_lm_loads_and_gives_the_runs_evaluation_loss(tmp_path, tokenizer_dir, runtime):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

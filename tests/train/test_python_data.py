@@ -85,6 +85,7 @@ def test_dataset_kind_from_columns():
         dataset_kind(DictDataset({"input_ids": ids, "labels": torch.zeros(2, 3)}))
 
 
+@pytest.mark.slow
 def test_registered_task_reaches_the_spawned_stage_processes(tmp_path, registered):
     """A task registered in this process is known in the stage processes the driver spawns."""
     cfg = _cfg(tmp_path, task=registered.name, runtime="distributed", run_name="dist", timeout=120.0)
