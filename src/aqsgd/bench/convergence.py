@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from aqsgd.bench.dpsync import LINK_MBIT, elapsed, plot_sync, sync_curve, time_to_target
+from aqsgd.bench.dpsync import (LINK_MBIT, bytes_per_step, elapsed, eval_losses, plot_sync, sync_curve,
+                                time_to_target)
 from aqsgd.bench.settings import SETTINGS
 from aqsgd.bench.subspace import boundary_energy, plot_energy
 from aqsgd.train.config import TrainConfig
@@ -306,20 +307,16 @@ def _sync_figures(runs: list[dict[str, Any]], fp32_runs: list[dict[str, Any] | N
     if not all(r.get("sync_curve") for r in runs):
         return {}
 
-    def evals(r: dict[str, Any]) -> list[tuple[int, float]]:
-        return [(e["step"], (e.get("uncompressed") or {}).get("loss")) for e in r.get("eval", [])]
-
     reach, sooner = [], []
     for r, b in zip(runs, fp32_runs):
-        ref_evals = evals(b) if b and b.get("sync_curve") else []
+        ref_evals = eval_losses(b) if b and b.get("sync_curve") else []
         target = ref_evals[-1][1] if ref_evals else None
-        got = time_to_target(r["sync_curve"], evals(r), target) if target is not None else None
+        got = time_to_target(r["sync_curve"], eval_losses(r), target) if target is not None else None
         ref = time_to_target(b["sync_curve"], ref_evals, target) if target is not None else None
         reach.append(got[1] if got else None)
         sooner.append(ref[1] / got[1] if got and ref else None)
     return {"grad_sync": runs[0]["summary"].get("grad_sync"),
-            "sync_bytes_per_step": mean([r["summary"]["grad_sync_bytes"] / max(r["summary"]["steps"], 1)
-                                         for r in runs]),
+            "sync_bytes_per_step": mean([bytes_per_step(r) for r in runs]),
             "link_mbit": LINK_MBIT, "link_run_s": mean([elapsed(r["sync_curve"])[-1] for r in runs]),
             "time_to_target_s": mean(reach), "time_to_target_runs": reach,
             "sooner_than_fp32": mean(sooner), "sooner_than_fp32_std": std(sooner)}

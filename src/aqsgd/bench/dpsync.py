@@ -27,7 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["LINK_MBIT", "sync_curve", "elapsed", "time_to_target", "plot_sync"]
+__all__ = ["LINK_MBIT", "sync_curve", "elapsed", "eval_losses", "bytes_per_step", "time_to_target",
+           "plot_sync"]
 
 #: the study's data-parallel link (the issue's slow link)
 LINK_MBIT = 30.0
@@ -63,11 +64,26 @@ def elapsed(curve: Sequence[Step], mbit: float = LINK_MBIT) -> list[float]:
     return out
 
 
+def _times(curve: Sequence[Step], mbit: float) -> dict[int, float]:
+    """:func:`elapsed` by step."""
+    return dict(zip((s[0] for s in curve), elapsed(curve, mbit)))
+
+
+def eval_losses(record: dict[str, Any]) -> list[tuple[int, float | None]]:
+    """A study record's evaluations as ``(step, loss)`` pairs, compression off."""
+    return [(e["step"], (e.get("uncompressed") or {}).get("loss")) for e in record.get("eval", [])]
+
+
+def bytes_per_step(record: dict[str, Any]) -> float:
+    """A study record's sync bytes per step, every rank's summed."""
+    return record["summary"]["grad_sync_bytes"] / max(record["summary"]["steps"], 1)
+
+
 def time_to_target(curve: Sequence[Step], evals: Sequence[tuple[int, float]], target: float,
                    mbit: float = LINK_MBIT) -> tuple[int, float] | None:
     """The step of the first evaluation (``(step, loss)`` pairs, in order) whose loss is at most ``target``,
     and the seconds to that step's end over ``mbit`` Mbit/s links; None if no evaluation gets there."""
-    times = dict(zip((s[0] for s in curve), elapsed(curve, mbit)))
+    times = _times(curve, mbit)
     for step, loss in evals:
         if loss is not None and loss <= target and step in times:
             return step, times[step]
@@ -85,23 +101,21 @@ def plot_sync(runs: dict[str, dict[str, Any]], png: Any, mbit: float = LINK_MBIT
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     names = [n for n, r in runs.items() if r.get("sync_curve")]
-    colors = plt.get_cmap("tab20").colors  # more settings than the default cycle's 10 colours
-    for i, name in enumerate(names):
-        r = runs[name]
-        times = dict(zip((s[0] for s in r["sync_curve"]), elapsed(r["sync_curve"], mbit)))
-        points = [(times[e["step"]] / 60, e["uncompressed"]["loss"]) for e in r.get("eval", [])
-                  if e["step"] in times and (e.get("uncompressed") or {}).get("loss") is not None]
+    tab20 = plt.get_cmap("tab20").colors  # more settings than the default cycle's 10 colours
+    colors = [tab20[(2 * i) % 20 + (2 * i) // 20 % 2] for i in range(len(names))]
+    for name, color in zip(names, colors):
+        times = _times(runs[name]["sync_curve"], mbit)
+        points = [(times[step] / 60, loss) for step, loss in eval_losses(runs[name])
+                  if step in times and loss is not None]
         if points:
-            left.plot(*zip(*points), marker="o", label=name, color=colors[(2 * i) % 20 + (2 * i) // 20 % 2])
+            left.plot(*zip(*points), marker="o", label=name, color=color)
     left.set_xscale("log")
     left.set_xlabel(f"minutes over a {mbit:g} Mbit/s data-parallel link (measured steps + sync transfer)")
     left.set_ylabel("evaluation loss (the replicas' agreed weights)")
     left.set_title("evaluation loss against time")
     if left.lines:
         left.legend(fontsize=7)
-    per_step = [runs[n]["summary"]["grad_sync_bytes"] / max(runs[n]["summary"]["steps"], 1) / 1e6
-                for n in names]
-    right.barh(names, per_step, color=[colors[(2 * i) % 20 + (2 * i) // 20 % 2] for i in range(len(names))])
+    right.barh(names, [bytes_per_step(runs[n]) / 1e6 for n in names], color=colors)
     right.set_xscale("log")
     right.invert_yaxis()
     right.set_xlabel("MB per step, every rank's sync summed")
