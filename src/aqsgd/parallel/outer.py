@@ -27,6 +27,7 @@ continues it exactly.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,6 +36,8 @@ from torch import nn
 
 from aqsgd.comm.link import LinkSpec
 from aqsgd.parallel.sync import DEFAULT_BUCKET_MB, GradSync, GradSyncSpec, make_grad_sync, parse_grad_sync
+
+log = logging.getLogger(__name__)
 
 __all__ = ["OuterSync", "make_outer_sync", "DILOCO_LR", "DILOCO_MOMENTUM"]
 
@@ -46,7 +49,7 @@ class OuterSync:
     """DiLoCo's outer step for the trainable parameters ``params`` of one stage (module docstring)."""
 
     def __init__(self, params: Sequence[nn.Parameter], average: GradSync, *, every: int,
-                 lr: float = DILOCO_LR, momentum: float = DILOCO_MOMENTUM) -> None:
+                 lr: float = DILOCO_LR, momentum: float = DILOCO_MOMENTUM, membership: Any = None) -> None:
         if every < 1:
             raise ValueError(f"the outer step's interval must be at least 1 step, got {every}")
         if not lr > 0:
@@ -67,6 +70,10 @@ class OuterSync:
         self.rounds = 0
         self.last_bytes = 0
         self.last_raw_bytes = 0
+        #: an :class:`~aqsgd.parallel.elastic.ElasticGroup`: the group is re-formed at every outer step
+        #: (replicas that come and go); None: the fixed group of ``average``
+        self.membership = membership
+        self.last_round: Any = None  # the last outer step's :class:`~aqsgd.parallel.elastic.Round`
 
     @property
     def due(self) -> bool:
@@ -89,9 +96,47 @@ class OuterSync:
         self.last_bytes = self.last_raw_bytes = 0
         if not due:
             return 0
+        contributing = True
+        if self.membership is not None:
+            rnd = self._regroup(contributing=True)
+            contributing = not rnd.healed  # the state just taken holds a peer's weights, not ours
         with torch.no_grad():
             for a, p in zip(self.anchors, self.params):
-                a.grad = a.detach() - p.detach().to(a.device, torch.float32)
+                if contributing:
+                    a.grad = a.detach() - p.detach().to(a.device, torch.float32)
+                else:
+                    a.grad = torch.zeros_like(a)
+        return self._outer_step(compress)
+
+    def join(self, *, compress: bool = True) -> bool:
+        """A replica started late, before its first step: ask for the next quorum; if the others are ahead,
+        take a peer's state (weights, outer state: the membership's ``load_fn``), take part in that outer step
+        with nothing to add, and end it with the others' weights. Returns whether it joined running peers
+        (False: it is among the first, and starts from its own initial weights)."""
+        if self.membership is None:
+            raise ValueError("join() needs a membership (replicas that come and go)")
+        rnd = self._regroup(contributing=False)
+        if not rnd.healed:
+            self.membership.commit()
+            return False
+        # the peer's counters already count the step that ends its round
+        with torch.no_grad():
+            for a in self.anchors:
+                a.grad = torch.zeros_like(a)
+        self._outer_step(compress)
+        return True
+
+    def _regroup(self, *, contributing: bool) -> Any:
+        rnd = self.membership.form(contributing=contributing, step=self.taken)
+        self.average.regroup(rnd.group, world=rnd.world, rank=rnd.rank)
+        self.average.contributors = rnd.contributors
+        self.last_round = rnd
+        if rnd.healed:
+            log.info("stage %d replica %d: took the current weights and outer state from a peer; joins at step "
+                     "%d", self.membership.stage, self.membership.replica, self.taken)
+        return rnd
+
+    def _outer_step(self, compress: bool) -> int:
         self.last_bytes = self.average.sync(self.anchors, compress=compress)
         self.last_raw_bytes = self.average.last_raw_bytes
         self.optimizer.step()
@@ -101,9 +146,16 @@ class OuterSync:
                 a.grad = None
         self.steps = 0
         self.rounds += 1
+        if self.membership is not None:
+            self.membership.commit()
         return self.last_bytes
 
     # -- checkpoints --------------------------------------------------------------------------------------
+    def shared_state(self) -> dict[str, torch.Tensor]:
+        """What a joining replica takes from a peer: :meth:`state_dict` without the averaging's error
+        feedback (a replica's own; the joiner's starts at zero)."""
+        return {k: v.detach().clone() for k, v in self.state_dict().items() if not k.startswith("average.")}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors only: ``anchor.<i>``, ``momentum.<i>`` (once the first outer step made them), ``steps``,
         ``taken``, ``rounds`` and the averaging's own state under ``average.``."""
@@ -143,11 +195,15 @@ class OuterSync:
 
 def make_outer_sync(spec: str, params: Sequence[nn.Parameter], group: Any = None, *,
                     bucket_mb: float = DEFAULT_BUCKET_MB, link: LinkSpec | None = None,
-                    device: torch.device | str = "cpu") -> OuterSync:
+                    device: torch.device | str = "cpu", membership: Any = None) -> OuterSync:
     """The :class:`OuterSync` of a ``diloco:...`` spec over ``group``, its averaging built by
-    :func:`~aqsgd.parallel.sync.make_grad_sync` from the spec's averaging part."""
+    :func:`~aqsgd.parallel.sync.make_grad_sync` from the spec's averaging part. ``membership``: an
+    :class:`~aqsgd.parallel.elastic.ElasticGroup` instead of a fixed group (``group`` is then unused)."""
     parsed = parse_grad_sync(spec)
     if parsed.kind != "diloco":
         raise ValueError(f"{spec!r} is no outer-step spec (diloco:<H>...)")
     average = make_grad_sync(parsed.average, group, bucket_mb=bucket_mb, link=link, device=device)
-    return OuterSync(params, average, every=parsed.every, lr=parsed.outer_lr, momentum=parsed.momentum)
+    if membership is not None:
+        average.regroup(None, world=1, rank=0)  # until the first outer step forms the group
+    return OuterSync(params, average, every=parsed.every, lr=parsed.outer_lr, momentum=parsed.momentum,
+                     membership=membership)

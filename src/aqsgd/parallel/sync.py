@@ -306,6 +306,9 @@ class GradSync(abc.ABC):
         self.device = torch.device(device)
         self.world = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
+        #: how many of the group's ranks contribute (None: all): the sum is divided by it. A replica that has
+        #: just joined takes part in the collectives with a zero contribution (:mod:`aqsgd.parallel.elastic`)
+        self.contributors: int | None = None
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.link = link
         self.last_bytes = 0
@@ -313,6 +316,25 @@ class GradSync(abc.ABC):
         self.last_compressed = False
         self._buckets: list[_Bucket] = []
         self._key: tuple[int, ...] = ()
+
+    @property
+    def divisor(self) -> int:
+        """What the sum over the group is divided by: the contributing ranks (default: all)."""
+        return self.contributors or self.world
+
+    def regroup(self, group: Any, *, world: int, rank: int) -> None:
+        """Run the next syncs over another group (a new membership: :mod:`aqsgd.parallel.elastic`) of
+        ``world`` ranks, this one ``rank``; error-feedback state that depends on the group's size is adapted
+        (:meth:`_regrouped`)."""
+        if not 0 <= rank < world:
+            raise ValueError(f"group rank {rank} outside a group of {world}")
+        old = self.world
+        self.group, self.world, self.group_rank = group, world, rank
+        if world != old:
+            self._regrouped(old)
+
+    def _regrouped(self, old_world: int) -> None:
+        """The group's size changed from ``old_world``: adapt the state (nothing to adapt by default)."""
 
     @property
     def bucket_numels(self) -> list[int]:
@@ -338,7 +360,7 @@ class GradSync(abc.ABC):
         if compress:
             nbytes, rounds = self._sync(buckets), self.rounds
         else:
-            nbytes, rounds = _allreduce(buckets, self.group, self.world, self.device), 1
+            nbytes, rounds = _allreduce(buckets, self.group, self.world, self.device, self.divisor), 1
         self.last_bytes, self.last_compressed = nbytes, compress
         if self.link is not None and not self.link.unlimited:
             remaining = t0 + self.link.tx_time(nbytes) + rounds * self.link.latency_s - time.monotonic()
@@ -374,12 +396,13 @@ class GradSync(abc.ABC):
             raise KeyError(f"{type(self).__name__} has no state, got keys {sorted(state)}")
 
 
-def _allreduce(buckets: list[_Bucket], group: Any, world: int, device: torch.device) -> int:
+def _allreduce(buckets: list[_Bucket], group: Any, world: int, device: torch.device,
+               divisor: int | None = None) -> int:
     flats = [b.flatten(device) for b in buckets]
     works = [dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats]
     for b, f, w in zip(buckets, flats, works):
         w.wait()
-        b.unflatten(f.div_(world))
+        b.unflatten(f.div_(divisor or world))
     return sum(allreduce_bytes(4 * b.numel, world) for b in buckets)
 
 
@@ -394,7 +417,7 @@ class AllReduceSync(GradSync):
     """Uncompressed fp32 all-reduce (the baseline)."""
 
     def _sync(self, buckets: list[_Bucket]) -> int:
-        return _allreduce(buckets, self.group, self.world, self.device)
+        return _allreduce(buckets, self.group, self.world, self.device, self.divisor)
 
 
 # -- quantized, error feedback in both phases -------------------------------------------------------------
@@ -474,7 +497,8 @@ class QuantizedSync(GradSync):
         gathers = []
         for b, c, recv, work in launched:
             work.wait()
-            s = self._decode(recv, c).sum(dim=0).div_(d)  # summed in replica order: same on every run
+            # summed in replica order: the same on every run
+            s = self._decode(recv, c).sum(dim=0).div_(self.divisor)
             e2 = self._buffer(self.ef2, b.index, c)
             w = s.add_(e2)
             payload, deq = self._encode(w.view(1, c))
@@ -489,6 +513,18 @@ class QuantizedSync(GradSync):
             b.unflatten(avg[: b.numel])
             nbytes += self.expected_bytes(b.numel)
         return nbytes
+
+    def _regrouped(self, old_world: int) -> None:
+        """The first buffer holds this rank's residual per value of its bucket (then zeros up to ``D * c``):
+        kept, padded to the new ``D * c``. The second is the residual of the chunk this rank reduced, which
+        another rank reduces in the new group: dropped (its error is lost once, at the change)."""
+        for b in self._buckets:
+            if b.index in self.ef1:
+                old = self.ef1[b.index]
+                new = torch.zeros(self.world * self.chunk_numel(b.numel), dtype=old.dtype, device=old.device)
+                new[: b.numel] = old[: b.numel]
+                self.ef1[b.index] = new
+        self.ef2 = {}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {f"ef1.{i}": t for i, t in self.ef1.items()}
@@ -563,7 +599,7 @@ class TopKSync(GradSync):
             for row in out.view(d, -1):  # in replica order: the same sums on every rank
                 idx = row[: 4 * k].clone().view(torch.int32).long()
                 avg.index_add_(0, idx, self.codec.decode(self._packet(row[4 * k :], (k,))).float())
-            b.unflatten(avg.div_(d))
+            b.unflatten(avg.div_(self.divisor))
             nbytes += self.expected_bytes(b.numel)
         return nbytes
 

@@ -1,0 +1,179 @@
+"""Replicas that come and go: one stage's outer-step group re-formed at every outer step, on torchft.
+
+With outer steps (:mod:`aqsgd.parallel.outer`) the replicas of a stage meet only every H steps, which makes
+membership cheap to renegotiate: a replica pipeline that died (or was stopped) is simply absent from the
+next outer step, which averages whoever is there; a replica started later joins at an outer step by taking
+the current weights and outer state from a peer.
+
+The membership engine is torchft's (PyPI ``torchft``, the ``elastic`` extra), not ours:
+
+* a **lighthouse** (:class:`Lighthouse`, torchft's ``LighthouseServer``) decides every *quorum*: the replicas
+  alive (heartbeats) and asking for one. Its ``join_timeout`` is how long a quorum waits for replicas that
+  have not asked yet; a replica whose heartbeats stop for ``heartbeat_timeout`` is left out;
+* each replica pipeline's stages share one torchft ``Manager`` server (hosted by stage 0, reached by the
+  others through the replica's own ``TCPStore``): the stages of a replica ask for the quorum together (its
+  *group ranks* are the stages), so a replica is in or out as a whole pipeline;
+* each stage's collectives run on torchft's ``ProcessGroupGloo``, which the manager reconfigures for every
+  new quorum (a fresh gloo group of the stage's members, rank = position in the quorum);
+* a replica *behind* the quorum (a joiner: fewer outer steps taken) *heals*: torchft fetches a peer's state
+  (``state_fn`` of that peer, over torchft's HTTP checkpoint transport) and hands it to ``load_fn`` before
+  the quorum returns.
+
+:class:`ElasticGroup` is that for one stage process; :meth:`ElasticGroup.form` returns a :class:`Round`:
+the group to average over, its members (replica indices, in group-rank order) and how many of them
+contribute (a replica that has just healed takes part in the collectives with a zero pseudo-gradient, so that
+the average is over the replicas that trained in the round). Membership changes are logged (``replica 2 left
+before step 40``), and :attr:`ElasticGroup.history` keeps every round's members for the run's summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ElasticGroup", "Lighthouse", "Round", "elastic_available"]
+
+log = logging.getLogger(__name__)
+
+
+def elastic_available() -> bool:
+    """Whether torchft (the ``elastic`` extra) is installed."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _torchft() -> Any:
+    try:
+        import torchft
+        import torchft._torchft
+        import torchft.process_group
+    except ImportError as e:  # pragma: no cover - the message is the point
+        raise ImportError("replicas that come and go need torchft: pip install 'aqsgd[elastic]'") from e
+    return torchft
+
+
+class Lighthouse:
+    """torchft's lighthouse on ``bind`` (default: a free loopback port): where every replica's manager asks for
+    the quorum. ``min_replicas``: the fewest replicas an outer step may have; ``join_timeout_s``: how long a
+    quorum waits for replicas that have not asked yet (a new one, or one that is late); ``heartbeat_timeout_s``:
+    how long a silent replica counts as alive."""
+
+    def __init__(self, *, min_replicas: int = 1, join_timeout_s: float = 2.0, heartbeat_timeout_s: float = 5.0,
+                 bind: str = "127.0.0.1:0") -> None:
+        if min_replicas < 1:
+            raise ValueError(f"min_replicas must be at least 1, got {min_replicas}")
+        ft = _torchft()
+        self._server = ft._torchft.LighthouseServer(
+            bind=bind, min_replicas=min_replicas, join_timeout_ms=int(join_timeout_s * 1000),
+            quorum_tick_ms=50, heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+
+    @property
+    def address(self) -> str:
+        """``http://host:port``, for :class:`ElasticGroup`'s ``lighthouse``."""
+        return self._server.address()
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """One outer step's group: ``members`` (replica indices in group-rank order), ``contributors`` (how many
+    trained in the round), ``healed`` (this replica has just taken a peer's state), ``group`` (the process
+    group of this stage's members), ``rank`` (this replica's place in it)."""
+
+    members: tuple[int, ...]
+    contributors: int
+    healed: bool
+    group: Any
+    rank: int
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+
+class ElasticGroup:
+    """Stage ``stage`` (of ``num_stages``) of replica ``replica``, among replicas that come and go (module
+    docstring). ``store``: ``(host, port)`` of the replica pipeline's own ``TCPStore`` (its stages find their
+    manager there); ``state_fn`` / ``load_fn``: what a joining replica takes from a peer (called in torchft's
+    quorum thread while this stage waits in :meth:`form`)."""
+
+    def __init__(self, *, replica: int, stage: int, num_stages: int, lighthouse: str, store: tuple[str, int],
+                 state_fn: Callable[[], dict[str, Any]], load_fn: Callable[[dict[str, Any]], None],
+                 timeout_s: float = 60.0, quorum_timeout_s: float = 600.0, min_replicas: int = 1) -> None:
+        ft = _torchft()
+        self.replica, self.stage, self.num_stages = replica, stage, num_stages
+        self._load_fn = load_fn
+        self._healed = False
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.pg = ft.process_group.ProcessGroupGloo(timeout=timeout)
+        self.manager = ft.Manager(
+            pg=self.pg, load_state_dict=self._load, state_dict=state_fn, min_replica_size=min_replicas,
+            use_async_quorum=False, timeout=timeout, quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s),
+            connect_timeout=timeout, rank=stage, world_size=num_stages, store_addr=store[0],
+            store_port=store[1], lighthouse_addr=lighthouse, replica_id=f"replica{replica}",
+            hostname="127.0.0.1", init_sync=False)
+        self.history: list[tuple[int, tuple[int, ...]]] = []  # (round, members) whenever they changed
+        self._members: tuple[int, ...] | None = None
+        self.rounds = 0
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self._load_fn(state)
+        self._healed = True
+
+    def form(self, *, contributing: bool = True, step: int | None = None) -> Round:
+        """Collective over the replicas that ask: wait for the lighthouse's quorum (a joiner first heals:
+        ``load_fn`` gets a peer's state), then agree on the members and the contributors (one all-gather of
+        two integers). ``contributing=False``: this replica has nothing to add this round. ``step``: for the
+        log lines."""
+        self._healed = False
+        self.manager.start_quorum(allow_heal=True)
+        err = self.manager.errored()
+        if err is not None:
+            raise RuntimeError(f"stage {self.stage} replica {self.replica}: the outer step's quorum failed: "
+                               f"{err.original_exception}") from err.original_exception
+        group = self.pg.parent  # the gloo group of this quorum (torchft rebuilds it for every new quorum)
+        world, rank = group.size(), group.rank()
+        healed = self._healed
+        mine = torch.tensor([self.replica, int(contributing and not healed)], dtype=torch.int64)
+        every = torch.zeros(2 * world, dtype=torch.int64)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(every, mine, group=group)
+        pairs = every.view(world, 2).tolist()
+        members = tuple(int(r) for r, _ in pairs)
+        contributors = sum(int(c) for _, c in pairs)
+        where = f" at step {step}" if step is not None else ""
+        if members != self._members:
+            if self._members is not None:
+                left = sorted(set(self._members) - set(members))
+                joined = sorted(set(members) - set(self._members))
+                if left:
+                    log.warning("stage %d: replica%s %s left before the outer step%s; averaging over %s",
+                                self.stage, "s" if len(left) > 1 else "", ", ".join(map(str, left)), where,
+                                list(members))
+                if joined:
+                    log.info("stage %d: replica%s %s joined at the outer step%s", self.stage,
+                             "s" if len(joined) > 1 else "", ", ".join(map(str, joined)), where)
+            self.history.append((self.rounds, members))
+            self._members = members
+        return Round(members, max(contributors, 1), healed, group, rank)
+
+    def commit(self) -> None:
+        """After the outer step: count it (the manager's step tells a joiner it is behind)."""
+        self.rounds += 1
+        if not self.manager.should_commit():
+            raise RuntimeError(f"stage {self.stage} replica {self.replica}: a replica of the outer step "
+                               f"reported an error: {self.manager.errored()}")
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,162 @@
+"""Replicas that come and go (aqsgd.parallel.elastic, on torchft): a replica pipeline killed mid-run, one
+started later; the others go on, the joiner takes a peer's state and every replica ends bit-identical.
+
+Each replica is a pipeline of two stage processes with a world of its own (as a replica launched alone would
+be); the replicas meet only through torchft's lighthouse and the outer steps' process groups. The stages'
+models are independent linear layers (the membership is under test here, not the pipeline)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from aqsgd.parallel.elastic import elastic_available
+
+pytestmark = pytest.mark.skipif(not elastic_available(), reason="torchft (the elastic extra) not installed")
+
+STAGES = 2
+STEPS = 36
+EVERY = 4
+STEP_S = 0.1
+HOLD_AT = 18  # mid-round: the others wait there for the joiner to ask for its first quorum
+
+
+def _batch(replica: int, stage: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * replica + 100 * stage + step)
+    x = torch.randn(8, 16, generator=g)
+    return x, x.flip(1) + 0.1 * torch.randn(8, 16, generator=g)
+
+
+def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spec: str, die_at: int,
+             join: bool) -> None:
+    import logging
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from aqsgd.parallel import make_outer_sync
+    from aqsgd.parallel.elastic import ElasticGroup
+
+    logging.basicConfig(level=logging.INFO, filename=f"{out}/replica{replica}-stage{stage}.log",
+                        format="%(name)s %(levelname)s %(message)s")
+    import faulthandler
+    # a hang shows where it is stuck, and ends
+    faulthandler.dump_traceback_later(150, exit=True, file=open(f"{out}/replica{replica}-stage{stage}.tb", "w"))
+    store = dist.TCPStore("127.0.0.1", port, STAGES, is_master=stage == 0, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pipeline", store), rank=stage, world_size=STAGES)
+    torch.manual_seed(stage)  # every replica starts from the same weights
+    model = nn.Linear(16, 16, bias=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    holder: dict = {}
+
+    def state_fn() -> dict:
+        return {"outer": holder["outer"].shared_state(), "model": copy.deepcopy(model.state_dict()),
+                "inner": copy.deepcopy(opt.state_dict())}
+
+    def load_fn(state: dict) -> None:
+        holder["outer"].load_state_dict(state["outer"])
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["inner"])
+
+    group = ElasticGroup(replica=replica, stage=stage, num_stages=STAGES, lighthouse=lighthouse,
+                         store=("127.0.0.1", port), state_fn=state_fn, load_fn=load_fn, timeout_s=30)
+    outer = holder["outer"] = make_outer_sync(spec, list(model.parameters()), membership=group)
+    outer.end = STEPS
+    Path(f"{out}/ready-{replica}-{stage}").touch()
+    if join:
+        Path(f"{out}/joining-stage{stage}").touch()
+        outer.join()
+    else:  # the first replicas start together (as one launch starts them)
+        while not all(Path(f"{out}/ready-{r}-{s}").exists() for r in range(3) for s in range(STAGES)):
+            time.sleep(0.05)
+    while outer.taken < STEPS:
+        step = outer.taken
+        if step == die_at:
+            os._exit(3)  # the whole replica pipeline goes, without a goodbye
+        if step == HOLD_AT:  # the joiner's start-up takes seconds: the others must not be done before it asks
+            while not all(Path(f"{out}/joining-stage{s}").exists() for s in range(STAGES)):
+                time.sleep(0.05)
+        x, y = _batch(replica, stage, step)
+        loss = (model(x) - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        outer.step()
+        time.sleep(STEP_S)
+        Path(f"{out}/replica{replica}-stage{stage}.tmp").write_text(str(outer.taken))
+        os.replace(f"{out}/replica{replica}-stage{stage}.tmp", f"{out}/replica{replica}-stage{stage}.step")
+    torch.save({"weight": model.weight.detach().clone(), "anchor": outer.anchors[0].detach().clone(),
+                "history": group.history, "rounds": outer.rounds, "taken": outer.taken},
+               f"{out}/replica{replica}-stage{stage}.pt")
+    group.shutdown()
+    dist.destroy_process_group()
+
+
+def _start(ctx, replica: int, out: Path, lighthouse: str, spec: str, die_at: int = -1,
+           join: bool = False) -> list:
+    from aqsgd.comm.launch import free_port
+
+    port = free_port()
+    procs = [ctx.Process(target=_replica, args=(replica, s, port, lighthouse, str(out), spec, die_at, join))
+             for s in range(STAGES)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _wait_step(out: Path, replica: int, step: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    f = out / f"replica{replica}-stage0.step"
+    while time.monotonic() < deadline:
+        if f.exists() and f.read_text() and int(f.read_text()) >= step:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"replica {replica} did not reach step {step}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["diloco:4:q8", "diloco:4:topk10%:q4"])
+def test_replica_killed_and_one_joining(tmp_path, spec):
+    from aqsgd.parallel.elastic import Lighthouse
+
+    ctx = multiprocessing.get_context("spawn")
+    lighthouse = Lighthouse(min_replicas=1, join_timeout_s=30.0, heartbeat_timeout_s=1.5)
+    procs = {}
+    try:
+        for r, die_at in ((0, -1), (1, -1), (2, 10)):
+            procs[r] = _start(ctx, r, tmp_path, lighthouse.address, spec, die_at=die_at)
+        _wait_step(tmp_path, 0, 12)
+        procs[3] = _start(ctx, 3, tmp_path, lighthouse.address, spec, join=True)
+        for r, ps in procs.items():
+            for p in ps:
+                p.join(180)
+                assert not p.is_alive(), f"replica {r} still running"
+        codes = {r: [p.exitcode for p in ps] for r, ps in procs.items()}
+        assert codes == {0: [0, 0], 1: [0, 0], 2: [3, 3], 3: [0, 0]}, codes
+    finally:
+        for ps in procs.values():
+            for p in ps:
+                if p.is_alive():
+                    p.kill()
+        lighthouse.shutdown()
+    for stage in range(STAGES):
+        ends = {r: torch.load(tmp_path / f"replica{r}-stage{stage}.pt") for r in (0, 1, 3)}
+        for r in (1, 3):
+            assert torch.equal(ends[r]["weight"], ends[0]["weight"]), (stage, r)
+            assert torch.equal(ends[r]["anchor"], ends[0]["anchor"]), (stage, r)
+            assert ends[r]["taken"] == STEPS
+        assert ends[0]["rounds"] == ends[3]["rounds"] == STEPS // EVERY
+        members = [m for _, m in ends[0]["history"]]
+        assert members[0] == (0, 1, 2) and members[1] == (0, 1) and members[-1] == (0, 1, 3), members
+        log = (tmp_path / f"replica0-stage{stage}.log").read_text()
+        assert f"stage {stage}: replica 2 left before the outer step" in log
+        assert f"stage {stage}: replica 3 joined at the outer step" in log
+    assert f"took the current weights and outer state from a peer; joins at step {HOLD_AT + 2}" in (tmp_path / "replica3-stage0.log").read_text()
+    print(json.dumps({"members": [list(m) for _, m in ends[0]["history"]]}))
