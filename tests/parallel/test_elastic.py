@@ -48,7 +48,8 @@ def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spe
                         format="%(name)s %(levelname)s %(message)s")
     import faulthandler
     # a hang shows where it is stuck, and ends
-    faulthandler.dump_traceback_later(150, exit=True, file=open(f"{out}/replica{replica}-stage{stage}.tb", "w"))
+    tb = open(f"{out}/replica{replica}-stage{stage}.tb", "w")
+    faulthandler.dump_traceback_later(150, exit=True, file=tb)
     store = dist.TCPStore("127.0.0.1", port, STAGES, is_master=stage == 0, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore("pipeline", store), rank=stage, world_size=STAGES)
     torch.manual_seed(stage)  # every replica starts from the same weights
@@ -158,5 +159,6 @@ def test_replica_killed_and_one_joining(tmp_path, spec):
         log = (tmp_path / f"replica0-stage{stage}.log").read_text()
         assert f"stage {stage}: replica 2 left before the outer step" in log
         assert f"stage {stage}: replica 3 joined at the outer step" in log
-    assert f"took the current weights and outer state from a peer; joins at step {HOLD_AT + 2}" in (tmp_path / "replica3-stage0.log").read_text()
+    joiner = (tmp_path / "replica3-stage0.log").read_text()
+    assert f"took the current weights and outer state from a peer; joins at step {HOLD_AT + 2}" in joiner
     print(json.dumps({"members": [list(m) for _, m in ends[0]["history"]]}))

@@ -139,6 +139,37 @@ def _worker(rank: int, world: int) -> dict:
     _set_grads(ps, grads)
     out["powersgd_bytes"], out["powersgd_raw"] = p.sync(ps), p.last_raw_bytes
 
+    # contributors: rank 2 takes part with zeros (a replica that has just joined); the sum is divided by the 2
+    # ranks that contribute, so the result is the mean of ranks 0 and 1
+    mine = grads if rank < 2 else [torch.zeros_like(g) for g in grads]
+    two = _mean_over_ranks(mine)
+    two = [t * WORLD / 2 for t in two]
+    for spec in ("allreduce", "q8", "topk100%:q8"):
+        c = make_grad_sync(spec, bucket_mb=0.004)
+        c.contributors = 2
+        _set_grads(ps, mine)
+        c.sync(ps)
+        out[f"contrib_{spec}_err"] = max(float((p.grad - m).abs().max()) for p, m in zip(ps, two))
+        out[f"contrib_{spec}_same"] = _all_same(ps)
+    # regroup: a q8 sync over all three, then over ranks 0 and 1 only (a replica left): no stale buffer size
+    g01 = dist.new_group([0, 1])
+    q = make_grad_sync("q8", bucket_mb=0.004)
+    _set_grads(ps, grads)
+    q.sync(ps)
+    ef1_before = {i: t[: b.numel].clone() for (i, t), b in zip(sorted(q.ef1.items()), q._buckets)}
+    if rank < 2:
+        q.regroup(g01, world=2, rank=rank)
+        out["regroup_ef2_dropped"] = q.ef2 == {}
+        out["regroup_ef1_kept"] = all(torch.equal(q.ef1[i][: t.numel()], t) for i, t in ef1_before.items())
+        _set_grads(ps, grads)
+        q.sync(ps)
+        pair = [torch.empty_like(torch.cat([p.grad.reshape(-1) for p in ps])) for _ in range(2)]
+        dist.all_gather(pair, torch.cat([p.grad.reshape(-1) for p in ps]), group=g01)
+        out["regroup_same"] = torch.equal(pair[0], pair[1])
+        out["regroup_bytes"], out["regroup_expected"] = q.last_bytes, sum(q.expected_bytes(n)
+                                                                           for n in q.bucket_numels)
+    dist.barrier()
+
     # link emulation: a sync is not shorter than its bytes over the emulated line
     slow = make_grad_sync("q8", bucket_mb=0.004, link=LinkSpec(bandwidth_bps=2e6, latency_s=0.01))
     _set_grads(ps, grads)
@@ -211,6 +242,20 @@ def test_powersgd_bytes(ranks):
 def test_link_pacing(ranks):
     for r in ranks:
         assert r["paced_s"] >= r["paced_min_s"] > 0.02
+
+
+def test_contributors_divide_the_sum(ranks):
+    for r in ranks:
+        assert r["contrib_allreduce_err"] < 1e-6 and r["contrib_allreduce_same"]
+        assert r["contrib_q8_err"] < 2 * 4.5 / 254 and r["contrib_q8_same"]
+        assert r["contrib_topk100%:q8_err"] < 4.5 / 254 and r["contrib_topk100%:q8_same"]
+
+
+def test_regroup_after_a_replica_left(ranks):
+    for r in ranks[:2]:
+        assert r["regroup_ef2_dropped"] and r["regroup_ef1_kept"] and r["regroup_same"]
+        assert r["regroup_bytes"] == r["regroup_expected"] > 0
+    assert "regroup_same" not in ranks[2]
 
 
 def test_spec_parsing():

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 def elastic_available() -> bool:
     """Whether torchft (the ``elastic`` extra) is installed."""
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -52,6 +54,8 @@ def elastic_available() -> bool:
 
 
 def _torchft() -> Any:
+    # torchft's servers log every quorum and heartbeat at INFO on stderr; RUST_LOG is read when it loads
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft
         import torchft._torchft
@@ -62,13 +66,13 @@ def _torchft() -> Any:
 
 
 class Lighthouse:
-    """torchft's lighthouse on ``bind`` (default: a free loopback port): where every replica's manager asks for
-    the quorum. ``min_replicas``: the fewest replicas an outer step may have; ``join_timeout_s``: how long a
-    quorum waits for replicas that have not asked yet (a new one, or one that is late); ``heartbeat_timeout_s``:
-    how long a silent replica counts as alive."""
+    """torchft's lighthouse on ``bind`` (default: a free loopback port): where every replica's manager asks
+    for the quorum. ``min_replicas``: the fewest replicas an outer step may have; ``join_timeout_s``: how long
+    a quorum waits for replicas alive but not asking yet (a new one, or a late one): keep it above a round's
+    length; ``heartbeat_timeout_s``: how long a silent replica counts as alive."""
 
-    def __init__(self, *, min_replicas: int = 1, join_timeout_s: float = 2.0, heartbeat_timeout_s: float = 5.0,
-                 bind: str = "127.0.0.1:0") -> None:
+    def __init__(self, *, min_replicas: int = 1, join_timeout_s: float = 600.0,
+                 heartbeat_timeout_s: float = 5.0, bind: str = "127.0.0.1:0") -> None:
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be at least 1, got {min_replicas}")
         ft = _torchft()
@@ -119,7 +123,8 @@ class ElasticGroup:
         self.pg = ft.process_group.ProcessGroupGloo(timeout=timeout)
         self.manager = ft.Manager(
             pg=self.pg, load_state_dict=self._load, state_dict=state_fn, min_replica_size=min_replicas,
-            use_async_quorum=False, timeout=timeout, quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s),
+            use_async_quorum=False, timeout=timeout,
+            quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s),
             connect_timeout=timeout, rank=stage, world_size=num_stages, store_addr=store[0],
             store_port=store[1], lighthouse_addr=lighthouse, replica_id=f"replica{replica}",
             hostname="127.0.0.1", init_sync=False)

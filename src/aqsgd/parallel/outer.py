@@ -132,8 +132,8 @@ class OuterSync:
         self.average.contributors = rnd.contributors
         self.last_round = rnd
         if rnd.healed:
-            log.info("stage %d replica %d: took the current weights and outer state from a peer; joins at step "
-                     "%d", self.membership.stage, self.membership.replica, self.taken)
+            log.info("stage %d replica %d: took the current weights and outer state from a peer; joins at "
+                     "step %d", self.membership.stage, self.membership.replica, self.taken)
         return rnd
 
     def _outer_step(self, compress: bool) -> int:
