@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 def elastic_available() -> bool:
     """Whether torchft (the ``elastic`` extra) is installed."""
-    os.environ.setdefault("RUST_LOG", "warn")
+    _quiet()
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -53,9 +53,17 @@ def elastic_available() -> bool:
     return True
 
 
-def _torchft() -> Any:
-    # torchft's servers log every quorum and heartbeat at INFO on stderr; RUST_LOG is read when it loads
+def _quiet() -> None:
+    """torchft logs every quorum, heartbeat and commit at INFO (its servers on stderr, read from RUST_LOG when
+    it loads; its Python side on its loggers): warnings and errors only. The membership changes are logged
+    here, once each."""
     os.environ.setdefault("RUST_LOG", "warn")
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _torchft() -> Any:
+    _quiet()
     try:
         import torchft
         import torchft._torchft
@@ -113,16 +121,18 @@ class ElasticGroup:
     quorum thread while this stage waits in :meth:`form`)."""
 
     def __init__(self, *, replica: int, stage: int, num_stages: int, lighthouse: str, store: tuple[str, int],
-                 state_fn: Callable[[], dict[str, Any]], load_fn: Callable[[dict[str, Any]], None],
-                 timeout_s: float = 60.0, quorum_timeout_s: float = 600.0, min_replicas: int = 1) -> None:
+                 state_fn: Callable[[], dict[str, Any]] | None = None,
+                 load_fn: Callable[[dict[str, Any]], None] | None = None, timeout_s: float = 60.0, quorum_timeout_s: float = 600.0, min_replicas: int = 1) -> None:
         ft = _torchft()
         self.replica, self.stage, self.num_stages = replica, stage, num_stages
-        self._load_fn = load_fn
+        #: what a joiner takes from this replica, and how this replica takes it from a peer (settable: the
+        #: trainer binds them once its engine exists)
+        self.state_fn, self.load_fn = state_fn, load_fn
         self._healed = False
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = ft.process_group.ProcessGroupGloo(timeout=timeout)
         self.manager = ft.Manager(
-            pg=self.pg, load_state_dict=self._load, state_dict=state_fn, min_replica_size=min_replicas,
+            pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=min_replicas,
             use_async_quorum=False, timeout=timeout,
             quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s),
             connect_timeout=timeout, rank=stage, world_size=num_stages, store_addr=store[0],
@@ -132,8 +142,15 @@ class ElasticGroup:
         self._members: tuple[int, ...] | None = None
         self.rounds = 0
 
+    def _state(self) -> dict[str, Any]:
+        if self.state_fn is None:
+            raise RuntimeError("a replica asked for this one's state, but it has none to give (no state_fn)")
+        return self.state_fn()
+
     def _load(self, state: dict[str, Any]) -> None:
-        self._load_fn(state)
+        if self.load_fn is None:
+            raise RuntimeError("this replica is behind the others but cannot take their state (no load_fn)")
+        self.load_fn(state)
         self._healed = True
 
     def form(self, *, contributing: bool = True, step: int | None = None) -> Round:

@@ -28,7 +28,7 @@ continues it exactly.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -108,7 +108,7 @@ class OuterSync:
                     a.grad = torch.zeros_like(a)
         return self._outer_step(compress)
 
-    def join(self, *, compress: bool = True) -> bool:
+    def join(self, *, compress: bool | Callable[[], bool] = True) -> bool:
         """A replica started late, before its first step: ask for the next quorum; if the others are ahead,
         take a peer's state (weights, outer state: the membership's ``load_fn``), take part in that outer step
         with nothing to add, and end it with the others' weights. Returns whether it joined running peers
@@ -123,7 +123,7 @@ class OuterSync:
         with torch.no_grad():
             for a in self.anchors:
                 a.grad = torch.zeros_like(a)
-        self._outer_step(compress)
+        self._outer_step(compress() if callable(compress) else compress)
         return True
 
     def _regroup(self, *, contributing: bool) -> Any:

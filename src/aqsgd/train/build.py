@@ -68,9 +68,9 @@ def check_processes(cfg: TrainConfig, distributed: bool) -> None:
         return
     if dist.get_world_size() != cfg.world_size:
         raise ConfigMismatchError(
-            f"{dist.get_world_size()} processes for {p.stages} stages x {p.data_parallel} data-parallel "
-            f"replicas: start exactly stages x data_parallel = {cfg.world_size} processes (one per stage "
-            f"and replica)")
+            f"{dist.get_world_size()} processes for {p.stages} stages x {p.world_replicas} data-parallel "
+            f"replicas: start exactly {cfg.world_size} processes (one per stage and replica"
+            f"{'; a replica of --dp-elastic is a process group of its own' if p.dp_elastic else ''})")
     settings = cfg.flat()
     if cfg.compression.cache.startswith("lowbit"):
         # each side re-encodes its cache rows: bit-identical sides need the same kind of device (an eager
@@ -160,7 +160,12 @@ def build_engine(cfg: TrainConfig, task: TaskSetup, *, grid: ProcessGrid | None,
     if cfg.model.lora:  # a frozen tied weight (an embedding and its LM head) gets no gradient to sum
         ties = [t for t in ties if all(is_trainable(name) for name in t.values())]
     grad_sync = outer = None
-    if p.data_parallel > 1:
+    if p.dp_elastic:
+        # replicas that come and go: this process group is one replica pipeline; its stages meet their
+        # replicas at the outer steps through the lighthouse, in groups torchft forms for each
+        outer = make_outer_sync(p.grad_sync, list(module.parameters()), None, bucket_mb=p.grad_bucket_mb,
+                                link=sync_link, membership=elastic_group(cfg, grid))
+    elif p.world_replicas > 1:
         # NCCL replica groups of their own (collective, the same on every rank); gloo: the grid's groups, with
         # the buckets in host memory
         group, sync_device = grid.dp_group, torch.device("cpu")
@@ -183,6 +188,21 @@ def build_engine(cfg: TrainConfig, task: TaskSetup, *, grid: ProcessGrid | None,
     return Built(engine, device, transport)
 
 
+def elastic_group(cfg: TrainConfig, grid: ProcessGrid) -> Any:
+    """This stage's :class:`~aqsgd.parallel.elastic.ElasticGroup`: replica ``--dp-replica``, its manager
+    found through this process group's own store (``MASTER_ADDR:MASTER_PORT``, which the launcher or torchrun
+    set), the lighthouse ``--dp-lighthouse``."""
+    import os
+
+    from aqsgd.parallel.elastic import ElasticGroup
+
+    p = cfg.pipeline
+    return ElasticGroup(replica=p.dp_replica, stage=grid.stage, num_stages=p.stages,
+                        lighthouse=p.dp_lighthouse, store=(os.environ["MASTER_ADDR"],
+                                                           int(os.environ["MASTER_PORT"])),
+                        timeout_s=collective_timeout(p.timeout))
+
+
 def _compression(cfg: TrainConfig, samples: int, run_dir: Path, grid: ProcessGrid | None,
                  links: LinkController) -> CompressionConfig:
     """The boundaries' settings: auto links at the top of their ladders, the caches (one disk cache per
@@ -202,7 +222,7 @@ def replicas_sharing_a_gpu(cfg: TrainConfig, grid: ProcessGrid, device: torch.de
     """Where replicas of a stage would share a GPU (on any machine of the run: every process learns it, so
     that all choose the same backend), in words; None where none would. With ``--dp-backend auto`` the sync
     then goes over gloo, which is said once."""
-    if device.type != "cuda" or cfg.pipeline.data_parallel < 2:
+    if device.type != "cuda" or cfg.pipeline.world_replicas < 2:
         return None
     layout = grid.layout
     here = gpu_sharing([layout.dp_ranks(s) for s in range(layout.num_stages)], layout.label,

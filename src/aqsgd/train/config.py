@@ -298,6 +298,20 @@ class PipelineSection(_Section):
     unpaced)"""
     grad_bucket_mb: float = field(25.0, check=above(0))
     """gradient bucket size of the data-parallel synchronization, in MB"""
+    dp_elastic: bool = False
+    """replicas that come and go (distributed, --grad-sync diloco:...): every replica pipeline a process
+    group of its own, meeting the others only at the outer steps through a lighthouse (torchft, the elastic
+    extra); a replica that fails or is stopped leaves the others training, and one started later joins"""
+    dp_lighthouse: str | None = None
+    """with --dp-elastic: the lighthouse (http://HOST:PORT) of replicas already running; give it with
+    --dp-replica to run that one replica pipeline (default: this launch starts a lighthouse and every
+    replica, and writes its address to the run directory's lighthouse.txt)"""
+    dp_replica: int | None = field(None, check=at_least(0))
+    """with --dp-elastic and --dp-lighthouse: which replica this launch runs (0 .. data_parallel-1: whose
+    shard of the data it trains on); its world is one pipeline, --stages processes"""
+    dp_join: bool = True
+    """with --dp-replica: take the running replicas' weights and state from a peer at their next outer step
+    before training (--no-dp-join: start from the initial weights, as the replicas of one launch do)"""
 
     def validate(self) -> Self:
         """The fields' checks, then the specs parsed (gradient sync, schedule, blocks per stage, slow stages,
@@ -313,6 +327,7 @@ class PipelineSection(_Section):
         if parsed("grad_sync", parse_grad_sync, self.grad_sync).kind == "diloco" and self.data_parallel < 2:
             raise bad("grad_sync", f"{self.grad_sync} averages replicas at its outer steps: it needs "
                       "--data-parallel 2 or more")
+        self._check_elastic()
         parsed("schedule", get_schedule, self.schedule)
         if self.layers is not None and len(self.layers) != self.stages:
             raise bad("layers", f"{len(self.layers)} counts for {self.stages} stages")
@@ -324,6 +339,39 @@ class PipelineSection(_Section):
                    self.emulate_slow_stage)
         self._check_links()
         return self
+
+    def _check_elastic(self) -> None:
+        for name in ("dp_lighthouse", "dp_replica"):
+            if getattr(self, name) is not None and not self.dp_elastic:
+                raise bad(name, "is for replicas that come and go: it needs --dp-elastic")
+        if not self.dp_elastic:
+            return
+        from aqsgd.parallel.elastic import elastic_available
+        from aqsgd.parallel.sync import parse_grad_sync
+
+        if parse_grad_sync(self.grad_sync).kind != "diloco":
+            raise bad("dp_elastic", f"replicas meet only at outer steps: it needs --grad-sync diloco:<H>..., "
+                      f"got {self.grad_sync}")
+        if self.dp_backend == "nccl":
+            raise bad("dp_elastic", "the outer steps' groups are torchft's gloo groups: --dp-backend nccl "
+                      "cannot be used with it")
+        if (self.dp_replica is None) != (self.dp_lighthouse is None):
+            given, missing = (("dp_replica", "--dp-lighthouse") if self.dp_lighthouse is None
+                              else ("dp_lighthouse", "--dp-replica"))
+            raise bad(given, f"runs one replica pipeline among running ones: it needs {missing} too")
+        if self.dp_replica is not None and self.dp_replica >= self.data_parallel:
+            raise bad("dp_replica", f"replica {self.dp_replica} of --data-parallel {self.data_parallel}: give "
+                      f"0 to {self.data_parallel - 1} (the replica's shard of the data)")
+        if self.dp_lighthouse is not None and not re.fullmatch(r"https?://[^\s/:]+:\d+/?", self.dp_lighthouse):
+            raise bad("dp_lighthouse", f"{self.dp_lighthouse!r} is no lighthouse address (http://HOST:PORT)")
+        if not elastic_available():
+            raise bad("dp_elastic", "needs torchft: pip install 'aqsgd[elastic]' (torch >= 2.7)")
+
+    @property
+    def world_replicas(self) -> int:
+        """Replicas in this launch's process group: one where this launch is one replica pipeline of replicas
+        that come and go (``--dp-replica``), else ``data_parallel``."""
+        return 1 if self.dp_replica is not None else self.data_parallel
 
     def resolved_batching(self, train: Any) -> str:
         """``batching`` with ``auto`` resolved for the training data ``train``: ``bucket`` for examples of
@@ -635,8 +683,9 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes of a distributed run: one per stage and replica."""
-        return self.pipeline.stages * self.pipeline.data_parallel
+        """Processes of a distributed run's process group: one per stage and replica in it (a replica that
+        comes and goes, ``--dp-replica``, is a group of its own)."""
+        return self.pipeline.stages * self.pipeline.world_replicas
 
     # -- checks --------------------------------------------------------------------------------------------
     def validate(self) -> Self:

@@ -62,7 +62,7 @@ def _stage(cfg_json: str, data: tuple[Dataset, Dataset] | None,
     cfg = TrainConfig.from_dict(json.loads(cfg_json))
     seat = _take_seat(cfg)
     rank = dist.get_rank() if seat is None else seat.rank
-    with prefixed(_layout(cfg).log_prefix(rank)):  # this process's stage and replica on each of its log lines
+    with prefixed(_log_prefix(cfg, rank)):  # this process's stage and replica on each of its log lines
         if seat is not None:
             if (placed := seat.describe()) is not None:
                 log.info("%s", placed)
@@ -116,6 +116,13 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
     if cfg.pipeline.runtime == "local":
         with intra_op_threads(cfg.pipeline.threads):
             return Trainer(cfg, data=data).run()
+    if cfg.pipeline.dp_elastic and cfg.pipeline.dp_replica is None:
+        if started_as_rank():
+            raise SpecError("--dp-elastic under torchrun: start one torchrun per replica pipeline (--stages "
+                            "processes), each with --dp-replica R and --dp-lighthouse http://HOST:PORT")
+        from aqsgd.train.elastic import run_replicas
+
+        return run_replicas(cfg, data=data)
     tasks = registered_tasks()
     run_dirs: list[Path] = []
 
@@ -149,8 +156,16 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
     return next((r for r in results if r), None)
 
 
+def _log_prefix(cfg: TrainConfig, rank: int) -> str:
+    """``[stage 1/4 replica 0]``; a replica that comes and goes is replica 0 of its own process group, and is
+    named by its index among all (``--dp-replica``)."""
+    if cfg.pipeline.dp_replica is None:
+        return _layout(cfg).log_prefix(rank)
+    return f"[stage {rank}/{cfg.pipeline.stages} replica {cfg.pipeline.dp_replica}]"
+
+
 def _layout(cfg: TrainConfig) -> GridLayout:
-    return GridLayout(cfg.pipeline.stages, cfg.pipeline.data_parallel)
+    return GridLayout(cfg.pipeline.stages, cfg.pipeline.world_replicas)
 
 
 def _check_gpu_sharing(cfg: TrainConfig, device_count: int | None = None) -> None:

@@ -33,6 +33,7 @@ The logged loss is the mean over replicas, and stage ``S-1`` of replica 0 writes
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -94,9 +95,12 @@ class Trainer:
         self.distributed = dist.is_initialized()
         check_processes(self.cfg, self.distributed)
         self.rank = dist.get_rank() if self.distributed else 0
-        self.grid = (ProcessGrid.build(p.stages, p.data_parallel, timeout_s=collective_timeout(p.timeout))
+        self.grid = (ProcessGrid.build(p.stages, p.world_replicas, timeout_s=collective_timeout(p.timeout))
                      if self.distributed else None)
-        self.replica = self.grid.replica if self.grid is not None else 0
+        # the replica's index among all (its shard of the data): a replica that comes and goes is a process
+        # group of its own, replica 0 of its grid
+        self.replica = (p.dp_replica if p.dp_replica is not None else
+                        self.grid.replica if self.grid is not None else 0)
         self.transport = None  # distributed: created with the engine
         # the other stages of this pipeline: who a failed collective may have lost (see naming_peer_failures)
         self._suspects = [f"stage {s}" for s in range(p.stages) if self.grid is None or s != self.grid.stage]
@@ -132,7 +136,7 @@ class Trainer:
         emulate_slow_stages(self.engine, self.cfg)
         # every replica's last stage has a loss; one of them (replica 0's) writes the metrics
         self.holds_loss = self.grid is None or self.grid.stage == p.stages - 1
-        self.writes_metrics = self.holds_loss and self.replica == 0
+        self.writes_metrics = self.holds_loss and (self.grid is None or self.grid.replica == 0)
         self.links.attach(self.engine, self.transport, self.grid, writes_metrics=self.writes_metrics)
         self.guard = FiniteGuard(self.cfg.optim, lambda: where_to_continue(self.run_dir))
         self.position = {"epoch": 0, "batch": 0, "step": 0}
@@ -179,7 +183,7 @@ class Trainer:
 
     def _replica_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a float64 tensor over the replicas of this (last) stage; identity without data parallelism."""
-        if self.grid is not None and self.cfg.pipeline.data_parallel > 1:
+        if self.grid is not None and self.cfg.pipeline.world_replicas > 1:
             dist.all_reduce(values, group=self.grid.dp_group)
         return values
 
@@ -241,6 +245,48 @@ class Trainer:
                             self.position["step"], self.run_dir, ", ".join(moved), aside)
         return self.position["step"]
 
+    # -- replicas that come and go (aqsgd.parallel.elastic) ----------------------------------------------
+    def _elastic(self) -> Any:
+        """This stage's :class:`~aqsgd.parallel.elastic.ElasticGroup` (None unless --dp-elastic), its peers'
+        state exchange bound to this trainer."""
+        outer = self.engine.outer
+        membership = outer.membership if outer is not None else None
+        if membership is not None:
+            membership.state_fn, membership.load_fn = self._shared_state, self._load_shared_state
+        return membership
+
+    def _shared_state(self) -> dict[str, Any]:
+        """What a joining replica takes from this one, at an outer step (inside the step that ends a round):
+        the stage's weights, optimizer and scheduler state, the outer state without this replica's error
+        feedback, and the position after this step. Copies: the step goes on while the joiner reads."""
+        state = {}
+        for i, entries in self.engine.state_dict().items():
+            state[i] = {k: copy.deepcopy(entries[k]) for k in ("model", "optimizer", "optimizer_class",
+                                                               "scheduler")}
+            state[i]["scheduler"].pop("lr_lambdas", None)
+            state[i]["outer"] = self.engine.outer.shared_state()
+        epoch, b = self._at
+        return {"engine": state, "position": {"epoch": epoch, "batch": b + self.cfg.optim.grad_accum,
+                                              "step": self.position["step"] + 1}}
+
+    def _load_shared_state(self, state: dict[str, Any]) -> None:
+        self.engine.load_state_dict(state["engine"])
+        self.position = dict(state["position"])
+
+    def _join(self) -> int | None:
+        """A replica started later: wait for the running replicas' next outer step, take a peer's state and
+        take part in that step (:meth:`~aqsgd.parallel.outer.OuterSync.join`). Returns the step it joined at
+        (None: no replica was ahead; it starts from its initial weights)."""
+        if self._elastic() is None:
+            return None
+        log.info("replica %d: waiting for the running replicas' next outer step to join them", self.replica)
+        warm = self.cfg.compression.warmup_epochs
+        joined = self.engine.outer.join(compress=lambda: self.position["epoch"] >= warm)
+        if not joined:
+            log.info("replica %d: no replica is ahead; starting from the initial weights", self.replica)
+            return None
+        return self.position["step"]
+
     # -- the loop ----------------------------------------------------------------------------------------
     def run(self, *, stop_at: int | None = None) -> dict[str, Any]:
         """Train to the end (or, for tests of interruption, stop after optimizer step ``stop_at``)."""
@@ -257,6 +303,8 @@ class Trainer:
     def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         resumed_at = self._resume() if cfg.run.resume else None
+        self._elastic()  # (binds what a joining replica takes from this one)
+        self._joined_at = self._join() if cfg.pipeline.dp_replica is not None and cfg.pipeline.dp_join else None
         if resumed_at is not None and self.writes_metrics:
             dropped = truncate_metrics(self.run_dir, resumed_at)
             if dropped:
@@ -298,6 +346,7 @@ class Trainer:
             batches = self.feed.train_batches(epoch)
             first = self.position["batch"] if epoch == self.position["epoch"] else 0
             for b in range(first, len(batches), cfg.optim.grad_accum):
+                self._at = (epoch, b)  # where a joining replica continues from, if this step ends a round
                 if self.position["step"] == self._stop_at:
                     return  # a simulated interruption: no final evaluation, checkpoint or trace
                 if self.position["step"] >= self.total_steps:
@@ -352,7 +401,7 @@ class Trainer:
     def _train_step(self, group: list[dict[str, torch.Tensor]], phase: Phase) -> float | None:
         """One optimizer step over ``group`` (``grad_accum`` global batches); the loss where it is held (the
         mean over the replicas with data parallelism)."""
-        d = self.cfg.pipeline.data_parallel
+        d = self.cfg.pipeline.world_replicas
         step = self.position["step"] + 1
         self.links.before_step(step)
         with naming_peer_failures(self.transport, f"training step {step}", self._suspects):
@@ -432,7 +481,7 @@ class Trainer:
                      "wait": sum(s.wait_s for s in stats)},
             **link_rule,
             # per stage, the mean over its replicas: what one process of that stage sent and spent this step
-            "stages": [s.row(self.cfg.pipeline.data_parallel) for s in stats],
+            "stages": [s.row(self.cfg.pipeline.world_replicas) for s in stats],
         }
         if skipped:  # not applied (--skip-nonfinite): no NaN in metrics.jsonl, but what it was
             row["skipped"] = f"loss {loss}, gradient norm {self.engine.last_grad_norm}"
@@ -461,4 +510,14 @@ class Trainer:
                 "pad_tokens_sent": t["pad_tokens_sent"], "batching": self.feed.batching}
                if t["tokens"] else {}),
             "wall_s": wall, "run_dir": str(self.run_dir),
+            **({"elastic": self._elastic_summary()} if self.cfg.pipeline.dp_elastic else {}),
         }
+
+    def _elastic_summary(self) -> dict[str, Any]:
+        """Replicas that come and go: this replica, the step it joined at (None: from the start) and the
+        members of every outer step where they changed (``[[round, step, [replicas]], ...]``)."""
+        membership = self._elastic()
+        every = self.engine.outer.every
+        return {"replica": self.replica, "joined_at": getattr(self, "_joined_at", None),
+                "members": [[r, m] for r, m in membership.history] if membership is not None else [],
+                "outer_every": every}

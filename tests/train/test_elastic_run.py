@@ -1,0 +1,140 @@
+"""``aqsgd train --dp-elastic``: replicas that come and go in a whole run.
+
+Three replica pipelines of two stage processes, each a process group and a run directory of its own; one
+stage process of replica 1 is killed mid-run (its pipeline fails fast, the others go on); replica 1 is then
+started again alone (``--dp-replica 1 --dp-lighthouse ADDR``), joins at the next outer step and ends with the
+same weights as the others. The refusals of bad settings are checked without starting anything."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from aqsgd.errors import SpecError
+from aqsgd.parallel.elastic import elastic_available
+from aqsgd.train.config import TrainConfig
+
+needs_torchft = pytest.mark.skipif(not elastic_available(), reason="torchft (the elastic extra) not installed")
+
+STEPS = 200
+
+
+def _cfg(tmp: Path, **kw) -> TrainConfig:
+    base = TrainConfig.of(
+        task="synthetic-lm", model="tiny-llama", model_layers=4, hidden_size=32, vocab_size=64, max_length=16,
+        max_train_samples=96, max_eval_samples=8, stages=2, layers=[2, 2], micro_batches=2,
+        micro_batch_size=2, forward="delta:q2", backward="direct:q4", warmup_epochs=0, epochs=40,
+        max_steps=STEPS, lr=3e-3, lr_warmup=0.0, runtime="distributed", data_parallel=3,
+        grad_sync="diloco:4:q8", timeout=15.0, eval_every=0, checkpoint_every=STEPS,
+        output_dir=str(tmp / "runs"), run_name="elastic", progress=False, tensorboard=False, device="cpu",
+        link="1gbit,150ms", dp_elastic=True)
+    return base.replace(**kw)
+
+
+def _train(cfg_json: str, out: str) -> None:
+    from aqsgd.train.driver import run_training
+
+    summary = run_training(TrainConfig.from_dict(json.loads(cfg_json)))
+    Path(out).write_text(json.dumps(summary))
+
+
+def _wait(what, timeout_s: float = 180.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (got := what()):
+            return got
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def _step_of(run: Path) -> int:
+    try:
+        rows = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [json.loads(r).get("step", 0) for r in rows if r.strip().startswith("{") and r.strip().endswith("}")]
+    return max(steps, default=0)
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie its parent has not collected yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_replica_killed_then_started_again_joins(tmp_path):
+    from aqsgd.comm.testing import child_processes
+
+    cfg = _cfg(tmp_path)
+    base = tmp_path / "runs" / "elastic"
+    ctx = multiprocessing.get_context("spawn")
+    run = ctx.Process(target=_train, args=(cfg.to_json(), str(tmp_path / "summary.json")))
+    run.start()
+    joiner = None
+    try:
+        _wait(lambda: _step_of(base / "replica1") >= 8)
+        launcher = int((base / "replica1.pid").read_text())
+        stages = _wait(lambda: child_processes(launcher))
+        os.kill(max(stages), signal.SIGKILL)  # one stage process of replica 1 dies without a word
+        _wait(lambda: _ended(launcher))  # replica 1's launcher has reported and ended
+        gone = _step_of(base / "replica0")
+        _wait(lambda: _step_of(base / "replica0") >= gone + 8)  # two outer steps without it
+        print("replica 1 gone at replica 0 step", gone, "at", time.time())
+        address = (base / "lighthouse.txt").read_text().strip()
+        again = cfg.replace(dp_replica=1, dp_lighthouse=address, output_dir=str(tmp_path / "runs"),
+                            run_name="replica1-again")
+        joiner = ctx.Process(target=_train, args=(again.to_json(), str(tmp_path / "joiner.json")))
+        joiner.start()
+        print("joiner started", time.time())
+        joiner.join(240)
+        run.join(240)
+        assert joiner.exitcode == 0 and run.exitcode == 0, (joiner.exitcode, run.exitcode)
+    finally:
+        for p in (run, joiner):
+            if p is not None and p.is_alive():
+                p.kill()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    table = {r["replica"]: r for r in summary["replicas"]}
+    assert table[0]["status"] == table[2]["status"] == "finished" and table[1]["status"] == "failed"
+    last = table[1]["last_step"]
+    assert last is not None and 8 <= last < STEPS and table[1]["missed"] == f"{last + 1}-{STEPS}"
+    assert "stage" in table[1]["error"]
+    assert json.loads((base / "replicas.json").read_text()) == summary["replicas"]
+    members = [m for _, m in summary["elastic"]["members"]]
+    assert members[0] == [0, 1, 2] and [0, 2] in members and members[-1] == [0, 1, 2], members
+    joined = json.loads((tmp_path / "joiner.json").read_text())
+    at = joined["elastic"]["joined_at"]
+    assert at is not None and at % 4 == 0 and at > last and joined["steps"] == STEPS
+    for stage in (0, 1):
+        ends = [load_file(d / "checkpoints" / f"step-{STEPS:08d}" / f"stage{stage}" / "model.safetensors")
+                for d in (base / "replica0", base / "replica2", tmp_path / "runs" / "replica1-again")]
+        for other in ends[1:]:
+            assert other.keys() == ends[0].keys()
+            assert all((other[k] == ends[0][k]).all() for k in ends[0]), stage
+
+
+def test_bad_elastic_settings_are_refused_in_one_line(tmp_path):
+    cases = {
+        "needs --grad-sync diloco": dict(grad_sync="q8"),
+        "needs --dp-elastic": dict(dp_elastic=False, dp_replica=0),
+        "needs --dp-lighthouse too": dict(dp_replica=0),
+        "needs --dp-replica too": dict(dp_lighthouse="http://127.0.0.1:29510"),
+        "give 0 to 2": dict(dp_replica=3, dp_lighthouse="http://127.0.0.1:29510"),
+        "is no lighthouse address": dict(dp_replica=0, dp_lighthouse="127.0.0.1"),
+        "--dp-backend nccl": dict(dp_backend="nccl", device="auto"),
+    }
+    for words, kw in cases.items():
+        with pytest.raises(SpecError) as e:
+            _cfg(tmp_path, **kw).validate()
+        assert words in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))
