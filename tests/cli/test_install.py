@@ -20,7 +20,7 @@ SRC = ROOT / "src" / "aqsgd"
 _DIST = {"torch": "torch", "yaml": "pyyaml"}
 # imported only behind a guard that turns their absence into a one-line error naming the package
 # pyarrow: the [parquet] extra; triton: the GPU kernels, with PyTorch's CUDA builds (and the [test] extra)
-_OPTIONAL = {"datasets", "huggingface_hub", "typing_extensions", "pyarrow", "triton"}
+_OPTIONAL = {"datasets", "huggingface_hub", "typing_extensions", "pyarrow", "triton", "torchft"}
 
 
 def _requirement_names(reqs: list[str]) -> set[str]:
@@ -50,6 +50,8 @@ def test_base_dependencies_cover_every_import():
     assert _requirement_names(project["optional-dependencies"]["test"]) == {"pytest", "hypothesis", "pyarrow",
                                                                             "triton"}
     assert _requirement_names(project["optional-dependencies"]["parquet"]) == {"pyarrow"}
+    # replicas that come and go (aqsgd.parallel.elastic): torchft, imported only where they are asked for
+    assert _requirement_names(project["optional-dependencies"]["elastic"]) == {"torchft"}
 
 
 def test_ci_runs_the_readme_test_command_in_a_fresh_environment():

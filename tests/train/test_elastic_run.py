@@ -21,7 +21,8 @@ from aqsgd.errors import SpecError
 from aqsgd.parallel.elastic import elastic_available
 from aqsgd.train.config import TrainConfig
 
-needs_torchft = pytest.mark.skipif(not elastic_available(), reason="torchft (the elastic extra) not installed")
+needs_torchft = pytest.mark.skipif(not elastic_available(),
+                                   reason="torchft (the elastic extra) not installed")
 
 STEPS = 200
 
@@ -59,7 +60,9 @@ def _step_of(run: Path) -> int:
         rows = (run / "metrics.jsonl").read_text().splitlines()
     except OSError:
         return 0
-    steps = [json.loads(r).get("step", 0) for r in rows if r.strip().startswith("{") and r.strip().endswith("}")]
+    # (not a row being written)
+    whole = [r for r in rows if r.strip().startswith("{") and r.strip().endswith("}")]
+    steps = [json.loads(r).get("step", 0) for r in whole]
     return max(steps, default=0)
 
 

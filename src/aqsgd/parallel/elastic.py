@@ -122,7 +122,8 @@ class ElasticGroup:
 
     def __init__(self, *, replica: int, stage: int, num_stages: int, lighthouse: str, store: tuple[str, int],
                  state_fn: Callable[[], dict[str, Any]] | None = None,
-                 load_fn: Callable[[dict[str, Any]], None] | None = None, timeout_s: float = 60.0, quorum_timeout_s: float = 600.0, min_replicas: int = 1) -> None:
+                 load_fn: Callable[[dict[str, Any]], None] | None = None, timeout_s: float = 60.0,
+                 quorum_timeout_s: float = 600.0, min_replicas: int = 1) -> None:
         ft = _torchft()
         self.replica, self.stage, self.num_stages = replica, stage, num_stages
         #: what a joiner takes from this replica, and how this replica takes it from a peer (settable: the

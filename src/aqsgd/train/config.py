@@ -360,9 +360,10 @@ class PipelineSection(_Section):
                               else ("dp_lighthouse", "--dp-replica"))
             raise bad(given, f"runs one replica pipeline among running ones: it needs {missing} too")
         if self.dp_replica is not None and self.dp_replica >= self.data_parallel:
-            raise bad("dp_replica", f"replica {self.dp_replica} of --data-parallel {self.data_parallel}: give "
-                      f"0 to {self.data_parallel - 1} (the replica's shard of the data)")
-        if self.dp_lighthouse is not None and not re.fullmatch(r"https?://[^\s/:]+:\d+/?", self.dp_lighthouse):
+            raise bad("dp_replica", f"replica {self.dp_replica} of --data-parallel {self.data_parallel}: "
+                      f"give 0 to {self.data_parallel - 1} (the replica's shard of the data)")
+        address = r"https?://[^\s/:]+:\d+/?"
+        if self.dp_lighthouse is not None and not re.fullmatch(address, self.dp_lighthouse):
             raise bad("dp_lighthouse", f"{self.dp_lighthouse!r} is no lighthouse address (http://HOST:PORT)")
         if not elastic_available():
             raise bad("dp_elastic", "needs torchft: pip install 'aqsgd[elastic]' (torch >= 2.7)")

@@ -122,7 +122,7 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
                             "processes), each with --dp-replica R and --dp-lighthouse http://HOST:PORT")
         from aqsgd.train.elastic import run_replicas
 
-        return run_replicas(cfg, data=data)
+        return run_replicas(cfg, run_training, data=data)
     tasks = registered_tasks()
     run_dirs: list[Path] = []
 

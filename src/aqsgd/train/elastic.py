@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +47,11 @@ def replica_config(cfg: TrainConfig, replica: int, lighthouse: str, run_dir: Pat
                        run_name=f"replica{replica}")
 
 
-def _replica_main(cfg_json: str, data: Any, tasks: Any, out: Any) -> None:
-    """One replica's launcher process: its distributed launch, the outcome sent back."""
+def _replica_main(run_training: Callable[..., Any], cfg_json: str, data: Any, tasks: Any, out: Any) -> None:
+    """One replica's launcher process: its distributed launch (``run_training``: the driver's), the outcome
+    sent back."""
     from aqsgd.data.datasets import register_task
     from aqsgd.logs import configure
-    from aqsgd.train.driver import run_training
 
     configure(logging.INFO, "%(asctime)s %(levelname)s [pid %(process)d] %(message)s")
     for spec in tasks:
@@ -90,19 +91,22 @@ class ReplicaOutcome:
                 f"({self.run_dir})")
 
 
-def run_replicas(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = None) -> dict[str, Any]:
-    """Start the lighthouse and every replica (module docstring); wait for them all; report."""
+def run_replicas(cfg: TrainConfig, run_training: Callable[..., Any], *,
+                 data: tuple[Dataset, Dataset] | None = None) -> dict[str, Any]:
+    """Start the lighthouse and every replica (module docstring), each launched by ``run_training`` (the
+    driver's, given by it: no import circle) in a process of its own; wait for them all; report."""
     setup = setup_task(cfg, data=data)
     run_dir = resolve_run_dir(cfg, None if data is None else setup.name)
     lock = prepare_run_dir(cfg, run_dir)  # checked, cleared (--overwrite), created, locked: as any run's
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
     try:
-        return _run(cfg, data, run_dir)
+        return _run(cfg, run_training, data, run_dir)
     finally:
         lock.release()
 
 
-def _run(cfg: TrainConfig, data: tuple[Dataset, Dataset] | None, run_dir: Path) -> dict[str, Any]:
+def _run(cfg: TrainConfig, run_training: Callable[..., Any], data: tuple[Dataset, Dataset] | None,
+         run_dir: Path) -> dict[str, Any]:
     from aqsgd.parallel.elastic import Lighthouse
 
     p = cfg.pipeline
@@ -118,8 +122,8 @@ def _run(cfg: TrainConfig, data: tuple[Dataset, Dataset] | None, run_dir: Path) 
     try:
         for r in range(p.data_parallel):
             child = replica_config(cfg, r, lighthouse.address, run_dir)
-            procs[r] = ctx.Process(target=_replica_main, args=(child.to_json(), data, tasks, out),
-                                   name=f"replica{r}")
+            procs[r] = ctx.Process(target=_replica_main, name=f"replica{r}",
+                                   args=(run_training, child.to_json(), data, tasks, out))
             procs[r].start()
             # stop one replica alone: kill -TERM $(cat RUN/replica<r>.pid) (its launcher stops its stages)
             (run_dir / f"replica{r}.pid").write_text(f"{procs[r].pid}\n")
@@ -147,7 +151,8 @@ def _run(cfg: TrainConfig, data: tuple[Dataset, Dataset] | None, run_dir: Path) 
     return _report(cfg, run_dir, results)
 
 
-def _report(cfg: TrainConfig, run_dir: Path, results: dict[int, tuple[str, Any, str | None]]) -> dict[str, Any]:
+def _report(cfg: TrainConfig, run_dir: Path,
+            results: dict[int, tuple[str, Any, str | None]]) -> dict[str, Any]:
     outcomes = []
     total = None
     for r in sorted(results):

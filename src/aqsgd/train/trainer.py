@@ -304,7 +304,8 @@ class Trainer:
         cfg = self.cfg
         resumed_at = self._resume() if cfg.run.resume else None
         self._elastic()  # (binds what a joining replica takes from this one)
-        self._joined_at = self._join() if cfg.pipeline.dp_replica is not None and cfg.pipeline.dp_join else None
+        joins = cfg.pipeline.dp_replica is not None and cfg.pipeline.dp_join
+        self._joined_at = self._join() if joins else None
         if resumed_at is not None and self.writes_metrics:
             dropped = truncate_metrics(self.run_dir, resumed_at)
             if dropped:
