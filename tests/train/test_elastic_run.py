@@ -136,6 +136,7 @@ def test_bad_elastic_settings_are_refused_in_one_line(tmp_path):
         "give 0 to 2": dict(dp_replica=3, dp_lighthouse="http://127.0.0.1:29510"),
         "is no lighthouse address": dict(dp_replica=0, dp_lighthouse="127.0.0.1"),
         "--dp-backend nccl": dict(dp_backend="nccl", device="auto"),
+        "do not resume yet": dict(resume=str(tmp_path / "runs" / "elastic")),
     }
     for words, kw in cases.items():
         with pytest.raises(SpecError) as e:
