@@ -310,8 +310,9 @@ class PipelineSection(_Section):
     """with --dp-elastic and --dp-lighthouse: which replica this launch runs (0 .. data_parallel-1: whose
     shard of the data it trains on); its world is one pipeline, --stages processes"""
     dp_join: bool = True
-    """with --dp-replica: take the running replicas' weights and state from a peer at their next outer step
-    before training (--no-dp-join: start from the initial weights, as the replicas of one launch do)"""
+    """with --dp-replica: before training, meet the other replicas through the lighthouse: those starting
+    too start together, and replicas already training are joined at their next outer step with their weights
+    and state (--no-dp-join: start from the initial weights at once)"""
 
     def validate(self) -> Self:
         """The fields' checks, then the specs parsed (gradient sync, schedule, blocks per stage, slow stages,

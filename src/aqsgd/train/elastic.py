@@ -41,9 +41,11 @@ log = logging.getLogger(__name__)
 
 
 def replica_config(cfg: TrainConfig, replica: int, lighthouse: str, run_dir: Path) -> TrainConfig:
-    """The settings of replica ``replica``'s own launch: its index, the lighthouse, no join (the replicas of
-    one launch start together), its run directory ``run_dir / replica{r}``."""
-    return cfg.replace(dp_replica=replica, dp_lighthouse=lighthouse, dp_join=False, output_dir=str(run_dir),
+    """The settings of replica ``replica``'s own launch: its index, the lighthouse, its run directory
+    ``run_dir / replica{r}``. It joins as any replica does (``--dp-join``): the replicas up at its start meet
+    in a first quorum and start together; one that comes up after the others have started joins them at
+    their next outer step with their state (a replica is never healed inside a training step)."""
+    return cfg.replace(dp_replica=replica, dp_lighthouse=lighthouse, output_dir=str(run_dir),
                        run_name=f"replica{replica}")
 
 

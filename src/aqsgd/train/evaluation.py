@@ -51,7 +51,7 @@ def evaluate(engine: PipelineEngine, feed: DataFeed, *, classify: bool, main_met
     for name, phase in (("compressed", Phase.EVAL), ("uncompressed", Phase.EVAL_RAW)):
         sums = torch.zeros(len(_KEYS), dtype=torch.float64)
         for batch in feed.eval_batches():
-            shard = feed.shard(batch)
+            shard = feed.shard(batch, training=False)
             n = shard["sample_ids"].numel()
             if n == 0:  # fewer samples than replicas in a last batch: every stage of this replica skips it
                 continue

@@ -119,9 +119,11 @@ class DataFeed:
         return epoch_batches(self.eval, self.cfg.global_batch_size, seed=self.cfg.optim.seed, epoch=0,
                              shuffle=False)
 
-    def shard(self, batch: Batch) -> Batch:
-        """This replica's contiguous shard of a global batch (the whole batch without data parallelism)."""
-        if self.replicas == 1:
+    def shard(self, batch: Batch, *, training: bool = True) -> Batch:
+        """This replica's contiguous shard of a global batch (the whole batch without data parallelism, and
+        the whole evaluation batch for a replica that comes and goes: it has no collective with the others to
+        sum its shard's figures with, so it evaluates all of them itself)."""
+        if self.replicas == 1 or (not training and self.cfg.pipeline.dp_replica is not None):
             return batch
         return {k: torch.tensor_split(v, self.replicas)[self.replica] for k, v in batch.items()}
 

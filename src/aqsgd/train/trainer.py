@@ -273,17 +273,35 @@ class Trainer:
         self.engine.load_state_dict(state["engine"])
         self.position = dict(state["position"])
 
+    def _check_not_healed(self) -> None:
+        """A replica that comes and goes takes a peer's state only when it joins, before its first step. If
+        the others counted it gone (its heartbeats stopped: a frozen process) and it took their state inside
+        a step, its place in the data is theirs and no longer its own loop's: it stops, in one line, and is
+        started again to join."""
+        outer = self.engine.outer
+        rnd = outer.last_round if outer is not None else None
+        if rnd is not None and rnd.healed and outer.steps == 0:
+            raise RuntimeError(
+                f"replica {self.replica} fell behind the others (they went on without it: were its "
+                f"heartbeats stopped?) and took their state inside step {self.position['step'] + 1}; start "
+                f"it again with --dp-replica {self.replica} --dp-lighthouse "
+                f"{self.cfg.pipeline.dp_lighthouse} to join")
+
     def _join(self) -> int | None:
-        """A replica started later: wait for the running replicas' next outer step, take a peer's state and
-        take part in that step (:meth:`~aqsgd.parallel.outer.OuterSync.join`). Returns the step it joined at
-        (None: no replica was ahead; it starts from its initial weights)."""
+        """Before the first step: meet the other replicas (:meth:`~aqsgd.parallel.outer.OuterSync.join`); if
+        they are training already, at their next outer step, with a peer's state. Returns the step it joined
+        at (None: no replica was ahead; it starts from its initial weights)."""
         if self._elastic() is None:
             return None
-        log.info("replica %d: waiting for the running replicas' next outer step to join them", self.replica)
+        log.info("replica %d: meeting the others through the lighthouse (replicas already training: at their "
+                 "next outer step)", self.replica)
         warm = self.cfg.compression.warmup_epochs
         joined = self.engine.outer.join(compress=lambda: self.position["epoch"] >= warm)
+        members = list(self.engine.outer.last_round.members)
+        self.engine.outer.last_round = None  # (healed in joining, not inside a step)
         if not joined:
-            log.info("replica %d: no replica is ahead; starting from the initial weights", self.replica)
+            log.info("replica %d: no replica is ahead; replicas %s start from the initial weights",
+                     self.replica, members)
             return None
         return self.position["step"]
 
@@ -387,6 +405,7 @@ class Trainer:
             t0 = time.perf_counter()
             loss = self._train_step(group, phase)
             dt = time.perf_counter() - t0
+        self._check_not_healed()
         self.guard.check(self.engine.skipped, self.position["step"] + 1, loss, self.engine.last_grad_norm)
         if not self._cache_stated:  # allocated by the first step's first visits
             self._cache_stated = True
