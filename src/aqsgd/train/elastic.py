@@ -22,6 +22,7 @@ import json
 import logging
 import multiprocessing
 import os
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -35,9 +36,37 @@ from aqsgd.train.config import TrainConfig
 from aqsgd.train.rundir import last_logged_step, prepare_run_dir, resolve_run_dir
 from aqsgd.train.tasks import setup_task
 
-__all__ = ["run_replicas", "replica_config"]
+__all__ = ["run_replicas", "replica_config", "START_ENV", "start_together"]
 
 log = logging.getLogger(__name__)
+
+#: ``FOLDER:D:STAGES``, set by this launch for its replicas' processes: they start together
+#: (:func:`start_together`)
+START_ENV = "AQSGD_ELASTIC_START"
+
+
+def start_together(replica: int, stage: int, *, timeout_s: float = 300.0) -> None:
+    """The replicas of one launch start together: each stage process, its manager up (heartbeating to the
+    lighthouse), marks itself ready in the launch's folder and waits for every stage of every replica, so
+    that the first quorum finds them all (the lighthouse waits for every live replica, not for one whose
+    manager is not up yet; a replica up late would join at the first outer step instead, its first round
+    lost). Gives up after ``timeout_s`` (a replica that failed to start), naming the missing ones. Nothing
+    to do outside such a launch."""
+    spec = os.environ.get(START_ENV)
+    if not spec:
+        return
+    folder, replicas, stages = spec.rsplit(":", 2)
+    ready = Path(folder)
+    ready.mkdir(parents=True, exist_ok=True)
+    (ready / f"{replica}-{stage}").touch()
+    every = {f"{r}-{s}" for r in range(int(replicas)) for s in range(int(stages))}
+    deadline = time.monotonic() + timeout_s
+    while (missing := every - {p.name for p in ready.iterdir()}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if missing:
+        log.warning("replica %d: replicas %s were not up after %.0f s; starting without them (they join at "
+                    "an outer step when they are)", replica, sorted({int(m.split("-")[0]) for m in missing}),
+                    timeout_s)
 
 
 def replica_config(cfg: TrainConfig, replica: int, lighthouse: str, run_dir: Path) -> TrainConfig:
@@ -49,7 +78,8 @@ def replica_config(cfg: TrainConfig, replica: int, lighthouse: str, run_dir: Pat
                        run_name=f"replica{replica}")
 
 
-def _replica_main(run_training: Callable[..., Any], cfg_json: str, data: Any, tasks: Any, out: Any) -> None:
+def _replica_main(run_training: Callable[..., Any], cfg_json: str, data: Any, tasks: Any, out: Any,
+                  start: str) -> None:
     """One replica's launcher process: its distributed launch (``run_training``: the driver's), the outcome
     sent back."""
     from aqsgd.data.datasets import register_task
@@ -60,6 +90,7 @@ def _replica_main(run_training: Callable[..., Any], cfg_json: str, data: Any, ta
         register_task(spec, replace=True)
     cfg = TrainConfig.from_dict(json.loads(cfg_json))
     code = 1
+    os.environ[START_ENV] = start
     try:
         out.put((cfg.pipeline.dp_replica, "finished", run_training(cfg, data=data), None))
         code = 0
@@ -121,11 +152,12 @@ def _run(cfg: TrainConfig, run_training: Callable[..., Any], data: tuple[Dataset
     out = ctx.Queue()
     tasks = registered_tasks()
     procs = {}
+    start = f"{run_dir / '.start'}:{p.data_parallel}:{p.stages}"
     try:
         for r in range(p.data_parallel):
             child = replica_config(cfg, r, lighthouse.address, run_dir)
             procs[r] = ctx.Process(target=_replica_main, name=f"replica{r}",
-                                   args=(run_training, child.to_json(), data, tasks, out))
+                                   args=(run_training, child.to_json(), data, tasks, out, start))
             procs[r].start()
             # stop one replica alone: kill -TERM $(cat RUN/replica<r>.pid) (its launcher stops its stages)
             (run_dir / f"replica{r}.pid").write_text(f"{procs[r].pid}\n")

@@ -39,7 +39,7 @@ __all__ = ["RUN_ENTRIES", "RunDirError", "RunDirLock", "default_run_name", "reso
 _LOCK = ".lock"
 RUN_ENTRIES = ("config.json", "data.json", "model.json", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json",
                "checkpoints", "tensorboard", "cache", "chat_template.jinja", _LOCK,
-               "lighthouse.txt", "replicas.json")
+               "lighthouse.txt", "replicas.json", ".start")
 """What a run directory holds (with its ``trace*.json`` profiles, and the ``replica<r>`` runs of replicas that
 come and go): all that ``--overwrite`` may delete."""
 _TRACE = re.compile(r"trace(\.stage\d+(\.replica\d+)?)?\.json|replica\d+(\.pid)?")

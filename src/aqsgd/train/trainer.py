@@ -293,6 +293,9 @@ class Trainer:
         at (None: no replica was ahead; it starts from its initial weights)."""
         if self._elastic() is None:
             return None
+        from aqsgd.train.elastic import start_together
+
+        start_together(self.replica, self.grid.stage if self.grid is not None else 0)
         log.info("replica %d: meeting the others through the lighthouse (replicas already training: at their "
                  "next outer step)", self.replica)
         warm = self.cfg.compression.warmup_epochs
