@@ -120,8 +120,8 @@ class ReplicaOutcome:
         where = "before step 1" if self.last_step is None else f"after step {self.last_step}"
         if self.status == "finished":
             return f"replica {self.replica}: finished ({self.run_dir})"
-        return (f"replica {self.replica}: stopped {where}, missed steps {self.missed}: {self.error} "
-                f"({self.run_dir})")
+        missed = f", missed steps {self.missed}" if self.missed else ""
+        return f"replica {self.replica}: stopped {where}{missed}: {self.error} ({self.run_dir})"
 
 
 def run_replicas(cfg: TrainConfig, run_training: Callable[..., Any], *,
