@@ -67,10 +67,11 @@ def check_processes(cfg: TrainConfig, distributed: bool) -> None:
     if not distributed:
         return
     if dist.get_world_size() != cfg.world_size:
-        raise ConfigMismatchError(
-            f"{dist.get_world_size()} processes for {p.stages} stages x {p.world_replicas} data-parallel "
-            f"replicas: start exactly {cfg.world_size} processes (one per stage and replica"
-            f"{'; a replica of --dp-elastic is a process group of its own' if p.dp_elastic else ''})")
+        start = (f"stages = {cfg.world_size} processes (a replica of --dp-elastic is a process group of its "
+                 "own)" if p.dp_replica is not None else
+                 f"stages x data_parallel = {cfg.world_size} processes (one per stage and replica)")
+        raise ConfigMismatchError(f"{dist.get_world_size()} processes for {p.stages} stages x "
+                                  f"{p.world_replicas} data-parallel replicas: start exactly {start}")
     settings = cfg.flat()
     if cfg.compression.cache.startswith("lowbit"):
         # each side re-encodes its cache rows: bit-identical sides need the same kind of device (an eager
