@@ -347,7 +347,6 @@ class PipelineSection(_Section):
                 raise bad(name, "is for replicas that come and go: it needs --dp-elastic")
         if not self.dp_elastic:
             return
-        from aqsgd.parallel.elastic import elastic_available
         from aqsgd.parallel.sync import parse_grad_sync
 
         if parse_grad_sync(self.grad_sync).kind != "diloco":
@@ -366,8 +365,6 @@ class PipelineSection(_Section):
         address = r"https?://[^\s/:]+:\d+/?"
         if self.dp_lighthouse is not None and not re.fullmatch(address, self.dp_lighthouse):
             raise bad("dp_lighthouse", f"{self.dp_lighthouse!r} is no lighthouse address (http://HOST:PORT)")
-        if not elastic_available():
-            raise bad("dp_elastic", "needs torchft: pip install 'aqsgd[elastic]' (torch >= 2.7)")
 
     @property
     def world_replicas(self) -> int:
@@ -707,6 +704,11 @@ class TrainConfig:
         if self.pipeline.dp_elastic and self.run.resume is not None:
             raise bad("resume", "replicas that come and go (--dp-elastic) do not resume yet: start a replica "
                       "again with --dp-replica R --dp-lighthouse ADDR to have it join the running ones")
+        if self.pipeline.dp_elastic:  # last: every other refusal is said without torchft installed too
+            from aqsgd.parallel.elastic import elastic_available
+
+            if not elastic_available():
+                raise bad("dp_elastic", "needs torchft: pip install 'aqsgd[elastic]' (torch >= 2.7)")
         return self
 
 
