@@ -140,7 +140,6 @@ class ElasticGroup:
             store_port=store[1], lighthouse_addr=lighthouse, replica_id=f"replica{replica}",
             hostname="127.0.0.1", init_sync=False)
         self.history: list[tuple[int, tuple[int, ...]]] = []  # (round, members) whenever they changed
-        self._members: tuple[int, ...] | None = None
         self.rounds = 0
 
     def _state(self) -> dict[str, Any]:
@@ -176,10 +175,11 @@ class ElasticGroup:
         members = tuple(int(r) for r, _ in pairs)
         contributors = sum(int(c) for _, c in pairs)
         where = f" at step {step}" if step is not None else ""
-        if members != self._members:
-            if self._members is not None:
-                left = sorted(set(self._members) - set(members))
-                joined = sorted(set(members) - set(self._members))
+        before = self.history[-1][1] if self.history else None
+        if members != before:
+            if before is not None:
+                left = sorted(set(before) - set(members))
+                joined = sorted(set(members) - set(before))
                 if left:
                     log.warning("stage %d: replica%s %s left before the outer step%s; averaging over %s",
                                 self.stage, "s" if len(left) > 1 else "", ", ".join(map(str, left)), where,
@@ -188,7 +188,6 @@ class ElasticGroup:
                     log.info("stage %d: replica%s %s joined at the outer step%s", self.stage,
                              "s" if len(joined) > 1 else "", ", ".join(map(str, joined)), where)
             self.history.append((self.rounds, members))
-            self._members = members
         return Round(members, max(contributors, 1), healed, group, rank)
 
     def commit(self) -> None:

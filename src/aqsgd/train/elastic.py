@@ -182,11 +182,10 @@ def _run(cfg: TrainConfig, run_training: Callable[..., Any], data: tuple[Dataset
         raise Interrupted(2, "interrupted") from None
     finally:
         lighthouse.shutdown()
-    return _report(cfg, run_dir, results)
+    return _report(run_dir, results)
 
 
-def _report(cfg: TrainConfig, run_dir: Path,
-            results: dict[int, tuple[str, Any, str | None]]) -> dict[str, Any]:
+def _report(run_dir: Path, results: dict[int, tuple[str, Any, str | None]]) -> dict[str, Any]:
     outcomes = []
     total = None
     for r in sorted(results):
