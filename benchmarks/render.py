@@ -209,11 +209,17 @@ def gpu_check(d: dict) -> list[str]:
     return markdown(d).rstrip("\n").splitlines()
 
 
+def diloco_netem(d: dict) -> list[str]:
+    from benchmarks.diloco_netem import table
+
+    return table(d)
+
+
 RENDERERS = {"codecs": codecs, "codecs-cache-path": codecs_cache_path, "codecs-quality": codecs_quality,
              "codecs-quality-specs": codec_quality_specs, "pipeline": pipeline, "convergence": convergence,
              "netem": netem, "boundary_errors": boundary_errors, "vs-torch": vs_torch, "overhead": overhead,
              "adaptive": adaptive, "balance-measured": balance_measured, "gpu-check": gpu_check,
-             "batching": batching}
+             "batching": batching, "diloco-netem": diloco_netem}
 
 
 def main(paths: list[str]) -> int:

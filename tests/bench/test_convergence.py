@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from aqsgd.bench.convergence import run_study, study_table, write_results
+from aqsgd.bench.convergence import TASKS, run_study, study_table, write_results
 from aqsgd.cli import main
 
 SETTINGS = ["fp32", "aqsgd fw2/bw4"]
@@ -89,7 +89,7 @@ def test_cli(tmp_path, capsys):
                  "--tag", "t"])
     assert code == 0
     out = capsys.readouterr().out
-    assert ("means over seeds [0, 1]" in out
+    assert ("means over seeds 0, 1" in out
             and (tmp_path / "out" / "convergence-synthetic-lm-t.json").exists())
     # a second command grows the study: the result file names both commands, each run the one that made it
     assert main(["bench", "convergence", "synthetic-lm", "--settings", "fp32", "aqsgd fw2/bw4", "--epochs",
@@ -99,6 +99,20 @@ def test_cli(tmp_path, capsys):
     assert len(saved["commands"]) == 2 and "--seeds 0,1" in saved["commands"][0]
     assert "--seeds" not in saved["runs"]["aqsgd fw2/bw4"]["command"]
     assert saved["runs"]["fp32 @seed1"]["command"] == saved["commands"][0]
+    # every run names the machine it ran on, and the file all of them
+    assert all(r["machine"] == saved["machine"] for r in saved["runs"].values()) and saved["machine"]
+    # the table of the grown study: fp32's means are over both seeds, the added setting ran seed 0 only
+    assert "means over seeds 0, 1" in capsys.readouterr().out
+
+
+def test_the_seeds_in_the_title_are_the_rows_own():
+    from aqsgd.cli.bench.convergence import _seeds_note
+
+    rows = [{"setting": "fp32", "seeds": [0, 1, 2]}, {"setting": "q8", "seeds": [0]},
+            {"setting": "q4", "seeds": [1, 2]}]
+    assert _seeds_note(rows) == " (means over seeds 0, 1, 2)"
+    assert [r["setting"] for r in rows] == ["fp32", "q8 (seed 0)", "q4 (seeds 1, 2)"]
+    assert _seeds_note([{"setting": "fp32", "seeds": [0]}]) == ""
 
 
 def test_fewer_bits_study_reports_loss_gap_wire_bits_and_step_time(tmp_path):
@@ -142,3 +156,15 @@ def test_the_subspace_study_records_and_draws_what_each_basis_held(tmp_path):
     _, png = write_results("synthetic-lm", results, runs, tmp_path / "out", command="test", machine="cpu",
                            study="subspace")
     assert (tmp_path / "out" / "subspace-synthetic-lm-energy.png").stat().st_size > 1000
+
+
+def test_a_continued_study_keeps_the_machine_its_runs_ran_on(tmp_path):
+    # a study file written elsewhere (its runs name no machine; the file does): continued here, its runs
+    # keep that machine, and a setting it already holds is not run again
+    study_dir = tmp_path / "synthetic-lm"
+    study_dir.mkdir()
+    (study_dir / "study.json").write_text(json.dumps({
+        "task": "synthetic-lm", "base_config": TASKS["synthetic-lm"], "machine": "there",
+        "runs": {"fp32": {"setting": "fp32", "seed": 0}}}))
+    results = run_study("synthetic-lm", tmp_path, settings=["fp32"], machine="here")
+    assert results["runs"]["fp32"]["machine"] == "there"

@@ -118,6 +118,10 @@ def test_a_replica_killed_then_started_again_joins(tmp_path):
     members = [m for _, m in summary["elastic"]["members"]]
     assert members == [[0, 1, 2], [0, 2], [0, 1, 2]], members
     assert summary["elastic"]["joined_at"] is None
+    # an elastic replica's metrics count its own samples (2 micro-batches of 2), not the group's global batch
+    rows = [json.loads(r) for r in (base / "replica0" / "metrics.jsonl").read_text().splitlines()]
+    counted = {round(r["samples_per_s"] * r["time"]["step"], 6) for r in rows if r.get("kind") == "train"}
+    assert counted == {4.0}, counted
     joined = json.loads((tmp_path / "joiner.json").read_text())
     at = joined["elastic"]["joined_at"]
     assert at is not None and at % 4 == 0 and at > last and joined["steps"] == STEPS

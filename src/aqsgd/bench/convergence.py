@@ -143,13 +143,16 @@ def run_key(name: str, seed: int) -> str:
 def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = None,
               overrides: dict[str, Any] | None = None, seeds: list[int] | None = None,
               progress: Callable[[str], None] | None = None, command: str | None = None,
-              keep_checkpoints: bool = False, study: str = "convergence") -> dict[str, Any]:
+              keep_checkpoints: bool = False, study: str = "convergence",
+              machine: str | None = None) -> dict[str, Any]:
     """Run every setting on one task, once per seed (default: seed 0; the seed sets the data order, the
     initialization of new heads and stochastic rounding); returns (and writes) the collected results. A
     study is continued from ``<out_dir>/<task>/study.json``; one with other task settings is refused.
-    ``command`` is recorded with every run it adds (a study grown by several commands names them all). A
-    finished run's checkpoints are deleted unless ``keep_checkpoints``: the study needs its curves, not its
-    resume points, and those of an LLM run take gigabytes each (a 13-run SmolLM2 study kept ~45 GB)."""
+    ``command`` is recorded with every run it adds (a study grown by several commands names them all), and
+    so is ``machine`` (the runs of a continued study that name none take the machine its file names, if
+    any). A finished run's checkpoints are deleted unless ``keep_checkpoints``: the study needs its curves,
+    not its resume points, and those of an LLM run take gigabytes each (a 13-run SmolLM2 study kept ~45
+    GB)."""
     out = Path(out_dir) / task
     base = {**TASKS[task], **(overrides or {})}
     results: dict[str, Any] = {"task": task, "base_config": base, "runs": {}}
@@ -160,6 +163,9 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
             raise ValueError(f"{result_path} holds a study of {task} with other settings "
                              f"({previous['base_config']}, now {base}); use another --runs-dir")
         results["runs"] = previous.get("runs", {})
+        if previous.get("machine"):  # a study file written by write_results: its runs ran there
+            for r in results["runs"].values():
+                r.setdefault("machine", previous["machine"])
     for seed in seeds or [0]:
         for name in settings or STUDIES[study][task]:
             key = run_key(name, seed)
@@ -183,6 +189,8 @@ def run_study(task: str, out_dir: str | Path, *, settings: list[str] | None = No
                                                time.perf_counter() - t0)
             if command:
                 results["runs"][key]["command"] = command
+            if machine:
+                results["runs"][key]["machine"] = machine
             energy = boundary_energy(out / run_name)  # read before the checkpoints go
             if energy:
                 results["runs"][key]["subspace"] = energy
@@ -361,7 +369,11 @@ def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_
         results = {**results, "runs": {k: r for k, r in results["runs"].items()
                                        if r.get("setting", k) in keep}}
     commands = list(dict.fromkeys(r["command"] for r in results["runs"].values() if r.get("command")))
-    results = {**results, "study": study, "table": study_table(results), "machine": machine,
+    # the machines the runs ran on (run_study records each run's; a study grown on another machine has
+    # runs of both), this invocation's where no run says
+    machines = list(dict.fromkeys(r["machine"] for r in results["runs"].values() if r.get("machine")))
+    results = {**results, "study": study, "table": study_table(results),
+               "machine": "; ".join(machines or [machine]),
                "command": command, "commands": commands or [command],
                "complete": {r.get("setting", k) for k, r in results["runs"].items()} >= wanted}
     stem = f"{study}-{task}" + (f"-{tag}" if tag else "")

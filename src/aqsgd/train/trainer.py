@@ -418,8 +418,16 @@ class Trainer:
                 log.info("AQ-SGD caches%s: %s", who, caches)
         self.position.update(epoch=epoch, batch=b + self.cfg.optim.grad_accum, step=self.position["step"] + 1)
         with naming_peer_failures(self.transport, "the metrics all-reduce", self._suspects):
-            self._log_step(writer, epoch, phase, loss, dt, sum(g["sample_ids"].numel() for g in group))
+            self._log_step(writer, epoch, phase, loss, dt, self._samples(group))
         return loss
+
+    def _samples(self, group: list[dict[str, torch.Tensor]]) -> int:
+        """The samples a step's metrics count: the global batches of the whole replica group, but only this
+        replica's shards for a replica that comes and goes (its metrics are its own: the others may not be
+        there)."""
+        if self.cfg.pipeline.dp_replica is not None:
+            group = [self.feed.shard(g) for g in group]
+        return sum(g["sample_ids"].numel() for g in group)
 
     def _train_step(self, group: list[dict[str, torch.Tensor]], phase: Phase) -> float | None:
         """One optimizer step over ``group`` (``grad_accum`` global batches); the loss where it is held (the

@@ -82,21 +82,36 @@ def run_convergence(args: argparse.Namespace) -> int:
         if task not in STUDIES[args.study] and not args.settings:
             raise SpecError(f"--study {args.study} has no settings for {task}; its tasks: "
                             f"{', '.join(STUDIES[args.study])} (or give --settings)")
+    machine = machine_description(torch.device("cpu"))
     for task in tasks:
         results = run_study(task, args.runs_dir, settings=args.settings, overrides=overrides,
                             seeds=args.seeds, progress=lambda m: console.print(m), command=command,
-                            keep_checkpoints=args.keep_checkpoints, study=args.study)
-        path, png = write_results(task, results, args.runs_dir, out, command=command,
-                                  machine=machine_description(torch.device("cpu")), tag=args.tag,
+                            keep_checkpoints=args.keep_checkpoints, study=args.study, machine=machine)
+        path, png = write_results(task, results, args.runs_dir, out, command=command, machine=machine,
+                                  tag=args.tag,
                                   study=args.study, settings=args.settings)
         rows = [r for r in study_table(results) if args.study == "convergence"
                 or r["setting"] in STUDIES[args.study][task] or r["setting"] in (args.settings or [])]
-        title = f"{args.study}: {task}" + (f" (means over seeds {args.seeds})" if len(args.seeds) > 1 else "")
+        title = f"{args.study}: {task}" + _seeds_note(rows)
         sync = all("sync_bytes_per_step" in r for r in rows)
         console.print(_sync_table(rows, title) if sync else _table(rows, title))
         console.print(f"wrote {path}"
                       + (f" and {png}" if png else " (the plot needs every seed-0 run directory)"))
     return 0
+
+
+def _seeds_note(rows: list[dict]) -> str:
+    """The title's word on seeds, from the rows themselves (a study continued from its JSON can hold
+    settings run with more seeds than this command's): the seeds the means are over, and a row's own where
+    it has fewer (its setting then reads ``name (seed 0)``)."""
+    every = sorted({s for r in rows for s in r["seeds"]})
+    if len(every) < 2:
+        return ""
+    for r in rows:
+        if r["seeds"] != every:
+            r["setting"] = f"{r['setting']} (seed{'s' if len(r['seeds']) > 1 else ''} "
+            r["setting"] += ", ".join(map(str, r["seeds"])) + ")"
+    return f" (means over seeds {', '.join(map(str, every))})"
 
 
 def _table(rows: list[dict], title: str) -> Table:
