@@ -88,8 +88,7 @@ def run_convergence(args: argparse.Namespace) -> int:
                             seeds=args.seeds, progress=lambda m: console.print(m), command=command,
                             keep_checkpoints=args.keep_checkpoints, study=args.study, machine=machine)
         path, png = write_results(task, results, args.runs_dir, out, command=command, machine=machine,
-                                  tag=args.tag,
-                                  study=args.study, settings=args.settings)
+                                  tag=args.tag, study=args.study, settings=args.settings)
         rows = [r for r in study_table(results) if args.study == "convergence"
                 or r["setting"] in STUDIES[args.study][task] or r["setting"] in (args.settings or [])]
         title = f"{args.study}: {task}" + _seeds_note(rows)
