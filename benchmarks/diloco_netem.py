@@ -39,24 +39,36 @@ from aqsgd.bench.netem.shape import LinkShape
 from aqsgd.bench.settings import SETTINGS
 
 TASK = "minilm-bbc-dp2"
-#: setting -> (steps run, first step of the timed window): the window is whole outer rounds for DiLoCo
-#: (steps 11-40: three rounds of 10; 11-60: one of 50) and steps 3-N for per-step sync
-DEFAULT_WINDOWS: dict[str, tuple[int, int]] = {
+#: setting -> (steps run, first step of the timed window[, its last step, default the run's last]): the
+#: window is whole outer rounds for DiLoCo (steps 11-40: three rounds of 10; 11-60: one of 50, whose outer
+#: step, at the run's last step, 60, is the run's final sync) and steps 3-N for per-step sync. ``... rounds``
+#: and the streamed settings run past their window and leave the rest out (a run's final sync is never
+#: delayed): the window holds one outer step of every parameter, for the streamed ones both fragments' syncs
+#: (launched at 25 and 50) and the steps they overlap, up to the step that applies each.
+DEFAULT_WINDOWS: dict[str, tuple[int, ...]] = {
     "fp32": (6, 3), "sync q8": (12, 3), "diloco10 avg q8": (40, 11), "diloco50 avg q8": (60, 11),
-    "diloco50 avg topk3% q2": (60, 11)}
+    "diloco50 avg topk3% q2": (60, 11), "diloco50 avg q8 rounds": (61, 11, 60),
+    "diloco50 avg topk3% q2 rounds": (61, 11, 60), "diloco50 avg q8 stream": (63, 13, 62),
+    "diloco50 avg topk3% q2 stream": (61, 11, 60)}
+
+
+def _setting(name: str) -> str:
+    """The study setting a row runs (``... rounds``: the setting, timed over whole rounds)."""
+    return name.removesuffix(" rounds")
 
 
 def _options(setting: str, steps: int, out: Path, run_name: str) -> dict[str, Any]:
-    s = SETTINGS[setting]
+    s = SETTINGS[_setting(setting)]
     return {**TASKS[TASK], **s.overrides, "forward": s.forward, "backward": s.backward, "max_steps": steps,
             "eval_every": 0, "checkpoint_every": 0, "progress": False, "tensorboard": False,
             "device": "cpu", "seed": 0, "output_dir": str(out), "run_name": run_name, "overwrite": True}
 
 
-def _window(rows: list[dict[str, Any]], first: int) -> dict[str, float]:
-    """Mean over the steps from ``first`` on: the slowest stage's step seconds and the sync bytes that cross
-    the shared link in one direction (each stage's per-rank bytes, summed over the stages)."""
-    rows = [r for r in rows if r["step"] >= first and r.get("stages")]
+def _window(rows: list[dict[str, Any]], first: int, last: int | None = None) -> dict[str, float]:
+    """Mean over the steps from ``first`` to ``last`` (None: the end): the slowest stage's step seconds and
+    the sync bytes that cross the shared link in one direction (each stage's per-rank bytes, summed over the
+    stages)."""
+    rows = [r for r in rows if first <= r["step"] <= (last or r["step"]) and r.get("stages")]
     if not rows:
         raise RuntimeError(f"no training rows from step {first} on")
     return {"steps": len(rows),
@@ -100,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
                     "backward_mbps": cluster.measure_goodput(middle + 1, middle)}
 
         for name in args.settings:
-            steps, first = DEFAULT_WINDOWS[name]
-            row: dict[str, Any] = {"setting": name, "grad_sync": SETTINGS[name].overrides.get("grad_sync"),
-                                   "steps": steps, "window_from": first}
+            steps, first, *rest = DEFAULT_WINDOWS[name]
+            last = rest[0] if rest else None
+            row: dict[str, Any] = {"setting": name,
+                                   "grad_sync": SETTINGS[_setting(name)].overrides.get("grad_sync"),
+                                   "steps": steps, "window_from": first, "window_to": last or steps}
             for kind in ("fast", "slow"):
                 goodput = shape(kind == "slow")
                 run_name = f"{name.replace(' ', '_').replace('%', 'pc')}-{kind}"
@@ -114,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name} ({kind}): rank {bad[0].stage} failed: {bad[0].error}\n{bad[0].log_tail}",
                           file=sys.stderr)
                     return 1
-                row[kind] = {**_window(train_rows(work / "runs" / run_name), first), "link": goodput,
+                row[kind] = {**_window(train_rows(work / "runs" / run_name), first, last), "link": goodput,
                              "run_s": time.monotonic() - t0}
                 print(f"{name:<24} {kind}: {row[kind]['steps']} steps, {row[kind]['step_s']:.3f} s a step, "
                       f"{row[kind]['link_bytes'] / 1e6:.3f} MB a step over the replicas' link "

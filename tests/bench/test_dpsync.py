@@ -6,7 +6,7 @@ import json
 import pytest
 
 from aqsgd.bench.convergence import study_table
-from aqsgd.bench.dpsync import elapsed, sync_curve, time_to_target
+from aqsgd.bench.dpsync import elapsed, sync_curve, sync_delay, time_to_target
 from aqsgd.cli import main
 
 
@@ -37,6 +37,20 @@ def test_elapsed_adds_each_steps_transfer_at_the_links_speed():
     assert elapsed(curve, 60.0)[-1] == pytest.approx(0.5 + (0.6 + 0.5) + 0.5 + (1.0 + 1.0))
     with pytest.raises(ValueError, match="positive"):
         elapsed(curve, 0)
+
+
+def test_a_delayed_sync_crosses_the_link_while_the_steps_after_it_compute():
+    # steps of 1 s, delay 2: 3.75 MB (1 s at 30 Mbit/s) logged at step 3 left at step 1's end (on the link
+    # 1-2); 7.5 MB (2 s) logged at step 4 left at step 2's end (2-4: step 4 waits until 4); 3.75 MB logged at
+    # step 5 left at step 3's end, but the link is busy until 4 (4-5); the last step's transfer is serial
+    curve = [[k, None, 1.0, b] for k, b in enumerate([0, 0, 3.75e6, 7.5e6, 3.75e6, 3.75e6], start=1)]
+    assert elapsed(curve, 30.0, delay=2) == pytest.approx([1, 2, 3, 4, 5, 7])
+    # a transfer longer than the steps it overlaps: step 2, which applies it, waits for it
+    slow = [[1, None, 1.0, 0], [2, None, 1.0, 15e6], [3, None, 1.0, 0]]  # 15 MB: 4 s, left at step 1's end
+    assert elapsed(slow, 30.0, delay=1) == pytest.approx([1, 5, 6])
+    assert elapsed(curve, 30.0) == pytest.approx([1, 2, 4, 7, 9, 11])  # serial without a delay
+    assert sync_delay({"summary": {"grad_sync": "diloco:50:fragments2:delay5:q8"}}) == 5
+    assert sync_delay({"summary": {"grad_sync": "q8"}}) == sync_delay({"summary": {}}) == 0
 
 
 def test_time_to_target_is_the_end_of_the_first_evaluation_that_gets_there():

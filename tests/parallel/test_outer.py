@@ -22,12 +22,16 @@ from aqsgd.comm.testing import run_processes
 from aqsgd.compress.bitpack import packed_nbytes
 from aqsgd.errors import SpecError
 from aqsgd.parallel import AllReduceSync, OuterSync, make_outer_sync, parse_grad_sync
+from aqsgd.parallel.outer import split_fragments
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.trainer import Trainer
 
 from .test_dp_training import D, S, _cfg, _losses, _q8_bytes, _stage_numel, _SyncBytes
 
 STEPS = 8  # rounds of H = 3 end at steps 3 and 6, and at the run's last step, 8
+# streamed: two fragments, rounds of 4 steps, fragment 1's ending at steps 2 and 6, fragment 0's at 4, each
+# averaging applied a step later; both at step 8 at once
+STREAM = "diloco:4:fragments2:delay1:q8"
 
 
 # -- the spec ------------------------------------------------------------------------------------------
@@ -40,6 +44,17 @@ STEPS = 8  # rounds of H = 3 end at steps 3 and 6, and at the run's last step, 8
 def test_diloco_specs_parse(spec, every, lr, momentum, average):
     p = parse_grad_sync(spec)
     assert (p.kind, p.every, p.outer_lr, p.momentum, p.average) == ("diloco", every, lr, momentum, average)
+    assert (p.fragments, p.delay, p.mix) == (1, 0, 0.5)  # not streamed
+
+
+@pytest.mark.parametrize("spec, fragments, delay, mix, average", [
+    ("diloco:50:fragments2:delay5:q8", 2, 5, 0.5, "q8"),
+    ("diloco:10:delay3:mix0.25:fragments2:lr1:momentum0", 2, 3, 0.25, "allreduce"),
+    ("diloco:12:fragments4:topk3%:q2", 4, 0, 0.5, "topk3%:q2"),
+])
+def test_streaming_specs_parse(spec, fragments, delay, mix, average):
+    p = parse_grad_sync(spec)
+    assert (p.kind, p.fragments, p.delay, p.mix, p.average) == ("diloco", fragments, delay, mix, average)
 
 
 @pytest.mark.parametrize("spec, why", [
@@ -54,6 +69,16 @@ def test_diloco_specs_parse(spec, every, lr, momentum, average):
                           "topk<P>%[:q<bits>], got 'powersgd'"),
     ("diloco:5:q8:lr0.5", "diloco averages its pseudo-gradients with allreduce, q<bits>[:block<N>] or "
                           "topk<P>%[:q<bits>], got 'q8:lr0.5'"),
+    ("diloco:10:fragments0", "fragments must be 1..H (10), got 0"),
+    ("diloco:10:fragments11", "fragments must be 1..H (10), got 11"),
+    ("diloco:10:fragmentsx", "'fragmentsx': fragments takes a whole number"),
+    ("diloco:10:fragments2:delay5", "the delay must be 0..4 steps (under H / fragments: a fragment's result "
+                                    "lands before the next fragment's sync), got 5"),
+    ("diloco:10:delay-1", "the delay must be 0..9 steps (under H / fragments: a fragment's result lands "
+                          "before the next fragment's sync), got -1"),
+    ("diloco:10:mix0.5", "mix weighs the steps taken during a delayed sync: it needs delay<T>, T >= 1"),
+    ("diloco:10:delay2:mix1", "mix (the local weights' share) must be in [0, 1), got 1"),
+    ("diloco:10:lr1:lr0.5", "lr given twice"),
 ])
 def test_bad_diloco_specs_are_refused_in_one_line(tmp_path, spec, why):
     with pytest.raises(SpecError) as e:
@@ -152,6 +177,141 @@ def test_outer_sync_refuses_bad_settings(kw, match):
         OuterSync([nn.Parameter(torch.zeros(2))], sync, **kw)
 
 
+def test_elastic_replicas_refuse_streaming(tmp_path):
+    why = (r"^--dp-elastic: replicas that come and go meet at whole outer steps: --grad-sync "
+           r"diloco:4:fragments2 streams fragments \(give it without fragments<N> and delay<T>\)$")
+    with pytest.raises(SpecError, match=why):
+        _cfg(tmp_path, grad_sync="diloco:4:fragments2", dp_elastic=True).validate()
+
+
+# -- streaming ----------------------------------------------------------------------------------------
+def test_fragments_split_the_values_evenly_and_deterministically():
+    # the largest first, each into the lightest fragment (the lower on a tie)
+    assert split_fragments([10, 3, 7, 1], 2) == [[0, 3], [1, 2]]
+    assert split_fragments([5, 5, 5, 5], 4) == [[0], [1], [2], [3]]
+    assert split_fragments([4, 4], 1) == [[0, 1]]
+    for n in (2, 3, 5):
+        parts = split_fragments(list(range(1, 13)), n)
+        assert sorted(i for part in parts for i in part) == list(range(12))  # each parameter once
+        loads = [sum(i + 1 for i in part) for part in parts]
+        assert max(loads) - min(loads) <= 12
+    with pytest.raises(ValueError, match=r"^3 fragments of 2 trainable parameters: give 1..2$"):
+        split_fragments([4, 4], 3)
+
+
+class _Recorder:
+    """An averaging of a world of one (no process group) that records which anchors it averaged, and when."""
+
+    device = torch.device("cpu")
+    last_raw_bytes = 0
+
+    def __init__(self, log: list, name: int) -> None:
+        self.log, self.name = log, name
+
+    def sync(self, params, *, compress=True) -> int:
+        self.log.append((self.name, len(params)))
+        return 0
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state) -> None:
+        assert not state
+
+
+def test_fragments_end_their_rounds_staggered_and_all_at_the_runs_end():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))  # 4 parameters: 16, 4, 8, 2 values
+    calls: list = []
+    outer = OuterSync(list(model.parameters()), [_Recorder(calls, f) for f in range(2)], every=4)
+    assert outer.fragments == [[0], [1, 2, 3]] and outer.offsets == [0, 2]  # 16 values against 14
+    outer.end = 10
+    due = []
+    for step in range(1, 11):
+        calls.clear()
+        outer.step()
+        due.append((step, sorted(f for f, _ in calls)))
+    # fragment 1 two steps before fragment 0, both every 4 steps; both at the run's last step
+    assert [d for d in due if d[1]] == [(2, [1]), (4, [0]), (6, [1]), (8, [0]), (10, [0, 1])]
+    assert outer.rounds == 3 and outer.taken == 10
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(every=4, delay=2), r"^the delay must be 0..1 steps, got 2$"),
+    (dict(every=4, delay=1, mix=1.0), r"^mix must be in \[0, 1\), got 1.0$"),
+    (dict(every=4, membership=object()), "^replicas that come and go meet at whole outer steps: no fragments "
+                                         "or delay$"),
+])
+def test_streaming_refuses_bad_settings(kw, match):
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match=match):
+        OuterSync(params, [_Recorder([], 0), _Recorder([], 1)], **kw)
+
+
+def _streaming_worker(rank: int, world: int, spec: str, steps: int, cut: int) -> dict[str, Any]:
+    """Replica ``rank`` moves every weight by ``2 rank + 1`` a step; its weights after every step, its bytes,
+    and the same run again, stopped after ``cut`` steps and continued from its state in fresh objects."""
+
+    def fresh() -> tuple[list[nn.Parameter], OuterSync]:
+        params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))]  # fragment 0, fragment 1
+        outer = make_outer_sync(spec, params)
+        outer.end = steps
+        return params, outer
+
+    def train(params, outer, first, last, out):
+        for _ in range(first, last + 1):
+            with torch.no_grad():
+                for p in params:
+                    p.add_(2 * rank + 1)
+            out["bytes"].append(outer.step())
+            out["weights"].append([p.detach().tolist() for p in params])
+
+    full: dict[str, list] = {"bytes": [], "weights": []}
+    params, outer = fresh()
+    train(params, outer, 1, steps, full)
+    outer.close()
+    cont: dict[str, list] = {"bytes": [], "weights": []}
+    params, outer = fresh()
+    train(params, outer, 1, cut, cont)
+    state = {k: v.clone() for k, v in outer.state_dict().items()}
+    weights = [p.detach().clone() for p in params]
+    outer.close()
+    params, outer = fresh()  # a new process's objects, from the checkpoint
+    with torch.no_grad():
+        for p, w in zip(params, weights):
+            p.copy_(w)
+    outer.load_state_dict(state)
+    train(params, outer, cut + 1, steps, cont)
+    outer.close()
+    return {"full": full, "resumed": cont, "pending": sorted(k for k in state if k.startswith("pending"))}
+
+
+def test_a_delayed_sync_lands_t_steps_later_mixed_with_the_steps_taken_meanwhile():
+    # H = 4, two fragments (3 and 2 values), the averaging overlapped with 1 step, lr 1 without momentum
+    # (the anchor becomes the mean of the replicas' weights when the round ended), mix 0.5. Replica 0 moves
+    # by 1 a step, replica 1 by 3. Fragment 1 ends rounds at steps 2 and 6 (applied at 3 and 7), fragment 0
+    # at step 4 (applied at 5); both at the run's last step, 8, at once. By hand, fragment 1: at step 2 the
+    # weights are 2 and 6, the anchor becomes 4; step 3 moves them to 3 and 9, mixed with 4: 3.5 and 6.5; at
+    # step 6 they are 6.5 and 15.5, the anchor 4 + 7 = 11; step 7: 7.5 and 18.5, mixed: 9.25 and 14.75;
+    # step 8: 10.25 and 17.75, whose mean both take
+    f1 = {0: [1, 2, 3.5, 4.5, 5.5, 6.5, 9.25, 14], 1: [3, 6, 6.5, 9.5, 12.5, 15.5, 14.75, 14]}
+    # fragment 0: at step 4 the weights are 4 and 12 (anchor 8); step 5: 5 and 15, mixed: 6.5 and 11.5;
+    # step 8: 9.5 and 20.5, whose mean both take
+    f0 = {0: [1, 2, 3, 4, 6.5, 7.5, 8.5, 15], 1: [3, 6, 9, 12, 11.5, 14.5, 17.5, 15]}
+    ranks = run_processes(_streaming_worker, 2, args=("diloco:4:lr1:momentum0:fragments2:delay1", 8, 4),
+                          timeout_s=120)
+    for rank, r in enumerate(ranks):
+        got = r["full"]["weights"]
+        assert [w[0] for w in got] == [[v] * 3 for v in f0[rank]]
+        assert [w[1] for w in got] == [[v] * 2 for v in f1[rank]]
+        # the bytes of the fp32 ring all-reduce at D = 2 (4 bytes a value), counted when a sync is applied
+        assert r["full"]["bytes"] == [0, 0, 8, 0, 12, 0, 8, 20]
+        # stopped at step 4 with fragment 0's averaging in flight: its result is in the state, and the run
+        # continued from it is the uninterrupted one (its bytes counted before the stop)
+        assert r["pending"] == ["pending", "pending.0"]
+        assert r["resumed"]["weights"] == got
+        assert r["resumed"]["bytes"] == [0, 0, 8, 0, 0, 0, 8, 20]
+
+
 # -- training ------------------------------------------------------------------------------------------
 def _worker(rank: int, world: int, runs: list[tuple[str, str, int | None]]) -> dict[str, dict]:
     out = {}
@@ -177,13 +337,17 @@ def outer_run(tmp_path_factory):
             "diloco-1": _cfg(tmp, **sgd, grad_sync="diloco:1:lr1:momentum0"),
             "h3-q8": _cfg(tmp, grad_sync="diloco:3:q8", max_steps=STEPS, checkpoint_every=4),
             "h3-topk": _cfg(tmp, grad_sync="diloco:3:topk5%:q2", max_steps=STEPS),
-            "h3-part": _cfg(tmp, grad_sync="diloco:3:q8", max_steps=STEPS, checkpoint_every=4)}
+            "h3-part": _cfg(tmp, grad_sync="diloco:3:q8", max_steps=STEPS, checkpoint_every=4),
+            "stream": _cfg(tmp, grad_sync=STREAM, max_steps=STEPS),
+            "stream-part": _cfg(tmp, grad_sync=STREAM, max_steps=STEPS, checkpoint_every=4)}
     cfgs = {name: cfg.replace(run_name=name) for name, cfg in cfgs.items()}
-    runs = [(n, c.to_json(), 5 if n == "h3-part" else None) for n, c in cfgs.items()]
-    # the interrupted run continued from its step-4 checkpoint: one step into the second round
-    resumed = cfgs["h3-part"].replace(resume=str(Path(cfgs["h3-part"].run.output_dir) / "h3-part"),
-                                      overwrite=False)
-    runs.append(("h3-resumed", resumed.to_json(), None))
+    runs = [(n, c.to_json(), 5 if n.endswith("-part") else None) for n, c in cfgs.items()]
+    # the interrupted runs continued from their step-4 checkpoints: one step into the second round; and with
+    # fragment 0's averaging in flight, to be applied at step 5
+    for name in ("h3", "stream"):
+        part = cfgs[f"{name}-part"]
+        resumed = part.replace(resume=str(Path(part.run.output_dir) / f"{name}-part"), overwrite=False)
+        runs.append((f"{name}-resumed", resumed.to_json(), None))
     ranks = run_processes(_worker, S * D, args=(runs,), timeout_s=420)
     for r in ranks:
         for run in r.values():
@@ -259,3 +423,29 @@ def test_a_resume_inside_a_round_continues_it_exactly(outer_run):
     assert any(not torch.equal(own[0][k], own[1][k]) for k in own[0])
     outer = load_file(str(ckpt / "stage0" / "replica0" / "outer.safetensors"))
     assert int(outer["steps"]) == 1 and int(outer["rounds"]) == 1
+
+
+def test_streamed_fragments_overlap_their_sync_and_the_replicas_end_agreed(outer_run):
+    cfgs, ranks = outer_run
+    for r in ranks:
+        sent = r["stream"]["sync_bytes"]
+        # each fragment's bytes counted at the step that applies them: 3 and 7 (fragment 1), 5 (fragment 0),
+        # and both at the run's last step
+        assert [i + 1 for i, b in enumerate(sent) if b] == [3, 5, 7, 8]
+        assert sent[7] > max(sent[2], sent[4]) and sent[6] < sent[7]
+    for a, b in ((ranks[0], ranks[2]), (ranks[1], ranks[3])):  # the run's last sync is never delayed
+        for name, value in a["stream"]["params"].items():
+            assert torch.equal(value, b["stream"]["params"][name]), name
+    losses = _losses(ranks[1]["stream"]["history"])
+    assert len(losses) == STEPS and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def test_a_resume_with_an_averaging_in_flight_applies_it_at_its_step(outer_run):
+    cfgs, ranks = outer_run
+    assert _losses(ranks[1]["stream-resumed"]["history"]) == _losses(ranks[1]["stream"]["history"])[4:]
+    for r in ranks:
+        for name, value in r["stream"]["params"].items():
+            assert torch.equal(value, r["stream-resumed"]["params"][name]), name
+    ckpt = Path(cfgs["stream-part"].run.output_dir) / "stream-part" / "checkpoints" / "step-00000004"
+    outer = load_file(str(ckpt / "stage0" / "replica0" / "outer.safetensors"))
+    assert outer["pending"].tolist() == [0, 5]  # fragment 0's, applied at step 5

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from aqsgd.bench.dpsync import (LINK_MBIT, bytes_per_step, elapsed, eval_losses, plot_sync, sync_curve,
-                                time_to_target)
+                                sync_delay, time_to_target)
 from aqsgd.bench.settings import SETTINGS
 from aqsgd.bench.subspace import boundary_energy, plot_energy
 from aqsgd.train.config import TrainConfig
@@ -319,13 +319,15 @@ def _sync_figures(runs: list[dict[str, Any]], fp32_runs: list[dict[str, Any] | N
     for r, b in zip(runs, fp32_runs):
         ref_evals = eval_losses(b) if b and b.get("sync_curve") else []
         target = ref_evals[-1][1] if ref_evals else None
-        got = time_to_target(r["sync_curve"], eval_losses(r), target) if target is not None else None
+        got = (time_to_target(r["sync_curve"], eval_losses(r), target, delay=sync_delay(r))
+               if target is not None else None)
         ref = time_to_target(b["sync_curve"], ref_evals, target) if target is not None else None
         reach.append(got[1] if got else None)
         sooner.append(ref[1] / got[1] if got and ref else None)
     return {"grad_sync": runs[0]["summary"].get("grad_sync"),
             "sync_bytes_per_step": mean([bytes_per_step(r) for r in runs]),
-            "link_mbit": LINK_MBIT, "link_run_s": mean([elapsed(r["sync_curve"])[-1] for r in runs]),
+            "link_mbit": LINK_MBIT,
+            "link_run_s": mean([elapsed(r["sync_curve"], delay=sync_delay(r))[-1] for r in runs]),
             "time_to_target_s": mean(reach), "time_to_target_runs": reach,
             "sooner_than_fp32": mean(sooner), "sooner_than_fp32_std": std(sooner)}
 

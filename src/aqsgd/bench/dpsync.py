@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["LINK_MBIT", "sync_curve", "elapsed", "eval_losses", "bytes_per_step", "time_to_target",
-           "plot_sync"]
+__all__ = ["LINK_MBIT", "sync_curve", "elapsed", "sync_delay", "eval_losses", "bytes_per_step",
+           "time_to_target", "plot_sync"]
 
 #: the study's data-parallel link (the issue's slow link)
 LINK_MBIT = 30.0
@@ -52,21 +52,36 @@ def sync_curve(train_rows: Sequence[dict[str, Any]]) -> list[list[Any]]:
     return out
 
 
-def elapsed(curve: Sequence[Step], mbit: float = LINK_MBIT) -> list[float]:
+def elapsed(curve: Sequence[Step], mbit: float = LINK_MBIT, delay: int = 0) -> list[float]:
     """Seconds from the start of training to the end of each step over ``mbit`` Mbit/s links (module
-    docstring)."""
+    docstring). ``delay`` (streaming's overlap, ``diloco:...:delay<T>``): the bytes a step logs (but the last
+    step's) left ``delay`` steps earlier and crossed the link while those steps computed, one transfer at a
+    time; the step waits only for what is left of its transfer."""
     if not mbit > 0:
         raise ValueError(f"the link's speed must be positive, got {mbit} Mbit/s")
-    t, out = 0.0, []
-    for _, _, step_s, sync_bytes in curve:
-        t += step_s + 8.0 * sync_bytes / (mbit * 1e6)
+    t, free, out = 0.0, 0.0, []
+    for k, (_, _, step_s, sync_bytes) in enumerate(curve):
+        transfer = 8.0 * sync_bytes / (mbit * 1e6)
+        if delay and sync_bytes and delay <= k < len(curve) - 1:
+            free = max(out[k - delay], free) + transfer  # sent from the end of the step that began it
+            t = max(t + step_s, free)
+        else:
+            t += step_s + transfer
         out.append(t)
     return out
 
 
-def _times(curve: Sequence[Step], mbit: float) -> dict[int, float]:
+def sync_delay(record: dict[str, Any]) -> int:
+    """The steps a study record's outer steps overlap their sync with (0: none, or no outer steps)."""
+    from aqsgd.parallel.sync import parse_grad_sync
+
+    spec = (record.get("summary") or {}).get("grad_sync")
+    return parse_grad_sync(spec).delay if spec else 0
+
+
+def _times(curve: Sequence[Step], mbit: float, delay: int = 0) -> dict[int, float]:
     """:func:`elapsed` by step."""
-    return dict(zip((s[0] for s in curve), elapsed(curve, mbit)))
+    return dict(zip((s[0] for s in curve), elapsed(curve, mbit, delay)))
 
 
 def eval_losses(record: dict[str, Any]) -> list[tuple[int, float | None]]:
@@ -80,10 +95,11 @@ def bytes_per_step(record: dict[str, Any]) -> float:
 
 
 def time_to_target(curve: Sequence[Step], evals: Sequence[tuple[int, float]], target: float,
-                   mbit: float = LINK_MBIT) -> tuple[int, float] | None:
+                   mbit: float = LINK_MBIT, delay: int = 0) -> tuple[int, float] | None:
     """The step of the first evaluation (``(step, loss)`` pairs, in order) whose loss is at most ``target``,
-    and the seconds to that step's end over ``mbit`` Mbit/s links; None if no evaluation gets there."""
-    times = _times(curve, mbit)
+    and the seconds to that step's end over ``mbit`` Mbit/s links (``delay``: :func:`elapsed`'s); None if no
+    evaluation gets there."""
+    times = _times(curve, mbit, delay)
     for step, loss in evals:
         if loss is not None and loss <= target and step in times:
             return step, times[step]
@@ -104,7 +120,7 @@ def plot_sync(runs: dict[str, dict[str, Any]], png: Any, mbit: float = LINK_MBIT
     tab20 = plt.get_cmap("tab20").colors  # more settings than the default cycle's 10 colours
     colors = [tab20[(2 * i) % 20 + (2 * i) // 20 % 2] for i in range(len(names))]
     for name, color in zip(names, colors):
-        times = _times(runs[name]["sync_curve"], mbit)
+        times = _times(runs[name]["sync_curve"], mbit, sync_delay(runs[name]))
         points = [(times[step] / 60, loss) for step, loss in eval_losses(runs[name])
                   if step in times and loss is not None]
         if points:

@@ -23,12 +23,25 @@ the outer step's collectives at the same step; a round also ends at the run's la
 the replicas end the run with the same weights. The state (anchors, momentum, the steps taken in the round,
 the averaging's error feedback) is tensors only, for the engine's checkpoints: a resume inside a round
 continues it exactly.
+
+Streaming (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512), ``fragments<N>``: the trainable
+parameters are split into N fragments of about equal size (:func:`split_fragments`), each with its own
+averaging (and error feedback); fragment ``f`` ends its rounds ``f * H // N`` steps before fragment 0 does, so
+a stage sends 1/N of its parameters at a time, N times a round, instead of all of them at once. Every fragment
+ends a round at the run's last step too. ``delay<T>`` overlaps a fragment's averaging with T steps of compute:
+its pseudo-gradients are taken at the round's end and averaged on a worker thread over a process group of its
+own (the engine's own collectives never wait behind it); T steps later the outer step is applied and the
+weights trained meanwhile are mixed in, ``θ ← mix · θ_local + (1 - mix) · θ_outer`` (mix 0.5, the paper's).
+The anchors stay bit-identical on every replica; the replicas' own weights agree again at the run's end, whose
+sync is never delayed. T < H / N, so at most one averaging is in flight. A checkpoint taken while one is
+waits for its bytes and saves its result, so a resume applies it at the same step.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -39,47 +52,91 @@ from aqsgd.parallel.sync import DEFAULT_BUCKET_MB, GradSync, GradSyncSpec, make_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OuterSync", "make_outer_sync", "DILOCO_LR", "DILOCO_MOMENTUM"]
+__all__ = ["OuterSync", "make_outer_sync", "split_fragments", "DILOCO_LR", "DILOCO_MOMENTUM",
+           "DILOCO_MIX"]
 
 DILOCO_LR = GradSyncSpec.outer_lr  # the paper's: 0.7, Nesterov momentum 0.9
 DILOCO_MOMENTUM = GradSyncSpec.momentum
+DILOCO_MIX = GradSyncSpec.mix  # Streaming DiLoCo's: half local, half outer
+
+
+def split_fragments(sizes: Sequence[int], n: int) -> list[list[int]]:
+    """Indices of parameters of ``sizes`` values in ``n`` fragments of about equal total size: the largest
+    first, each into the lightest fragment so far (the lowest-numbered on a tie); each fragment's indices in
+    order. Deterministic, so every replica splits alike."""
+    if not 1 <= n <= len(sizes):
+        raise ValueError(f"{n} fragments of {len(sizes)} trainable parameters: give 1..{len(sizes)}")
+    loads, out = [0] * n, [[] for _ in range(n)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        f = min(range(n), key=lambda f: (loads[f], f))
+        loads[f] += sizes[i]
+        out[f].append(i)
+    return [sorted(f) for f in out]
 
 
 class OuterSync:
-    """DiLoCo's outer step for the trainable parameters ``params`` of one stage (module docstring)."""
+    """DiLoCo's outer step for the trainable parameters ``params`` of one stage (module docstring).
 
-    def __init__(self, params: Sequence[nn.Parameter], average: GradSync, *, every: int,
-                 lr: float = DILOCO_LR, momentum: float = DILOCO_MOMENTUM, membership: Any = None) -> None:
+    ``average``: the averaging of the pseudo-gradients, one per fragment (a sequence), or one for a stage in
+    one fragment; ``delay`` and ``mix``: streaming's overlap (module docstring)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], average: GradSync | Sequence[GradSync], *, every: int,
+                 lr: float = DILOCO_LR, momentum: float = DILOCO_MOMENTUM, membership: Any = None,
+                 delay: int = 0, mix: float = DILOCO_MIX) -> None:
+        averages = list(average) if isinstance(average, (list, tuple)) else [average]
+        fragments = len(averages)
         if every < 1:
             raise ValueError(f"the outer step's interval must be at least 1 step, got {every}")
         if not lr > 0:
             raise ValueError(f"the outer learning rate must be positive, got {lr}")
         if not 0 <= momentum < 1:
             raise ValueError(f"the outer momentum must be in [0, 1), got {momentum}")
+        if not 1 <= fragments <= every:
+            raise ValueError(f"{fragments} fragments with rounds of {every} steps: give 1..{every}")
+        if not 0 <= delay < every // fragments:
+            raise ValueError(f"the delay must be 0..{every // fragments - 1} steps, got {delay}")
+        if not 0 <= mix < 1:
+            raise ValueError(f"mix must be in [0, 1), got {mix}")
+        if membership is not None and (fragments > 1 or delay > 0):
+            raise ValueError("replicas that come and go meet at whole outer steps: no fragments or delay")
         self.params = [p for p in params if p.requires_grad]
-        self.average = average
+        self.averages = averages
+        self.average = averages[0]
         self.every, self.lr, self.momentum = every, lr, momentum
+        self.delay, self.mix = delay, mix
+        self.fragments = split_fragments([p.numel() for p in self.params], fragments)
+        # fragment f ends its rounds f * H // N steps before fragment 0 does
+        self.offsets = [f * every // fragments for f in range(fragments)]
         with torch.no_grad():
-            self.anchors = [nn.Parameter(p.detach().to(average.device, torch.float32, copy=True))
+            self.anchors = [nn.Parameter(p.detach().to(averages[0].device, torch.float32, copy=True))
                             for p in self.params]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.optimizer = torch.optim.SGD(self.anchors, lr=lr, momentum=momentum, nesterov=momentum > 0)
-        self.steps = 0  # inner steps taken in the current round
+        self.steps = 0  # inner steps taken in fragment 0's current round
         self.taken = 0  # inner steps taken in all
         self.end = 0  # the run's last step (0: none known): a round ends there too (the replicas end agreed)
-        self.rounds = 0
+        self.rounds = 0  # fragment 0's rounds ended
         self.last_bytes = 0
         self.last_raw_bytes = 0
         #: an :class:`~aqsgd.parallel.elastic.ElasticGroup`: the group is re-formed at every outer step
         #: (replicas that come and go); None: the fixed group of ``average``
         self.membership = membership
         self.last_round: Any = None  # the last outer step's :class:`~aqsgd.parallel.elastic.Round`
+        # the delayed averaging in flight: (fragment, the step it is applied at, its bytes' future)
+        self._pending: tuple[int, int, Future[int]] | None = None
+        self._worker: ThreadPoolExecutor | None = None
+
+    def _due(self, fragment: int) -> bool:
+        """Whether the next :meth:`step` ends ``fragment``'s round."""
+        return ((self.steps + 1 + self.offsets[fragment]) % self.every == 0
+                or (self.end > 0 and self.taken + 1 >= self.end))
 
     @property
     def due(self) -> bool:
-        """Whether the next :meth:`step` ends the round (takes the outer step): H steps into it, or the run's
-        last step."""
-        return self.steps + 1 >= self.every or (self.end > 0 and self.taken + 1 >= self.end)
+        """Whether the next :meth:`step` takes an outer step (a fragment's round ends, the run's last step, a
+        delayed averaging applied)."""
+        return (any(self._due(f) for f in range(len(self.fragments)))
+                or (self._pending is not None and self._pending[1] <= self.taken + 1))
 
     def agreed(self, param: nn.Parameter) -> torch.Tensor | None:
         """The replicas' agreed value of ``param`` (the anchor: the last outer step's result), or None for a
@@ -88,25 +145,30 @@ class OuterSync:
         return None if i is None else self.anchors[i]
 
     def step(self, *, compress: bool = True) -> int:
-        """Count one inner step; at the round's end, the outer step (``compress=False``: the pseudo-gradients
-        averaged in fp32, as in the warm-up). Returns the bytes this rank sent (0 inside a round)."""
-        due = self.due
+        """Count one inner step; at a fragment's round's end, its outer step (``compress=False``: the
+        pseudo-gradients averaged in fp32, as in the warm-up). Returns the bytes this rank sent (0 inside a
+        round; a delayed averaging's bytes count at the step that applies it)."""
+        due = [f for f in range(len(self.fragments)) if self._due(f)]
+        final = self.end > 0 and self.taken + 1 >= self.end
         self.steps += 1
         self.taken += 1
         self.last_bytes = self.last_raw_bytes = 0
+        if self._pending is not None and (self._pending[1] <= self.taken or final):
+            self._apply_pending()
         if not due:
-            return 0
+            return self.last_bytes
         contributing = True
         if self.membership is not None:
             rnd = self._regroup(contributing=True)
             contributing = not rnd.healed  # the state just taken holds a peer's weights, not ours
-        with torch.no_grad():
-            for a, p in zip(self.anchors, self.params):
-                if contributing:
-                    a.grad = a.detach() - p.detach().to(a.device, torch.float32)
-                else:
-                    a.grad = torch.zeros_like(a)
-        return self._outer_step(compress)
+        for f in due:
+            self._pseudo_gradients(f, contributing)
+            self._end_round(f)
+            if self.delay and not final:
+                self._launch(f, compress)
+            else:
+                self._outer_step(f, compress)
+        return self.last_bytes
 
     def join(self, *, compress: bool | Callable[[], bool] = True) -> bool:
         """A replica started late, before its first step: ask for the next quorum; if the others are ahead,
@@ -120,10 +182,10 @@ class OuterSync:
             self.membership.commit()
             return False
         # the peer's counters already count the step that ends its round
-        with torch.no_grad():
-            for a in self.anchors:
-                a.grad = torch.zeros_like(a)
-        self._outer_step(compress() if callable(compress) else compress)
+        self._pseudo_gradients(0, contributing=False)
+        self._end_round(0)
+        self.last_bytes = self.last_raw_bytes = 0
+        self._outer_step(0, compress() if callable(compress) else compress)
         return True
 
     def _regroup(self, *, contributing: bool) -> Any:
@@ -136,29 +198,89 @@ class OuterSync:
                      "step %d", self.membership.stage, self.membership.replica, self.taken)
         return rnd
 
-    def _outer_step(self, compress: bool) -> int:
-        self.last_bytes = self.average.sync(self.anchors, compress=compress)
-        self.last_raw_bytes = self.average.last_raw_bytes
-        self.optimizer.step()
+    def _pseudo_gradients(self, fragment: int, contributing: bool = True) -> None:
+        """Each anchor's ``.grad`` in ``fragment``: how far the weights moved in the round (zero for a replica
+        that has nothing to add)."""
         with torch.no_grad():
-            for a, p in zip(self.anchors, self.params):
-                p.copy_(a)
+            for i in self.fragments[fragment]:
+                a = self.anchors[i]
+                a.grad = (a.detach() - self.params[i].detach().to(a.device, torch.float32) if contributing
+                          else torch.zeros_like(a))
+
+    def _anchors(self, fragment: int) -> list[nn.Parameter]:
+        return [self.anchors[i] for i in self.fragments[fragment]]
+
+    def _outer_step(self, fragment: int, compress: bool) -> None:
+        """Average ``fragment``'s pseudo-gradients now and apply the outer step: its weights become the
+        anchors."""
+        self._count(self.averages[fragment].sync(self._anchors(fragment), compress=compress), fragment)
+        self._apply(fragment, mix=0.0)
+
+    def _launch(self, fragment: int, compress: bool) -> None:
+        """Average ``fragment``'s pseudo-gradients on the worker thread, to be applied ``delay`` steps on."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-sync")
+        future = self._worker.submit(self.averages[fragment].sync, self._anchors(fragment), compress=compress)
+        self._pending = (fragment, self.taken + self.delay, future)
+
+    def _apply_pending(self) -> None:
+        fragment, _, future = self._pending  # type: ignore[misc]
+        self._pending = None
+        self._count(future.result(), fragment)
+        self._apply(fragment, mix=self.mix)
+
+    def _count(self, nbytes: int, fragment: int) -> None:
+        self.last_bytes += nbytes
+        self.last_raw_bytes += self.averages[fragment].last_raw_bytes
+
+    def _apply(self, fragment: int, *, mix: float) -> None:
+        """The outer optimizer's step on ``fragment``'s anchors (their ``.grad``: the averaged
+        pseudo-gradients); the weights become the new anchors, or ``mix * weights + (1 - mix) * anchors``."""
+        self.optimizer.step()  # only this fragment's anchors have gradients
+        with torch.no_grad():
+            for i in self.fragments[fragment]:
+                a, p = self.anchors[i], self.params[i]
+                if mix:
+                    p.mul_(mix).add_(a.to(p.device, p.dtype), alpha=1.0 - mix)
+                else:
+                    p.copy_(a)
                 a.grad = None
-        self.steps = 0
-        self.rounds += 1
         if self.membership is not None:
             self.membership.commit()
-        return self.last_bytes
+
+    def _end_round(self, fragment: int) -> None:
+        """Fragment 0's round ended: count it, and start the next."""
+        if fragment == 0:
+            self.steps = 0
+            self.rounds += 1
+
+    def wait(self) -> None:
+        """Let a delayed averaging in flight finish (its result is kept, applied at its step)."""
+        if self._pending is not None:
+            self._pending[2].result()
+
+    def close(self) -> None:
+        """Stop the worker thread (after the averaging in flight, if any)."""
+        self.wait()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def shared_state(self) -> dict[str, torch.Tensor]:
         """What a joining replica takes from a peer: :meth:`state_dict` without the averaging's error
         feedback (a replica's own; the joiner's starts at zero)."""
-        return {k: v.detach().clone() for k, v in self.state_dict().items() if not k.startswith("average.")}
+        return {k: v.detach().clone() for k, v in self.state_dict().items() if not k.startswith("average")}
+
+    @staticmethod
+    def _average_prefix(fragment: int) -> str:
+        return "average." if fragment == 0 else f"average{fragment}."
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors only: ``anchor.<i>``, ``momentum.<i>`` (once the first outer step made them), ``steps``,
-        ``taken``, ``rounds`` and the averaging's own state under ``average.``."""
+        ``taken``, ``rounds``, the averaging's own state under ``average.`` (fragment f > 0: ``average<f>.``)
+        and, with a delayed averaging in flight (waited for), ``pending`` (its fragment and the step it is
+        applied at) and its averaged pseudo-gradients ``pending.<i>``."""
         out: dict[str, torch.Tensor] = {"steps": torch.tensor(self.steps), "taken": torch.tensor(self.taken),
                                         "rounds": torch.tensor(self.rounds)}
         for i, a in enumerate(self.anchors):
@@ -166,7 +288,14 @@ class OuterSync:
             buf = self.optimizer.state.get(a, {}).get("momentum_buffer")
             if buf is not None:
                 out[f"momentum.{i}"] = buf
-        out.update({f"average.{k}": v for k, v in self.average.state_dict().items()})
+        if self._pending is not None:
+            self.wait()
+            fragment, at, _ = self._pending
+            out["pending"] = torch.tensor([fragment, at])
+            for i in self.fragments[fragment]:
+                out[f"pending.{i}"] = self.anchors[i].grad.detach()  # type: ignore[union-attr]
+        for f, average in enumerate(self.averages):
+            out.update({f"{self._average_prefix(f)}{k}": v for k, v in average.state_dict().items()})
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -174,6 +303,8 @@ class OuterSync:
         if anchors != list(range(len(self.anchors))):
             raise ValueError(f"the outer state holds {len(anchors)} anchors, this stage has "
                              f"{len(self.anchors)} trainable parameters")
+        self.close()
+        self._pending = None
         with torch.no_grad():
             for i, a in enumerate(self.anchors):
                 saved = state[f"anchor.{i}"]
@@ -181,6 +312,7 @@ class OuterSync:
                     raise ValueError(f"outer anchor {i}: saved shape {tuple(saved.shape)}, parameter "
                                      f"{tuple(a.shape)}")
                 a.copy_(saved)
+                a.grad = None
                 if f"momentum.{i}" in state:
                     self.optimizer.state[a]["momentum_buffer"] = state[f"momentum.{i}"].to(a.device,
                                                                                           copy=True)
@@ -189,21 +321,34 @@ class OuterSync:
         self.steps = int(state["steps"])
         self.taken = int(state["taken"])
         self.rounds = int(state["rounds"])
-        self.average.load_state_dict({k[len("average."):]: v for k, v in state.items()
-                                      if k.startswith("average.")})
+        if "pending" in state:
+            fragment, at = (int(v) for v in state["pending"])
+            if not 0 <= fragment < len(self.fragments):
+                raise ValueError(f"the outer state's delayed averaging is of fragment {fragment}, this stage "
+                                 f"has {len(self.fragments)}")
+            for i in self.fragments[fragment]:
+                self.anchors[i].grad = state[f"pending.{i}"].to(self.anchors[i].device, copy=True)
+            done: Future[int] = Future()
+            done.set_result(0)  # its bytes were counted before the checkpoint
+            self._pending = (fragment, at, done)
+        for f, average in enumerate(self.averages):
+            prefix = self._average_prefix(f)
+            average.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
 
 def make_outer_sync(spec: str, params: Sequence[nn.Parameter], group: Any = None, *,
                     bucket_mb: float = DEFAULT_BUCKET_MB, link: LinkSpec | None = None,
                     device: torch.device | str = "cpu", membership: Any = None) -> OuterSync:
-    """The :class:`OuterSync` of a ``diloco:...`` spec over ``group``, its averaging built by
-    :func:`~aqsgd.parallel.sync.make_grad_sync` from the spec's averaging part. ``membership``: an
-    :class:`~aqsgd.parallel.elastic.ElasticGroup` instead of a fixed group (``group`` is then unused)."""
+    """The :class:`OuterSync` of a ``diloco:...`` spec over ``group``, its averaging (one per fragment) built
+    by :func:`~aqsgd.parallel.sync.make_grad_sync` from the spec's averaging part. ``membership``: an
+    :class:`~aqsgd.parallel.elastic.ElasticGroup` instead of a fixed group (``group`` is then unused). With
+    a delay, ``group`` should be one nothing else uses (the averaging runs on a worker thread)."""
     parsed = parse_grad_sync(spec)
     if parsed.kind != "diloco":
         raise ValueError(f"{spec!r} is no outer-step spec (diloco:<H>...)")
-    average = make_grad_sync(parsed.average, group, bucket_mb=bucket_mb, link=link, device=device)
+    averages = [make_grad_sync(parsed.average, group, bucket_mb=bucket_mb, link=link, device=device)
+                for _ in range(parsed.fragments)]
     if membership is not None:
-        average.regroup(None, world=1, rank=0)  # until the first outer step forms the group
-    return OuterSync(params, average, every=parsed.every, lr=parsed.outer_lr, momentum=parsed.momentum,
-                     membership=membership)
+        averages[0].regroup(None, world=1, rank=0)  # until the first outer step forms the group
+    return OuterSync(params, averages, every=parsed.every, lr=parsed.outer_lr, momentum=parsed.momentum,
+                     membership=membership, delay=parsed.delay, mix=parsed.mix)

@@ -38,7 +38,8 @@ sent. Three implementations, chosen by a spec string (:func:`make_grad_sync`):
 
 ``diloco:<H>[:...]``
     Not a gradient sync: outer steps every H steps (:mod:`aqsgd.parallel.outer`), whose pseudo-gradients are
-    averaged by one of the above.
+    averaged by one of the above; ``fragments<N>``, ``delay<T>`` and ``mix<F>`` stream them (Streaming
+    DiLoCo: the stage's parameters synced in N fragments in turn, overlapped with T steps of compute).
 
 Warm-up and phases
     ``sync(..., compress=False)`` runs the fp32 all-reduce for every method and leaves the error-feedback
@@ -121,9 +122,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 GRAD_SYNC_HELP = ("grad sync spec: allreduce | q<bits 1-8>[:block<N>] | powersgd[:rank<R>] | "
-                  "topk<P>%[:q<bits>][:block<N>] | diloco:<H>[:lr<F>][:momentum<F>][:<one of those but "
-                  "powersgd>] (e.g. q8, q4:block256, powersgd:rank4, topk3%:q2, diloco:50:q8, "
-                  "diloco:50:topk3%:q2)")
+                  "topk<P>%[:q<bits>][:block<N>] | diloco:<H>[:lr<F>][:momentum<F>][:fragments<N>]"
+                  "[:delay<T>][:mix<F>][:<one of those but powersgd>] (e.g. q8, q4:block256, powersgd:rank4, "
+                  "topk3%:q2, diloco:50:q8, diloco:50:topk3%:q2, diloco:50:fragments2:delay5:q8)")
 DEFAULT_BUCKET_MB = 25.0
 DEFAULT_BLOCK = 64
 
@@ -149,6 +150,12 @@ class GradSyncSpec:
     outer_lr: float = 0.7
     momentum: float = 0.9
     average: str = "allreduce"
+    # streaming (diloco): the stage's parameters in ``fragments`` synced in turn, each result applied
+    # ``delay`` steps after its sync began (0: at once), mixed with the weights trained meanwhile as
+    # ``mix * local + (1 - mix) * outer``
+    fragments: int = 1
+    delay: int = 0
+    mix: float = 0.5
 
 
 def _spec_error(spec: str, why: str) -> SpecError:
@@ -206,28 +213,44 @@ def parse_grad_sync(spec: str) -> GradSyncSpec:
 
 
 def _parse_diloco(spec: str, opts: list[str]) -> GradSyncSpec:
-    """``diloco:<H>[:lr<F>][:momentum<F>][:<averaging>]``: H first, then the outer optimizer's options, then
-    how the pseudo-gradients are averaged (allreduce, the default, or q<b>[:block<N>])."""
+    """``diloco:<H>[:lr<F>][:momentum<F>][:fragments<N>][:delay<T>][:mix<F>][:<averaging>]``: H first, then
+    the outer step's options in any order, then how the pseudo-gradients are averaged (allreduce, the default,
+    q<b>[:block<N>] or topk<P>%[:q<b>])."""
     if not opts or not re.fullmatch(r"-?\d+", opts[0]):
         raise _spec_error(spec, "diloco needs the outer step's interval H in steps first (diloco:50)")
     every = int(opts[0])
     if every < 1:
         raise _spec_error(spec, f"the outer step's interval H must be at least 1 step, got {every}")
-    lr, momentum, rest = GradSyncSpec.outer_lr, GradSyncSpec.momentum, opts[1:]
-    while rest and (m := re.fullmatch(r"(lr|momentum)(.*)", rest[0])):
+    values: dict[str, float] = {}
+    rest = opts[1:]
+    while rest and (m := re.fullmatch(r"(lr|momentum|fragments|delay|mix)(.*)", rest[0])):
+        name, text = m.groups()
         try:
-            value = float(m.group(2))
+            value = int(text) if name in ("fragments", "delay") else float(text)
         except ValueError:
-            raise _spec_error(spec, f"{rest[0]!r}: {m.group(1)} takes a number") from None
-        if m.group(1) == "lr":
-            if not (value > 0 and value < float("inf")):
-                raise _spec_error(spec, f"the outer learning rate must be positive, got {m.group(2)}")
-            lr = value
-        else:
-            if not 0 <= value < 1:
-                raise _spec_error(spec, f"the outer momentum must be in [0, 1), got {m.group(2)}")
-            momentum = value
+            kind = "a whole number" if name in ("fragments", "delay") else "a number"
+            raise _spec_error(spec, f"{rest[0]!r}: {name} takes {kind}") from None
+        if name in values:
+            raise _spec_error(spec, f"{name} given twice")
+        values[name] = value
         rest = rest[1:]
+    lr = values.get("lr", GradSyncSpec.outer_lr)
+    momentum = values.get("momentum", GradSyncSpec.momentum)
+    fragments, delay = int(values.get("fragments", 1)), int(values.get("delay", 0))
+    mix = values.get("mix", GradSyncSpec.mix)
+    if not (lr > 0 and lr < float("inf")):
+        raise _spec_error(spec, f"the outer learning rate must be positive, got {lr:g}")
+    if not 0 <= momentum < 1:
+        raise _spec_error(spec, f"the outer momentum must be in [0, 1), got {momentum:g}")
+    if not 1 <= fragments <= every:
+        raise _spec_error(spec, f"fragments must be 1..H ({every}), got {fragments}")
+    if not 0 <= delay < every // fragments:
+        raise _spec_error(spec, f"the delay must be 0..{every // fragments - 1} steps (under H / fragments: "
+                                f"a fragment's result lands before the next fragment's sync), got {delay}")
+    if "mix" in values and delay == 0:
+        raise _spec_error(spec, "mix weighs the steps taken during a delayed sync: it needs delay<T>, T >= 1")
+    if not 0 <= mix < 1:
+        raise _spec_error(spec, f"mix (the local weights' share) must be in [0, 1), got {mix:g}")
     average = ":".join(rest) or "allreduce"
     try:
         inner = parse_grad_sync(average)
@@ -236,7 +259,8 @@ def _parse_diloco(spec: str, opts: list[str]) -> GradSyncSpec:
     if inner is None or inner.kind not in ("allreduce", "quant", "topk"):
         raise _spec_error(spec, f"diloco averages its pseudo-gradients with allreduce, q<bits>[:block<N>] or "
                                 f"topk<P>%[:q<bits>], got {average!r}")
-    return GradSyncSpec("diloco", every=every, outer_lr=lr, momentum=momentum, average=average)
+    return GradSyncSpec("diloco", every=every, outer_lr=lr, momentum=momentum, average=average,
+                        fragments=fragments, delay=delay, mix=mix)
 
 
 # -- buckets ----------------------------------------------------------------------------------------------

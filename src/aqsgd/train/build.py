@@ -168,13 +168,18 @@ def build_engine(cfg: TrainConfig, task: TaskSetup, *, grid: ProcessGrid | None,
                                 link=sync_link, membership=elastic_group(cfg, grid))
     elif p.world_replicas > 1:
         # NCCL replica groups of their own (collective, the same on every rank); gloo: the grid's groups, with
-        # the buckets in host memory
-        group, sync_device = grid.dp_group, torch.device("cpu")
-        if resolve_dp_backend(p.dp_backend, device,
-                              shared_gpu=replicas_sharing_a_gpu(cfg, grid, device)) == "nccl":
+        # the buckets in host memory. Streaming with a delay averages on a worker thread, over gloo groups of
+        # its own (the engine's collectives in between must not queue behind it), from host memory.
+        cpu = torch.device("cpu")
+        group, sync_device = grid.dp_group, cpu
+        spec = parse_grad_sync(p.grad_sync)
+        if spec.kind == "diloco" and spec.delay:
+            group = grid.new_dp_group("gloo", timeout_s=collective_timeout(p.timeout))
+        elif resolve_dp_backend(p.dp_backend, device,
+                                shared_gpu=replicas_sharing_a_gpu(cfg, grid, device)) == "nccl":
             group = grid.new_dp_group(group_backend("nccl"), timeout_s=collective_timeout(p.timeout))
             sync_device = device
-        if parse_grad_sync(p.grad_sync).kind == "diloco":  # the stage's trainable parameters (LoRA: adapters)
+        if spec.kind == "diloco":  # the stage's trainable parameters (LoRA: adapters)
             outer = make_outer_sync(p.grad_sync, list(module.parameters()), group, bucket_mb=p.grad_bucket_mb,
                                     link=sync_link, device=sync_device)
         else:

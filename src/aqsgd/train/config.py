@@ -289,9 +289,11 @@ class PipelineSection(_Section):
     grad_sync: str = "allreduce"
     """data-parallel synchronization: every step the gradients, allreduce, q<bits>[:block<N>],
     powersgd[:rank<R>] or topk<P>%[:q<bits>] (e.g. q8, q4:block256, powersgd:rank4, topk3%:q2); or outer
-    steps, diloco:<H>[:lr<F>][:momentum<F>][:allreduce|:q<bits>|:topk<P>%[:q<bits>]]: each replica alone for
-    H steps, then the averaged pseudo-gradients through SGD with Nesterov momentum (lr 0.7, momentum 0.9),
-    e.g. diloco:50:q8"""
+    steps, diloco:<H>[:lr<F>][:momentum<F>][:fragments<N>][:delay<T>][:mix<F>][:allreduce|:q<bits>|
+    :topk<P>%[:q<bits>]]: each replica alone for H steps, then the averaged pseudo-gradients through SGD with
+    Nesterov momentum (lr 0.7, momentum 0.9), e.g. diloco:50:q8; streaming: the stage in N fragments synced in
+    turn, each sync overlapped with T steps of compute and its result mixed with the weights trained meanwhile
+    (mix: the local weights' share, default 0.5), e.g. diloco:50:fragments2:delay5:q8"""
     dp_link: str | None = None
     """emulated link of each rank to its replicas (distributed, data parallel): one setting (30mbit,20ms);
     the replicas' sync then takes at least its bytes' transfer at that speed (default: --link's setting, else
@@ -355,6 +357,10 @@ class PipelineSection(_Section):
         if self.dp_backend == "nccl":
             raise bad("dp_elastic", "the outer steps' groups are torchft's gloo groups: --dp-backend nccl "
                       "cannot be used with it")
+        spec = parse_grad_sync(self.grad_sync)
+        if spec.fragments > 1 or spec.delay:
+            raise bad("dp_elastic", f"replicas that come and go meet at whole outer steps: --grad-sync "
+                      f"{self.grad_sync} streams fragments (give it without fragments<N> and delay<T>)")
         if (self.dp_replica is None) != (self.dp_lighthouse is None):
             given, missing = (("dp_replica", "--dp-lighthouse") if self.dp_lighthouse is None
                               else ("dp_lighthouse", "--dp-replica"))

@@ -353,6 +353,8 @@ class Trainer:
             raise
         if self.transport is not None:
             self.transport.close()
+        if self.engine.outer is not None:
+            self.engine.outer.close()  # (streaming's worker thread; the run's last step left it idle)
         summary = self._summary(time.perf_counter() - start)
         writer.summary(summary)
         writer.close()
