@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from aqsgd.errors import SpecError
+from aqsgd.train.checkpoint.layout import CheckpointError
 from aqsgd.parallel.elastic import elastic_available
 from aqsgd.train.config import TrainConfig
 
@@ -142,7 +145,6 @@ def test_bad_elastic_settings_are_refused_in_one_line(tmp_path):
         "give 0 to 2": dict(dp_replica=3, dp_lighthouse="http://127.0.0.1:29510"),
         "is no lighthouse address": dict(dp_replica=0, dp_lighthouse="127.0.0.1"),
         "--dp-backend nccl": dict(dp_backend="nccl", device="auto"),
-        "do not resume yet": dict(resume=str(tmp_path / "runs" / "elastic")),
     }
     if not elastic_available():  # (the floor job: torch below torchft's)
         cases["needs torchft"] = {}
@@ -150,3 +152,52 @@ def test_bad_elastic_settings_are_refused_in_one_line(tmp_path):
         with pytest.raises(SpecError) as e:
             _cfg(tmp_path, **kw).validate()
         assert words in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))
+
+
+def test_resuming_a_launch_without_replica_checkpoints_is_refused_in_one_line(tmp_path):
+    from aqsgd.train.driver import run_training
+    from aqsgd.train.elastic import run_replicas
+
+    (tmp_path / "runs" / "elastic" / "replica0").mkdir(parents=True)
+    cfg = _cfg(tmp_path, resume=str(tmp_path / "runs" / "elastic"), run_name=None)
+    with pytest.raises(CheckpointError, match=r"^--resume .*elastic: no replica of an elastic launch has a "
+                                              r"checkpoint in .*elastic \(replica0 .. replica2\); give the "
+                                              r"launch's run directory$"):
+        run_replicas(cfg, run_training)
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_launch_resumed_inside_a_round_continues_it_exactly(tmp_path):
+    # 2 replicas x 2 stages, rounds of 4 steps; checkpoints at step 6 (inside the second round) and 12 (the
+    # end). The step-12 checkpoints taken away, the launch resumed from step 6 ends as the first run did.
+    steps = 12
+    cfg = _cfg(tmp_path, data_parallel=2, max_steps=steps, checkpoint_every=6, link="1gbit")
+    base = tmp_path / "runs" / "elastic"
+    ctx = multiprocessing.get_context("spawn")
+
+    def launch(c: TrainConfig, out: str) -> dict:
+        run = ctx.Process(target=_train, args=(c.to_json(), str(tmp_path / out)))
+        run.start()
+        run.join(300)
+        if run.is_alive():
+            run.kill()
+        assert run.exitcode == 0, run.exitcode
+        return json.loads((tmp_path / out).read_text())
+
+    launch(cfg, "first.json")
+    final = {}
+    for r in range(2):
+        ckpt = base / f"replica{r}" / "checkpoints" / f"step-{steps:08d}"
+        final[r] = [load_file(ckpt / f"stage{s}" / "model.safetensors") for s in range(2)]
+        shutil.move(str(ckpt), str(tmp_path / f"first-replica{r}"))  # so that step 6 is the newest
+    summary = launch(cfg.replace(resume=str(base), run_name=None, overwrite=False), "resumed.json")
+    assert [row["status"] for row in summary["replicas"]] == ["finished", "finished"]
+    for r in range(2):
+        rows = [json.loads(x) for x in (base / f"replica{r}" / "metrics.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in rows if x.get("kind") == "train"] == list(range(1, steps + 1))
+        ckpt = base / f"replica{r}" / "checkpoints" / f"step-{steps:08d}"
+        for s in range(2):
+            got = load_file(ckpt / f"stage{s}" / "model.safetensors")
+            assert got.keys() == final[r][s].keys()
+            assert all(torch.equal(got[k], final[r][s][k]) for k in got), (r, s)

@@ -197,5 +197,14 @@ class ElasticGroup:
             raise RuntimeError(f"stage {self.stage} replica {self.replica}: a replica of the outer step "
                                f"reported an error: {self.manager.errored()}")
 
+    def state_dict(self) -> dict[str, int]:
+        """For checkpoints: the outer steps committed, and the manager's step (a replica whose step is behind
+        the quorum's takes a peer's state: a resumed one must be as far as it was)."""
+        return {"rounds": self.rounds, **self.manager.state_dict()}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.rounds = int(state["rounds"])
+        self.manager.load_state_dict({k: int(v) for k, v in state.items() if k != "rounds"})
+
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

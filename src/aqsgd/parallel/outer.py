@@ -270,7 +270,8 @@ class OuterSync:
     def shared_state(self) -> dict[str, torch.Tensor]:
         """What a joining replica takes from a peer: :meth:`state_dict` without the averaging's error
         feedback (a replica's own; the joiner's starts at zero)."""
-        return {k: v.detach().clone() for k, v in self.state_dict().items() if not k.startswith("average")}
+        return {k: v.detach().clone() for k, v in self.state_dict().items()
+                if not k.startswith(("average", "membership."))}
 
     @staticmethod
     def _average_prefix(fragment: int) -> str:
@@ -280,7 +281,8 @@ class OuterSync:
         """Tensors only: ``anchor.<i>``, ``momentum.<i>`` (once the first outer step made them), ``steps``,
         ``taken``, ``rounds``, the averaging's own state under ``average.`` (fragment f > 0: ``average<f>.``)
         and, with a delayed averaging in flight (waited for), ``pending`` (its fragment and the step it is
-        applied at) and its averaged pseudo-gradients ``pending.<i>``."""
+        applied at) and its averaged pseudo-gradients ``pending.<i>``; with a membership, its own state under
+        ``membership.`` (the quorums counted: a replica resumed with it is as far as the others)."""
         out: dict[str, torch.Tensor] = {"steps": torch.tensor(self.steps), "taken": torch.tensor(self.taken),
                                         "rounds": torch.tensor(self.rounds)}
         for i, a in enumerate(self.anchors):
@@ -296,6 +298,8 @@ class OuterSync:
                 out[f"pending.{i}"] = self.anchors[i].grad.detach()  # type: ignore[union-attr]
         for f, average in enumerate(self.averages):
             out.update({f"{self._average_prefix(f)}{k}": v for k, v in average.state_dict().items()})
+        if self.membership is not None:  # the quorums counted: a resumed replica is not taken as behind
+            out.update({f"membership.{k}": torch.tensor(v) for k, v in self.membership.state_dict().items()})
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -334,6 +338,9 @@ class OuterSync:
         for f, average in enumerate(self.averages):
             prefix = self._average_prefix(f)
             average.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        ours = {k[len("membership."):]: int(v) for k, v in state.items() if k.startswith("membership.")}
+        if ours and self.membership is not None:
+            self.membership.load_state_dict(ours)
 
 
 def make_outer_sync(spec: str, params: Sequence[nn.Parameter], group: Any = None, *,

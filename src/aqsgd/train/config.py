@@ -707,9 +707,6 @@ class TrainConfig:
             if is_auto(getattr(compression, direction)) and self.pipeline.runtime != "distributed":
                 raise bad(direction, "auto chooses the bits of each link from its measured speed: it needs "
                           "--runtime distributed (the local runtime has no links)")
-        if self.pipeline.dp_elastic and self.run.resume is not None:
-            raise bad("resume", "replicas that come and go (--dp-elastic) do not resume yet: start a replica "
-                      "again with --dp-replica R --dp-lighthouse ADDR to have it join the running ones")
         if self.pipeline.dp_elastic:  # last: every other refusal is said without torchft installed too
             from aqsgd.parallel.elastic import elastic_available
 

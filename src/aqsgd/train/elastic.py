@@ -31,7 +31,8 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from aqsgd.data.datasets import registered_tasks
-from aqsgd.errors import Interrupted, StageFailedError
+from aqsgd.errors import CheckpointError, Interrupted, StageFailedError
+from aqsgd.train.checkpoint.read import latest_checkpoint
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.rundir import last_logged_step, prepare_run_dir, resolve_run_dir
 from aqsgd.train.tasks import setup_task
@@ -73,9 +74,21 @@ def replica_config(cfg: TrainConfig, replica: int, lighthouse: str, run_dir: Pat
     """The settings of replica ``replica``'s own launch: its index, the lighthouse, its run directory
     ``run_dir / replica{r}``. It joins as any replica does (``--dp-join``): the replicas up at its start meet
     in a first quorum and start together; one that comes up after the others have started joins them at
-    their next outer step with their state (a replica is never healed inside a training step)."""
-    return cfg.replace(dp_replica=replica, dp_lighthouse=lighthouse, output_dir=str(run_dir),
-                       run_name=f"replica{replica}")
+    their next outer step with their state (a replica is never healed inside a training step).
+
+    With ``--resume`` (the launch's directory) each replica continues from its own newest checkpoint; one
+    that has none (it failed before its first) starts again from the initial weights, in its directory
+    replaced, and takes its peers' state at the first quorum (they are ahead)."""
+    own = run_dir / f"replica{replica}"
+    child = cfg.replace(dp_replica=replica, dp_lighthouse=lighthouse, output_dir=str(run_dir),
+                        run_name=f"replica{replica}")
+    if cfg.run.resume is None:
+        return child
+    if latest_checkpoint(own) is not None:
+        return child.replace(resume=str(own), overwrite=False)
+    log.warning("replica %d: no checkpoint in %s; it starts again and takes its peers' state at the first "
+                "outer step", replica, own)
+    return child.replace(resume=None, overwrite=True)
 
 
 def _replica_main(run_training: Callable[..., Any], cfg_json: str, data: Any, tasks: Any, out: Any,
@@ -130,6 +143,11 @@ def run_replicas(cfg: TrainConfig, run_training: Callable[..., Any], *,
     driver's, given by it: no import circle) in a process of its own; wait for them all; report."""
     setup = setup_task(cfg, data=data)
     run_dir = resolve_run_dir(cfg, None if data is None else setup.name)
+    if cfg.run.resume is not None and not any(latest_checkpoint(run_dir / f"replica{r}") is not None
+                                              for r in range(cfg.pipeline.data_parallel)):
+        raise CheckpointError(f"--resume {cfg.run.resume}: no replica of an elastic launch has a checkpoint "
+                              f"in {run_dir} (replica0 .. replica{cfg.pipeline.data_parallel - 1}); give the "
+                              "launch's run directory")
     lock = prepare_run_dir(cfg, run_dir)  # checked, cleared (--overwrite), created, locked: as any run's
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, sort_keys=True) + "\n")
     try:

@@ -30,6 +30,8 @@ RESUME_MUST_MATCH = frozenset({
     "layers", "balance", "micro_batches", "micro_batch_size", "data_parallel", "grad_sync", "grad_bucket_mb",
     "forward", "backward", "cache", "ef_key", "optimizer", "grad_accum", "seed", "lora", "lora_rank",
     "lora_alpha", "lora_targets", "batching",
+    # an elastic replica's run: whose shard it trains, and the layout of its checkpoints
+    "dp_elastic", "dp_replica",
     # which rows are training samples: a changed split or column would turn trained samples into evaluation
     # ones (and give the cache's sample ids other rows)
     "eval_split", "text_column", "text_pair_column", "label_column", "txt_unit"})
