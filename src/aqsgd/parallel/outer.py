@@ -298,8 +298,11 @@ class OuterSync:
                 out[f"pending.{i}"] = self.anchors[i].grad.detach()  # type: ignore[union-attr]
         for f, average in enumerate(self.averages):
             out.update({f"{self._average_prefix(f)}{k}": v for k, v in average.state_dict().items()})
-        if self.membership is not None:  # the quorums counted: a resumed replica is not taken as behind
+        if self.membership is not None:  # the quorums counted (a resumed replica is not taken as behind),
+            # and the last group's size and this replica's place in it (what the error feedback was kept for)
             out.update({f"membership.{k}": torch.tensor(v) for k, v in self.membership.state_dict().items()})
+            out["membership.world"] = torch.tensor(self.average.world)
+            out["membership.rank"] = torch.tensor(self.average.group_rank)
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -335,12 +338,14 @@ class OuterSync:
             done: Future[int] = Future()
             done.set_result(0)  # its bytes were counted before the checkpoint
             self._pending = (fragment, at, done)
+        ours = {k[len("membership."):]: int(v) for k, v in state.items() if k.startswith("membership.")}
+        if ours and self.membership is not None:
+            # the group as it was (the next quorum's, if alike, keeps the error feedback loaded below)
+            self.average.regroup(None, world=ours.pop("world"), rank=ours.pop("rank"))
+            self.membership.load_state_dict(ours)
         for f, average in enumerate(self.averages):
             prefix = self._average_prefix(f)
             average.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
-        ours = {k[len("membership."):]: int(v) for k, v in state.items() if k.startswith("membership.")}
-        if ours and self.membership is not None:
-            self.membership.load_state_dict(ours)
 
 
 def make_outer_sync(spec: str, params: Sequence[nn.Parameter], group: Any = None, *,

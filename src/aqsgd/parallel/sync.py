@@ -348,17 +348,18 @@ class GradSync(abc.ABC):
 
     def regroup(self, group: Any, *, world: int, rank: int) -> None:
         """Run the next syncs over another group (a new membership: :mod:`aqsgd.parallel.elastic`) of
-        ``world`` ranks, this one ``rank``; error-feedback state that depends on the group's size is adapted
-        (:meth:`_regrouped`)."""
+        ``world`` ranks, this one ``rank``; error-feedback state that depends on the group's size or this
+        rank's place in it is adapted (:meth:`_regrouped`)."""
         if not 0 <= rank < world:
             raise ValueError(f"group rank {rank} outside a group of {world}")
-        old = self.world
+        old, old_rank = self.world, self.group_rank
         self.group, self.world, self.group_rank = group, world, rank
-        if world != old:
+        if world != old or rank != old_rank:
             self._regrouped(old)
 
     def _regrouped(self, old_world: int) -> None:
-        """The group's size changed from ``old_world``: adapt the state (nothing to adapt by default)."""
+        """The group's size changed from ``old_world``, or this rank's place in it: adapt the state (nothing
+        to adapt by default)."""
 
     @property
     def bucket_numels(self) -> list[int]:

@@ -22,6 +22,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import time
 import traceback
 from collections.abc import Callable
@@ -31,7 +32,8 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from aqsgd.data.datasets import registered_tasks
-from aqsgd.errors import CheckpointError, Interrupted, StageFailedError
+from aqsgd.errors import Interrupted, StageFailedError
+from aqsgd.train.checkpoint.layout import CheckpointError
 from aqsgd.train.checkpoint.read import latest_checkpoint
 from aqsgd.train.config import TrainConfig
 from aqsgd.train.rundir import last_logged_step, prepare_run_dir, resolve_run_dir
@@ -170,7 +172,9 @@ def _run(cfg: TrainConfig, run_training: Callable[..., Any], data: tuple[Dataset
     out = ctx.Queue()
     tasks = registered_tasks()
     procs = {}
-    start = f"{run_dir / '.start'}:{p.data_parallel}:{p.stages}"
+    ready = run_dir / ".start"
+    shutil.rmtree(ready, ignore_errors=True)  # an earlier launch's marks (resumed): start together again
+    start = f"{ready}:{p.data_parallel}:{p.stages}"
     try:
         for r in range(p.data_parallel):
             child = replica_config(cfg, r, lighthouse.address, run_dir)

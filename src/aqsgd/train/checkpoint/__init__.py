@@ -34,7 +34,10 @@ feedback); ``stage{i}/model.safetensors`` then holds the weights the replicas la
 step's), what export and evaluation read. A run's last step ends a round: its final checkpoint's replicas
 agree.
 
-With ``D = 1`` the layout is the one above (no ``replica{r}`` level), as before data parallelism.
+With ``D = 1`` the layout is the one above (no ``replica{r}`` level), as before data parallelism. An
+elastic replica's run (``--dp-elastic``: a run directory and a grid of one replica each) takes outer steps,
+so it writes its own state under ``stage{i}/replica0/`` and the agreed weights as
+``stage{i}/model.safetensors``, as replica 0 of a fixed group does.
 
 State
 -----

@@ -77,9 +77,11 @@ def parse_scheme_dir(name: str) -> tuple[int, int, str] | None:
     return int(m[1]), channel, m[3]
 
 
-def per_replica_dir(stage_dir: Path, replica: int, data_parallel: int) -> Path:
-    """Where this replica's own state of a stage lives (the stage folder itself without data parallelism)."""
-    return stage_dir if data_parallel == 1 else stage_dir / f"replica{replica}"
+def per_replica_dir(stage_dir: Path, replica: int, data_parallel: int, *, outer: bool = False) -> Path:
+    """Where this replica's own state of a stage lives: the stage folder itself without data parallelism;
+    ``replica{r}/`` in it with replicas, and always with outer steps (``outer``: an elastic replica's run, a
+    grid of one replica, keeps its own weights in ``replica0/`` beside the agreed ones)."""
+    return stage_dir if data_parallel == 1 and not outer else stage_dir / f"replica{replica}"
 
 
 def replica_of(engine: Any) -> tuple[int, int]:

@@ -111,7 +111,7 @@ def _plan(manifest: Manifest, engine: Any, held: dict[int, dict[str, Any]], rank
         d = f"stage{i}"
         if not any(f.startswith(d + "/") for f in manifest.files):
             raise CheckpointError(f"{path} has no stage{i}: was it written with another number of stages?")
-        own = d if data_parallel == 1 else f"{d}/replica{replica}"
+        own = d if data_parallel == 1 and "outer" not in state else f"{d}/replica{replica}"
         w = own if "outer" in state else d  # outer steps (diloco): each replica's weights of its own
         files += [f"{w}/model.safetensors", f"{w}/optimizer.pt", f"{w}/scheduler.json"]
         prefix = f"{own}/schemes/"
@@ -182,7 +182,7 @@ def _restore(path: Path, engine: Any, held: dict[int, dict[str, Any]], rank: int
     replica, data_parallel = replica_of(engine)
     for i, state in held.items():
         d = path / f"stage{i}"
-        own = per_replica_dir(d, replica, data_parallel)
+        own = per_replica_dir(d, replica, data_parallel, outer="outer" in state)
         w = own if "outer" in state else d
         file = w / "model.safetensors"
         with _reading(file, f"cannot load the weights of stage {i}"):

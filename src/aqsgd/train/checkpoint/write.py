@@ -180,7 +180,7 @@ def _write_own(writer: _Writer, engine: Any, position: dict[str, Any], rank: int
     optimizers: dict[str, str] = {}
     for i, state in engine.state_dict().items():
         d = tmp / f"stage{i}"
-        own = per_replica_dir(d, replica, data_parallel)
+        own = per_replica_dir(d, replica, data_parallel, outer="outer" in state)
         writer.mkdir(own)
         # replicas that average every step hold identical weights and optimizer states: written once per
         # stage, by replica 0; those that take outer steps (diloco) differ inside a round: each writes its
