@@ -160,9 +160,9 @@ SETTINGS: dict[str, Setting] = {
     "diloco50 avg topk3% q2": Setting("none", "none", {"grad_sync": "diloco:50:lr1:momentum0:topk3%:q2"}),
     "diloco10 avg q8": Setting("none", "none", {"grad_sync": "diloco:10:lr1:momentum0:q8"}),
     # streamed (Streaming DiLoCo): the stage in 2 fragments whose rounds end 25 steps apart, each averaging
-    # overlapped with the next steps' compute (delay: about the steps its bytes take over the 30 Mbit/s link,
-    # with a margin; 8-bit codes ~6 s, the top-k ~0.8 s) and mixed half and half with the weights trained
-    # meanwhile
+    # overlapped with the next steps' compute (delay: the steps its bytes take over a 30 Mbit/s link, with a
+    # margin: MiniLM's larger fragment ~3 s in 8-bit codes, ~0.4 s as the top-k) and mixed half and half with
+    # the weights trained meanwhile
     "diloco50 avg q8 stream": Setting("none", "none",
                                       {"grad_sync": "diloco:50:lr1:momentum0:fragments2:delay12:q8"}),
     "diloco50 avg topk3% q2 stream": Setting("none", "none", {
