@@ -35,26 +35,20 @@ STREAM = "diloco:4:fragments2:delay1:q8"
 
 
 # -- the spec ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec, every, lr, momentum, average", [
-    ("diloco:50", 50, 0.7, 0.9, "allreduce"),
-    ("diloco:1:lr1:momentum0", 1, 1.0, 0.0, "allreduce"),
-    ("diloco:10:q8", 10, 0.7, 0.9, "q8"),
-    ("diloco:10:lr0.5:q4:block256", 10, 0.5, 0.9, "q4:block256"),
+# (streaming: fragments, delay, mix; (1, 0, 0.5) is not streamed)
+@pytest.mark.parametrize("spec, every, lr, momentum, average, streaming", [
+    ("diloco:50", 50, 0.7, 0.9, "allreduce", (1, 0, 0.5)),
+    ("diloco:1:lr1:momentum0", 1, 1.0, 0.0, "allreduce", (1, 0, 0.5)),
+    ("diloco:10:q8", 10, 0.7, 0.9, "q8", (1, 0, 0.5)),
+    ("diloco:10:lr0.5:q4:block256", 10, 0.5, 0.9, "q4:block256", (1, 0, 0.5)),
+    ("diloco:50:fragments2:delay5:q8", 50, 0.7, 0.9, "q8", (2, 5, 0.5)),
+    ("diloco:10:delay3:mix0.25:fragments2:lr1:momentum0", 10, 1.0, 0.0, "allreduce", (2, 3, 0.25)),
+    ("diloco:12:fragments4:topk3%:q2", 12, 0.7, 0.9, "topk3%:q2", (4, 0, 0.5)),
 ])
-def test_diloco_specs_parse(spec, every, lr, momentum, average):
+def test_diloco_specs_parse(spec, every, lr, momentum, average, streaming):
     p = parse_grad_sync(spec)
     assert (p.kind, p.every, p.outer_lr, p.momentum, p.average) == ("diloco", every, lr, momentum, average)
-    assert (p.fragments, p.delay, p.mix) == (1, 0, 0.5)  # not streamed
-
-
-@pytest.mark.parametrize("spec, fragments, delay, mix, average", [
-    ("diloco:50:fragments2:delay5:q8", 2, 5, 0.5, "q8"),
-    ("diloco:10:delay3:mix0.25:fragments2:lr1:momentum0", 2, 3, 0.25, "allreduce"),
-    ("diloco:12:fragments4:topk3%:q2", 4, 0, 0.5, "topk3%:q2"),
-])
-def test_streaming_specs_parse(spec, fragments, delay, mix, average):
-    p = parse_grad_sync(spec)
-    assert (p.kind, p.fragments, p.delay, p.mix, p.average) == ("diloco", fragments, delay, mix, average)
+    assert (p.fragments, p.delay, p.mix) == streaming
 
 
 @pytest.mark.parametrize("spec, why", [
