@@ -170,8 +170,7 @@ def build_engine(cfg: TrainConfig, task: TaskSetup, *, grid: ProcessGrid | None,
         # NCCL replica groups of their own (collective, the same on every rank); gloo: the grid's groups, with
         # the buckets in host memory. Streaming with a delay averages on a worker thread, over gloo groups of
         # its own (the engine's collectives in between must not queue behind it), from host memory.
-        cpu = torch.device("cpu")
-        group, sync_device = grid.dp_group, cpu
+        group, sync_device = grid.dp_group, torch.device("cpu")
         spec = parse_grad_sync(p.grad_sync)
         if spec.kind == "diloco" and spec.delay:
             group = grid.new_dp_group("gloo", timeout_s=collective_timeout(p.timeout))
