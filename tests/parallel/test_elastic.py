@@ -93,8 +93,11 @@ def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spe
         time.sleep(STEP_S)
         Path(f"{out}/replica{replica}-stage{stage}.tmp").write_text(str(outer.taken))
         os.replace(f"{out}/replica{replica}-stage{stage}.tmp", f"{out}/replica{replica}-stage{stage}.step")
+    from aqsgd.comm.testing import listening_sockets
+
     torch.save({"weight": model.weight.detach().clone(), "anchor": outer.anchors[0].detach().clone(),
-                "history": group.history, "rounds": outer.rounds, "taken": outer.taken},
+                "history": group.history, "rounds": outer.rounds, "taken": outer.taken,
+                "listening": [s for s in listening_sockets() if s[1] != port]},  # but the test's own store
                f"{out}/replica{replica}-stage{stage}.pt")
     group.shutdown()
     dist.destroy_process_group()
@@ -154,6 +157,11 @@ def test_replica_killed_and_one_joining(tmp_path, spec):
             assert torch.equal(ends[r]["anchor"], ends[0]["anchor"]), (stage, r)
             assert ends[r]["taken"] == STEPS
         assert ends[0]["rounds"] == ends[3]["rounds"] == STEPS // EVERY
+        # the manager (stage 0) and the gloo groups listen on loopback only, as the lighthouse does: the
+        # joiner's state came over the stage's gloo group, not over an HTTP server on every interface
+        for r in (0, 1, 3):
+            assert ends[r]["listening"] and all(a == "127.0.0.1" for a, _ in ends[r]["listening"]), \
+                (r, stage, ends[r]["listening"])
         members = [m for _, m in ends[0]["history"]]
         assert members[0] == (0, 1, 2) and members[1] == (0, 1) and members[-1] == (0, 1, 3), members
         log = (tmp_path / f"replica0-stage{stage}.log").read_text()

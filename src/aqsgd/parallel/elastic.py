@@ -16,8 +16,15 @@ The membership engine is torchft's (PyPI ``torchft``, the ``elastic`` extra), no
 * each stage's collectives run on torchft's ``ProcessGroupGloo``, which the manager reconfigures for every
   new quorum (a fresh gloo group of the stage's members, rank = position in the quorum);
 * a replica *behind* the quorum (a joiner: fewer outer steps taken) *heals*: torchft fetches a peer's state
-  (``state_fn`` of that peer, over torchft's HTTP checkpoint transport) and hands it to ``load_fn`` before
-  the quorum returns.
+  (``state_fn`` of that peer) and hands it to ``load_fn`` before the quorum returns. It travels over the
+  stage's own gloo group (torchft's ``PGTransport``), not over torchft's default HTTP checkpoint server, which
+  would listen on every interface and serve the replica's whole state to whoever asks.
+
+Where a replica listens: its manager server listens on, and tells the lighthouse and its peers, this
+machine's address on the route to the lighthouse (:func:`address_towards`): 127.0.0.1 when the lighthouse is
+on loopback (one machine: nothing listens beyond it), the interface that reaches the lighthouse otherwise, so
+that a replica on another machine can reach it when it joins. (torchft's manager listens on ``[::]``
+whatever it is told: :func:`_manager_server_on`.)
 
 :class:`ElasticGroup` is that for one stage process; :meth:`ElasticGroup.form` returns a :class:`Round`:
 the group to average over, its members (replica indices, in group-rank order) and how many of them
@@ -32,11 +39,14 @@ import dataclasses
 import datetime
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from aqsgd.comm.launch import address_towards
 
 __all__ = ["ElasticGroup", "Lighthouse", "Round", "elastic_available"]
 
@@ -73,6 +83,25 @@ def _torchft() -> Any:
     return torchft
 
 
+@contextmanager
+def _manager_server_on(host: str) -> Iterator[None]:
+    """torchft's ``Manager`` builds its server with ``bind="[::]:<port>"`` (every interface) and no way to
+    say otherwise: while one is built, its server is built on ``host`` instead, at the same port."""
+    import torchft.manager as manager
+
+    real = manager.ManagerServer
+    where = f"[{host}]" if ":" in host else host
+
+    def on_host(*args: Any, bind: str, **kwargs: Any) -> Any:
+        return real(*args, bind=f"{where}:{bind.rsplit(':', 1)[1]}", **kwargs)
+
+    manager.ManagerServer = on_host  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        manager.ManagerServer = real  # type: ignore[misc]
+
+
 class Lighthouse:
     """torchft's lighthouse on ``bind`` (default: a free loopback port): where every replica's manager asks
     for the quorum. ``min_replicas``: the fewest replicas an outer step may have; ``join_timeout_s``: how long
@@ -87,11 +116,18 @@ class Lighthouse:
         self._server = ft._torchft.LighthouseServer(
             bind=bind, min_replicas=min_replicas, join_timeout_ms=int(join_timeout_s * 1000),
             quorum_tick_ms=50, heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+        self._host = bind.rsplit(":", 1)[0].strip("[]")
 
     @property
     def address(self) -> str:
-        """``http://host:port``, for :class:`ElasticGroup`'s ``lighthouse``."""
-        return self._server.address()
+        """``http://host:port``, for :class:`ElasticGroup`'s ``lighthouse``: the address it listens on
+        (torchft names this machine's host name instead, which need not resolve to it), or the host name where
+        it listens on every interface."""
+        server = self._server.address()
+        if self._host in ("", "0.0.0.0", "::"):
+            return server
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{server.rsplit(':', 1)[1]}"
 
     def shutdown(self) -> None:
         self._server.shutdown()
@@ -132,13 +168,19 @@ class ElasticGroup:
         self._healed = False
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = ft.process_group.ProcessGroupGloo(timeout=timeout)
-        self.manager = ft.Manager(
-            pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=min_replicas,
-            use_async_quorum=False, timeout=timeout,
-            quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s),
-            connect_timeout=timeout, rank=stage, world_size=num_stages, store_addr=store[0],
-            store_port=store[1], lighthouse_addr=lighthouse, replica_id=f"replica{replica}",
-            hostname="127.0.0.1", init_sync=False)
+        #: where this replica's manager listens, as its peers reach it
+        self.host = address_towards(lighthouse)
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        with _manager_server_on(self.host):
+            self.manager = ft.Manager(
+                pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=min_replicas,
+                use_async_quorum=False, timeout=timeout,
+                quorum_timeout=datetime.timedelta(seconds=quorum_timeout_s),
+                connect_timeout=timeout, rank=stage, world_size=num_stages, store_addr=store[0],
+                store_port=store[1], lighthouse_addr=lighthouse, replica_id=f"replica{replica}",
+                hostname=self.host, init_sync=False,
+                checkpoint_transport=PGTransport(self.pg, timeout, torch.device("cpu")))
         self.history: list[tuple[int, tuple[int, ...]]] = []  # (round, members) whenever they changed
         self.rounds = 0
 

@@ -20,7 +20,8 @@ from torch.utils.data import Dataset
 
 from aqsgd.comm.device import (check_backends, check_p2p_sharing, gpu_sharing, resolve_device,
                                resolve_dp_backend, world_backend)
-from aqsgd.comm.launch import launch, leave_process_group, rank_thread_share, started_as_rank
+from aqsgd.comm.launch import (LOOPBACK, address_towards, launch, leave_process_group, rank_thread_share,
+                               started_as_rank)
 from aqsgd.comm.launch.local import spawned_here
 from aqsgd.comm.launch.placement import NODE_RANK_ENV, Seat, node_rank_given, take_seat
 from aqsgd.comm.launch.threads import intra_op_threads
@@ -146,7 +147,7 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
     names = _layout(cfg).label
     try:
         results = launch(worker, cfg.world_size, cfg.to_json(), data, tasks, before_spawn=prepare,
-                         rank_names=names, threads=cfg.pipeline.threads)
+                         rank_names=names, threads=cfg.pipeline.threads, host=_listen_on(cfg))
     except Interrupted as e:
         if not run_dirs:  # a rank of a torchrun job: its trainer said where it stood
             raise
@@ -154,6 +155,15 @@ def run_training(cfg: TrainConfig, *, data: tuple[Dataset, Dataset] | None = Non
         at = "before step 1" if step is None else f"after step {step}"
         raise Interrupted(e.signum, f"{e} {at}; {where_to_continue(run_dirs[0])}") from None
     return next((r for r in results if r), None)
+
+
+def _listen_on(cfg: TrainConfig) -> str:
+    """The address the stage processes spawned here listen on: 127.0.0.1, or for a replica that meets its
+    peers through a lighthouse (``--dp-lighthouse``) this machine's address on the route to it, so that
+    replicas on other machines reach this one's store and gloo group (127.0.0.1 again for a lighthouse on
+    loopback)."""
+    lighthouse = cfg.pipeline.dp_lighthouse
+    return address_towards(lighthouse) if cfg.pipeline.dp_elastic and lighthouse else LOOPBACK
 
 
 def _log_prefix(cfg: TrainConfig, rank: int) -> str:

@@ -25,19 +25,21 @@ from collections.abc import Callable
 from typing import Any
 
 from aqsgd.comm.launch.forensics import RankOutcome, RootCause, find_root_cause
-from aqsgd.comm.launch.local import LOOPBACK, free_port, launch_local
+from aqsgd.comm.launch.local import LOOPBACK, address_towards, free_port, interface_of, launch_local
 from aqsgd.comm.launch.rank import leave_process_group, run_as_rank, started_as_rank
 from aqsgd.comm.launch.threads import ThreadShare, apply_threads, thread_share
 
-__all__ = ["LOOPBACK", "RankOutcome", "RootCause", "find_root_cause", "free_port", "launch", "launch_local",
-           "leave_process_group", "rank_thread_share", "run_as_rank", "started_as_rank"]
+__all__ = ["LOOPBACK", "RankOutcome", "RootCause", "address_towards", "find_root_cause", "free_port",
+           "interface_of", "launch", "launch_local", "leave_process_group", "rank_thread_share",
+           "run_as_rank", "started_as_rank"]
 
 log = logging.getLogger(__name__)
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any,
            before_spawn: Callable[[], None] | None = None,
-           rank_names: Callable[[int], str] | None = None, threads: int | None = None) -> list[Any]:
+           rank_names: Callable[[int], str] | None = None, threads: int | None = None,
+           host: str = LOOPBACK) -> list[Any]:
     """``fn(*args)`` as every rank of a job of ``world_size`` processes; the values of the ranks that ran
     here, in rank order: all of them when they were spawned here, this process's alone when it was started as
     one rank (see the module docstring).
@@ -45,7 +47,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any,
     ``before_spawn`` runs once in this process before it spawns the ranks (preparing what every rank would
     otherwise prepare at the same time: downloads, weights files); it does not run where each process is
     already a rank. ``rank_names`` names a rank in messages (``stage 1``). ``threads``: the threads each
-    process computes with (default: its share of its machine's cores, see the module docstring). Raises
+    process computes with (default: its share of its machine's cores, see the module docstring). ``host``: the
+    address of this machine that spawned ranks listen on (default 127.0.0.1: see
+    :mod:`aqsgd.comm.launch.local`). Raises
     :class:`~aqsgd.errors.StageFailedError` naming the process at fault, or
     :class:`~aqsgd.errors.Interrupted`.
     """
@@ -54,7 +58,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any,
         return [run_as_rank(fn, world_size, *args)]
     if before_spawn is not None:
         before_spawn()
-    return launch_local(fn, world_size, *args, rank_names=rank_names, threads=threads)
+    return launch_local(fn, world_size, *args, rank_names=rank_names, threads=threads, host=host)
 
 
 def rank_thread_share(threads: int | None) -> ThreadShare:

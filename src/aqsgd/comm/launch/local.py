@@ -5,10 +5,12 @@ c10d store on a loopback port. :func:`launch_local` returns the processes' value
 :class:`~aqsgd.errors.StageFailedError`, whose message is one line naming the process at fault and why
 (:mod:`aqsgd.comm.launch.forensics`).
 
-Loopback only
--------------
+Loopback only (or one address)
+------------------------------
 Nothing a local run opens listens beyond 127.0.0.1 (a ``TCPStore`` server otherwise listens on every
-interface, and gloo on the address the host name resolves to):
+interface, and gloo on the address the host name resolves to). A launch given another ``host`` (a replica
+pipeline that meets replicas on other machines: :mod:`aqsgd.parallel.elastic`) listens on that address alone,
+in the same three places:
 
 * the rendezvous store: :func:`launch_local` binds a socket to 127.0.0.1 and hands it to a multi-tenant
   ``TCPStore`` (``master_listen_fd``) before the launcher starts; the c10d rendezvous then opens its store
@@ -18,7 +20,8 @@ interface, and gloo on the address the host name resolves to):
   then rank 0 hosts the workers' store, multi-tenant (PyTorch's documented ``env://`` behaviour), and the
   stage entry opens it on a 127.0.0.1 socket first, which ``init_process_group`` reuses. ``MASTER_ADDR``
   is 127.0.0.1 (the launcher's ``local_addr``);
-* gloo: ``GLOO_SOCKET_IFNAME`` is the loopback interface in every process started here.
+* gloo: ``GLOO_SOCKET_IFNAME`` is the loopback interface (the interface holding ``host``) in every process
+  started here.
 
 Each process runs ``fn`` inside a stage entry. An exception from ``fn`` is not re-raised there: the entry
 writes a report (:func:`~aqsgd.comm.launch.forensics.failure_report`), leaves the process group (so that peers
@@ -59,6 +62,7 @@ import signal
 import socket
 import tempfile
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,7 +72,7 @@ from aqsgd.comm.launch.threads import apply_threads, thread_share
 from aqsgd.comm.launch.watchdog import Watchdog
 from aqsgd.errors import Interrupted
 
-__all__ = ["LOOPBACK", "free_port", "launch_local"]
+__all__ = ["LOOPBACK", "address_towards", "free_port", "interface_of", "launch_local"]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +89,8 @@ _LAUNCHER_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIG
 
 def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | None = None,
                  rank_names: Callable[[int], str] | None = None, grace_s: float = 5.0,
-                 failure_log: str | os.PathLike[str] | None = None, threads: int | None = None) -> list[Any]:
+                 failure_log: str | os.PathLike[str] | None = None, threads: int | None = None,
+                 host: str = LOOPBACK) -> list[Any]:
     """Run ``fn(*args)`` in ``nprocs`` spawned processes on this machine; their return values in rank order.
 
     ``fn`` must be a picklable module-level function that initializes ``torch.distributed`` from the
@@ -97,6 +102,8 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
     process is not waited for; see the module docstring). ``failure_log``: where the details of a failure are
     written (default: a new file in the temp directory). ``threads``: the threads each process computes with
     (default: its share of this machine's cores, or ``OMP_NUM_THREADS`` where set; see the module docstring).
+    ``host``: the one address of this machine that the launch listens on (default 127.0.0.1; an IPv4 address
+    of one of its interfaces).
 
     Raises :class:`~aqsgd.errors.StageFailedError` if any process fails, naming the process at fault, with
     that process's exit status (the ``exit_code`` of its exception, where it has one). Raises
@@ -116,15 +123,15 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
     torch_log: list[str] = []
     try:
         try:
-            rdzv_store, port = _loopback_store(0)
+            rdzv_store, port = _store_on(host, 0)
         except Exception as e:  # noqa: BLE001 - an old torch without master_listen_fd: torch opens its own store
             log.debug("could not open the rendezvous store on a loopback socket (%s); it listens on all "
                       "interfaces", e)
-            rdzv_store, port = None, free_port()
+            rdzv_store, port = None, free_port(host)
         # shutdown_timeout is newer than the torch versions supported (2.12): older ones wait their own 30 s
         grace = {"shutdown_timeout": _SHUTDOWN_S} if "shutdown_timeout" in _fields(LaunchConfig) else {}
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=run_id,
-                              rdzv_backend="c10d", rdzv_endpoint=f"{LOOPBACK}:{port}", local_addr=LOOPBACK,
+                              rdzv_backend="c10d", rdzv_endpoint=f"{host}:{port}", local_addr=host,
                               max_restarts=0, monitor_interval=0.2, start_method="spawn",
                               logs_specs=DefaultLogsSpecs(log_dir=os.path.join(ctl, "torchelastic")), **grace)
         watchdog = Watchdog(ctl, nprocs, grace_s)
@@ -134,7 +141,7 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
         with _environ(**env), _torch_logs_to(torch_log), _signal_handlers_kept():
             watchdog.start()
             try:
-                out = elastic_launch(config, _stage_entry)(ctl, fn, tuple(args), share.threads)
+                out = elastic_launch(config, _stage_entry)(ctl, fn, tuple(args), share.threads, host)
             except ChildFailedError as e:
                 failure = e
             except SignalException as e:  # the launcher's handler: the processes got the signal and ended
@@ -174,13 +181,13 @@ def _refuse_nested_launch() -> None:
 
 
 def _stage_entry(ctl: str, fn: Callable[..., Any], args: tuple[Any, ...],
-                 threads: int | None = None) -> tuple[bool, Any]:
-    """One process: take its ``threads``, bind to loopback, run ``fn``; on an exception write a report, leave
+                 threads: int | None = None, host: str = LOOPBACK) -> tuple[bool, Any]:
+    """One process: take its ``threads``, bind to ``host``, run ``fn``; on an exception write a report, leave
     the process group and return a failure marker (the process stays until the launcher ends the run: see the
     module docstring)."""
     apply_threads(threads)  # first: no parallel work has run in this process yet (the inter-op pool's size)
     rank = int(os.environ["RANK"])
-    _bind_to_loopback(rank)
+    _bind_to(rank, host)
     _write(ctl, f"pid-{rank}", str(os.getpid()))
     try:
         value = fn(*args)
@@ -217,8 +224,8 @@ def free_port(host: str = LOOPBACK) -> int:
         return int(s.getsockname()[1])
 
 
-def _loopback_store(port: int) -> tuple[Any, int]:
-    """A multi-tenant ``TCPStore`` server listening on 127.0.0.1:``port`` only (0: a free port), and its port.
+def _store_on(host: str, port: int) -> tuple[Any, int]:
+    """A multi-tenant ``TCPStore`` server listening on ``host``:``port`` only (0: a free port), and its port.
     A store opened later in this process on the same port with ``multi_tenant=True`` reuses this server.
 
     The server takes a socket bound here (``master_listen_fd``). The libuv server (torch's default) takes one
@@ -230,7 +237,7 @@ def _loopback_store(port: int) -> tuple[Any, int]:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((LOOPBACK, port))
+            sock.bind((host, port))
             sock.listen(socket.SOMAXCONN)
             bound = int(sock.getsockname()[1])
         except BaseException:
@@ -238,7 +245,7 @@ def _loopback_store(port: int) -> tuple[Any, int]:
             raise
         fd = sock.detach()  # the store owns the descriptor from here on (it closes it)
         try:
-            store = dist.TCPStore(LOOPBACK, bound, is_master=True, multi_tenant=True, master_listen_fd=fd,
+            store = dist.TCPStore(host, bound, is_master=True, multi_tenant=True, master_listen_fd=fd,
                                   wait_for_workers=False, **({} if libuv else {"use_libuv": False}))
         except (RuntimeError, TypeError, ValueError) as e:
             with contextlib.suppress(OSError):
@@ -250,28 +257,55 @@ def _loopback_store(port: int) -> tuple[Any, int]:
     raise failure
 
 
-def _loopback_interface() -> str | None:
+def address_towards(url: str) -> str:
+    """This machine's address on the route to ``url``'s host (``http://host:port``): the source address the
+    kernel picks for it (a UDP socket's ``connect`` sends nothing). 127.0.0.1 for a loopback host."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.hostname:
+        raise ValueError(f"no host in the address {url!r} (expected http://HOST:PORT)")
+    family, _, _, _, addr = socket.getaddrinfo(parts.hostname, parts.port or 80, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return str(s.getsockname()[0])
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the network interface holding the IPv4 address ``host`` (``lo`` for 127.0.0.1), or None."""
+    import fcntl
+    import struct
+
     try:
-        names = {name for _, name in socket.if_nameindex()}
+        names = [name for _, name in socket.if_nameindex()]
     except OSError:
         return None
-    return next((n for n in ("lo", "lo0") if n in names), None)
+    if host == LOOPBACK:
+        return next((n for n in ("lo", "lo0") if n in names), None)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == host:
+                return name
+    return None
 
 
-def _bind_to_loopback(rank: int) -> None:
-    """In a process started by :func:`launch_local`: gloo on the loopback interface, and on rank 0 the
-    workers' store opened on a loopback socket before ``init_process_group`` opens it (module docstring)."""
-    ifname = _loopback_interface()
+def _bind_to(rank: int, host: str) -> None:
+    """In a process started by :func:`launch_local`: gloo on the interface holding ``host``, and on rank 0
+    the workers' store opened on a socket of ``host`` before ``init_process_group`` opens it (module
+    docstring)."""
+    ifname = interface_of(host)
     if ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = ifname
     if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return
-    if os.environ.get("MASTER_ADDR") != LOOPBACK or not os.environ.get("MASTER_PORT"):
+    if os.environ.get("MASTER_ADDR") != host or not os.environ.get("MASTER_PORT"):
         return
     try:
-        _KEEP_ALIVE.append(_loopback_store(int(os.environ["MASTER_PORT"]))[0])
+        _KEEP_ALIVE.append(_store_on(host, int(os.environ["MASTER_PORT"]))[0])
     except Exception as e:  # noqa: BLE001 - init_process_group opens the store itself then (on all interfaces)
-        log.debug("could not open the workers' store on %s:%s (%s)", LOOPBACK, os.environ["MASTER_PORT"], e)
+        log.debug("could not open the workers' store on %s:%s (%s)", host, os.environ["MASTER_PORT"], e)
 
 
 @contextlib.contextmanager
