@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from aqsgd.bench.netem import NetemCluster, netem_unavailable_reason
 from aqsgd.bench.netem.runs import train_argv
 from aqsgd.parallel.elastic import elastic_available
+from aqsgd.train.rundir import last_logged_step
 
 _REASON = netem_unavailable_reason() or (None if elastic_available() else
                                          "torchft (the elastic extra) not installed")
@@ -53,12 +54,7 @@ def _options(tmp_path: Path, replica: int, lighthouse: str) -> dict:
 
 
 def _step_of(run: Path) -> int:
-    try:
-        rows = (run / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    whole = [r for r in rows if r.strip().startswith("{") and r.strip().endswith("}")]
-    return max((json.loads(r).get("step", 0) for r in whole), default=0)
+    return last_logged_step(run) or 0
 
 
 def test_a_replica_on_another_machine_joins(tmp_path):

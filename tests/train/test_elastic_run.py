@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from aqsgd.errors import SpecError
 from aqsgd.train.checkpoint.layout import CheckpointError
 from aqsgd.parallel.elastic import elastic_available
+from aqsgd.train.rundir import last_logged_step
 from aqsgd.train.config import TrainConfig
 
 needs_torchft = pytest.mark.skipif(not elastic_available(),
@@ -59,14 +60,7 @@ def _wait(what, timeout_s: float = 180.0):
 
 
 def _step_of(run: Path) -> int:
-    try:
-        rows = (run / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    # (not a row being written)
-    whole = [r for r in rows if r.strip().startswith("{") and r.strip().endswith("}")]
-    steps = [json.loads(r).get("step", 0) for r in whole]
-    return max(steps, default=0)
+    return last_logged_step(run) or 0
 
 
 def _ended(pid: int) -> bool:
