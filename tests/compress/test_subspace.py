@@ -53,11 +53,84 @@ def test_a_relative_rank_is_a_share_of_the_row_rounded_up():
     ("pca16", "needs a codec for the coefficients"), ("q4:refresh8", "give pca<r> too"),
     ("q4:pca0", "positive integer"), ("q4:pca4:pca8", "'pca' given twice"),
     ("q4:pca4:refresh1:refresh2", "'refresh' given twice"), ("q4:pca/0", "divisor of pca/<k>"),
+    ("q4:tile16", "give pca<r> too"), ("q4:pca4:tile8:tile16", "'tile' given twice"),
+    ("q4:pca4:tile0", "tile of pca<r>:tile<T> must be a positive integer"),
+    ("q4:pca16:tile8", "rank 16 above the 8 values"),
 ])
 def test_bad_specs_are_one_line(spec, why):
     with pytest.raises(SpecError, match=why) as e:
         make_codec(spec)
     assert "\n" not in str(e.value) and repr(spec) in str(e.value)
+
+
+# -- tiles -----------------------------------------------------------------------------------------------
+def _tiled(n: int, tile: int, rank: int, seed: int = 0) -> torch.Tensor:
+    """``n`` rows of ``D`` values whose every tile of ``tile`` values lies in a ``rank``-dimensional subspace
+    of its own (fixed for every seed)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for k in range(D // tile):
+        basis = torch.linalg.qr(torch.randn(tile, tile, generator=torch.Generator().manual_seed(50 + k)))[0]
+        parts.append(torch.randn(n, rank, generator=g) @ basis[:, :rank].T)
+    return torch.cat(parts, dim=1)
+
+
+def test_tiles_spec_rank_and_payload():
+    assert make_codec("q4:tile16:pca/4").spec == "q4:pca/4:tile16"
+    assert make_codec("q4:pca2:refresh8:tile16").spec == "q4:pca2:tile16:refresh8"
+    codec = make_codec("q4:pca/4:tile16")
+    assert codec.rank_for(64) == 16 and codec.rank_for(576) == 144 and codec.rank_for(48) == 12
+    assert make_codec("q4:pca3:tile16").rank_for(64) == 12  # pca<r>: r vectors a tile
+    assert codec.payload_bytes((10, 64)) == make_codec("q4").payload_bytes((10, 16))
+    with pytest.raises(CodecError, match="pca/4:tile16: rows of 60 values are not a whole number of tiles"):
+        codec.rank_for(60)
+    send, _ = _pair("direct", "q4:pca/4:tile16")
+    send.send(_tiled(64, 16, 4), phase="warmup")
+    *basis, packet = send.send(_tiled(8, 16, 4))
+    # the basis crosses as 16 vectors of one tile's 16 values (4 tiles x 4), 8-bit codes with a scale each
+    assert basis[0].shape == (16, 16) and basis[0].nbytes == HEADER_BYTES + 16 * (16 + 2)
+    assert packet.nbytes == HEADER_BYTES + make_codec("q4").payload_bytes((8, 16))
+
+
+def test_a_tiled_basis_is_block_diagonal_and_holds_each_tiles_directions():
+    send, recv = _pair("direct", "none:pca/4:tile16")  # lossless coefficients
+    x = _tiled(256, 16, 4)
+    recv.recv(send.send(x, phase="warmup"), phase="warmup")
+    y = recv.recv(send.send(x[:16]))
+    state = send.subspace
+    assert state.captured[0] > 0.999 and state.spectrum.shape == (D,)
+    assert torch.all(state.spectrum[:-1] >= state.spectrum[1:])
+    assert (y - x[:16]).norm() / x[:16].norm() < 2e-2  # the 8-bit basis codes' rounding
+    # the same as the dense block-diagonal basis: each tile's 4 vectors on its own 16 values
+    u = state.basis.view(4, 4, 16)
+    dense = torch.block_diag(*u)  # [16, 64]
+    assert torch.allclose(dense @ dense.T, torch.eye(16), atol=2e-2)
+    z = torch.randn(16, D)
+    assert torch.allclose(recv.recv(send.send(z)), (z @ dense.T) @ dense, atol=1e-5)
+    assert recv.subspace.basis.shape == (16, 16) and torch.equal(recv.subspace.basis, state.basis)
+
+
+def test_a_tiled_basis_is_refreshed_tile_by_tile():
+    # the rows move to other directions within each tile: subspace iteration follows them
+    send, recv = _pair("direct", "none:pca/4:tile16:refresh2")
+    recv.recv(send.send(_tiled(128, 16, 4), phase="warmup"), phase="warmup")
+    moved = _tiled(64, 16, 8)[:, :]  # 8 directions a tile now, of which the basis holds 4
+    for _ in range(8):
+        recv.recv(send.send(moved))
+    assert send.subspace.version >= 4 and send.subspace.held[0] < send.subspace.captured[-1]
+    assert torch.equal(send.subspace.basis, recv.subspace.basis)
+
+
+def test_error_feedback_through_tiles_carries_what_they_left_out():
+    send, recv = _pair("ef", "q8:pca2:tile16:refresh2")
+    recv.recv(send.send(_tiled(64, 16, 2), phase="warmup"), phase="warmup")
+    sent, got = torch.zeros(16, D), torch.zeros(16, D)
+    for step in range(8):
+        noise = torch.randn(16, D, generator=torch.Generator().manual_seed(step))
+        x = _tiled(16, 16, 2, seed=step) + 0.3 * noise
+        sent += x
+        got += recv.recv(send.send(x))
+    assert torch.allclose(sent - got, send.state.read(None, 0, x), atol=1e-4)
 
 
 # -- exact bytes -----------------------------------------------------------------------------------------
@@ -218,9 +291,11 @@ def test_error_feedback_carries_what_the_basis_left_out():
 
 
 # -- checkpoints and backends ----------------------------------------------------------------------------
-@pytest.mark.parametrize("scheme", ["delta", "ef", "ef21"])
-def test_save_and_load_continue_bit_for_bit(tmp_path, scheme):
-    codec = "q4:rot64:step1:rc:pca8:refresh3"
+@pytest.mark.parametrize("scheme,codec", [
+    *((s, "q4:rot64:step1:rc:pca8:refresh3") for s in ("delta", "ef", "ef21")),
+    ("delta", "q4:rot64:step1:rc:pca2:tile16:refresh3"),
+])
+def test_save_and_load_continue_bit_for_bit(tmp_path, scheme, codec):
     ids = torch.arange(8)
 
     def x_at(step):
@@ -251,7 +326,8 @@ def test_save_and_load_continue_bit_for_bit(tmp_path, scheme):
 
 
 @pytest.mark.parametrize("spec", ["q4:pca16", "q2:token:pca16", "q3:rot64:l2:pca24",
-                                  "q4:rot64:step1:rc:pca16", "topk0.25:pca16", "q2:l2:outlier4:zstd:pca16"])
+                                  "q4:rot64:step1:rc:pca16", "topk0.25:pca16", "q2:l2:outlier4:zstd:pca16",
+                                  "q4:rot64:step1:rc:pca/4:tile16"])
 def test_bytes_equal_on_every_cpu_backend(spec):
     packets = {}
     for backend in ("eager", "numba"):

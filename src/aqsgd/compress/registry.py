@@ -32,8 +32,9 @@ They compose as ``zstd(outlier(rot(codec)))`` or ``rc(rot(codec))`` whatever the
 
 The subspace stage (see :mod:`aqsgd.compress.subspace`), outermost: ``pca<r>`` sends each row's ``r``
 coefficients in a basis that the boundary learns from what crosses it, compressed by the rest of the spec;
-``refresh<N>`` re-estimates the basis every N compressed messages (default 32, 0: never). It needs a
-boundary scheme to hold the basis: ``delta:q4:rot128:step1:rc:pca144``, ``ef:q4:pca192``.
+``refresh<N>`` re-estimates the basis every N compressed messages (default 32, 0: never); ``tile<T>`` gives
+each tile of T values of a row a basis of its own (``pca<r>``: r vectors a tile). It needs a boundary
+scheme to hold the basis: ``delta:q4:rot128:step1:rc:pca144``, ``ef:q4:pca192``, ``ef:q4:pca/4:tile64``.
 
 Examples: ``q4``, ``q2:token``, ``q3:block64:stochastic``, ``topk0.1``, ``topk0.1+q8``, ``q3:rot64:l2``,
 ``q2:l2:outlier8:zstd``.
@@ -64,7 +65,8 @@ SPEC_HELP = (
     "(e.g. q4, q2:token, q3:block64:stochastic, topk0.1, topk0.1+q8, q3:rot64:l2, q2:l2:outlier8:zstd); "
     "scale default: max, but mean (mean |x|) for 1 bit with nearest rounding; "
     "wrappers on any codec: :rot<G> (q only), :outlier<F>, :zstd[<level>], :rc (q only, optionally rot); "
-    "at a boundary, outermost: :pca<rank>[:refresh<messages>] (coefficients in a learned basis)"
+    "at a boundary, outermost: :pca<rank>|pca/<divisor>[:tile<T>][:refresh<messages>] (coefficients in a "
+    "learned basis; tile: one a tile of T values)"
 )
 _QUANT_RE = re.compile(r"q(\d+)")
 _STEP_RE = re.compile(r"step(\d*\.?\d+)")
@@ -76,6 +78,7 @@ _TAH_RE = re.compile(r"tah(\d*)")
 _RC_RE = re.compile(r"rc")
 _PCA_RE = re.compile(r"pca(/?)(\d+)")
 _REFRESH_RE = re.compile(r"refresh(\d+)")
+_TILE_RE = re.compile(r"tile(\d+)")
 _WRAPPERS = (("rot", _ROT_RE), ("outlier", _OUTLIER_RE), ("zstd", _ZSTD_RE), ("rc", _RC_RE))
 
 
@@ -172,8 +175,10 @@ def _make_codec(spec: str) -> Codec:
     toks = text.split(":")
     pca = [t for t in toks if _PCA_RE.fullmatch(t)]
     refresh = [t for t in toks if _REFRESH_RE.fullmatch(t)]
-    if pca or refresh:
-        return _make_subspace(spec, [t for t in toks if t not in pca and t not in refresh], pca, refresh)
+    tile = [t for t in toks if _TILE_RE.fullmatch(t)]
+    if pca or refresh or tile:
+        stage = set(pca + refresh + tile)
+        return _make_subspace(spec, [t for t in toks if t not in stage], pca, refresh, tile)
     wrappers: dict[str, re.Match] = {}
     core: list[str] = []
     for tok in text.split(":"):
@@ -215,22 +220,26 @@ def _make_codec(spec: str) -> Codec:
     return codec
 
 
-def _make_subspace(spec: str, rest: list[str], pca: list[str], refresh: list[str]) -> Codec:
+def _make_subspace(spec: str, rest: list[str], pca: list[str], refresh: list[str], tile: list[str]) -> Codec:
     from aqsgd.compress.subspace import DEFAULT_REFRESH, SubspaceCodec
 
-    if len(pca) > 1 or len(refresh) > 1:
-        raise _error(spec, "option 'pca' given twice" if len(pca) > 1 else "option 'refresh' given twice")
+    for name, given in (("pca", pca), ("refresh", refresh), ("tile", tile)):
+        if len(given) > 1:
+            raise _error(spec, f"option {name!r} given twice")
     if not pca:
+        if tile:
+            raise _error(spec, "tile<T> cuts a pca<r> basis into tiles of T values: give pca<r> too")
         raise _error(spec, "refresh<N> sets how often a pca<r> basis is re-estimated: give pca<r> too")
     if not rest:
         raise _error(spec, "pca<r> needs a codec for the coefficients, e.g. q4:pca64")
     relative, number = _PCA_RE.fullmatch(pca[0]).groups()  # type: ignore[union-attr]
     every = int(_REFRESH_RE.fullmatch(refresh[0]).group(1)) if refresh else DEFAULT_REFRESH  # type: ignore[union-attr]
+    width = int(_TILE_RE.fullmatch(tile[0]).group(1)) if tile else None  # type: ignore[union-attr]
     inner = _make_codec(":".join(rest))
     try:
         if relative:
-            return SubspaceCodec(inner, None, every, divisor=int(number))
-        return SubspaceCodec(inner, int(number), every)
+            return SubspaceCodec(inner, None, every, divisor=int(number), tile=width)
+        return SubspaceCodec(inner, int(number), every, tile=width)
     except SpecError as e:
         raise _error(spec, str(e)) from None
 

@@ -1,4 +1,4 @@
-"""``<codec>:pca<r>[:refresh<N>]``: a boundary's learned subspace in front of any codec.
+"""``<codec>:pca<r>[:tile<T>][:refresh<N>]``: a boundary's learned subspace in front of any codec.
 
 Every tensor crossing a boundary is viewed as rows of its last dimension ``D`` (a token's hidden state, or
 its gradient). Those rows are far from isotropic in a pretrained transformer: a few directions hold most of
@@ -6,6 +6,12 @@ their energy. The subspace stage sends the ``r`` coefficients ``c = z U^T`` of e
 orthonormal basis ``U`` (``[r, D]``) instead of its ``D`` values, and the inner codec (a quantizer, rotated
 tiles, the range coder, ...) compresses the coefficients ``[rows, r]``; the receiver computes ``c_hat U``.
 At ``r = D/4`` a 4-bit quantizer sends one bit per value of ``z``.
+
+``tile<T>``: the row is cut into ``D / T`` tiles of ``T`` consecutive values, each with a basis of its own
+(``pca<r>``: ``r`` vectors a tile; ``pca/<k>``: ``ceil(T / k)``), a block-diagonal basis. Its products cost
+``T / D`` of a dense basis's (the projection ``2 r T`` operations a row instead of ``2 r D`` at the same
+number of coefficients, the sum ``z^T z`` ``2 T D`` instead of ``2 D^2``), for what a tile's basis cannot
+hold: the directions that span tiles.
 
 The basis is state of one boundary, one direction: a :class:`Subspace`, held by the boundary scheme on each
 side (:mod:`aqsgd.schemes.base`). Only the sender estimates it, from the rows it sends:
@@ -66,17 +72,19 @@ _ITERATIONS = 2  # subspace iteration steps per refresh
 class Subspace:
     """The basis of one boundary's direction, on one side (see the module's text).
 
-    ``basis``: ``[r, D]`` float32, the values :data:`BASIS_CODEC` decodes to, or None before the first;
-    ``version``: how many bases there were. The sender's sum of ``z^T z`` and its message count since the
-    last refresh are its own state (saved in checkpoints, for an exact resume). For reports, the sender
-    records at each refresh ``captured``, the new basis's share of the energy of the rows it was estimated
-    from, and ``held``, the share that the basis it replaces held of the rows it encoded (what the subspace
-    kept of what was sent)."""
+    ``basis``: ``[r, D]`` float32 (with tiles: ``[(D / T) * r_T, T]``, tile by tile), the values
+    :data:`BASIS_CODEC` decodes to, or None before the first; ``version``: how many bases there were. The
+    sender's sum of ``z^T z`` (with tiles: one a tile, ``[D / T, T, T]``) and its message count since the last
+    refresh are its own state (saved in checkpoints, for an exact resume). For reports, the sender records at
+    each refresh ``captured``, the new basis's share of the energy of the rows it was estimated from, and
+    ``held``, the share that the basis it replaces held of the rows it encoded (what the subspace kept of what
+    was sent)."""
 
     def __init__(self, rank: int | None, refresh: int = DEFAULT_REFRESH, *,
-                 divisor: int | None = None) -> None:
-        self.rank, self.divisor, self.refresh = rank, divisor, refresh
+                 divisor: int | None = None, tile: int | None = None) -> None:
+        self.rank, self.divisor, self.refresh, self.tile = rank, divisor, refresh, tile
         self.name = f"pca{rank}" if rank is not None else f"pca/{divisor}"
+        self.name += f":tile{tile}" if tile else ""
         self.basis: torch.Tensor | None = None
         self.version = 0
         self.spectrum: torch.Tensor | None = None  # eigenvalues of the first estimate, descending
@@ -93,24 +101,42 @@ class Subspace:
         return self._sum is None or self._messages == 0
 
     @property
-    def key(self) -> tuple[int | None, int | None, int]:
-        return self.rank, self.divisor, self.refresh
+    def key(self) -> tuple[int | None, int | None, int, int | None]:
+        return self.rank, self.divisor, self.refresh, self.tile
 
     def rank_for(self, d: int) -> int:
-        return _rank_for(self.rank, self.divisor, d)
+        return _rank_for(self.rank, self.divisor, d, self.tile)
+
+    def width(self) -> int | None:
+        """The row width ``D`` of the basis held (None before the first)."""
+        if self.basis is None:
+            return None
+        if self.tile is None:
+            return int(self.basis.shape[1])
+        return self.basis.shape[0] // _rank_for(self.rank, self.divisor, self.tile) * self.tile
 
     # -- the sender ------------------------------------------------------------------------------------
     def observe(self, z: torch.Tensor) -> None:
         """Add the rows of ``z`` (``[..., D]``) to the sum the next basis is estimated from."""
         d = z.shape[-1]
-        if self.basis is not None and d != self.basis.shape[1]:
-            raise CodecError(f"{self.name}: rows of {d} values, the basis has {self.basis.shape[1]}")
+        if self.basis is not None and d != self.width():
+            raise CodecError(f"{self.name}: rows of {d} values, the basis has {self.width()}")
+        _tiles_of(d, self.tile, self.name)
         z2 = z.detach().reshape(-1, d).to(torch.float32)
-        if self._sum is None:
-            self._sum = torch.zeros((d, d), dtype=torch.float64, device=z2.device)
-        elif self._sum.shape[0] != d:
-            raise CodecError(f"{self.name}: rows of {d} values after rows of {self._sum.shape[0]}")
-        self._sum += (z2.T @ z2).to(torch.float64)
+        if self.tile is None:
+            if self._sum is None:
+                self._sum = torch.zeros((d, d), dtype=torch.float64, device=z2.device)
+            elif self._sum.shape[0] != d:
+                raise CodecError(f"{self.name}: rows of {d} values after rows of {self._sum.shape[0]}")
+            self._sum += (z2.T @ z2).to(torch.float64)
+        else:  # one sum a tile: [D / T, T, T]
+            t = self.tile
+            if self._sum is None:
+                self._sum = torch.zeros((d // t, t, t), dtype=torch.float64, device=z2.device)
+            elif self._sum.shape[0] * t != d:
+                raise CodecError(f"{self.name}: rows of {d} values after rows of {self._sum.shape[0] * t}")
+            z3 = z2.view(-1, d // t, t).transpose(0, 1)  # [tiles, rows, T]
+            self._sum += torch.bmm(z3.transpose(1, 2), z3).to(torch.float64)
         self._messages += 1
 
     def due(self) -> bool:
@@ -122,9 +148,21 @@ class Subspace:
         if self._sum is None:
             raise CodecError(f"{self.name}: no rows observed to estimate a basis from")
         s = self._sum
-        d = s.shape[0]
         if not bool(torch.isfinite(s).all()):
             raise NonFiniteError(f"{self.name}: the rows observed hold NaN or Inf; no basis estimated")
+        if self.tile is not None:
+            u = self._renew_tiles(s)
+        else:
+            u = self._renew_dense(s)
+        packet = BASIS_CODEC.encode(u.to(torch.float32))
+        self.basis = BASIS_CODEC.decode(packet)  # what the receiver will hold
+        self.version += 1
+        self._unsent = packet
+        self._sum.zero_()
+        self._messages = 0
+
+    def _renew_dense(self, s: torch.Tensor) -> torch.Tensor:
+        d = s.shape[0]
         r = self.rank_for(d)
         s = (s + s.T) * 0.5
         trace = float(torch.diagonal(s).sum())
@@ -142,12 +180,30 @@ class Subspace:
         u = _fix_signs(u.T)  # [r, D]
         held = float(torch.einsum("rd,de,re->", u, s, u))
         self.captured.append(held / trace if trace > 0 else 1.0)
-        packet = BASIS_CODEC.encode(u.to(torch.float32))
-        self.basis = BASIS_CODEC.decode(packet)  # what the receiver will hold
-        self.version += 1
-        self._unsent = packet
-        self._sum.zero_()
-        self._messages = 0
+        return u
+
+    def _renew_tiles(self, s: torch.Tensor) -> torch.Tensor:
+        """:meth:`renew` tile by tile (``s``: ``[tiles, T, T]``): the basis ``[tiles * r_T, T]``."""
+        tiles, t = s.shape[0], s.shape[1]
+        r = _rank_for(self.rank, self.divisor, t)
+        s = (s + s.transpose(1, 2)) * 0.5
+        trace = float(torch.diagonal(s, dim1=1, dim2=2).sum())
+        if self.basis is not None and trace > 0:
+            old = self.basis.to(s.device, torch.float64).view(tiles, r, t)
+            self.held.append(float(torch.einsum("nrd,nde,nre->", old, s, old)) / trace)
+        if self.basis is None:
+            values, vectors = torch.linalg.eigh(s)  # ascending, per tile
+            every = values.reshape(-1).sort(descending=True).values  # the tiles' eigenvalues together
+            self.spectrum = every.clamp_min(0).to(torch.float32).cpu()
+            u = vectors[:, :, -r:].flip(2)  # [tiles, T, r]
+        else:
+            u = self.basis.to(torch.float64).view(tiles, r, t).transpose(1, 2)
+            for _ in range(_ITERATIONS):
+                u, _r = torch.linalg.qr(torch.bmm(s, u))
+        u = _fix_signs(u.transpose(1, 2).reshape(tiles * r, t))  # [tiles * r, T]
+        held = float(torch.einsum("nrd,nde,nre->", u.view(tiles, r, t), s, u.view(tiles, r, t)))
+        self.captured.append(held / trace if trace > 0 else 1.0)
+        return u
 
     def take_unsent(self) -> Packet | None:
         """The packet of the basis estimated since the last call (to be sent ahead of the message it
@@ -159,7 +215,12 @@ class Subspace:
     def install(self, packet: Packet) -> None:
         """Take the basis the sender sent (a :data:`BASIS_CODEC` packet of ``[r, D]``)."""
         shape = packet.shape
-        if len(shape) != 2 or not shape[1] or shape[0] != self.rank_for(shape[1]):
+        if self.tile is None:
+            good = len(shape) == 2 and shape[1] and shape[0] == self.rank_for(shape[1])
+        else:
+            r = _rank_for(self.rank, self.divisor, self.tile)
+            good = len(shape) == 2 and shape[1] == self.tile and shape[0] and shape[0] % r == 0
+        if not good:
             raise PacketMismatchError(f"{self.name}: received a basis of shape {tuple(shape)}")
         self.basis = BASIS_CODEC.decode(packet)
         self.version += 1
@@ -197,14 +258,27 @@ class Subspace:
         self.held = own["held"].tolist() if "held" in own else []
 
 
-def _rank_for(rank: int | None, divisor: int | None, d: int) -> int:
+def _rank_for(rank: int | None, divisor: int | None, d: int, tile: int | None = None) -> int:
     """The number of coefficients of a row of ``d`` values: ``rank``, or ``ceil(d / divisor)``;
-    :class:`CodecError` above ``d``."""
+    :class:`CodecError` above ``d``. With ``tile``: that of each tile, times the tiles."""
+    if tile is not None:
+        tiles = _tiles_of(d, tile, f"pca{rank}" if rank is not None else f"pca/{divisor}")
+        return tiles * _rank_for(rank, divisor, tile)
     r = rank if rank is not None else -(-d // divisor)  # type: ignore[operator]
     if r > d:
         name = f"pca{rank}" if rank is not None else f"pca/{divisor}"
         raise CodecError(f"{name}: rank {r} above the {d} values of a row")
     return r
+
+
+def _tiles_of(d: int, tile: int | None, name: str) -> int:
+    """How many tiles of ``tile`` values a row of ``d`` has; :class:`CodecError` where they do not divide
+    it."""
+    if tile is None:
+        return 1
+    if d % tile:
+        raise CodecError(f"{name}:tile{tile}: rows of {d} values are not a whole number of tiles of {tile}")
+    return d // tile
 
 
 def _fix_signs(u: torch.Tensor) -> torch.Tensor:
@@ -215,7 +289,7 @@ def _fix_signs(u: torch.Tensor) -> torch.Tensor:
 
 
 class SubspaceCodec(Codec):
-    """``<inner>:pca<r>[:refresh<N>]``: coefficients in a boundary's basis, compressed by ``inner``.
+    """``<inner>:pca<r>[:tile<T>][:refresh<N>]``: coefficients in a boundary's basis, compressed by ``inner``.
 
     As built from its spec, it describes the stage (rank, refresh, inner codec); a boundary scheme binds it
     to its :class:`Subspace` (:meth:`bound`), which it needs to encode or decode."""
@@ -223,7 +297,7 @@ class SubspaceCodec(Codec):
     family = Family.SUBSPACE
 
     def __init__(self, inner: Codec, rank: int | None, refresh: int = DEFAULT_REFRESH, *,
-                 divisor: int | None = None) -> None:
+                 divisor: int | None = None, tile: int | None = None) -> None:
         if (rank is None) == (divisor is None):
             raise SpecError("a subspace takes a rank or a divisor of the row's width, one of them")
         if rank is not None and (not isinstance(rank, int) or rank < 1):
@@ -233,15 +307,23 @@ class SubspaceCodec(Codec):
         if not isinstance(refresh, int) or refresh < 0:
             raise SpecError(f"the refresh interval must be a non-negative integer (0: never), got "
                             f"{refresh!r}")
+        if tile is not None and (not isinstance(tile, int) or tile < 1):
+            raise SpecError(f"the tile of pca<r>:tile<T> must be a positive integer, got {tile!r}")
+        if tile is not None:
+            try:
+                _rank_for(rank, divisor, tile)
+            except CodecError as e:
+                raise SpecError(f"{e} (tile{tile})") from None
         if isinstance(inner, SubspaceCodec):
             raise SpecError("pca<r> given twice")
-        self.inner, self.rank, self.divisor, self.refresh = inner, rank, divisor, refresh
+        self.inner, self.rank, self.divisor, self.refresh, self.tile = inner, rank, divisor, refresh, tile
         self.fixed_size = inner.fixed_size  # type: ignore[misc]
         self.state: Subspace | None = None
 
     @property
     def spec(self) -> str:
         spec = f"{self.inner.spec}:" + (f"pca{self.rank}" if self.rank is not None else f"pca/{self.divisor}")
+        spec += f":tile{self.tile}" if self.tile is not None else ""
         return spec if self.refresh == DEFAULT_REFRESH else f"{spec}:refresh{self.refresh}"
 
     @property
@@ -260,14 +342,14 @@ class SubspaceCodec(Codec):
         return clone
 
     @property
-    def key(self) -> tuple[int | None, int | None, int]:
-        return self.rank, self.divisor, self.refresh
+    def key(self) -> tuple[int | None, int | None, int, int | None]:
+        return self.rank, self.divisor, self.refresh, self.tile
 
     def new_state(self) -> Subspace:
-        return Subspace(self.rank, self.refresh, divisor=self.divisor)
+        return Subspace(self.rank, self.refresh, divisor=self.divisor, tile=self.tile)
 
     def rank_for(self, d: int) -> int:
-        return _rank_for(self.rank, self.divisor, d)
+        return _rank_for(self.rank, self.divisor, d, self.tile)
 
     def _rows(self, shape: Sequence[int]) -> tuple[int, int]:
         if len(shape) == 0:
@@ -287,8 +369,8 @@ class SubspaceCodec(Codec):
         if state.basis is None:
             raise CodecError(f"{self.spec}: no basis yet")
         u = state.basis
-        if u.shape[1] != d:
-            raise CodecError(f"{self.spec}: rows of {d} values, the basis has {u.shape[1]}")
+        if state.width() != d:
+            raise CodecError(f"{self.spec}: rows of {d} values, the basis has {state.width()}")
         if u.device != device:
             u = state.basis = u.to(device)
         return u
@@ -307,7 +389,14 @@ class SubspaceCodec(Codec):
             payload = self.inner._encode(x.new_zeros((0, r), dtype=torch.float32), generator)
         else:
             u = self._basis(d, x.device)
-            c = x.reshape(rows, d).to(torch.float32) @ u.T
+            z = x.reshape(rows, d).to(torch.float32)
+            if self.tile is None:
+                c = z @ u.T
+            else:  # tile by tile: [tiles, rows, T] x [tiles, T, r_T], then the rows' coefficients tile-major
+                t = self.tile
+                u3 = u.view(d // t, -1, t)
+                c = torch.bmm(z.view(rows, d // t, t).transpose(0, 1), u3.transpose(1, 2)).transpose(0, 1)
+                c = c.reshape(rows, r)
             payload = self.inner._encode(c.contiguous(), generator)
         if state is not None and state.learning and not observed:  # after the encode: a refused input adds
             # nothing
@@ -320,8 +409,14 @@ class SubspaceCodec(Codec):
             return torch.zeros(packet.shape, dtype=packet.dtype, device=packet.payload.device)
         u = self._basis(d, packet.payload.device)
         c = self.inner._decode(Packet(self.inner.family, torch.float32, (rows, u.shape[0]),
-                                      self.inner.fingerprint, packet.payload))
-        out = (c.to(torch.float32) @ u).view(packet.shape)
+                                      self.inner.fingerprint, packet.payload)).to(torch.float32)
+        if self.tile is None:
+            out = (c @ u).view(packet.shape)
+        else:
+            t = self.tile
+            u3 = u.view(d // t, -1, t)
+            out = torch.bmm(c.view(rows, d // t, -1).transpose(0, 1), u3).transpose(0, 1)
+            out = out.reshape(packet.shape)
         return out if packet.dtype == torch.float32 else out.to(packet.dtype)
 
     def check_packet(self, packet: Packet) -> None:
