@@ -128,8 +128,8 @@ SETTINGS: dict[str, Setting] = {
     "aqsgd pca/4 ec/ef pca/4 ec": Setting("delta:q4:rot128:step1:rc:pca/4", "ef:q4:rot128:step1:rc:pca/4"),
     "aqsgd pca/8 ec/ef pca/4 ec": Setting("delta:q4:rot128:step1:rc:pca/8", "ef:q4:rot128:step1:rc:pca/4"),
     "aqsgd pca/4 q4/ef pca/4 q4": Setting("delta:q4:pca/4", "ef:q4:pca/4"),
-    # the same in tiled bases (each tile of 64 values of a row a basis of its own, a quarter of its width): the
-    # products cost 64 / D of the dense basis's
+    # the same in tiled bases (each tile of 64 values of a row a basis of its own, a quarter of its width):
+    # the products cost 64 / D of the dense basis's
     "aqsgd pca/4 tile64 ec/ef pca/4 tile64 ec": Setting("delta:q4:rot128:step1:rc:pca/4:tile64",
                                                         "ef:q4:rot128:step1:rc:pca/4:tile64"),
     "aqsgd pca/4 tile64 q4/ef pca/4 tile64 q4": Setting("delta:q4:pca/4:tile64", "ef:q4:pca/4:tile64"),

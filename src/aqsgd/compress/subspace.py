@@ -392,10 +392,9 @@ class SubspaceCodec(Codec):
             z = x.reshape(rows, d).to(torch.float32)
             if self.tile is None:
                 c = z @ u.T
-            else:  # tile by tile: [tiles, rows, T] x [tiles, T, r_T], then the rows' coefficients tile-major
+            else:  # tile by tile, the rows' coefficients tile-major
                 t = self.tile
-                u3 = u.view(d // t, -1, t)
-                c = torch.bmm(z.view(rows, d // t, t).transpose(0, 1), u3.transpose(1, 2)).transpose(0, 1)
+                c = torch.einsum("ntd,trd->ntr", z.view(rows, d // t, t), u.view(d // t, -1, t))
                 c = c.reshape(rows, r)
             payload = self.inner._encode(c.contiguous(), generator)
         if state is not None and state.learning and not observed:  # after the encode: a refused input adds
@@ -414,8 +413,7 @@ class SubspaceCodec(Codec):
             out = (c @ u).view(packet.shape)
         else:
             t = self.tile
-            u3 = u.view(d // t, -1, t)
-            out = torch.bmm(c.view(rows, d // t, -1).transpose(0, 1), u3).transpose(0, 1)
+            out = torch.einsum("ntr,trd->ntd", c.view(rows, d // t, -1), u.view(d // t, -1, t))
             out = out.reshape(packet.shape)
         return out if packet.dtype == torch.float32 else out.to(packet.dtype)
 
