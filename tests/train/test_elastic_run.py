@@ -195,3 +195,13 @@ def test_a_launch_resumed_inside_a_round_continues_it_exactly(tmp_path):
             got = load_file(ckpt / f"stage{s}" / "model.safetensors")
             assert got.keys() == final[r][s].keys()
             assert all(torch.equal(got[k], final[r][s][k]) for k in got), (r, s)
+
+
+def test_a_replica_listens_on_its_address_towards_the_lighthouse(tmp_path):
+    from aqsgd.train.driver import _listen_on
+
+    assert _listen_on(_cfg(tmp_path)) == "127.0.0.1"  # the launch's own lighthouse, on loopback
+    assert _listen_on(_cfg(tmp_path, dp_replica=1, dp_lighthouse="http://127.0.0.1:29510")) == "127.0.0.1"
+    with pytest.raises(SpecError, match=r"^--dp-lighthouse http://no-such-host\.invalid:29510: no route from "
+                                        r"this machine to its host \(.+\)$"):
+        _listen_on(_cfg(tmp_path, dp_replica=1, dp_lighthouse="http://no-such-host.invalid:29510"))

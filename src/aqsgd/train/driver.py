@@ -163,7 +163,12 @@ def _listen_on(cfg: TrainConfig) -> str:
     replicas on other machines reach this one's store and gloo group (127.0.0.1 again for a lighthouse on
     loopback)."""
     lighthouse = cfg.pipeline.dp_lighthouse
-    return address_towards(lighthouse) if cfg.pipeline.dp_elastic and lighthouse else LOOPBACK
+    if not (cfg.pipeline.dp_elastic and lighthouse):
+        return LOOPBACK
+    try:
+        return address_towards(lighthouse)
+    except OSError as e:
+        raise SpecError(f"--dp-lighthouse {e}") from None
 
 
 def _log_prefix(cfg: TrainConfig, rank: int) -> str:

@@ -125,8 +125,8 @@ def launch_local(fn: Callable[..., Any], nprocs: int, *args: Any, run_id: str | 
         try:
             rdzv_store, port = _store_on(host, 0)
         except Exception as e:  # noqa: BLE001 - an old torch without master_listen_fd: torch opens its own store
-            log.debug("could not open the rendezvous store on a loopback socket (%s); it listens on all "
-                      "interfaces", e)
+            log.debug("could not open the rendezvous store on a socket of %s (%s); it listens on all "
+                      "interfaces", host, e)
             rdzv_store, port = None, free_port(host)
         # shutdown_timeout is newer than the torch versions supported (2.12): older ones wait their own 30 s
         grace = {"shutdown_timeout": _SHUTDOWN_S} if "shutdown_timeout" in _fields(LaunchConfig) else {}
@@ -263,10 +263,14 @@ def address_towards(url: str) -> str:
     parts = urllib.parse.urlsplit(url)
     if not parts.hostname:
         raise ValueError(f"no host in the address {url!r} (expected http://HOST:PORT)")
-    family, _, _, _, addr = socket.getaddrinfo(parts.hostname, parts.port or 80, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(addr)
-        return str(s.getsockname()[0])
+    try:
+        info = socket.getaddrinfo(parts.hostname, parts.port or 80, type=socket.SOCK_DGRAM)
+        family, addr = info[0][0], info[0][4]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except OSError as e:
+        raise OSError(f"{url}: no route from this machine to its host ({e.strerror or e})") from None
 
 
 def interface_of(host: str) -> str | None:
