@@ -127,6 +127,11 @@ SETTINGS: dict[str, Setting] = {
     # with error feedback (what the basis leaves out goes with the slot's next message)
     "aqsgd pca/4 ec/ef pca/4 ec": Setting("delta:q4:rot128:step1:rc:pca/4", "ef:q4:rot128:step1:rc:pca/4"),
     "aqsgd pca/8 ec/ef pca/4 ec": Setting("delta:q4:rot128:step1:rc:pca/8", "ef:q4:rot128:step1:rc:pca/4"),
+    # the refresh interval: a new basis every 8 or every 128 compressed messages (default 32)
+    "aqsgd pca/4 ec/ef pca/4 ec refresh8": Setting("delta:q4:rot128:step1:rc:pca/4:refresh8",
+                                                   "ef:q4:rot128:step1:rc:pca/4:refresh8"),
+    "aqsgd pca/4 ec/ef pca/4 ec refresh128": Setting("delta:q4:rot128:step1:rc:pca/4:refresh128",
+                                                     "ef:q4:rot128:step1:rc:pca/4:refresh128"),
     "aqsgd pca/4 q4/ef pca/4 q4": Setting("delta:q4:pca/4", "ef:q4:pca/4"),
     # the same in tiled bases (each tile of 64 values of a row a basis of its own, a quarter of its width):
     # the products cost 64 / D of the dense basis's
