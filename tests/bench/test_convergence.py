@@ -137,6 +137,14 @@ def test_fewer_bits_study_reports_loss_gap_wire_bits_and_step_time(tmp_path):
     # 2-bit codes and a scale per 64 values (2.25 bits) or fewer after zstd; more than nothing
     assert 0.5 < z["wire_bits_per_value"] < 2.6 and 2 < z["wire_bits_per_value_backward"] < 4.6
     assert rot["traffic"]["forward_bits_per_value"] > rotz["traffic"]["forward_bits_per_value"] * 0.99
+    # a setting outside the study's own, asked for by name, stays in its file when a later command writes it
+    # asking for others (or for none)
+    path, _ = write_results("synthetic-lm", results, runs, tmp_path / "out", command="test", machine="here",
+                            study="fewer-bits", settings=["aqsgd fw2/bw4 rot"])
+    assert "aqsgd fw2/bw4 rot" in json.loads(path.read_text())["runs"]
+    path, _ = write_results("synthetic-lm", results, runs, tmp_path / "out", command="test", machine="here",
+                            study="fewer-bits")
+    assert set(json.loads(path.read_text())["runs"]) == {"fp32", *names[1:]}
 
 
 @pytest.mark.slow

@@ -351,12 +351,22 @@ def format_relative(value: float | None, spread: float | None = None) -> str:
     return f"{100 * value:+.2f}%" + (f" ± {100 * spread:.2f}" if spread is not None else "")
 
 
+def _recorded_settings(path: Path) -> set[str]:
+    """The settings whose runs a study's result file already holds (none where there is no such file)."""
+    try:
+        runs = json.loads(path.read_text()).get("runs", {})
+    except (OSError, ValueError):
+        return set()
+    return {r.get("setting", k) for k, r in runs.items()}
+
+
 def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_dir: str | Path, *,
                   command: str, machine: str, tag: str | None = None, study: str = "convergence",
                   settings: list[str] | None = None) -> tuple[Path, Path | None]:
     """The study's JSON (table, curves, final metrics) and a PNG of its runs under ``out_dir``, named
     ``<study>-<task>[-<tag>].json/.png``; a study's files hold its own settings only (several studies may
-    share one runs directory, and so their fp32 runs), plus any other ``settings`` asked for by name.
+    share one runs directory, and so their fp32 runs), plus any other ``settings`` asked for by name, now or
+    by an earlier command (those the file already holds are kept).
     ``command`` is this invocation; ``commands`` lists every command that added runs to the study, in order
     (runs recorded before commands were kept name none). The PNG is None (with a warning) when a seed-0 run
     directory is missing, e.g. for a study continued from its JSON on another machine: the JSON is still
@@ -365,9 +375,11 @@ def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    stem = f"{study}-{task}" + (f"-{tag}" if tag else "")
+    path = out / f"{stem}.json"
     wanted = set(STUDIES[study][task])
     if study != "convergence":  # the convergence study keeps every run of its directory, as before
-        keep = wanted | set(settings or [])
+        keep = wanted | set(settings or []) | _recorded_settings(path)
         results = {**results, "runs": {k: r for k, r in results["runs"].items()
                                        if r.get("setting", k) in keep}}
     commands = list(dict.fromkeys(r["command"] for r in results["runs"].values() if r.get("command")))
@@ -378,8 +390,6 @@ def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_
                "machine": "; ".join(machines or [machine]),
                "command": command, "commands": commands or [command],
                "complete": {r.get("setting", k) for k, r in results["runs"].items()} >= wanted}
-    stem = f"{study}-{task}" + (f"-{tag}" if tag else "")
-    path = out / f"{stem}.json"
     path.write_text(json.dumps(results, indent=1))
     # the curves of seed 0 (one per setting), drawn from the run directories (the records hold no byte curves)
     dirs = {r.get("setting", key): Path(runs_dir) / task / r.get("run_dir", _slug(key))
