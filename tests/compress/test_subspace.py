@@ -53,7 +53,7 @@ def test_a_relative_rank_is_a_share_of_the_row_rounded_up():
     ("pca16", "needs a codec for the coefficients"), ("q4:refresh8", "give pca<r> too"),
     ("q4:pca0", "positive integer"), ("q4:pca4:pca8", "'pca' given twice"),
     ("q4:pca4:refresh1:refresh2", "'refresh' given twice"), ("q4:pca/0", "divisor of pca/<k>"),
-    ("q4:tile16", "give pca<r> too"), ("q4:pca4:tile8:tile16", "'tile' given twice"),
+    ("q4:tile16:refresh8", "give pca<r> too"), ("q4:pca4:tile8:tile16", "'tile' given twice"),
     ("q4:pca4:tile0", "tile of pca<r>:tile<T> must be a positive integer"),
     ("q4:pca16:tile8", "rank 16 above the 8 values"),
 ])
@@ -77,6 +77,8 @@ def _tiled(n: int, tile: int, rank: int, seed: int = 0) -> torch.Tensor:
 
 def test_tiles_spec_rank_and_payload():
     assert make_codec("q4:tile16:pca/4").spec == "q4:pca/4:tile16"
+    assert make_codec("tah6:tile64").spec == "tah6:tile64"  # without pca, TAH-Quant's own tiles
+    assert make_codec("tah6:tile64:pca16").inner.spec == "tah6:tile64"  # and with TAH inside, too
     assert make_codec("q4:pca2:refresh8:tile16").spec == "q4:pca2:tile16:refresh8"
     codec = make_codec("q4:pca/4:tile16")
     assert codec.rank_for(64) == 16 and codec.rank_for(576) == 144 and codec.rank_for(48) == 12

@@ -33,7 +33,8 @@ They compose as ``zstd(outlier(rot(codec)))`` or ``rc(rot(codec))`` whatever the
 The subspace stage (see :mod:`aqsgd.compress.subspace`), outermost: ``pca<r>`` sends each row's ``r``
 coefficients in a basis that the boundary learns from what crosses it, compressed by the rest of the spec;
 ``refresh<N>`` re-estimates the basis every N compressed messages (default 32, 0: never); ``tile<T>`` gives
-each tile of T values of a row a basis of its own (``pca<r>``: r vectors a tile). It needs a boundary
+each tile of T values of a row a basis of its own (``pca<r>``: r vectors a tile; with TAH-Quant coding the
+coefficients, ``tile<T>`` stays TAH's own). It needs a boundary
 scheme to hold the basis: ``delta:q4:rot128:step1:rc:pca144``, ``ef:q4:pca192``, ``ef:q4:pca/4:tile64``.
 
 Examples: ``q4``, ``q2:token``, ``q3:block64:stochastic``, ``topk0.1``, ``topk0.1+q8``, ``q3:rot64:l2``,
@@ -175,8 +176,9 @@ def _make_codec(spec: str) -> Codec:
     toks = text.split(":")
     pca = [t for t in toks if _PCA_RE.fullmatch(t)]
     refresh = [t for t in toks if _REFRESH_RE.fullmatch(t)]
-    tile = [t for t in toks if _TILE_RE.fullmatch(t)]
-    if pca or refresh or tile:
+    if pca or refresh:
+        # tile<T> is the subspace's, but TAH-Quant's own where TAH codes the coefficients
+        tile = [] if toks[0].startswith("tah") else [t for t in toks if _TILE_RE.fullmatch(t)]
         stage = set(pca + refresh + tile)
         return _make_subspace(spec, [t for t in toks if t not in stage], pca, refresh, tile)
     wrappers: dict[str, re.Match] = {}
