@@ -390,7 +390,7 @@ def write_results(task: str, results: dict[str, Any], runs_dir: str | Path, out_
                "machine": "; ".join(machines or [machine]),
                "command": command, "commands": commands or [command],
                "complete": {r.get("setting", k) for k, r in results["runs"].items()} >= wanted}
-    path.write_text(json.dumps(results, indent=1))
+    path.write_text(json.dumps(results, separators=(",", ":")))  # compact: result files stay under 1 MB
     # the curves of seed 0 (one per setting), drawn from the run directories (the records hold no byte curves)
     dirs = {r.get("setting", key): Path(runs_dir) / task / r.get("run_dir", _slug(key))
             for key, r in results["runs"].items() if r.get("seed", 0) == 0}
