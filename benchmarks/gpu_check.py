@@ -23,6 +23,8 @@ limit inside ``--budget`` seconds (a step that would not fit is skipped and said
 
 * ``codecs``: ``aqsgd bench codecs --device cuda`` (each codec's rate against a same-tensor ``clone()``);
   ``codecs-topk8`` the TopK rows again with 8-bit radix digits (``AQSGD_TOPK_DIGIT_BITS=8``);
+* ``codecs-subspace``: the default's subspace codec (dense and tiled bases, with and without its range coder)
+  in the same bench;
 * ``no-sync``: no host synchronisation inside an encode or a decode on the GPU, NaN input and corrupt packets
   included (the CUDA tests of ``tests/compress/test_deferred_checks.py`` under
   ``torch.cuda.set_sync_debug_mode("error")``; Triton kernels compile in it);
@@ -271,6 +273,14 @@ def run(budget: float, out: Path, *, only: set[str] | None = None, smoke: bool =
         r = check.step("codecs-topk8", 45, [*aq, "bench", "codecs", "--device", device, *topk])
         env.pop("AQSGD_TOPK_DIGIT_BITS", None)
         r["figures"] = _codec_figures(out / "codecs-topk8.json")
+    if wanted("codecs-subspace"):
+        # the default's subspace codec (aqsgd.train.config.DEFAULT_FORWARD's inner spec), with dense and tiled
+        # bases and without its range coder, beside the same codec without the subspace
+        sub = ["--shape", "4,16,64", "--repeats", "2"] if smoke else []
+        sub += ["--codecs", "q4:rot128:step1:rc:pca/4", "q4:rot128:step1:rc:pca/4:tile64", "q4:pca/4",
+                "q4:pca/4:tile64", "q4:rot128:step1:rc", "--json", str(out / "codecs-subspace.json")]
+        r = check.step("codecs-subspace", 60, [*aq, "bench", "codecs", "--device", device, *sub])
+        r["figures"] = _codec_figures(out / "codecs-subspace.json")
     if wanted("no-sync"):
         r = check.step("no-sync", 120, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                        "-rfEs", "tests/compress/test_deferred_checks.py", "-k", "cuda"])

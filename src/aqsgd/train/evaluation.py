@@ -36,7 +36,7 @@ def _mcc(tp: float, tn: float, fp: float, fn: float) -> float:
 
 def _counts(logits: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
     """Correct predictions and the binary confusion counts (tp, tn, fp, fn) of one batch."""
-    p, y = torch.cat(logits).argmax(-1).cpu(), labels
+    p, y = torch.cat(logits).argmax(-1).cpu(), labels.cpu()
     return torch.tensor([float((p == y).sum()), float(((p == 1) & (y == 1)).sum()),
                          float(((p == 0) & (y == 0)).sum()), float(((p == 1) & (y == 0)).sum()),
                          float(((p == 0) & (y == 1)).sum())], dtype=torch.float64)
