@@ -182,7 +182,7 @@ def small_chunks(monkeypatch):
 
 @pytest.fixture(params=["11", "8"])
 def digit_bits(request, monkeypatch):
-    """Both radix layouts: three passes of 11-bit digits (the default) and four of 8."""
+    """Both radix layouts: three passes of 11-bit digits and four of 8 (the default)."""
     monkeypatch.setenv("AQSGD_TOPK_DIGIT_BITS", request.param)
 
 
@@ -552,3 +552,65 @@ def test_subspace_packets_equal_the_other_backends(spec):
         packets += send.send(_data((4, 8, 64), seed=1)) + send.send(_data((2, 8, 64), seed=2))
         sent[backend] = [p.to_bytes() for p in packets]
     assert sent["triton"] == sent["eager"] == sent["numba"]
+
+
+# -- few long rows: the row max split over the columns (TopK's kept values, ``topk0.1+q8:token``) ------------
+def _launched(monkeypatch, name: str) -> list[tuple]:
+    """The grids of the Triton kernel ``name``, appended to the returned list as it is launched."""
+    grids: list[tuple] = []
+    table = triton_kernels._kernels()
+    real = table[name]
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return real[grid]
+
+    monkeypatch.setitem(table, name, Recorder())
+    return grids
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")
+@pytest.mark.parametrize("shape", [(3, 300), (2, 3, 1000), (17, 2100)])
+@pytest.mark.parametrize("spec", ["q8:token", "q4:token", "q2:token", "q6:token"])
+def test_few_long_rows_split_their_max_and_equal_the_other_backends(shape, spec, monkeypatch):
+    """Rows too few to fill a GPU (under 64 programs of 16) have their max split over the columns
+    (``rowmax_partial`` then ``colmax_finish``) and are quantized by ``quant_pack`` on a 2-D grid: the same
+    bytes as the eager and numba backends, checks made at once or in the kernels; a NaN refused either way."""
+    from aqsgd.compress.base import deferring_checks
+
+    rows, k = (shape[0] * (shape[1] if len(shape) == 3 else 1), shape[-1])
+    assert triton_kernels._col_splits(rows, k)[0] > 1
+    grids = _launched(monkeypatch, "rowmax_partial")
+    x = _edgy(shape) if len(shape) == 3 else _data(shape)
+    want = make_codec(spec, backend="eager").encode(x)
+    numba = make_codec(spec, backend="numba").encode(x)
+    for deferred in (False, True):
+        with deferring_checks(deferred):
+            got = make_codec(spec, backend="triton").encode(x)
+        assert torch.equal(got.payload, want.payload) and torch.equal(got.payload, numba.payload), spec
+        assert got.refusal() is None
+    assert grids and all(g[1] > 1 for g in grids), grids  # the split kernel ran, over several column ranges
+    bad = x.clone()
+    bad.view(-1)[k + 5] = float("nan")
+    with pytest.raises(Exception) as immediate:
+        make_codec(spec, backend="eager").encode(bad)
+    with deferring_checks(True):
+        packet = make_codec(spec, backend="triton").encode(bad)
+    assert packet.refusal() == str(immediate.value)
+
+
+def test_many_rows_keep_one_launch_for_max_and_codes():
+    """A 4096 x 768 activation (256 programs of rows) is not split: one launch finds the maxima and packs."""
+    assert triton_kernels._col_splits(4096, 768) == (1, 768)
+    assert triton_kernels._col_splits(80, 39322)[0] > 1
+
+
+def test_the_split_row_max_propagates_nan():
+    ops = kernels.for_device("cpu", "triton")
+    x = _data((3, 700))
+    x[1, 650] = float("nan")
+    x[2, 3] = float("-inf")
+    assert triton_kernels._col_splits(3, 700)[0] > 1
+    got, want = ops.max_abs(x, False), kernels.for_device("cpu", "eager").max_abs(x, False)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())

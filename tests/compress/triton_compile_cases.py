@@ -37,6 +37,8 @@ CASES = [
     ("steps", {"stored_ptr": F16, "step_ptr": F32, "flag_ptr": I32, "G": "i32", "divisor": "fp32"},
      {"BLOCK": 1024}),
     ("rowmax", MAX, {"SCALES": True, "HALF": True, "BLOCK_R": 16, "BLOCK_K": 128}),
+    ("rowmax_partial", {"x_ptr": F32, "out_ptr": F32, "R": "i32", "K": "i32", "CHUNK": "i32"},
+     {"BLOCK_R": 16, "BLOCK_K": 128}),
     ("row_max_quant_pack", {"x_ptr": F32, "stored_ptr": F16, "flag_ptr": I32, "out_ptr": U8, "R": "i32",
                             "K": "i32", "offset": "fp32", "qmax": "fp32"},
      {"HALF": True, "BITS": 4, "BLOCK_R": 16, "BLOCK_K": 128, "BLOCK_G": 16}),
@@ -71,12 +73,17 @@ CASES = [
                               "PNB": 2048, "PFIRST": True, "MASKED": HIST_MASKED, "BLOCK": 1024}),
     ("topk_hist", TOPK_HIST, {"SHIFT": 0, "NB": 512, "HIGH": 0x7FFFFE00, "PICK": True, "PSHIFT": 9,
                               "PNB": 2048, "PFIRST": False, "MASKED": HIST_MASKED, "BLOCK": 1024}),
-    # 8-bit digits (AQSGD_TOPK_DIGIT_BITS=8)
+    # 8-bit digits (the default): the first pass and a later one
+    ("topk_hist", TOPK_HIST, {"SHIFT": 23, "NB": 256, "HIGH": 0, "PICK": False, "PSHIFT": 23, "PNB": 256,
+                              "PFIRST": False, "MASKED": False, "BLOCK": 1024}),
     ("topk_hist", TOPK_HIST, {"SHIFT": 7, "NB": 256, "HIGH": 0x7FFF8000, "PICK": True, "PSHIFT": 15,
                               "PNB": 256, "PFIRST": False, "MASKED": HIST_MASKED, "BLOCK": 1024}),
     ("topk_count", {"x_ptr": I32, "phist_ptr": I32, "pprev_ptr": I32, "state_ptr": I32, "counts_ptr": I32,
                     "n": "i32", "chunk": "i32", "nchunk": "i32", "k": "i32"},
      {"PSHIFT": 0, "PNB": 512, "BLOCK": 1024}),
+    ("topk_count", {"x_ptr": I32, "phist_ptr": I32, "pprev_ptr": I32, "state_ptr": I32, "counts_ptr": I32,
+                    "n": "i32", "chunk": "i32", "nchunk": "i32", "k": "i32"},
+     {"PSHIFT": 0, "PNB": 128, "BLOCK": 1024}),  # the last of the 8-bit digits has 7 bits
     ("topk_write", {"x_ptr": I32, "state_ptr": I32, "counts_ptr": I32, "idx_ptr": I64, "vals_ptr": F16,
                     "ib_ptr": U8, "bad_ptr": I32, "n": "i32", "k": "i32", "chunk": "i32", "nchunk": "i32"},
      {"PACK": True, "FMT": 1, "WIDTH": 2, "BLOCK": 1024, "CBLOCK": 128}),

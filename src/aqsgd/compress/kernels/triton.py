@@ -74,10 +74,11 @@ _TOPK_CHUNK = 16384  # values of a row per program of the TopK kernels
 _TOPK_BLOCK = 1024  # values per step within a chunk
 _TOPK_CBLOCK = 128  # chunk counts summed per step
 # The radix digits of the 31-bit magnitude key, (shift, bits, mask of the digits above it), from the top: by
-# default 11 bits (three passes, 2,048 bins). What a histogram costs depends on Triton's lowering: 3.2-3.6
-# count with warp ballots, about 3,000 PTX instructions per 1,024 keys at 2,048 bins and 860 at 256 (compiled
-# for sm_90 here); 3.9 with one shared-memory atomic per key whatever the bins. AQSGD_TOPK_DIGIT_BITS=8 (four
-# passes of 256 bins) is there to measure the other side of that trade on a GPU (the GPU check runs both).
+# default 8 bits (four passes, 256 bins). What a histogram costs depends on Triton's lowering: 3.2-3.6 count
+# with warp ballots, about 3,000 PTX instructions per 1,024 keys at 2,048 bins and 860 at 256 (compiled for
+# sm_90); 3.9 with one shared-memory atomic per key whatever the bins. Measured on an H200 with Triton 3.6 (the
+# GPU check, 2026-11-30, docs/bench-codecs.md): the four 8-bit passes took 92 us of device time where the
+# three 11-bit passes took 435 us. AQSGD_TOPK_DIGIT_BITS=11 keeps the three passes (unmeasured on 3.9).
 TOPK_DIGIT_BITS = (11, 8)
 
 
@@ -93,7 +94,7 @@ def topk_digits(bits: int) -> tuple[tuple[int, int, int], ...]:
 
 
 def _topk_digits() -> tuple[tuple[int, int, int], ...]:
-    text = os.environ.get("AQSGD_TOPK_DIGIT_BITS", "11")
+    text = os.environ.get("AQSGD_TOPK_DIGIT_BITS", "8")
     if not text.isdigit() or int(text) not in TOPK_DIGIT_BITS:
         raise ValueError(f"AQSGD_TOPK_DIGIT_BITS={text}: one of {', '.join(map(str, TOPK_DIGIT_BITS))}")
     return topk_digits(int(text))
@@ -166,6 +167,18 @@ def _row_splits(rows: int, k: int) -> tuple[int, int]:
     return max(_cdiv(rows, chunk), 1), chunk
 
 
+def _col_splits(rows: int, k: int) -> tuple[int, int]:
+    """How a row max splits its columns: ``(splits, columns per split)``, a multiple of ``_BLOCK_K``; one
+    split unless the rows are so few that they alone give under ``_MAX_PROGRAMS / 8`` programs (a
+    4096 x 768 activation has 256 and is not split; TopK's kept values, 80 rows of 39,322, have 5)."""
+    programs = _cdiv(rows, _BLOCK_R)
+    if programs >= _MAX_PROGRAMS // 8:
+        return 1, k
+    want = max(1, min(_cdiv(k, _BLOCK_K), _MAX_PROGRAMS // programs))
+    chunk = max(_cdiv(_cdiv(k, want), _BLOCK_K), 1) * _BLOCK_K
+    return max(_cdiv(k, chunk), 1), chunk
+
+
 def _finish_colmax(part: torch.Tensor, out: torch.Tensor, stored: torch.Tensor, flag: torch.Tensor,
                    qmax: float, *, scales: bool) -> None:
     """``out`` from the partial column maxes ``part`` ``[splits, K]`` (``colmax_finish``)."""
@@ -211,9 +224,16 @@ class TritonKernels(Kernels):
         rows, k = x2.shape
         half = stored.dtype == torch.float16
         if not by_col:
-            _kernels()["rowmax"][(_cdiv(rows, _BLOCK_R),)](x2, out, stored, flag, rows, k, qmax,
-                                                           SCALES=scales, HALF=half, BLOCK_R=_BLOCK_R,
-                                                           BLOCK_K=_BLOCK_K)
+            splits, chunk = _col_splits(rows, k)
+            if splits == 1:
+                _kernels()["rowmax"][(_cdiv(rows, _BLOCK_R),)](x2, out, stored, flag, rows, k, qmax,
+                                                               SCALES=scales, HALF=half, BLOCK_R=_BLOCK_R,
+                                                               BLOCK_K=_BLOCK_K)
+                return
+            part = torch.empty(splits, rows, dtype=torch.float32, device=x2.device)
+            _kernels()["rowmax_partial"][(_cdiv(rows, _BLOCK_R), splits)](x2, part, rows, k, chunk,
+                                                                          BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K)
+            _finish_colmax(part, out, stored, flag, qmax, scales=scales)  # the rows are part's columns
             return
         splits, chunk = _row_splits(rows, k)
         part = out if splits == 1 else torch.empty(splits, k, dtype=torch.float32, device=x2.device)
@@ -243,6 +263,8 @@ class TritonKernels(Kernels):
     def max_quantize_rows(self, x2: torch.Tensor, stored: torch.Tensor, qmax: int, flag: torch.Tensor,
                           offset: float, bits: int, out: torch.Tensor) -> bool:
         rows, k = x2.shape
+        if _col_splits(rows, k)[0] > 1:  # few long rows: the max split over the columns, then quant_pack
+            return False
         _kernels()["row_max_quant_pack"][(_cdiv(rows, _BLOCK_R),)](
             x2, stored, flag, out, rows, k, float(offset), float(qmax), HALF=stored.dtype == torch.float16,
             BITS=bits, BLOCK_R=_BLOCK_R, BLOCK_K=_BLOCK_K, BLOCK_G=_BLOCK_G)
