@@ -20,17 +20,19 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_smoke_run_reports_every_step_it_ran(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "run", "--budget", "200",
-                           "--out", str(out), "--smoke", "--only", "codecs,codecs-topk8,dp-nccl,suite"],
+                           "--out", str(out), "--smoke", "--only", "codecs,codecs-topk11,codecs-subspace,dp-nccl,suite"],
                           cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "gpu-check.json").read_text())
     steps = {s["name"]: s for s in data["steps"]}
-    assert list(steps) == ["codecs", "codecs-topk8", "dp-nccl", "suite"]
+    assert list(steps) == ["codecs", "codecs-topk11", "codecs-subspace", "dp-nccl", "suite"]
     assert steps["codecs"]["rc"] == 0 and ({r["codec"] for r in steps["codecs"]["figures"]["rows"]}
                                            == {"q2", "fp16"})
-    topk8 = steps["codecs-topk8"]
-    assert topk8["rc"] == 0
-    assert {r["codec"] for r in topk8["figures"]["rows"]} == {"topk0.1", "topk0.1+q8:token"}
+    topk11 = steps["codecs-topk11"]
+    assert topk11["rc"] == 0
+    assert {r["codec"] for r in topk11["figures"]["rows"]} == {"topk0.1", "topk0.1+q8:token"}
+    subspace = steps["codecs-subspace"]
+    assert subspace["rc"] == 0 and len(subspace["figures"]["rows"]) == 5
     assert steps["suite"]["rc"] == 0 and steps["suite"]["figures"]["passed"] > 0
     # NCCL on a machine without a GPU: refused before any stage process starts, in one line
     assert steps["dp-nccl"]["rc"] == 2 and steps["dp-nccl"]["figures"]["refused_in_one_line"]
