@@ -115,9 +115,9 @@ def prepare() -> None:
     tracked = _tracked_bytes()
     if tracked is not None and tracked + size > TRAVEL_LIMIT:
         print(f"note: the tracked files ({tracked / 2**20:.1f} MiB) and {GPU.name}/ together are "
-              f"{(tracked + size) / 2**20:.1f} MiB, over the {TRAVEL_LIMIT >> 20} MiB a remote call carries: set "
-              "benchmarks/results files over 200 KB aside for the call (the docs-link tests then fail there), or "
-              "carry .gpu/whl alone for steps that need no MiniLM (all but default-job)")
+              f"{(tracked + size) / 2**20:.1f} MiB, over the {TRAVEL_LIMIT >> 20} MiB a remote call "
+              "carries: set benchmarks/results files over 200 KB aside for the call (the docs-link tests "
+              "then fail there), or carry .gpu/whl alone for steps that need no MiniLM (all but default-job)")
 
 
 TRAVEL_LIMIT = 64 << 20  # what one call to a lent GPU machine carries (tracked files and carried paths)

@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_a_smoke_run_reports_every_step_it_ran(tmp_path):
     out = tmp_path / "out"
+    steps = "codecs,codecs-topk11,codecs-subspace,dp-nccl,suite"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "run", "--budget", "200",
-                           "--out", str(out), "--smoke", "--only", "codecs,codecs-topk11,codecs-subspace,dp-nccl,suite"],
+                           "--out", str(out), "--smoke", "--only", steps],
                           cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "gpu-check.json").read_text())

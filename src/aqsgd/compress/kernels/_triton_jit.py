@@ -615,6 +615,6 @@ def cast_checked(x_ptr, y_ptr, flag_ptr, N, BF16: tl.constexpr, BLOCK: tl.conste
 
 
 KERNELS = {k.__name__: k for k in (
-    scales, rowmax, rowmax_partial, row_max_quant_pack, colmax, colmax_finish, quant_pack, unpack_dequant, row_sumsq,
-    split_rows, delta_rowmax, delta_colmax, delta_into, delta_quant_update, delta_dequant_update, fwht_rows,
-    topk_hist, topk_count, topk_write, cast_checked, steps)}
+    scales, rowmax, rowmax_partial, row_max_quant_pack, colmax, colmax_finish, quant_pack, unpack_dequant,
+    row_sumsq, split_rows, delta_rowmax, delta_colmax, delta_into, delta_quant_update, delta_dequant_update,
+    fwht_rows, topk_hist, topk_count, topk_write, cast_checked, steps)}

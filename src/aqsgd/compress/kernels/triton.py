@@ -74,11 +74,12 @@ _TOPK_CHUNK = 16384  # values of a row per program of the TopK kernels
 _TOPK_BLOCK = 1024  # values per step within a chunk
 _TOPK_CBLOCK = 128  # chunk counts summed per step
 # The radix digits of the 31-bit magnitude key, (shift, bits, mask of the digits above it), from the top: by
-# default 8 bits (four passes, 256 bins). What a histogram costs depends on Triton's lowering: 3.2-3.6 count
-# with warp ballots, about 3,000 PTX instructions per 1,024 keys at 2,048 bins and 860 at 256 (compiled for
-# sm_90); 3.9 with one shared-memory atomic per key whatever the bins. Measured on an H200 with Triton 3.6 (the
-# GPU check, 2026-11-30, docs/bench-codecs.md): the four 8-bit passes took 92 us of device time where the
-# three 11-bit passes took 435 us. AQSGD_TOPK_DIGIT_BITS=11 keeps the three passes (unmeasured on 3.9).
+# default 8 bits (four passes, 256 bins). What a histogram costs depends on Triton's lowering: 3.2-3.6
+# count with warp ballots, about 3,000 PTX instructions per 1,024 keys at 2,048 bins and 860 at 256
+# (compiled for sm_90); 3.9 with one shared-memory atomic per key whatever the bins. Measured on an H200 with
+# Triton 3.6 (the GPU check, 2026-11-30, docs/bench-codecs.md): the four 8-bit passes took 92 us of device
+# time where the three 11-bit passes took 435 us. AQSGD_TOPK_DIGIT_BITS=11 keeps the three passes
+# (unmeasured on 3.9).
 TOPK_DIGIT_BITS = (11, 8)
 
 
