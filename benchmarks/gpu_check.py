@@ -13,7 +13,9 @@ With a session's 15 minutes of device time (starting the machine took about 40 s
 first call (every step; the suite gets what is left, about 2 minutes), then ``--only suite --budget 240
 --suite-reverse`` in a second call on the still-warm machine: the whole suite with 14 workers took more than
 4 minutes there (cut at 91 % twice), so the second call runs it from its end, and the two calls together
-cover it.
+cover it. On an H200 (2026-11-30) one call with ``--budget 555`` and ``--only`` leaving out ``overhead`` and
+the ``dist`` steps ran the whole suite in 240 s. The tracked files and ``.gpu/`` together exceed the 64 MiB a
+call carries; ``prepare`` says so (see docs/bench-pipeline.md, "The GPU check").
 
 ``prepare`` puts into ``.gpu/`` what such a machine lacks: wheels of the base dependencies its image has not
 (``isal``, ``zstandard``, ``gguf``, for its Python), the MiniLM weights cast to fp16 (so that the tree stays
