@@ -126,13 +126,13 @@ def steps(stored_ptr, step_ptr, flag_ptr, G, divisor, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_max_abs(x_ptr, rows, rmask, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Each of ``rows``' max |x| over its ``K`` values, NaN where one is NaN (a helper of ``rowmax`` and
-    ``row_max_quant_pack``: Triton inlines it)."""
+def _row_max_abs(x_ptr, rows, rmask, K, col0, ncols, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each of ``rows``' max |x| over its columns ``[col0, col0 + ncols)`` (those below ``K``), NaN where one
+    is NaN (a helper of ``rowmax``, ``rowmax_partial`` and ``row_max_quant_pack``: Triton inlines it)."""
     best = tl.zeros([BLOCK_R], dtype=tl.float32)
     nans = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
+    for start in range(0, ncols, BLOCK_K):
+        cols = col0 + start + tl.arange(0, BLOCK_K)
         m = rmask[:, None] & (cols < K)[None, :]
         x = tl.abs(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0))
         nans += tl.sum((x != x).to(tl.int32), axis=1)
@@ -147,7 +147,7 @@ def rowmax(x_ptr, out_ptr, stored_ptr, flag_ptr, R, K, qmax, SCALES: tl.constexp
     ``inv`` into ``out_ptr`` instead."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    best = _row_max_abs(x_ptr, rows, rmask, K, BLOCK_R, BLOCK_K)
+    best = _row_max_abs(x_ptr, rows, rmask, K, 0, K, BLOCK_R, BLOCK_K)
     if SCALES:
         best = _inv(_stored_scale(best, rows, rmask, stored_ptr, flag_ptr, HALF), qmax)
     tl.store(out_ptr + rows, best, mask=rmask)
@@ -161,16 +161,7 @@ def rowmax_partial(x_ptr, out_ptr, R, K, CHUNK, BLOCK_R: tl.constexpr, BLOCK_K: 
     ``row_max_quant_pack`` 5 programs, each looping over whole rows (655 us on an H200)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    col0 = tl.program_id(1) * CHUNK
-    best = tl.zeros([BLOCK_R], dtype=tl.float32)
-    nans = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for start in range(0, CHUNK, BLOCK_K):
-        cols = col0 + start + tl.arange(0, BLOCK_K)
-        m = rmask[:, None] & (cols < K)[None, :]
-        x = tl.abs(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0))
-        nans += tl.sum((x != x).to(tl.int32), axis=1)
-        best = tl.maximum(best, tl.max(tl.where(x != x, 0.0, x), axis=1))
-    best = tl.where(nans > 0, float("nan"), best)
+    best = _row_max_abs(x_ptr, rows, rmask, K, tl.program_id(1) * CHUNK, CHUNK, BLOCK_R, BLOCK_K)
     tl.store(out_ptr + tl.program_id(1) * R + rows, best, mask=rmask)
 
 
@@ -183,7 +174,7 @@ def row_max_quant_pack(x_ptr, stored_ptr, flag_ptr, out_ptr, R, K, offset, qmax,
     made (held in registers, the value ``rowmax`` would write and ``quant_pack`` read): the same bytes."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    best = _row_max_abs(x_ptr, rows, rmask, K, BLOCK_R, BLOCK_K)
+    best = _row_max_abs(x_ptr, rows, rmask, K, 0, K, BLOCK_R, BLOCK_K)
     inv = _inv(_stored_scale(best, rows, rmask, stored_ptr, flag_ptr, HALF), qmax)[:, None, None]
     lane = tl.arange(0, 8)
     for g0 in range(0, (K + 7) // 8, BLOCK_G):
