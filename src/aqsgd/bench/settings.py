@@ -169,6 +169,16 @@ SETTINGS: dict[str, Setting] = {
     "diloco50 avg q8": Setting("none", "none", {"grad_sync": "diloco:50:lr1:momentum0:q8"}),
     "diloco50 avg topk3% q2": Setting("none", "none", {"grad_sync": "diloco:50:lr1:momentum0:topk3%:q2"}),
     "diloco10 avg q8": Setting("none", "none", {"grad_sync": "diloco:10:lr1:momentum0:q8"}),
+    # ... and past the mean: averaging two replicas' rounds shrinks what they moved (their steps partly
+    # disagree), which an outer lr above 1, or a little Nesterov momentum, gives back over a few rounds
+    "diloco50 lr1.5 topk3% q2": Setting("none", "none", {"grad_sync": "diloco:50:lr1.5:momentum0:topk3%:q2"}),
+    "diloco50 lr2 topk3% q2": Setting("none", "none", {"grad_sync": "diloco:50:lr2:momentum0:topk3%:q2"}),
+    "diloco50 nesterov0.5 topk3% q2": Setting("none", "none",
+                                              {"grad_sync": "diloco:50:lr1:momentum0.5:topk3%:q2"}),
+    # ... and a larger share of each block (10 %, ~120x fewer bytes than per-step q8 at 2 replicas): with a
+    # few rounds only, what error feedback holds back at 3 % is never all sent
+    "diloco50 avg topk10% q2": Setting("none", "none", {"grad_sync": "diloco:50:lr1:momentum0:topk10%:q2"}),
+    "diloco50 lr2 topk10% q2": Setting("none", "none", {"grad_sync": "diloco:50:lr2:momentum0:topk10%:q2"}),
     # streamed (Streaming DiLoCo): the stage in 2 fragments whose rounds end 25 steps apart, each averaging
     # overlapped with the next steps' compute (delay: the steps its bytes take over a 30 Mbit/s link, with a
     # margin: MiniLM's larger fragment ~3 s in 8-bit codes, ~0.4 s as the top-k) and mixed half and half with
