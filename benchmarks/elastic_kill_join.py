@@ -2,7 +2,8 @@
 
 Two runs of ``aqsgd train --dp-elastic`` on the diloco study's task (MiniLM on BBC, 2 stages x 2 replicas,
 800 samples, 4 epochs = 200 steps, boundaries uncompressed, outer steps ``diloco:10:lr1:momentum0:q8``,
-evaluated every 50 steps), one after the other (never at once: they share the cores):
+evaluated every 50 steps; with ``--replicas 4`` the study's ``minilm-bbc-dp4``: 1,600 samples, so that each
+replica still sees 400 and the run is 200 steps), one after the other (never at once: they share the cores):
 
 - ``plain``: uninterrupted;
 - ``kill``: at replica 1's step ``--kill-at``, one of its stage processes is killed (SIGKILL); once its
@@ -26,12 +27,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-TASK = ["--task", "bbc", "--model", "minilm", "--max-length", "64", "--max-train-samples", "800",
-        "--max-eval-samples", "200", "--stages", "2", "--micro-batches", "2", "--micro-batch-size", "4",
-        "--data-parallel", "2", "--runtime", "distributed", "--epochs", "4", "--warmup-epochs", "0",
-        "--lr", "2e-4", "--forward", "none", "--backward", "none",
-        "--grad-sync", "diloco:10:lr1:momentum0:q8", "--dp-elastic", "--eval-every", "50",
-        "--checkpoint-every", "0", "--no-progress", "--device", "cpu"]
+def task(replicas: int = 2, seed: int = 0) -> list[str]:
+    """The training options of both runs: ``replicas`` replica pipelines of 2 stages, 400 samples each."""
+    return ["--task", "bbc", "--model", "minilm", "--max-length", "64",
+            "--max-train-samples", str(400 * replicas), "--max-eval-samples", "200", "--stages", "2",
+            "--micro-batches", "2", "--micro-batch-size", "4", "--data-parallel", str(replicas),
+            "--runtime", "distributed", "--epochs", "4", "--warmup-epochs", "0", "--lr", "2e-4",
+            "--forward", "none", "--backward", "none", "--grad-sync", "diloco:10:lr1:momentum0:q8",
+            "--dp-elastic", "--eval-every", "50", "--checkpoint-every", "0", "--no-progress",
+            "--device", "cpu", "--seed", str(seed)]
 
 
 def _step_of(run: Path) -> int:
@@ -66,9 +70,9 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and (s := _state(p)) and s[1] == pid]
 
 
-def run(out: Path, mode: str, kill_at: int, alone: int) -> None:
+def run(out: Path, mode: str, kill_at: int, alone: int, options: list[str]) -> None:
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "aqsgd", "train", *TASK, "--output-dir", str(out)]
+    cmd = [sys.executable, "-m", "aqsgd", "train", *options, "--output-dir", str(out)]
     with open(out / f"{mode}.log", "w") as log:
         main = subprocess.Popen([*cmd, "--run-name", mode], stdout=log, stderr=subprocess.STDOUT)
         base = out / mode
@@ -107,11 +111,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-at", type=int, default=60, help="replica 1's step at which it is killed")
     parser.add_argument("--alone", type=int, default=20,
                         help="steps replica 0 trains alone before the restart")
+    parser.add_argument("--replicas", type=int, default=2, help="replica pipelines (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="the runs' seed (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.replicas < 2:
+        parser.error(f"--replicas must be at least 2 (replica 1 is the one killed), got {args.replicas}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for mode in ("plain", "kill"):
-        run(out, mode, args.kill_at, args.alone)
+        run(out, mode, args.kill_at, args.alone, task(args.replicas, args.seed))
 
 
 if __name__ == "__main__":
