@@ -170,7 +170,8 @@ SETTINGS: dict[str, Setting] = {
     "diloco50 avg topk3% q2": Setting("none", "none", {"grad_sync": "diloco:50:lr1:momentum0:topk3%:q2"}),
     "diloco10 avg q8": Setting("none", "none", {"grad_sync": "diloco:10:lr1:momentum0:q8"}),
     # ... and past the mean: averaging two replicas' rounds shrinks what they moved (their steps partly
-    # disagree), which an outer lr above 1, or a little Nesterov momentum, gives back over a few rounds
+    # disagree), which an outer lr above 1, or a little Nesterov momentum, might give back over a few rounds
+    # (tried on seed 0, with the larger top-k below: convergence.md, "The outer step's size")
     "diloco50 lr1.5 topk3% q2": Setting("none", "none", {"grad_sync": "diloco:50:lr1.5:momentum0:topk3%:q2"}),
     "diloco50 lr2 topk3% q2": Setting("none", "none", {"grad_sync": "diloco:50:lr2:momentum0:topk3%:q2"}),
     "diloco50 nesterov0.5 topk3% q2": Setting("none", "none",
