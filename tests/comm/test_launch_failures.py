@@ -251,6 +251,18 @@ def test_a_stage_stopped_by_the_launcher_points_to_the_first_exit():
     assert cause.rank == 0 and cause.path == [2, 3, 0]
 
 
+def test_a_stage_interrupted_by_the_tear_down_points_to_the_stage_that_died():
+    # stage 1 was killed (SIGKILL); the launcher's SIGTERM reached stage 0 before it reported losing stage 1
+    sigterm = RankOutcome(0, "error", "Interrupted", "interrupted", (), 1.0, signum=15)
+    outcomes = {0: sigterm, 1: RankOutcome(1, "exited", detail="was killed by signal SIGKILL")}
+    cause = find_root_cause(outcomes, first_exit=1)
+    assert cause.rank == 1 and cause.path == [1]
+    # a SIGTERM to one stage: that stage is the first to end, and the cause
+    outcomes = {0: sigterm, 1: _err(1, 1.2, 0, kind="PeerFailure")}
+    assert find_root_cause(outcomes, first_exit=0).rank == 0
+    assert find_root_cause(outcomes).rank == 0
+
+
 def test_a_stage_that_returned_while_a_peer_waited_is_at_fault():
     outcomes = {0: RankOutcome(0, "ok"), 1: _err(1, 1.0, 0, kind="PeerFailure")}
     assert find_root_cause(outcomes).rank == 0

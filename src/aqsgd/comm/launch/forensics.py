@@ -33,7 +33,9 @@ reporter). Stop at a process that
 * did not report: it stopped responding (killed by the watchdog), crashed (exited, or died of a signal), or
   had returned while a peer still waited on it: that is the cause;
 * was stopped by the launcher while it tore the run down after another process died: the cause is that
-  other process (the launcher's first failure).
+  other process (the launcher's first failure). So is a process whose report is an interruption (SIGTERM,
+  SIGINT) while the launcher's first failure is another process that died without a report: that signal
+  was the tear-down, sent before the process could report what it saw (a stage whose peer was killed).
 
 If every peer named is already on the path (a cycle: typically two processes that each report losing the
 other, the later report being a consequence of the earlier one's departure), the process at fault is the one
@@ -158,6 +160,10 @@ def find_root_cause(outcomes: Mapping[int, RankOutcome], first_exit: int | None 
         path.append(named[0])
     if outcomes[path[-1]].status == "terminated" and first_exit is not None and first_exit not in path:
         path.append(first_exit)
+    elif (outcomes[path[-1]].signum is not None and first_exit is not None and first_exit not in path
+          and first_exit in outcomes and outcomes[first_exit].status in ("exited", "hung")):
+        # interrupted by the tear-down that another process's death started, before it could report it
+        return RootCause(first_exit, [first_exit])
     return RootCause(path[-1], path)
 
 
