@@ -50,10 +50,14 @@ def test_rotation_matches_the_hadamard_matrix():
 
 
 @pytest.mark.skipif(not numba_kernels.available(), reason="numba missing")
-@pytest.mark.parametrize("tile", [2, 4, 16, 64, 128])
-@pytest.mark.parametrize("rows", [1, 7, 8, 1001])
+@pytest.mark.parametrize("tile", [2, 4, 8, 16, 32, 64, 128, 256, 1024])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 1001])
 def test_fused_rotation_is_bit_identical_to_torch(tile, rows):
-    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 10
+    # every mix of the kernel's three-stage and single-stage steps (tiles 2 ... 1024), rows around its 16
+    # lanes, and values over many magnitudes, so that a changed order of additions would round differently
+    g = torch.Generator().manual_seed(rows)
+    width = max(128, tile)
+    x = torch.randn(rows, width, generator=g) * torch.exp(3 * torch.randn(rows, width, generator=g))
     y = hadamard.rotate(x, tile, 3)
     y_eager = hadamard.rotate(x, tile, 3, backend="eager")
     z_eager = hadamard.unrotate(y_eager, tile, 3, backend="eager")
