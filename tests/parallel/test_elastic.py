@@ -35,7 +35,7 @@ def _batch(replica: int, stage: int, step: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spec: str, die_at: int,
-             join: bool) -> None:
+             join: bool, die_in_round: int = -1) -> None:
     import logging
 
     import torch.distributed as dist
@@ -70,6 +70,21 @@ def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spe
                          store=("127.0.0.1", port), state_fn=state_fn, load_fn=load_fn, timeout_s=30)
     outer = holder["outer"] = make_outer_sync(spec, list(model.parameters()), membership=group)
     outer.end = STEPS
+    if die_in_round >= 0:  # the replica goes inside that round's outer step, once its quorum has formed:
+        # stage 0 before it averages (its peers are left inside their collective), stage 1 after (its peers
+        # averaged with it, and learn only from their stage 0 that the outer step failed)
+        average = outer.average
+        real_sync = average.sync
+
+        def sync(params, **kw):
+            if outer.rounds == die_in_round:
+                if stage == 0:
+                    os._exit(3)
+                real_sync(params, **kw)
+                os._exit(3)
+            return real_sync(params, **kw)
+
+        average.sync = sync
     Path(f"{out}/ready-{replica}-{stage}").touch()
     if join:
         Path(f"{out}/joining-stage{stage}").touch()
@@ -81,7 +96,8 @@ def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spe
         step = outer.taken
         if step == die_at:
             os._exit(3)  # the whole replica pipeline goes, without a goodbye
-        if step == HOLD_AT:  # the joiner's start-up takes seconds: the others must not be done before it asks
+        # the joiner's start-up takes seconds: the others must not be done before it asks
+        if step == HOLD_AT and not (Path(out) / "no-joiner").exists():
             while not all(Path(f"{out}/joining-stage{s}").exists() for s in range(STAGES)):
                 time.sleep(0.05)
         x, y = _batch(replica, stage, step)
@@ -104,11 +120,12 @@ def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spe
 
 
 def _start(ctx, replica: int, out: Path, lighthouse: str, spec: str, die_at: int = -1,
-           join: bool = False) -> list:
+           join: bool = False, die_in_round: int = -1) -> list:
     from aqsgd.comm.launch import free_port
 
     port = free_port()
-    procs = [ctx.Process(target=_replica, args=(replica, s, port, lighthouse, str(out), spec, die_at, join))
+    procs = [ctx.Process(target=_replica, args=(replica, s, port, lighthouse, str(out), spec, die_at, join,
+                                                die_in_round))
              for s in range(STAGES)]
     for p in procs:
         p.start()
@@ -170,3 +187,48 @@ def test_replica_killed_and_one_joining(tmp_path, spec):
     joiner = (tmp_path / "replica3-stage0.log").read_text()
     assert f"took the current weights and outer state from a peer; joins at step {HOLD_AT + 2}" in joiner
     print(json.dumps({"members": [list(m) for _, m in ends[0]["history"]]}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["diloco:4:q8", "diloco:4:topk10%:q4"])
+def test_a_replica_lost_inside_the_outer_step(tmp_path, spec):
+    """Replica 2 goes inside the averaging of its third outer step: its stage 0 after the quorum formed,
+    before it averages, its stage 1 right after averaging. Replicas 0 and 1 see stage 0's collective fail;
+    both their stages (stage 1 averaged fine) leave the outer step untaken, form the next quorum without
+    replica 2 and average the same pseudo-gradients again; they end bit-identical, each outer step taken
+    once."""
+    from aqsgd.parallel.elastic import Lighthouse
+
+    ctx = multiprocessing.get_context("spawn")
+    (tmp_path / "no-joiner").touch()
+    lighthouse = Lighthouse(min_replicas=1, join_timeout_s=30.0, heartbeat_timeout_s=1.5)
+    procs = {}
+    try:
+        for r in range(3):
+            procs[r] = _start(ctx, r, tmp_path, lighthouse.address, spec, die_in_round=2 if r == 2 else -1)
+        for r, ps in procs.items():
+            for p in ps:
+                p.join(180)
+                assert not p.is_alive(), f"replica {r} still running"
+        codes = {r: [p.exitcode for p in ps] for r, ps in procs.items()}
+        assert codes == {0: [0, 0], 1: [0, 0], 2: [3, 3]}, codes
+    finally:
+        for ps in procs.values():
+            for p in ps:
+                if p.is_alive():
+                    p.kill()
+        lighthouse.shutdown()
+    for stage in range(STAGES):
+        ends = {r: torch.load(tmp_path / f"replica{r}-stage{stage}.pt") for r in (0, 1)}
+        assert torch.equal(ends[1]["weight"], ends[0]["weight"]), stage
+        assert torch.equal(ends[1]["anchor"], ends[0]["anchor"]), stage
+        for r in (0, 1):
+            assert ends[r]["taken"] == STEPS and ends[r]["rounds"] == STEPS // EVERY, (stage, r)
+        members = [m for _, m in ends[0]["history"]]
+        assert members == [(0, 1, 2), (0, 1)], members
+        for r in (0, 1):
+            log = (tmp_path / f"replica{r}-stage{stage}.log").read_text()
+            why = "" if stage == 0 else "(another stage of this replica failed in it)"
+            assert f"stage {stage} replica {r}: the outer step at step {3 * EVERY} failed {why}" in log, log
+            assert "averaging again with the replicas still there (try 2 of 3)" in log
+            assert f"stage {stage}: replica 2 left before the outer step at step {3 * EVERY}" in log

@@ -15,6 +15,9 @@ The membership engine is torchft's (PyPI ``torchft``, the ``elastic`` extra), no
   *group ranks* are the stages), so a replica is in or out as a whole pipeline;
 * each stage's collectives run on torchft's ``ProcessGroupGloo``, which the manager reconfigures for every
   new quorum (a fresh gloo group of the stage's members, rank = position in the quorum);
+* an outer step counts only when every stage of the replica averaged without an error (``should_commit``,
+  agreed among its stages): a replica lost inside the averaging makes its peers' collective fail, and they
+  average again over the next quorum (:meth:`aqsgd.parallel.outer.OuterSync.step`);
 * a replica *behind* the quorum (a joiner: fewer outer steps taken) *heals*: torchft fetches a peer's state
   (``state_fn`` of that peer) and hands it to ``load_fn`` before the quorum returns. It travels over the
   stage's own gloo group (torchft's ``PGTransport``), not over torchft's default HTTP checkpoint server, which
@@ -232,12 +235,25 @@ class ElasticGroup:
             self.history.append((self.rounds, members))
         return Round(members, max(contributors, 1), healed, group, rank)
 
-    def commit(self) -> None:
-        """After the outer step: count it (the manager's step tells a joiner it is behind)."""
-        self.rounds += 1
+    def report_error(self, error: Exception) -> None:
+        """This stage's part of the outer step failed (a collective of the quorum's group raised): the
+        replica's :meth:`commit` says no."""
+        self.manager.report_error(error)
+
+    def error(self) -> str:
+        """The error reported in this quorum (for messages), or ``"none"``."""
+        err = self.manager.errored()
+        return "none" if err is None else str(err.original_exception)
+
+    def commit(self) -> bool:
+        """After the outer step's averaging: whether every stage of this replica took part without an error
+        (torchft's ``should_commit``, agreed among the replica's stages). If so, the outer step counts (the
+        manager's step, which tells a joiner it is behind); if not, the replica tries it again with the next
+        quorum (:mod:`aqsgd.parallel.outer`)."""
         if not self.manager.should_commit():
-            raise RuntimeError(f"stage {self.stage} replica {self.replica}: a replica of the outer step "
-                               f"reported an error: {self.manager.errored()}")
+            return False
+        self.rounds += 1
+        return True
 
     def state_dict(self) -> dict[str, int]:
         """For checkpoints: the outer steps committed, and the manager's step (a replica whose step is behind

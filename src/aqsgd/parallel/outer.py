@@ -40,6 +40,7 @@ waits for its bytes and saves its result, so a resume applies it at the same ste
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -58,6 +59,19 @@ __all__ = ["OuterSync", "make_outer_sync", "split_fragments", "DILOCO_LR", "DILO
 DILOCO_LR = GradSyncSpec.outer_lr  # the paper's: 0.7, Nesterov momentum 0.9
 DILOCO_MOMENTUM = GradSyncSpec.momentum
 DILOCO_MIX = GradSyncSpec.mix  # Streaming DiLoCo's: half local, half outer
+#: tries of one outer step among replicas that come and go (each replica lost inside it costs one)
+TRIES = 3
+
+
+def _one_line(error: BaseException, limit: int = 160) -> str:
+    """``error`` for a log line: the first sentence of its first line, without the source location that gloo
+    puts in front (``[.../pair.cc:537] Read error ...: Connection reset by peer. This is typically ...``), at
+    most ``limit`` characters."""
+    lines = str(error).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*:\d+\]\s*", "", lines[0] if lines else "")
+    text = re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
+    text = text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+    return f"{type(error).__name__}: {text}"
 
 
 def split_fragments(sizes: Sequence[int], n: int) -> list[list[int]]:
@@ -157,12 +171,11 @@ class OuterSync:
             self._apply_pending()
         if not due:
             return self.last_bytes
-        contributing = True
-        if self.membership is not None:
-            rnd = self._regroup(contributing=True)
-            contributing = not rnd.healed  # the state just taken holds a peer's weights, not ours
+        if self.membership is not None:  # one fragment, no delay
+            self._agreed_outer_step(compress, contributing=True)
+            return self.last_bytes
         for f in due:
-            self._pseudo_gradients(f, contributing)
+            self._pseudo_gradients(f)
             self._end_round(f)
             if self.delay and not final:
                 self._launch(f, compress)
@@ -177,16 +190,68 @@ class OuterSync:
         (False: it is among the first, and starts from its own initial weights)."""
         if self.membership is None:
             raise ValueError("join() needs a membership (replicas that come and go)")
+        saved = self._averaging_state()
         rnd = self._regroup(contributing=False)
         if not rnd.healed:
-            self.membership.commit()
+            if not self.membership.commit():
+                raise RuntimeError(f"stage {self.membership.stage} replica {self.membership.replica}: the "
+                                   f"first quorum failed: {self.membership.error()}")
             return False
         # the peer's counters already count the step that ends its round
-        self._pseudo_gradients(0, contributing=False)
-        self._end_round(0)
         self.last_bytes = self.last_raw_bytes = 0
-        self._outer_step(0, compress() if callable(compress) else compress)
+        self._agreed_outer_step(compress() if callable(compress) else compress, contributing=False,
+                                formed=rnd, saved=saved)
         return True
+
+    def _agreed_outer_step(self, compress: bool, *, contributing: bool, formed: Any = None,
+                           saved: Any = None) -> None:
+        """The outer step among replicas that come and go: the quorum (``formed``: already formed), the
+        averaging, then the membership's agreement that every stage of this replica averaged without an
+        error; only then the outer step. A replica lost inside the averaging makes its peers' collective fail
+        (the connection closes, or the group's timeout passes): they leave the weights, the outer state and
+        the error feedback as they were before it (``saved``: taken before ``formed``), form the next
+        quorum without it and average the same pseudo-gradients again, up to :data:`TRIES` times.
+        ``contributing=False``: a joiner, which takes part with nothing to add."""
+        membership = self.membership
+        saved = saved if saved is not None else self._averaging_state()
+        for attempt in range(1, TRIES + 1):
+            nbytes, error = 0, None
+            try:
+                rnd = formed if formed is not None else self._regroup(contributing=contributing)
+                formed = None
+                # a replica healed here holds a peer's weights, not its own: nothing to add
+                self._pseudo_gradients(0, contributing and not rnd.healed)
+                nbytes = self.average.sync(self._anchors(0), compress=compress)
+            except RuntimeError as e:  # torch.distributed's errors (gloo's closed connection, a timeout)
+                error = e
+                membership.report_error(e)
+            if membership.commit():
+                self._end_round(0)
+                self._count(nbytes, 0)
+                self._apply(0, mix=0.0)
+                return
+            self._restore_averaging(saved)
+            why = _one_line(error) if error is not None else "another stage of this replica failed in it"
+            if attempt == TRIES:
+                raise RuntimeError(f"stage {membership.stage} replica {membership.replica}: the outer step "
+                                   f"at step {self.taken} failed {TRIES} times; the last: {why}")
+            log.warning("stage %d replica %d: the outer step at step %d failed (%s); averaging again with "
+                        "the replicas still there (try %d of %d)", membership.stage, membership.replica,
+                        self.taken, why, attempt + 1, TRIES)
+
+    def _averaging_state(self) -> tuple[dict[str, torch.Tensor], Any, int, int]:
+        """The averaging's error feedback (copies) and group, as an outer step's failed try must leave them:
+        a try that failed may have updated the error feedback with a message nobody received."""
+        a = self.average
+        return ({k: v.detach().clone() for k, v in a.state_dict().items()}, a.group, a.world, a.group_rank)
+
+    def _restore_averaging(self, saved: tuple[dict[str, torch.Tensor], Any, int, int]) -> None:
+        state, group, world, rank = saved
+        self.average.load_state_dict(state)
+        # the group as before the try: the next quorum's regroup adapts the state from it
+        self.average.group, self.average.world, self.average.group_rank = group, world, rank
+        for a in self.anchors:
+            a.grad = None
 
     def _regroup(self, *, contributing: bool) -> Any:
         rnd = self.membership.form(contributing=contributing, step=self.taken)
@@ -245,8 +310,6 @@ class OuterSync:
                 else:
                     p.copy_(a)
                 a.grad = None
-        if self.membership is not None:
-            self.membership.commit()
 
     def _end_round(self, fragment: int) -> None:
         """Fragment 0's round ended: count it, and start the next."""
