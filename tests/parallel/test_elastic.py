@@ -53,7 +53,7 @@ def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spe
     store = dist.TCPStore("127.0.0.1", port, STAGES, is_master=stage == 0, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore("pipeline", store), rank=stage, world_size=STAGES)
     torch.manual_seed(stage)  # every replica starts from the same weights
-    model = nn.Linear(16, 16, bias=False)
+    model = nn.Linear(16, 16, bias="fragments" in spec)  # (a fragment a parameter)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     holder: dict = {}
 
@@ -111,7 +111,8 @@ def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spe
         os.replace(f"{out}/replica{replica}-stage{stage}.tmp", f"{out}/replica{replica}-stage{stage}.step")
     from aqsgd.comm.testing import listening_sockets
 
-    torch.save({"weight": model.weight.detach().clone(), "anchor": outer.anchors[0].detach().clone(),
+    torch.save({"weight": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                "anchor": torch.cat([a.detach().reshape(-1) for a in outer.anchors]),
                 "history": group.history, "rounds": outer.rounds, "taken": outer.taken,
                 "listening": [s for s in listening_sockets() if s[1] != port]},  # but the test's own store
                f"{out}/replica{replica}-stage{stage}.pt")
@@ -143,7 +144,7 @@ def _wait_step(out: Path, replica: int, step: int, timeout_s: float = 120) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["diloco:4:q8", "diloco:4:topk10%:q4"])
+@pytest.mark.parametrize("spec", ["diloco:4:q8", "diloco:4:topk10%:q4", "diloco:4:fragments2:q8"])
 def test_replica_killed_and_one_joining(tmp_path, spec):
     from aqsgd.parallel.elastic import Lighthouse
 
@@ -190,7 +191,7 @@ def test_replica_killed_and_one_joining(tmp_path, spec):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["diloco:4:q8", "diloco:4:topk10%:q4"])
+@pytest.mark.parametrize("spec", ["diloco:4:q8", "diloco:4:topk10%:q4", "diloco:4:fragments2:q8"])
 def test_a_replica_lost_inside_the_outer_step(tmp_path, spec):
     """Replica 2 goes inside the averaging of its third outer step: its stage 0 after the quorum formed,
     before it averages, its stage 1 right after averaging. Replicas 0 and 1 see stage 0's collective fail;

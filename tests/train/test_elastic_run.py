@@ -73,10 +73,12 @@ def _ended(pid: int) -> bool:
 
 @needs_torchft
 @pytest.mark.slow
-def test_a_replica_killed_then_started_again_joins(tmp_path):
+@pytest.mark.parametrize("sync, meets", [("diloco:4:q8", 4), ("diloco:4:fragments2:q8", 2)])
+def test_a_replica_killed_then_started_again_joins(tmp_path, sync, meets):
+    # (streamed in two fragments, the replicas meet every 2 steps: each fragment's outer step in turn)
     from aqsgd.comm.testing import child_processes
 
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, grad_sync=sync)
     base = tmp_path / "runs" / "elastic"
     ctx = multiprocessing.get_context("spawn")
     run = ctx.Process(target=_train, args=(cfg.to_json(), str(tmp_path / "summary.json")))
@@ -121,7 +123,7 @@ def test_a_replica_killed_then_started_again_joins(tmp_path):
     assert counted == {4.0}, counted
     joined = json.loads((tmp_path / "joiner.json").read_text())
     at = joined["elastic"]["joined_at"]
-    assert at is not None and at % 4 == 0 and at > last and joined["steps"] == STEPS
+    assert at is not None and at % meets == 0 and at > last and joined["steps"] == STEPS
     for stage in (0, 1):
         ends = [load_file(d / "checkpoints" / f"step-{STEPS:08d}" / f"stage{stage}" / "model.safetensors")
                 for d in (base / "replica0", base / "replica2", tmp_path / "runs" / "replica1-again")]
@@ -162,11 +164,13 @@ def test_resuming_a_launch_without_replica_checkpoints_is_refused_in_one_line(tm
 
 @needs_torchft
 @pytest.mark.slow
-def test_a_launch_resumed_inside_a_round_continues_it_exactly(tmp_path):
-    # 2 replicas x 2 stages, rounds of 4 steps; checkpoints at step 6 (inside the second round) and 12 (the
-    # end). The step-12 checkpoints taken away, the launch resumed from step 6 ends as the first run did.
+@pytest.mark.parametrize("sync", ["diloco:4:q8", "diloco:4:fragments2:q8"])
+def test_a_launch_resumed_inside_a_round_continues_it_exactly(tmp_path, sync):
+    # 2 replicas x 2 stages, rounds of 4 steps; checkpoints at step 6 (inside the second round; streamed in
+    # two fragments: just after fragment 1's outer step) and 12 (the end). The step-12 checkpoints taken
+    # away, the launch resumed from step 6 ends as the first run did.
     steps = 12
-    cfg = _cfg(tmp_path, data_parallel=2, max_steps=steps, checkpoint_every=6, link="1gbit")
+    cfg = _cfg(tmp_path, data_parallel=2, max_steps=steps, checkpoint_every=6, link="1gbit", grad_sync=sync)
     base = tmp_path / "runs" / "elastic"
     ctx = multiprocessing.get_context("spawn")
 

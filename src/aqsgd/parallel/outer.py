@@ -35,6 +35,12 @@ weights trained meanwhile are mixed in, ``θ ← mix · θ_local + (1 - mix) · 
 The anchors stay bit-identical on every replica; the replicas' own weights agree again at the run's end, whose
 sync is never delayed. T < H / N, so at most one averaging is in flight. A checkpoint taken while one is
 waits for its bytes and saves its result, so a resume applies it at the same step.
+
+Replicas that come and go (a ``membership``, :mod:`aqsgd.parallel.elastic`; fragments, no delay): every outer
+step (each fragment's) forms a quorum of the replicas there, averages over it, and is applied only once
+every stage of the replica has averaged without an error; a replica lost inside the averaging makes the
+others try it again over the next quorum, from the same pseudo-gradients and error feedback
+(:meth:`OuterSync._agreed_outer_step`).
 """
 
 from __future__ import annotations
@@ -111,8 +117,8 @@ class OuterSync:
             raise ValueError(f"the delay must be 0..{every // fragments - 1} steps, got {delay}")
         if not 0 <= mix < 1:
             raise ValueError(f"mix must be in [0, 1), got {mix}")
-        if membership is not None and (fragments > 1 or delay > 0):
-            raise ValueError("replicas that come and go meet at whole outer steps: no fragments or delay")
+        if membership is not None and delay > 0:
+            raise ValueError("replicas that come and go take each outer step as it ends: no delay")
         self.params = [p for p in params if p.requires_grad]
         self.averages = averages
         self.average = averages[0]
@@ -136,6 +142,9 @@ class OuterSync:
         #: (replicas that come and go); None: the fixed group of ``average``
         self.membership = membership
         self.last_round: Any = None  # the last outer step's :class:`~aqsgd.parallel.elastic.Round`
+        #: whether the last :meth:`step` took a peer's state (this replica was behind: the others counted it
+        #: gone), which a running replica must not (its place in the data is no longer its own loop's)
+        self.healed_in_step = False
         # the delayed averaging in flight: (fragment, the step it is applied at, its bytes' future)
         self._pending: tuple[int, int, Future[int]] | None = None
         self._worker: ThreadPoolExecutor | None = None
@@ -167,12 +176,13 @@ class OuterSync:
         self.steps += 1
         self.taken += 1
         self.last_bytes = self.last_raw_bytes = 0
+        self.healed_in_step = False
         if self._pending is not None and (self._pending[1] <= self.taken or final):
             self._apply_pending()
         if not due:
             return self.last_bytes
-        if self.membership is not None:  # one fragment, no delay
-            self._agreed_outer_step(compress, contributing=True)
+        if self.membership is not None:  # (no delay)
+            self._agreed_outer_step(due, compress, contributing=True)
             return self.last_bytes
         for f in due:
             self._pseudo_gradients(f)
@@ -190,47 +200,59 @@ class OuterSync:
         (False: it is among the first, and starts from its own initial weights)."""
         if self.membership is None:
             raise ValueError("join() needs a membership (replicas that come and go)")
-        saved = self._averaging_state()
-        rnd = self._regroup(contributing=False)
+        everything = list(range(len(self.fragments)))
+        saved = self._averaging_state(everything)
+        rnd = self._regroup(everything, contributing=False)
         if not rnd.healed:
             if not self.membership.commit():
                 raise RuntimeError(f"stage {self.membership.stage} replica {self.membership.replica}: the "
                                    f"first quorum failed: {self.membership.error()}")
             return False
-        # the peer's counters already count the step that ends its round
+        # the peer's counters already count the step that ends the rounds now due
+        final = self.end > 0 and self.taken >= self.end
+        due = [f for f in everything if (self.steps + self.offsets[f]) % self.every == 0 or final]
+        with torch.no_grad():  # the other fragments start their rounds' rest from the replicas' agreed
+            # weights: what this replica adds to their next outer step is what it trained itself
+            for f in everything:
+                if f not in due:
+                    for i in self.fragments[f]:
+                        self.params[i].copy_(self.anchors[i])
         self.last_bytes = self.last_raw_bytes = 0
-        self._agreed_outer_step(compress() if callable(compress) else compress, contributing=False,
-                                formed=rnd, saved=saved)
+        self._agreed_outer_step(due, compress() if callable(compress) else compress, contributing=False,
+                                formed=rnd, saved=[saved[f] for f in due])
         return True
 
-    def _agreed_outer_step(self, compress: bool, *, contributing: bool, formed: Any = None,
+    def _agreed_outer_step(self, due: list[int], compress: bool, *, contributing: bool, formed: Any = None,
                            saved: Any = None) -> None:
-        """The outer step among replicas that come and go: the quorum (``formed``: already formed), the
-        averaging, then the membership's agreement that every stage of this replica averaged without an
-        error; only then the outer step. A replica lost inside the averaging makes its peers' collective fail
-        (the connection closes, or the group's timeout passes): they leave the weights, the outer state and
-        the error feedback as they were before it (``saved``: taken before ``formed``), form the next
-        quorum without it and average the same pseudo-gradients again, up to :data:`TRIES` times.
-        ``contributing=False``: a joiner, which takes part with nothing to add."""
+        """The outer step of the fragments ``due`` among replicas that come and go: the quorum (``formed``:
+        already formed), their averaging, then the membership's agreement that every stage of this replica
+        averaged without an error; only then the outer step. A replica lost inside the averaging makes its
+        peers' collective fail (the connection closes, or the group's timeout passes): they leave the
+        weights, the outer state and the error feedback as they were before it (``saved``: taken before
+        ``formed``), form the next quorum without it and average the same pseudo-gradients again, up to
+        :data:`TRIES` times. ``contributing=False``: a joiner, which takes part with nothing to add."""
         membership = self.membership
-        saved = saved if saved is not None else self._averaging_state()
+        saved = saved if saved is not None else self._averaging_state(due)
         for attempt in range(1, TRIES + 1):
-            nbytes, error = 0, None
+            sent, error = [0] * len(due), None
             try:
-                rnd = formed if formed is not None else self._regroup(contributing=contributing)
+                rnd = formed if formed is not None else self._regroup(due, contributing=contributing)
                 formed = None
                 # a replica healed here holds a peer's weights, not its own: nothing to add
-                self._pseudo_gradients(0, contributing and not rnd.healed)
-                nbytes = self.average.sync(self._anchors(0), compress=compress)
+                self.healed_in_step = rnd.healed and contributing
+                for k, f in enumerate(due):
+                    self._pseudo_gradients(f, contributing and not rnd.healed)
+                    sent[k] = self.averages[f].sync(self._anchors(f), compress=compress)
             except RuntimeError as e:  # torch.distributed's errors (gloo's closed connection, a timeout)
                 error = e
                 membership.report_error(e)
             if membership.commit():
-                self._end_round(0)
-                self._count(nbytes, 0)
-                self._apply(0, mix=0.0)
+                for f, nbytes in zip(due, sent):
+                    self._end_round(f)
+                    self._count(nbytes, f)
+                self._apply(due, mix=0.0)
                 return
-            self._restore_averaging(saved)
+            self._restore_averaging(due, saved)
             why = _one_line(error) if error is not None else "another stage of this replica failed in it"
             if attempt == TRIES:
                 raise RuntimeError(f"stage {membership.stage} replica {membership.replica}: the outer step "
@@ -239,24 +261,29 @@ class OuterSync:
                         "the replicas still there (try %d of %d)", membership.stage, membership.replica,
                         self.taken, why, attempt + 1, TRIES)
 
-    def _averaging_state(self) -> tuple[dict[str, torch.Tensor], Any, int, int]:
-        """The averaging's error feedback (copies) and group, as an outer step's failed try must leave them:
-        a try that failed may have updated the error feedback with a message nobody received."""
-        a = self.average
-        return ({k: v.detach().clone() for k, v in a.state_dict().items()}, a.group, a.world, a.group_rank)
+    def _averaging_state(self, fragments: list[int]) -> list[tuple[dict[str, torch.Tensor], Any, int, int]]:
+        """The error feedback (copies) and group of ``fragments``' averagings, as an outer step's failed try
+        must leave them: a try that failed may have updated the error feedback with a message nobody
+        received."""
+        return [({k: v.detach().clone() for k, v in a.state_dict().items()}, a.group, a.world, a.group_rank)
+                for a in (self.averages[f] for f in fragments)]
 
-    def _restore_averaging(self, saved: tuple[dict[str, torch.Tensor], Any, int, int]) -> None:
-        state, group, world, rank = saved
-        self.average.load_state_dict(state)
-        # the group as before the try: the next quorum's regroup adapts the state from it
-        self.average.group, self.average.world, self.average.group_rank = group, world, rank
-        for a in self.anchors:
-            a.grad = None
+    def _restore_averaging(self, fragments: list[int],
+                           saved: list[tuple[dict[str, torch.Tensor], Any, int, int]]) -> None:
+        for f, (state, group, world, rank) in zip(fragments, saved):
+            average = self.averages[f]
+            average.load_state_dict(state)
+            # the group as before the try: the next quorum's regroup adapts the state from it
+            average.group, average.world, average.group_rank = group, world, rank
+            for i in self.fragments[f]:
+                self.anchors[i].grad = None
 
-    def _regroup(self, *, contributing: bool) -> Any:
+    def _regroup(self, fragments: list[int], *, contributing: bool) -> Any:
+        """The next quorum, and ``fragments``' averagings over its group."""
         rnd = self.membership.form(contributing=contributing, step=self.taken)
-        self.average.regroup(rnd.group, world=rnd.world, rank=rnd.rank)
-        self.average.contributors = rnd.contributors
+        for f in fragments:
+            self.averages[f].regroup(rnd.group, world=rnd.world, rank=rnd.rank)
+            self.averages[f].contributors = rnd.contributors
         self.last_round = rnd
         if rnd.healed:
             log.info("stage %d replica %d: took the current weights and outer state from a peer; joins at "
@@ -279,7 +306,7 @@ class OuterSync:
         """Average ``fragment``'s pseudo-gradients now and apply the outer step: its weights become the
         anchors."""
         self._count(self.averages[fragment].sync(self._anchors(fragment), compress=compress), fragment)
-        self._apply(fragment, mix=0.0)
+        self._apply([fragment], mix=0.0)
 
     def _launch(self, fragment: int, compress: bool) -> None:
         """Average ``fragment``'s pseudo-gradients on the worker thread, to be applied ``delay`` steps on."""
@@ -292,24 +319,27 @@ class OuterSync:
         fragment, _, future = self._pending  # type: ignore[misc]
         self._pending = None
         self._count(future.result(), fragment)
-        self._apply(fragment, mix=self.mix)
+        self._apply([fragment], mix=self.mix)
 
     def _count(self, nbytes: int, fragment: int) -> None:
         self.last_bytes += nbytes
         self.last_raw_bytes += self.averages[fragment].last_raw_bytes
 
-    def _apply(self, fragment: int, *, mix: float) -> None:
-        """The outer optimizer's step on ``fragment``'s anchors (their ``.grad``: the averaged
-        pseudo-gradients); the weights become the new anchors, or ``mix * weights + (1 - mix) * anchors``."""
-        self.optimizer.step()  # only this fragment's anchors have gradients
+    def _apply(self, fragments: list[int], *, mix: float) -> None:
+        """The outer optimizer's step on ``fragments``' anchors (their ``.grad``: the averaged
+        pseudo-gradients; no other anchor has one); the weights become the new anchors, or ``mix * weights +
+        (1 - mix) * anchors``. One step for several fragments is theirs one by one: SGD steps each parameter
+        on its own."""
+        self.optimizer.step()
         with torch.no_grad():
-            for i in self.fragments[fragment]:
-                a, p = self.anchors[i], self.params[i]
-                if mix:
-                    p.mul_(mix).add_(a.to(p.device, p.dtype), alpha=1.0 - mix)
-                else:
-                    p.copy_(a)
-                a.grad = None
+            for fragment in fragments:
+                for i in self.fragments[fragment]:
+                    a, p = self.anchors[i], self.params[i]
+                    if mix:
+                        p.mul_(mix).add_(a.to(p.device, p.dtype), alpha=1.0 - mix)
+                    else:
+                        p.copy_(a)
+                    a.grad = None
 
     def _end_round(self, fragment: int) -> None:
         """Fragment 0's round ended: count it, and start the next."""
@@ -364,8 +394,10 @@ class OuterSync:
         if self.membership is not None:  # the quorums counted (a resumed replica is not taken as behind),
             # and the last group's size and this replica's place in it (what the error feedback was kept for)
             out.update({f"membership.{k}": torch.tensor(v) for k, v in self.membership.state_dict().items()})
-            out["membership.world"] = torch.tensor(self.average.world)
-            out["membership.rank"] = torch.tensor(self.average.group_rank)
+            # (fragment f > 0: world<f>, rank<f>: each fragment's averaging was regrouped at its own steps)
+            for f, average in enumerate(self.averages):
+                out[f"membership.world{f or ''}"] = torch.tensor(average.world)
+                out[f"membership.rank{f or ''}"] = torch.tensor(average.group_rank)
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -404,7 +436,10 @@ class OuterSync:
         ours = {k[len("membership."):]: int(v) for k, v in state.items() if k.startswith("membership.")}
         if ours and self.membership is not None:
             # the group as it was (the next quorum's, if alike, keeps the error feedback loaded below)
-            self.average.regroup(None, world=ours.pop("world"), rank=ours.pop("rank"))
+            for f, average in enumerate(self.averages):
+                world, rank = ours.pop(f"world{f or ''}", None), ours.pop(f"rank{f or ''}", None)
+                if world is not None and rank is not None:
+                    average.regroup(None, world=world, rank=rank)
             self.membership.load_state_dict(ours)
         for f, average in enumerate(self.averages):
             prefix = self._average_prefix(f)
@@ -424,6 +459,7 @@ def make_outer_sync(spec: str, params: Sequence[nn.Parameter], group: Any = None
     averages = [make_grad_sync(parsed.average, group, bucket_mb=bucket_mb, link=link, device=device)
                 for _ in range(parsed.fragments)]
     if membership is not None:
-        averages[0].regroup(None, world=1, rank=0)  # until the first outer step forms the group
+        for average in averages:  # until the first outer step forms the group
+            average.regroup(None, world=1, rank=0)
     return OuterSync(params, averages, every=parsed.every, lr=parsed.outer_lr, momentum=parsed.momentum,
                      membership=membership, delay=parsed.delay, mix=parsed.mix)

@@ -365,9 +365,9 @@ class PipelineSection(_Section):
             raise bad("dp_elastic", "the outer steps' groups are torchft's gloo groups: --dp-backend nccl "
                       "cannot be used with it")
         spec = parse_grad_sync(self.grad_sync)
-        if spec.fragments > 1 or spec.delay:
-            raise bad("dp_elastic", f"replicas that come and go meet at whole outer steps: --grad-sync "
-                      f"{self.grad_sync} streams fragments (give it without fragments<N> and delay<T>)")
+        if spec.delay:
+            raise bad("dp_elastic", f"replicas that come and go take each outer step as it ends: --grad-sync "
+                      f"{self.grad_sync} delays it (give it without delay<T>; fragments<N> may stay)")
         if (self.dp_replica is None) != (self.dp_lighthouse is None):
             given, missing = (("dp_replica", "--dp-lighthouse") if self.dp_lighthouse is None
                               else ("dp_lighthouse", "--dp-replica"))

@@ -293,8 +293,7 @@ class Trainer:
         a step, its place in the data is theirs and no longer its own loop's: it stops, in one line, and is
         started again to join."""
         outer = self.engine.outer
-        rnd = outer.last_round if outer is not None else None
-        if rnd is not None and rnd.healed and outer.steps == 0:
+        if outer is not None and outer.healed_in_step:
             raise RuntimeError(
                 f"replica {self.replica} fell behind the others (they went on without it: were its "
                 f"heartbeats stopped?) and took their state inside step {self.position['step'] + 1}; start "
