@@ -1,8 +1,8 @@
 """``python -m benchmarks.elastic_kill_join``: a replica killed mid-run and started again, against the same run.
 
 Two runs of ``aqsgd train --dp-elastic`` on the diloco study's task (MiniLM on BBC, 2 stages x 2 replicas,
-800 samples, 4 epochs = 200 steps, boundaries uncompressed, outer steps ``diloco:10:lr1:momentum0:q8``,
-evaluated every 50 steps; with ``--replicas 4`` the study's ``minilm-bbc-dp4``: 1,600 samples, so that each
+800 samples, 4 epochs = 200 steps, boundaries uncompressed, outer steps ``diloco:10:lr1:momentum0:q8`` (or
+``--grad-sync``, e.g. the study's streamed setting), evaluated every 50 steps; with ``--replicas 4`` the study's ``minilm-bbc-dp4``: 1,600 samples, so that each
 replica still sees 400 and the run is 200 steps), one after the other (never at once: they share the cores):
 
 - ``plain``: uninterrupted;
@@ -27,13 +27,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-def task(replicas: int = 2, seed: int = 0) -> list[str]:
-    """The training options of both runs: ``replicas`` replica pipelines of 2 stages, 400 samples each."""
+DEFAULT_SYNC = "diloco:10:lr1:momentum0:q8"
+
+
+def task(replicas: int = 2, seed: int = 0, sync: str = DEFAULT_SYNC) -> list[str]:
+    """The training options of both runs: ``replicas`` replica pipelines of 2 stages, 400 samples each,
+    outer steps ``sync``."""
     return ["--task", "bbc", "--model", "minilm", "--max-length", "64",
             "--max-train-samples", str(400 * replicas), "--max-eval-samples", "200", "--stages", "2",
             "--micro-batches", "2", "--micro-batch-size", "4", "--data-parallel", str(replicas),
             "--runtime", "distributed", "--epochs", "4", "--warmup-epochs", "0", "--lr", "2e-4",
-            "--forward", "none", "--backward", "none", "--grad-sync", "diloco:10:lr1:momentum0:q8",
+            "--forward", "none", "--backward", "none", "--grad-sync", sync,
             "--dp-elastic", "--eval-every", "50", "--checkpoint-every", "0", "--no-progress",
             "--device", "cpu", "--seed", str(seed)]
 
@@ -113,13 +117,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="steps replica 0 trains alone before the restart")
     parser.add_argument("--replicas", type=int, default=2, help="replica pipelines (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="the runs' seed (default: %(default)s)")
+    parser.add_argument("--grad-sync", default=DEFAULT_SYNC,
+                        help="the outer steps, a diloco:... spec (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.replicas < 2:
         parser.error(f"--replicas must be at least 2 (replica 1 is the one killed), got {args.replicas}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for mode in ("plain", "kill"):
-        run(out, mode, args.kill_at, args.alone, task(args.replicas, args.seed))
+        run(out, mode, args.kill_at, args.alone, task(args.replicas, args.seed, args.grad_sync))
 
 
 if __name__ == "__main__":

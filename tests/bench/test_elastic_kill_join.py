@@ -11,13 +11,15 @@ from aqsgd.cli.train import build_config
 from benchmarks.elastic_kill_join import main, task
 
 
-@pytest.mark.parametrize(("replicas", "seed"), [(2, 0), (4, 1)])
-def test_the_runs_are_valid_elastic_trainings(replicas, seed, tmp_path):
-    args = build_parser().parse_args(["train", *task(replicas, seed), "--output-dir", str(tmp_path)])
+@pytest.mark.parametrize(("replicas", "seed", "sync"), [
+    (2, 0, "diloco:10:lr1:momentum0:q8"), (4, 1, "diloco:10:lr1:momentum0:q8"),
+    (2, 0, "diloco:50:lr1:momentum0:fragments2:delay5:topk3%:q2")])
+def test_the_runs_are_valid_elastic_trainings(replicas, seed, sync, tmp_path):
+    args = build_parser().parse_args(["train", *task(replicas, seed, sync), "--output-dir", str(tmp_path)])
     flat = build_config(args).flat()
     assert flat["data_parallel"] == replicas and flat["stages"] == 2 and flat["dp_elastic"]
     assert flat["max_train_samples"] == 400 * replicas and flat["seed"] == seed
-    assert flat["grad_sync"] == "diloco:10:lr1:momentum0:q8"
+    assert flat["grad_sync"] == sync
 
 
 def test_one_replica_is_refused(capsys):

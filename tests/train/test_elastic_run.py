@@ -73,7 +73,8 @@ def _ended(pid: int) -> bool:
 
 @needs_torchft
 @pytest.mark.slow
-@pytest.mark.parametrize("sync, meets", [("diloco:4:q8", 4), ("diloco:4:fragments2:q8", 2)])
+@pytest.mark.parametrize("sync, meets", [("diloco:4:q8", 4), ("diloco:4:fragments2:q8", 2),
+                                         ("diloco:4:fragments2:delay1:q8", 2)])
 def test_a_replica_killed_then_started_again_joins(tmp_path, sync, meets):
     # (streamed in two fragments, the replicas meet every 2 steps: each fragment's outer step in turn)
     from aqsgd.comm.testing import child_processes
@@ -164,11 +165,12 @@ def test_resuming_a_launch_without_replica_checkpoints_is_refused_in_one_line(tm
 
 @needs_torchft
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", ["diloco:4:q8", "diloco:4:fragments2:q8"])
+@pytest.mark.parametrize("sync", ["diloco:4:q8", "diloco:4:fragments2:q8", "diloco:4:fragments2:delay1:q8"])
 def test_a_launch_resumed_inside_a_round_continues_it_exactly(tmp_path, sync):
     # 2 replicas x 2 stages, rounds of 4 steps; checkpoints at step 6 (inside the second round; streamed in
-    # two fragments: just after fragment 1's outer step) and 12 (the end). The step-12 checkpoints taken
-    # away, the launch resumed from step 6 ends as the first run did.
+    # two fragments: just after fragment 1's outer step, and with delay1 while its averaging is in flight)
+    # and 12 (the end). The step-12 checkpoints taken away, the launch resumed from step 6 ends as the first
+    # run did.
     steps = 12
     cfg = _cfg(tmp_path, data_parallel=2, max_steps=steps, checkpoint_every=6, link="1gbit", grad_sync=sync)
     base = tmp_path / "runs" / "elastic"
@@ -189,6 +191,10 @@ def test_a_launch_resumed_inside_a_round_continues_it_exactly(tmp_path, sync):
         ckpt = base / f"replica{r}" / "checkpoints" / f"step-{steps:08d}"
         final[r] = [load_file(ckpt / f"stage{s}" / "model.safetensors") for s in range(2)]
         shutil.move(str(ckpt), str(tmp_path / f"first-replica{r}"))  # so that step 6 is the newest
+        if "delay" in sync:  # saved with fragment 1's averaging in flight: what it started from, to redo
+            outer = load_file(base / f"replica{r}" / "checkpoints" / f"step-{6:08d}" / "stage0" /
+                              "replica0" / "outer.safetensors")  # (each replica a run of its own)
+            assert outer["pending"].tolist() == [1, 7] and "pending.again" in outer, sorted(outer)
     summary = launch(cfg.replace(resume=str(base), run_name=None, overwrite=False), "resumed.json")
     assert [row["status"] for row in summary["replicas"]] == ["finished", "finished"]
     for r in range(2):

@@ -36,19 +36,24 @@ The anchors stay bit-identical on every replica; the replicas' own weights agree
 sync is never delayed. T < H / N, so at most one averaging is in flight. A checkpoint taken while one is
 waits for its bytes and saves its result, so a resume applies it at the same step.
 
-Replicas that come and go (a ``membership``, :mod:`aqsgd.parallel.elastic`; fragments, no delay): every outer
-step (each fragment's) forms a quorum of the replicas there, averages over it, and is applied only once
-every stage of the replica has averaged without an error; a replica lost inside the averaging makes the
-others try it again over the next quorum, from the same pseudo-gradients and error feedback
+Replicas that come and go (a ``membership``, :mod:`aqsgd.parallel.elastic`): every outer step (each
+fragment's) forms a quorum of the replicas there, averages over it, and is applied only once every stage of
+the replica has averaged without an error; a replica lost inside the averaging makes the others try it again
+over the next quorum, from the same pseudo-gradients and error feedback
 (:meth:`OuterSync._agreed_outer_step`).
+With a delay the quorum is formed at the round's end and the averaging agreed when it is applied, where a
+failed one is tried again at once (:meth:`OuterSync._agreed_launch`); a checkpoint does not wait for the
+averaging in flight but saves what it started from, and a resume averages it again at its step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -78,6 +83,18 @@ def _one_line(error: BaseException, limit: int = 160) -> str:
     text = re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
     text = text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
     return f"{type(error).__name__}: {text}"
+
+
+@dataclasses.dataclass
+class _Retry:
+    """What a delayed outer step among replicas that come and go is tried again from, should its averaging
+    fail: the averaging's state before it (:meth:`OuterSync._averaging_state`), the pseudo-gradients taken at
+    the round's end, whether it was compressed and whether this replica contributed."""
+
+    saved: tuple[dict[str, torch.Tensor], Any, int, int]
+    grads: list[torch.Tensor]
+    compress: bool
+    contributing: bool
 
 
 def split_fragments(sizes: Sequence[int], n: int) -> list[list[int]]:
@@ -117,8 +134,6 @@ class OuterSync:
             raise ValueError(f"the delay must be 0..{every // fragments - 1} steps, got {delay}")
         if not 0 <= mix < 1:
             raise ValueError(f"mix must be in [0, 1), got {mix}")
-        if membership is not None and delay > 0:
-            raise ValueError("replicas that come and go take each outer step as it ends: no delay")
         self.params = [p for p in params if p.requires_grad]
         self.averages = averages
         self.average = averages[0]
@@ -145,8 +160,11 @@ class OuterSync:
         #: whether the last :meth:`step` took a peer's state (this replica was behind: the others counted it
         #: gone), which a running replica must not (its place in the data is no longer its own loop's)
         self.healed_in_step = False
-        # the delayed averaging in flight: (fragment, the step it is applied at, its bytes' future)
-        self._pending: tuple[int, int, Future[int]] | None = None
+        # the delayed averaging in flight: (fragment, the step it is applied at, its bytes' future; None: to
+        # be averaged at that step, a resume of replicas that come and go)
+        self._pending: tuple[int, int, Future[int] | None] | None = None
+        # with a membership, what a delayed averaging that failed is tried again from: _Retry
+        self._retry: _Retry | None = None
         self._worker: ThreadPoolExecutor | None = None
 
     def _due(self, fragment: int) -> bool:
@@ -181,8 +199,13 @@ class OuterSync:
             self._apply_pending()
         if not due:
             return self.last_bytes
-        if self.membership is not None:  # (no delay)
-            self._agreed_outer_step(due, compress, contributing=True)
+        if self.membership is not None:
+            if self.delay and not final:  # (one fragment's round ends)
+                self._agreed_launch(due[0], compress, contributing=True)
+            else:
+                self._agreed_outer_step(due, compress, contributing=True)
+                for f in due:
+                    self._end_round(f)
             return self.last_bytes
         for f in due:
             self._pseudo_gradients(f)
@@ -218,39 +241,54 @@ class OuterSync:
                     for i in self.fragments[f]:
                         self.params[i].copy_(self.anchors[i])
         self.last_bytes = self.last_raw_bytes = 0
-        self._agreed_outer_step(due, compress() if callable(compress) else compress, contributing=False,
-                                formed=rnd, saved=[saved[f] for f in due])
+        compress = compress() if callable(compress) else compress
+        if self.delay and not final:  # (one fragment's round ends)
+            self._agreed_launch(due[0], compress, contributing=False, formed=rnd, saved=[saved[due[0]]])
+        else:
+            self._agreed_outer_step(due, compress, contributing=False, formed=rnd,
+                                    saved=[saved[f] for f in due])
+            for f in due:
+                self._end_round(f)
         return True
 
     def _agreed_outer_step(self, due: list[int], compress: bool, *, contributing: bool, formed: Any = None,
-                           saved: Any = None) -> None:
+                           saved: Any = None, grads: list[list[torch.Tensor]] | None = None, mix: float = 0.0,
+                           first: Callable[[], list[int]] | None = None) -> None:
         """The outer step of the fragments ``due`` among replicas that come and go: the quorum (``formed``:
         already formed), their averaging, then the membership's agreement that every stage of this replica
         averaged without an error; only then the outer step. A replica lost inside the averaging makes its
         peers' collective fail (the connection closes, or the group's timeout passes): they leave the
         weights, the outer state and the error feedback as they were before it (``saved``: taken before
         ``formed``), form the next quorum without it and average the same pseudo-gradients again, up to
-        :data:`TRIES` times. ``contributing=False``: a joiner, which takes part with nothing to add."""
+        :data:`TRIES` times. ``contributing=False``: a joiner, which takes part with nothing to add.
+
+        A delayed outer step (:meth:`_agreed_launch`) comes here when it is applied: ``first``, its first
+        try, made on the worker thread (its bytes, or the error it raised); ``grads``, the pseudo-gradients
+        taken at the round's end (a try again averages those, not what the weights moved since); ``mix``,
+        streaming's mix of the weights trained meanwhile."""
         membership = self.membership
         saved = saved if saved is not None else self._averaging_state(due)
         for attempt in range(1, TRIES + 1):
             sent, error = [0] * len(due), None
             try:
-                rnd = formed if formed is not None else self._regroup(due, contributing=contributing)
-                formed = None
-                # a replica healed here holds a peer's weights, not its own: nothing to add
-                self.healed_in_step = rnd.healed and contributing
-                for k, f in enumerate(due):
-                    self._pseudo_gradients(f, contributing and not rnd.healed)
-                    sent[k] = self.averages[f].sync(self._anchors(f), compress=compress)
+                if first is not None:
+                    sent = first()
+                else:
+                    rnd = formed if formed is not None else self._regroup(due, contributing=contributing)
+                    # a replica healed here holds a peer's weights, not its own: nothing to add
+                    self.healed_in_step = self.healed_in_step or (rnd.healed and contributing)
+                    for k, f in enumerate(due):
+                        self._pseudo_gradients(f, contributing and not rnd.healed,
+                                               None if grads is None else grads[k])
+                        sent[k] = self.averages[f].sync(self._anchors(f), compress=compress)
             except RuntimeError as e:  # torch.distributed's errors (gloo's closed connection, a timeout)
                 error = e
                 membership.report_error(e)
+            first = formed = None
             if membership.commit():
                 for f, nbytes in zip(due, sent):
-                    self._end_round(f)
                     self._count(nbytes, f)
-                self._apply(due, mix=0.0)
+                self._apply(due, mix=mix)
                 return
             self._restore_averaging(due, saved)
             why = _one_line(error) if error is not None else "another stage of this replica failed in it"
@@ -260,6 +298,32 @@ class OuterSync:
             log.warning("stage %d replica %d: the outer step at step %d failed (%s); averaging again with "
                         "the replicas still there (try %d of %d)", membership.stage, membership.replica,
                         self.taken, why, attempt + 1, TRIES)
+
+    def _agreed_launch(self, fragment: int, compress: bool, *, contributing: bool, formed: Any = None,
+                       saved: Any = None) -> None:
+        """A delayed outer step among replicas that come and go: the quorum now, the averaging on the worker
+        thread over its group (:meth:`_launch`), and ``delay`` steps on its agreement and the outer step
+        (:meth:`_apply_pending`, through :meth:`_agreed_outer_step`, which tries a failed one again at once,
+        without overlap). Where the quorum itself fails, the outer step is tried again now."""
+        saved = saved if saved is not None else self._averaging_state([fragment])
+        try:
+            rnd = formed if formed is not None else self._regroup([fragment], contributing=contributing)
+        except RuntimeError as e:
+            error = e
+
+            def failed() -> list[int]:
+                raise error
+
+            self._agreed_outer_step([fragment], compress, contributing=contributing, saved=saved,
+                                    first=failed)
+            self._end_round(fragment)
+            return
+        self._end_round(fragment)  # (after the quorum: a joiner healed in it takes this step's counters)
+        self.healed_in_step = rnd.healed and contributing
+        self._pseudo_gradients(fragment, contributing and not rnd.healed)
+        grads = [a.grad.detach().clone() for a in self._anchors(fragment)]  # type: ignore[union-attr]
+        self._retry = _Retry(saved[0], grads, compress, contributing)
+        self._launch(fragment, compress)
 
     def _averaging_state(self, fragments: list[int]) -> list[tuple[dict[str, torch.Tensor], Any, int, int]]:
         """The error feedback (copies) and group of ``fragments``' averagings, as an outer step's failed try
@@ -290,14 +354,19 @@ class OuterSync:
                      "step %d", self.membership.stage, self.membership.replica, self.taken)
         return rnd
 
-    def _pseudo_gradients(self, fragment: int, contributing: bool = True) -> None:
+    def _pseudo_gradients(self, fragment: int, contributing: bool = True,
+                          given: list[torch.Tensor] | None = None) -> None:
         """Each anchor's ``.grad`` in ``fragment``: how far the weights moved in the round (zero for a replica
-        that has nothing to add)."""
+        that has nothing to add; ``given``: these, taken before)."""
         with torch.no_grad():
-            for i in self.fragments[fragment]:
+            for j, i in enumerate(self.fragments[fragment]):
                 a = self.anchors[i]
-                a.grad = (a.detach() - self.params[i].detach().to(a.device, torch.float32) if contributing
-                          else torch.zeros_like(a))
+                if not contributing:
+                    a.grad = torch.zeros_like(a)
+                elif given is not None:
+                    a.grad = given[j].clone()
+                else:
+                    a.grad = a.detach() - self.params[i].detach().to(a.device, torch.float32)
 
     def _anchors(self, fragment: int) -> list[nn.Parameter]:
         return [self.anchors[i] for i in self.fragments[fragment]]
@@ -318,7 +387,14 @@ class OuterSync:
     def _apply_pending(self) -> None:
         fragment, _, future = self._pending  # type: ignore[misc]
         self._pending = None
-        self._count(future.result(), fragment)
+        if self.membership is not None:
+            retry, self._retry = self._retry, None
+            assert retry is not None
+            self._agreed_outer_step([fragment], retry.compress, contributing=retry.contributing,
+                                    saved=[retry.saved], grads=[retry.grads], mix=self.mix,
+                                    first=None if future is None else (lambda: [future.result()]))
+            return
+        self._count(future.result(), fragment)  # type: ignore[union-attr]
         self._apply([fragment], mix=self.mix)
 
     def _count(self, nbytes: int, fragment: int) -> None:
@@ -348,9 +424,13 @@ class OuterSync:
             self.rounds += 1
 
     def wait(self) -> None:
-        """Let a delayed averaging in flight finish (its result is kept, applied at its step)."""
-        if self._pending is not None:
-            self._pending[2].result()
+        """Let a delayed averaging in flight finish (its result is kept, applied at its step). Among replicas
+        that come and go its error is kept too, for the step that applies it (which tries it again)."""
+        if self._pending is not None and self._pending[2] is not None:
+            if self.membership is not None:
+                wait_futures([self._pending[2]])
+            else:
+                self._pending[2].result()
 
     def close(self) -> None:
         """Stop the worker thread (after the averaging in flight, if any)."""
@@ -375,7 +455,10 @@ class OuterSync:
         ``taken``, ``rounds``, the averaging's own state under ``average.`` (fragment f > 0: ``average<f>.``)
         and, with a delayed averaging in flight (waited for), ``pending`` (its fragment and the step it is
         applied at) and its averaged pseudo-gradients ``pending.<i>``; with a membership, its own state under
-        ``membership.`` (the quorums counted: a replica resumed with it is as far as the others)."""
+        ``membership.`` (the quorums counted: a replica resumed with it is as far as the others), and for a
+        delayed averaging in flight (not waited for) the pseudo-gradients it started from as ``pending.<i>``,
+        with ``pending.again`` (whether compressed, whether this replica contributed) and the averaging's
+        state from before it."""
         out: dict[str, torch.Tensor] = {"steps": torch.tensor(self.steps), "taken": torch.tensor(self.taken),
                                         "rounds": torch.tensor(self.rounds)}
         for i, a in enumerate(self.anchors):
@@ -383,21 +466,37 @@ class OuterSync:
             buf = self.optimizer.state.get(a, {}).get("momentum_buffer")
             if buf is not None:
                 out[f"momentum.{i}"] = buf
-        if self._pending is not None:
+        retry = None
+        if self._pending is not None and self.membership is not None:
+            # among replicas that come and go, the averaging in flight is not waited for: what is saved is
+            # what it started from (the pseudo-gradients, the averaging's state before it), and a resume
+            # averages it again at its step, over that step's quorum
+            fragment, at, _ = self._pending
+            retry = self._retry
+            assert retry is not None
+            out["pending"] = torch.tensor([fragment, at])
+            out["pending.again"] = torch.tensor([int(retry.compress), int(retry.contributing)])
+            for i, g in zip(self.fragments[fragment], retry.grads):
+                out[f"pending.{i}"] = g
+        elif self._pending is not None:
             self.wait()
             fragment, at, _ = self._pending
             out["pending"] = torch.tensor([fragment, at])
             for i in self.fragments[fragment]:
                 out[f"pending.{i}"] = self.anchors[i].grad.detach()  # type: ignore[union-attr]
         for f, average in enumerate(self.averages):
-            out.update({f"{self._average_prefix(f)}{k}": v for k, v in average.state_dict().items()})
+            kept = retry.saved[0] if retry is not None and f == self._pending[0] else average.state_dict()
+            out.update({f"{self._average_prefix(f)}{k}": v for k, v in kept.items()})
         if self.membership is not None:  # the quorums counted (a resumed replica is not taken as behind),
             # and the last group's size and this replica's place in it (what the error feedback was kept for)
             out.update({f"membership.{k}": torch.tensor(v) for k, v in self.membership.state_dict().items()})
             # (fragment f > 0: world<f>, rank<f>: each fragment's averaging was regrouped at its own steps)
             for f, average in enumerate(self.averages):
-                out[f"membership.world{f or ''}"] = torch.tensor(average.world)
-                out[f"membership.rank{f or ''}"] = torch.tensor(average.group_rank)
+                world, rank = average.world, average.group_rank
+                if retry is not None and f == self._pending[0]:  # type: ignore[index]
+                    world, rank = retry.saved[2], retry.saved[3]
+                out[f"membership.world{f or ''}"] = torch.tensor(world)
+                out[f"membership.rank{f or ''}"] = torch.tensor(rank)
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -406,7 +505,7 @@ class OuterSync:
             raise ValueError(f"the outer state holds {len(anchors)} anchors, this stage has "
                              f"{len(self.anchors)} trainable parameters")
         self.close()
-        self._pending = None
+        self._pending = self._retry = None
         with torch.no_grad():
             for i, a in enumerate(self.anchors):
                 saved = state[f"anchor.{i}"]
@@ -428,11 +527,14 @@ class OuterSync:
             if not 0 <= fragment < len(self.fragments):
                 raise ValueError(f"the outer state's delayed averaging is of fragment {fragment}, this stage "
                                  f"has {len(self.fragments)}")
-            for i in self.fragments[fragment]:
-                self.anchors[i].grad = state[f"pending.{i}"].to(self.anchors[i].device, copy=True)
-            done: Future[int] = Future()
-            done.set_result(0)  # its bytes were counted before the checkpoint
-            self._pending = (fragment, at, done)
+            if "pending.again" in state:  # (replicas that come and go: averaged again at its step)
+                self._pending = (fragment, at, None)
+            else:
+                for i in self.fragments[fragment]:
+                    self.anchors[i].grad = state[f"pending.{i}"].to(self.anchors[i].device, copy=True)
+                done: Future[int] = Future()
+                done.set_result(0)  # its bytes were counted before the checkpoint
+                self._pending = (fragment, at, done)
         ours = {k[len("membership."):]: int(v) for k, v in state.items() if k.startswith("membership.")}
         if ours and self.membership is not None:
             # the group as it was (the next quorum's, if alike, keeps the error feedback loaded below)
@@ -444,6 +546,12 @@ class OuterSync:
         for f, average in enumerate(self.averages):
             prefix = self._average_prefix(f)
             average.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        if self._pending is not None and self._pending[2] is None:
+            fragment = self._pending[0]
+            compress, contributing = (bool(v) for v in state["pending.again"])
+            grads = [state[f"pending.{i}"].to(self.anchors[i].device, copy=True)
+                     for i in self.fragments[fragment]]
+            self._retry = _Retry(self._averaging_state([fragment])[0], grads, compress, contributing)
 
 
 def make_outer_sync(spec: str, params: Sequence[nn.Parameter], group: Any = None, *,

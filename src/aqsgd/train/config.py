@@ -364,10 +364,6 @@ class PipelineSection(_Section):
         if self.dp_backend == "nccl":
             raise bad("dp_elastic", "the outer steps' groups are torchft's gloo groups: --dp-backend nccl "
                       "cannot be used with it")
-        spec = parse_grad_sync(self.grad_sync)
-        if spec.delay:
-            raise bad("dp_elastic", f"replicas that come and go take each outer step as it ends: --grad-sync "
-                      f"{self.grad_sync} delays it (give it without delay<T>; fragments<N> may stay)")
         if (self.dp_replica is None) != (self.dp_lighthouse is None):
             given, missing = (("dp_replica", "--dp-lighthouse") if self.dp_lighthouse is None
                               else ("dp_lighthouse", "--dp-replica"))
