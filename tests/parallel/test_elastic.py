@@ -133,6 +133,24 @@ def _start(ctx, replica: int, out: Path, lighthouse: str, spec: str, die_at: int
     return procs
 
 
+def _exit_codes(procs: dict[int, list]) -> dict[int, list[int | None]]:
+    """Each replica's processes' exit codes, once they have ended (3 minutes at most)."""
+    for r, ps in procs.items():
+        for p in ps:
+            p.join(180)
+            assert not p.is_alive(), f"replica {r} still running"
+    return {r: [p.exitcode for p in ps] for r, ps in procs.items()}
+
+
+def _stop(procs: dict[int, list], lighthouse) -> None:
+    """Kill what is still running, and the lighthouse."""
+    for ps in procs.values():
+        for p in ps:
+            if p.is_alive():
+                p.kill()
+    lighthouse.shutdown()
+
+
 def _wait_step(out: Path, replica: int, step: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     f = out / f"replica{replica}-stage0.step"
@@ -157,18 +175,10 @@ def test_replica_killed_and_one_joining(tmp_path, spec):
             procs[r] = _start(ctx, r, tmp_path, lighthouse.address, spec, die_at=die_at)
         _wait_step(tmp_path, 0, 12)
         procs[3] = _start(ctx, 3, tmp_path, lighthouse.address, spec, join=True)
-        for r, ps in procs.items():
-            for p in ps:
-                p.join(180)
-                assert not p.is_alive(), f"replica {r} still running"
-        codes = {r: [p.exitcode for p in ps] for r, ps in procs.items()}
+        codes = _exit_codes(procs)
         assert codes == {0: [0, 0], 1: [0, 0], 2: [3, 3], 3: [0, 0]}, codes
     finally:
-        for ps in procs.values():
-            for p in ps:
-                if p.is_alive():
-                    p.kill()
-        lighthouse.shutdown()
+        _stop(procs, lighthouse)
     for stage in range(STAGES):
         ends = {r: torch.load(tmp_path / f"replica{r}-stage{stage}.pt") for r in (0, 1, 3)}
         for r in (1, 3):
@@ -209,18 +219,10 @@ def test_a_replica_lost_inside_the_outer_step(tmp_path, spec):
     try:
         for r in range(3):
             procs[r] = _start(ctx, r, tmp_path, lighthouse.address, spec, die_in_round=2 if r == 2 else -1)
-        for r, ps in procs.items():
-            for p in ps:
-                p.join(180)
-                assert not p.is_alive(), f"replica {r} still running"
-        codes = {r: [p.exitcode for p in ps] for r, ps in procs.items()}
+        codes = _exit_codes(procs)
         assert codes == {0: [0, 0], 1: [0, 0], 2: [3, 3]}, codes
     finally:
-        for ps in procs.values():
-            for p in ps:
-                if p.is_alive():
-                    p.kill()
-        lighthouse.shutdown()
+        _stop(procs, lighthouse)
     # the third round's outer step (delayed: the second's, averaged on the worker thread, found failed when
     # it is applied a step later)
     at = 2 * EVERY + 1 if "delay1" in spec else 3 * EVERY
