@@ -21,6 +21,7 @@ from torch import nn
 from aqsgd.comm.testing import run_processes
 from aqsgd.compress.bitpack import packed_nbytes
 from aqsgd.errors import SpecError
+from aqsgd.parallel.elastic import elastic_available
 from aqsgd.parallel import AllReduceSync, OuterSync, make_outer_sync, parse_grad_sync
 from aqsgd.parallel.outer import split_fragments
 from aqsgd.train.config import TrainConfig
@@ -171,6 +172,7 @@ def test_outer_sync_refuses_bad_settings(kw, match):
         OuterSync([nn.Parameter(torch.zeros(2))], sync, **kw)
 
 
+@pytest.mark.skipif(not elastic_available(), reason="torchft (the elastic extra) not installed")
 def test_elastic_replicas_take_streamed_outer_steps(tmp_path):
     for sync in ("diloco:4:fragments2", "diloco:4:fragments2:delay1"):
         _cfg(tmp_path, grad_sync=sync, dp_elastic=True).validate()
