@@ -239,4 +239,4 @@ def test_a_replica_lost_inside_the_outer_step(tmp_path, spec):
             why = "" if stage == 0 else "(another stage of this replica failed in it)"
             assert f"stage {stage} replica {r}: the outer step at step {at} failed {why}" in log, log
             assert "averaging again with the replicas still there (try 2 of 3)" in log
-            assert f"stage {stage}: replica 2 left before the outer step at step {at}" in log
+            assert f"stage {stage}: replica 2 left inside the outer step at step {at}" in log

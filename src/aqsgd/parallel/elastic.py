@@ -186,6 +186,7 @@ class ElasticGroup:
                 checkpoint_transport=PGTransport(self.pg, timeout, torch.device("cpu")))
         self.history: list[tuple[int, tuple[int, ...]]] = []  # (round, members) whenever they changed
         self.rounds = 0
+        self._failed = False  # the last quorum's outer step failed: the next quorum is its try again
 
     def _state(self) -> dict[str, Any]:
         if self.state_fn is None:
@@ -225,10 +226,10 @@ class ElasticGroup:
             if before is not None:
                 left = sorted(set(before) - set(members))
                 joined = sorted(set(members) - set(before))
-                if left:
-                    log.warning("stage %d: replica%s %s left before the outer step%s; averaging over %s",
-                                self.stage, "s" if len(left) > 1 else "", ", ".join(map(str, left)), where,
-                                list(members))
+                if left:  # (in a try again: lost inside the outer step that failed)
+                    log.warning("stage %d: replica%s %s left %s the outer step%s; averaging over %s",
+                                self.stage, "s" if len(left) > 1 else "", ", ".join(map(str, left)),
+                                "inside" if self._failed else "before", where, list(members))
                 if joined:
                     log.info("stage %d: replica%s %s joined at the outer step%s", self.stage,
                              "s" if len(joined) > 1 else "", ", ".join(map(str, joined)), where)
@@ -250,7 +251,8 @@ class ElasticGroup:
         (torchft's ``should_commit``, agreed among the replica's stages). If so, the outer step counts (the
         manager's step, which tells a joiner it is behind); if not, the replica tries it again with the next
         quorum (:mod:`aqsgd.parallel.outer`)."""
-        if not self.manager.should_commit():
+        self._failed = not self.manager.should_commit()
+        if self._failed:
             return False
         self.rounds += 1
         return True

@@ -54,7 +54,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -85,13 +85,23 @@ def _one_line(error: BaseException, limit: int = 160) -> str:
     return f"{type(error).__name__}: {text}"
 
 
+class _Averaging(NamedTuple):
+    """One fragment's averaging as an outer step's failed try must leave it
+    (:meth:`OuterSync._averaging_state`): its error feedback (copies) and the group it last averaged over."""
+
+    state: dict[str, torch.Tensor]
+    group: Any
+    world: int
+    rank: int
+
+
 @dataclasses.dataclass
 class _Retry:
     """What a delayed outer step among replicas that come and go is tried again from, should its averaging
     fail: the averaging's state before it (:meth:`OuterSync._averaging_state`), the pseudo-gradients taken at
     the round's end, whether it was compressed and whether this replica contributed."""
 
-    saved: tuple[dict[str, torch.Tensor], Any, int, int]
+    saved: _Averaging
     grads: list[torch.Tensor]
     compress: bool
     contributing: bool
@@ -252,7 +262,8 @@ class OuterSync:
         return True
 
     def _agreed_outer_step(self, due: list[int], compress: bool, *, contributing: bool, formed: Any = None,
-                           saved: Any = None, grads: list[list[torch.Tensor]] | None = None, mix: float = 0.0,
+                           saved: list[_Averaging] | None = None,
+                           grads: list[list[torch.Tensor]] | None = None, mix: float = 0.0,
                            first: Callable[[], list[int]] | None = None) -> None:
         """The outer step of the fragments ``due`` among replicas that come and go: the quorum (``formed``:
         already formed), their averaging, then the membership's agreement that every stage of this replica
@@ -300,7 +311,7 @@ class OuterSync:
                         self.taken, why, attempt + 1, TRIES)
 
     def _agreed_launch(self, fragment: int, compress: bool, *, contributing: bool, formed: Any = None,
-                       saved: Any = None) -> None:
+                       saved: list[_Averaging] | None = None) -> None:
         """A delayed outer step among replicas that come and go: the quorum now, the averaging on the worker
         thread over its group (:meth:`_launch`), and ``delay`` steps on its agreement and the outer step
         (:meth:`_apply_pending`, through :meth:`_agreed_outer_step`, which tries a failed one again at once,
@@ -325,20 +336,19 @@ class OuterSync:
         self._retry = _Retry(saved[0], grads, compress, contributing)
         self._launch(fragment, compress)
 
-    def _averaging_state(self, fragments: list[int]) -> list[tuple[dict[str, torch.Tensor], Any, int, int]]:
+    def _averaging_state(self, fragments: list[int]) -> list[_Averaging]:
         """The error feedback (copies) and group of ``fragments``' averagings, as an outer step's failed try
         must leave them: a try that failed may have updated the error feedback with a message nobody
         received."""
-        return [({k: v.detach().clone() for k, v in a.state_dict().items()}, a.group, a.world, a.group_rank)
-                for a in (self.averages[f] for f in fragments)]
+        return [_Averaging({k: v.detach().clone() for k, v in a.state_dict().items()}, a.group, a.world,
+                           a.group_rank) for a in (self.averages[f] for f in fragments)]
 
-    def _restore_averaging(self, fragments: list[int],
-                           saved: list[tuple[dict[str, torch.Tensor], Any, int, int]]) -> None:
-        for f, (state, group, world, rank) in zip(fragments, saved):
+    def _restore_averaging(self, fragments: list[int], saved: list[_Averaging]) -> None:
+        for f, before in zip(fragments, saved):
             average = self.averages[f]
-            average.load_state_dict(state)
+            average.load_state_dict(before.state)
             # the group as before the try: the next quorum's regroup adapts the state from it
-            average.group, average.world, average.group_rank = group, world, rank
+            average.group, average.world, average.group_rank = before.group, before.world, before.rank
             for i in self.fragments[f]:
                 self.anchors[i].grad = None
 
@@ -485,7 +495,7 @@ class OuterSync:
             for i in self.fragments[fragment]:
                 out[f"pending.{i}"] = self.anchors[i].grad.detach()  # type: ignore[union-attr]
         for f, average in enumerate(self.averages):
-            kept = retry.saved[0] if retry is not None and f == self._pending[0] else average.state_dict()
+            kept = retry.saved.state if retry is not None and f == self._pending[0] else average.state_dict()
             out.update({f"{self._average_prefix(f)}{k}": v for k, v in kept.items()})
         if self.membership is not None:  # the quorums counted (a resumed replica is not taken as behind),
             # and the last group's size and this replica's place in it (what the error feedback was kept for)
@@ -494,7 +504,7 @@ class OuterSync:
             for f, average in enumerate(self.averages):
                 world, rank = average.world, average.group_rank
                 if retry is not None and f == self._pending[0]:  # type: ignore[index]
-                    world, rank = retry.saved[2], retry.saved[3]
+                    world, rank = retry.saved.world, retry.saved.rank
                 out[f"membership.world{f or ''}"] = torch.tensor(world)
                 out[f"membership.rank{f or ''}"] = torch.tensor(rank)
         return out
