@@ -11,6 +11,7 @@ import copy
 import json
 import multiprocessing
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def _batch(replica: int, stage: int, step: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spec: str, die_at: int,
-             join: bool, die_in_round: int = -1) -> None:
+             join: bool, die_in_round: int = -1, freeze: bool = False) -> None:
     import logging
 
     import torch.distributed as dist
@@ -67,7 +68,8 @@ def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spe
         opt.load_state_dict(state["inner"])
 
     group = ElasticGroup(replica=replica, stage=stage, num_stages=STAGES, lighthouse=lighthouse,
-                         store=("127.0.0.1", port), state_fn=state_fn, load_fn=load_fn, timeout_s=30)
+                         store=("127.0.0.1", port), state_fn=state_fn, load_fn=load_fn,
+                         timeout_s=5 if freeze else 30)
     outer = holder["outer"] = make_outer_sync(spec, list(model.parameters()), membership=group)
     outer.end = STEPS
     if die_in_round >= 0:  # the replica goes inside that round's outer step, once its quorum has formed:
@@ -78,6 +80,11 @@ def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spe
 
         def sync(params, **kw):
             if outer.rounds == die_in_round:
+                if freeze:  # both stages wait here, before averaging, for the test to stop them (SIGSTOP
+                    # from outside: the whole process, its heartbeats too, as a frozen machine)
+                    Path(f"{out}/frozen-{replica}-{stage}").touch()
+                    while True:
+                        time.sleep(0.05)
                 if stage == 0:
                     os._exit(3)
                 real_sync(params, **kw)
@@ -121,12 +128,12 @@ def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spe
 
 
 def _start(ctx, replica: int, out: Path, lighthouse: str, spec: str, die_at: int = -1,
-           join: bool = False, die_in_round: int = -1) -> list:
+           join: bool = False, die_in_round: int = -1, freeze: bool = False) -> list:
     from aqsgd.comm.launch import free_port
 
     port = free_port()
     procs = [ctx.Process(target=_replica, args=(replica, s, port, lighthouse, str(out), spec, die_at, join,
-                                                die_in_round))
+                                                die_in_round, freeze))
              for s in range(STAGES)]
     for p in procs:
         p.start()
@@ -149,6 +156,14 @@ def _stop(procs: dict[int, list], lighthouse) -> None:
             if p.is_alive():
                 p.kill()
     lighthouse.shutdown()
+
+
+def _wait_for(path: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path.name}")
+        time.sleep(0.01)
 
 
 def _wait_step(out: Path, replica: int, step: int, timeout_s: float = 120) -> None:
@@ -238,5 +253,45 @@ def test_a_replica_lost_inside_the_outer_step(tmp_path, spec):
             log = (tmp_path / f"replica{r}-stage{stage}.log").read_text()
             why = "" if stage == 0 else "(another stage of this replica failed in it)"
             assert f"stage {stage} replica {r}: the outer step at step {at} failed {why}" in log, log
+            assert "averaging again with the replicas still there (try 2 of 3)" in log
+            assert f"stage {stage}: replica 2 left inside the outer step at step {at}" in log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["diloco:4:q8", "diloco:4:fragments2:delay1:q8"])
+def test_a_replica_frozen_inside_the_outer_step(tmp_path, spec):
+    """Replica 2 is stopped (SIGSTOP, both stages) inside its third outer step, before it averages, and
+    never goes on: a frozen machine rather than a closed connection. Replicas 0 and 1 wait in their collective
+    until the group's timeout (5 s here), leave the outer step untaken, form the next quorum without it (its
+    heartbeats stopped) and average again; they finish, bit-identical, each outer step taken once."""
+    from aqsgd.parallel.elastic import Lighthouse
+
+    ctx = multiprocessing.get_context("spawn")
+    (tmp_path / "no-joiner").touch()
+    lighthouse = Lighthouse(min_replicas=1, join_timeout_s=30.0, heartbeat_timeout_s=1.5)
+    procs = {}
+    try:
+        for r in range(3):
+            procs[r] = _start(ctx, r, tmp_path, lighthouse.address, spec, die_in_round=2 if r == 2 else -1,
+                              freeze=True)
+        for s, p in enumerate(procs[2]):
+            _wait_for(tmp_path / f"frozen-2-{s}")
+            os.kill(p.pid, signal.SIGSTOP)
+        codes = _exit_codes({r: procs[r] for r in (0, 1)})
+        assert codes == {0: [0, 0], 1: [0, 0]}, codes
+        assert all(p.is_alive() for p in procs[2])  # stopped, not gone
+    finally:
+        _stop(procs, lighthouse)
+    at = 2 * EVERY + 1 if "delay1" in spec else 3 * EVERY
+    for stage in range(STAGES):
+        ends = {r: torch.load(tmp_path / f"replica{r}-stage{stage}.pt") for r in (0, 1)}
+        assert torch.equal(ends[1]["weight"], ends[0]["weight"]), stage
+        assert torch.equal(ends[1]["anchor"], ends[0]["anchor"]), stage
+        for r in (0, 1):
+            assert ends[r]["taken"] == STEPS and ends[r]["rounds"] == STEPS // EVERY, (stage, r)
+        assert [m for _, m in ends[0]["history"]] == [(0, 1, 2), (0, 1)]
+        for r in (0, 1):
+            log = (tmp_path / f"replica{r}-stage{stage}.log").read_text()
+            assert f"stage {stage} replica {r}: the outer step at step {at} failed (" in log, log
             assert "averaging again with the replicas still there (try 2 of 3)" in log
             assert f"stage {stage}: replica 2 left inside the outer step at step {at}" in log
