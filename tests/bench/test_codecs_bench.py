@@ -92,3 +92,24 @@ def test_the_warm_allocator_keeps_a_results_pages_mapped():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     cold, hot, warm = out.stdout.split()
     assert warm == "True" and float(cold) > 1000 and float(hot) < 10, out.stdout
+
+
+def test_a_subspace_codec_is_also_timed_as_trainings_sender_runs_it():
+    """Training's sender adds each message's rows to the next basis's estimate and refreshes it every N
+    messages: the row's ``learning_encode_gbps`` is the encode with both, so below the encode's rate; other
+    codecs have none."""
+    rows = bench_codecs(["q4:pca/4", "q4"], shape=(2, 16, 32), repeats=2, warmup=1)
+    subspace, plain = rows
+    assert 0 < subspace.learning_encode_gbps < subspace.encode_gbps
+    assert plain.learning_encode_gbps is None
+
+
+def test_a_refresh_is_timed_on_copies_of_the_state():
+    x = torch.randn(64, 32)
+    codec = bench.codec_for("q4:pca8", x)
+    state = codec.state
+    state.observe(x)
+    basis, version = state.basis.clone(), state.version
+    assert bench.refresh_seconds(state, torch.device("cpu")) > 0
+    assert state.version == version and torch.equal(state.basis, basis)  # the codec's own state unchanged
+    assert bench.refresh_seconds(bench.codec_for("q4:pca8:refresh0", x).state, torch.device("cpu")) == 0.0

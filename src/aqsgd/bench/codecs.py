@@ -16,6 +16,11 @@ CUDA), every codec is also timed with the ``eager`` backend, in the same interle
 (``eager_encode_gbps``, ``eager_decode_gbps``), so the kernels' gain is a ratio measured side by side; a codec
 that never takes a kernel shows ~1.0x there.
 
+A subspace codec (``pca<r>``) encodes here as at evaluation, its basis fixed. Training's sender also adds
+each message's rows to the next basis's estimate and refreshes the basis every N messages:
+``learning_encode_gbps`` is its encode with both (the rows' sum timed in the same rounds, a refresh's median
+over copies of the state divided by N).
+
 On CUDA each codec's encode and decode are also profiled once after the timing (``torch.profiler``): how many
 device operations (kernels, copies, fills) one call launches and their summed device time in microseconds
 (``encode_kernels``, ``encode_kernel_us``, ``decode_kernels``, ``decode_kernel_us``). Against the call's wall
@@ -34,6 +39,7 @@ import logging
 import platform
 import statistics
 import time
+from copy import deepcopy
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -42,10 +48,10 @@ import torch
 
 from aqsgd.bench.timing import interleaved_medians, minor_faults, sync
 from aqsgd.compress import Codec, kernels, make_codec
-from aqsgd.compress.subspace import SubspaceCodec
+from aqsgd.compress.subspace import Subspace, SubspaceCodec
 
 __all__ = ["CLONE_SPREAD_LIMIT", "DEFAULT_CODECS", "CodecRow", "bench_codecs", "clone_spread_warning",
-           "codec_for", "launch_costs", "machine_description", "queued_seconds"]
+           "codec_for", "launch_costs", "machine_description", "queued_seconds", "refresh_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +92,9 @@ class CodecRow:
     encode_slowest: list | None = None  # a call's longest device operations: [[name, us, calls], ...]
     decode_slowest: list | None = None
     minor_faults_per_call: float | None = None  # pages first touched per timed call (the allocator's cost)
+    # a subspace codec's encode as training's sender runs it (None: other codecs): the encode, adding the
+    # rows to the next basis's estimate (``Subspace.observe``) and a refresh every N messages, amortized
+    learning_encode_gbps: float | None = None
 
 
 def versions() -> dict[str, str | None]:
@@ -142,9 +151,15 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             eager = codec_for(spec, x, backend="eager", like=codec)
             calls["eager_encode"] = lambda: eager.encode(x, generator=g)
             calls["eager_decode"] = lambda: eager.decode(packet)
+        state = codec.state if isinstance(codec, SubspaceCodec) else None
+        if state is not None:  # training's sender adds every message's rows to the next basis's estimate
+            calls["observe"] = lambda: state.observe(x)
         faults = minor_faults()
         t = interleaved_medians(calls, device=device, warmup=warmup, repeats=repeats)
         faults = (minor_faults() - faults) / (len(calls) * (warmup + repeats))
+        learning = None
+        if state is not None:
+            learning = nbytes / (t["encode"] + t["observe"] + refresh_seconds(state, device)) / 1e9
         queued = ({k: nbytes / queued_seconds(calls[k], device) / 1e9 for k in ("encode", "decode")}
                   if device.type == "cuda" else {"encode": None, "decode": None})
         enc_ops = device_operations(calls["encode"], device) or (None, None, None)
@@ -164,6 +179,7 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
             encode_kernels=enc_ops[0], encode_kernel_us=enc_ops[1],
             decode_kernels=dec_ops[0], decode_kernel_us=dec_ops[1],
             encode_slowest=enc_ops[2], decode_slowest=dec_ops[2], minor_faults_per_call=faults,
+            learning_encode_gbps=learning,
         ))
     warning = clone_spread_warning(rows)
     if warning:
@@ -171,10 +187,29 @@ def bench_codecs(specs: Sequence[str] = DEFAULT_CODECS, *, shape: Sequence[int] 
     return rows
 
 
+def refresh_seconds(state: Subspace, device: torch.device, repeats: int = 3) -> float:
+    """A refresh of ``state``'s basis (:meth:`~aqsgd.compress.subspace.Subspace.renew`, from the rows
+    observed), per compressed message: the median of ``repeats`` refreshes of copies of the state, over its
+    ``refresh`` messages between two (0 where it never refreshes)."""
+    if state.refresh <= 0:
+        return 0.0
+    times = []
+    for _ in range(repeats):
+        copy = deepcopy(state)
+        sync(device)
+        t0 = time.perf_counter()
+        copy.renew()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / state.refresh
+
+
 def codec_for(spec: str, x: torch.Tensor, *, backend: str | None = None, like: Codec | None = None) -> Codec:
     """The codec of ``spec``; one with a subspace stage (``pca<r>``) bound to a basis estimated from ``x``
     itself (as a boundary's warm-up would; ``like``: share that codec's basis), since it encodes only with
-    a basis. Only the encode and decode are timed, not the estimate (once per refresh in training)."""
+    a basis. Its state does not learn in the encodes timed (``learning`` off, as at evaluation): what
+    training's sender adds to each message, the rows' sum and the refreshes, is timed beside them
+    (``CodecRow.learning_encode_gbps``)."""
     codec = make_codec(spec, backend=backend)
     if not isinstance(codec, SubspaceCodec):
         return codec

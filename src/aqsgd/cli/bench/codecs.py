@@ -93,6 +93,11 @@ def run_codecs(args: argparse.Namespace) -> int:
                       f"{r.clone_gbps:.2f}", f"{r.encode_vs_clone:.2f}", f"{r.decode_vs_clone:.2f}", *extra,
                       f"{r.wire_bytes:,}", f"{r.ratio:.1f}x", f"{r.rel_err:.3g}")
     console.print(table)
+    for r in rows:
+        if r.learning_encode_gbps is not None:
+            console.print(f"{r.codec}: encode as training's sender runs it (adding the rows to the basis's "
+                          f"estimate, refreshes amortized) {r.learning_encode_gbps:.2f} GB/s, "
+                          f"{r.learning_encode_gbps / r.clone_gbps:.2f} of the clone")
     launch = launch_costs(device) if device.type == "cuda" else None
     if launch:
         console.print("launch costs, µs per call (alone between two synchronisations / 20 queued): "
