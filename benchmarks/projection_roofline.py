@@ -55,6 +55,15 @@ def measure(shape: tuple[int, ...], divisor: int, *, repeats: int, warmup: int,
                 "vs_clone": t[k] / t["clone"]} for k, (_, flops) in calls.items()}
 
 
+def table(d: dict) -> list[str]:
+    """A written result as the markdown table of docs/bench-codecs.md (``python -m benchmarks.render``)."""
+    out = ["| product | ms | GFLOP/s | x the clone's time |", "|---|---|---|---|"]
+    for name, v in d["results"].items():
+        rate = f"{v['gflops']:.0f}" if v["gflops"] else ""
+        out.append(f"| {name} | {v['ms']:.2f} | {rate} | {v['vs_clone']:.2f} |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs="+", default=[8, 512, 768],
@@ -74,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         rate = f"{v['gflops']:7.1f} GFLOP/s" if v["gflops"] else " " * 15
         print(f"  {name:38s} {v['ms']:8.3f} ms  {rate}  {v['vs_clone']:5.2f}x the clone")
     if args.json:
+        command = " ".join(["python -m benchmarks.projection_roofline",
+                            *(sys.argv[1:] if argv is None else argv)])
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(["python -m benchmarks.projection_roofline",
-                                                 *(sys.argv[1:] if argv is None else argv)]),
+            json.dump({"benchmark": "projection-roofline", "command": command,
                        "machine": machine_description(torch.device("cpu")), "torch": torch.__version__,
                        "shape": list(args.shape), "divisor": args.divisor, "results": out}, f, indent=1)
     return 0

@@ -18,9 +18,11 @@ def codecs(d: dict) -> list[str]:
     profiled = any(r.get("encode_kernels") is not None for r in d["rows"])
     extra = " eager encode GB/s | eager decode GB/s | fused gain enc / dec |" if eager else ""
     extra += " device ops enc / dec | device µs enc / dec |" if profiled else ""
+    learning = any(r.get("learning_encode_gbps") is not None for r in d["rows"])
+    extra += " encode in training GB/s (/ clone) |" if learning else ""
     out = ["| codec | encode GB/s | decode GB/s | clone GB/s | encode / clone | decode / clone |" + extra
            + " wire bytes | ratio |", "|---|---|---|---|---|---|" + ("---|---|---|" if eager else "")
-           + ("---|---|" if profiled else "") + "---|---|"]
+           + ("---|---|" if profiled else "") + ("---|" if learning else "") + "---|---|"]
     for r in d["rows"]:
         cells = ""
         if eager:
@@ -30,6 +32,9 @@ def codecs(d: dict) -> list[str]:
         if profiled:
             cells += (f" {r['encode_kernels']} / {r['decode_kernels']} | "
                       f"{r['encode_kernel_us']:.0f} / {r['decode_kernel_us']:.0f} |")
+        if learning:
+            rate = r.get("learning_encode_gbps")
+            cells += f" {rate:.2f} ({rate / r['clone_gbps']:.2f}) |" if rate is not None else " |"
         out.append(f"| `{r['codec']}` | {r['encode_gbps']:.2f} | {r['decode_gbps']:.2f} | "
                    f"{r['clone_gbps']:.1f} | {r['encode_vs_clone']:.2f} | "
                    f"{r['decode_vs_clone']:.2f} |{cells} {r['wire_bytes']:,} | {r['ratio']:.1f}x |")
@@ -209,6 +214,12 @@ def gpu_check(d: dict) -> list[str]:
     return markdown(d).rstrip("\n").splitlines()
 
 
+def projection_roofline(d: dict) -> list[str]:
+    from benchmarks.projection_roofline import table
+
+    return table(d)
+
+
 def diloco_netem(d: dict) -> list[str]:
     from benchmarks.diloco_netem import table
 
@@ -219,7 +230,7 @@ RENDERERS = {"codecs": codecs, "codecs-cache-path": codecs_cache_path, "codecs-q
              "codecs-quality-specs": codec_quality_specs, "pipeline": pipeline, "convergence": convergence,
              "netem": netem, "boundary_errors": boundary_errors, "vs-torch": vs_torch, "overhead": overhead,
              "adaptive": adaptive, "balance-measured": balance_measured, "gpu-check": gpu_check,
-             "batching": batching, "diloco-netem": diloco_netem}
+             "batching": batching, "diloco-netem": diloco_netem, "projection-roofline": projection_roofline}
 
 
 def main(paths: list[str]) -> int:

@@ -27,5 +27,6 @@ def test_the_json_names_the_command(tmp_path, capsys):
     main(["--shape", "2", "8", "32", "--repeats", "2", "--warmup", "1", "--json", str(path)])
     data = json.loads(path.read_text())
     assert data["command"].startswith("python -m benchmarks.projection_roofline --shape 2 8 32")
-    assert data["shape"] == [2, 8, 32] and "sender's sum z^T z" in data["results"]
+    assert data["benchmark"] == "projection-roofline" and data["shape"] == [2, 8, 32]
+    assert "sender's sum z^T z" in data["results"]
     assert "GFLOP/s" in capsys.readouterr().out
