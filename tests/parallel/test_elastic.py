@@ -11,6 +11,7 @@ import copy
 import json
 import multiprocessing
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -209,7 +210,9 @@ def test_replica_killed_and_one_joining(tmp_path, spec):
         members = [m for _, m in ends[0]["history"]]
         assert members[0] == (0, 1, 2) and members[1] == (0, 1) and members[-1] == (0, 1, 3), members
         log = (tmp_path / f"replica0-stage{stage}.log").read_text()
-        assert f"stage {stage}: replica 2 left before the outer step" in log
+        # (before, or inside where it went with its averaging in flight: with a delay, the round that ends
+        # at its last step)
+        assert re.search(rf"stage {stage}: replica 2 left (before|inside) the outer step", log), log
         assert f"stage {stage}: replica 3 joined at the outer step" in log
     joiner = (tmp_path / "replica3-stage0.log").read_text()
     assert f"took the current weights and outer state from a peer; joins at step {HOLD_AT + 2}" in joiner
