@@ -37,7 +37,7 @@ def _batch(replica: int, stage: int, step: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spec: str, die_at: int,
-             join: bool, die_in_round: int = -1, freeze: bool = False) -> None:
+             join: bool, die_in_round: int = -1, freeze: bool = False, fail_in_round: int = -1) -> None:
     import logging
 
     import torch.distributed as dist
@@ -93,6 +93,20 @@ def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spe
             return real_sync(params, **kw)
 
         average.sync = sync
+    if fail_in_round >= 0 and stage == 0:  # that round's averaging succeeds everywhere but raises here
+        # afterwards, once: the others take the outer step, this replica does not (its stages agree that
+        # one of them failed) and is behind them
+        average, failed = outer.average, []
+        real_sync = average.sync
+
+        def sync(params, **kw):
+            nbytes = real_sync(params, **kw)
+            if outer.rounds == fail_in_round and not failed:
+                failed.append(True)
+                raise RuntimeError("injected: this replica's averaging failed after the others' succeeded")
+            return nbytes
+
+        average.sync = sync
     Path(f"{out}/ready-{replica}-{stage}").touch()
     if join:
         Path(f"{out}/joining-stage{stage}").touch()
@@ -129,12 +143,12 @@ def _replica(replica: int, stage: int, port: int, lighthouse: str, out: str, spe
 
 
 def _start(ctx, replica: int, out: Path, lighthouse: str, spec: str, die_at: int = -1,
-           join: bool = False, die_in_round: int = -1, freeze: bool = False) -> list:
+           join: bool = False, die_in_round: int = -1, freeze: bool = False, fail_in_round: int = -1) -> list:
     from aqsgd.comm.launch import free_port
 
     port = free_port()
     procs = [ctx.Process(target=_replica, args=(replica, s, port, lighthouse, str(out), spec, die_at, join,
-                                                die_in_round, freeze))
+                                                die_in_round, freeze, fail_in_round))
              for s in range(STAGES)]
     for p in procs:
         p.start()
@@ -297,3 +311,43 @@ def test_a_replica_frozen_inside_the_outer_step(tmp_path, spec):
         _stop(procs, lighthouse)
     # (both stages time out themselves: each logs its own error)
     _retried_without_replica_2(tmp_path, spec, lambda stage: "(")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["diloco:4:q8", "diloco:4:fragments2:q8", "diloco:4:fragments2:delay1:q8"])
+def test_a_replica_whose_averaging_alone_failed_takes_the_others_outer_step(tmp_path, spec):
+    """An outer step that failed on one replica only (replica 1's stage 0 raises after averaging, in its
+    third outer step; replicas 0 and 2 averaged with it and take the step): replica 1 leaves the step untaken
+    and asks for the next quorum, which finds it behind the others. It takes their state (with the step it
+    missed), takes part in their outer step then with nothing to add, and goes on from there; all three finish
+    bit-identical. (Before, it averaged its missed step again while the others averaged their next one: the
+    collectives did not match.)"""
+    from aqsgd.parallel.elastic import Lighthouse
+
+    ctx = multiprocessing.get_context("spawn")
+    (tmp_path / "no-joiner").touch()
+    lighthouse = Lighthouse(min_replicas=1, join_timeout_s=30.0, heartbeat_timeout_s=1.5)
+    procs: dict[int, list] = {}
+    try:
+        for r in range(3):
+            procs[r] = _start(ctx, r, tmp_path, lighthouse.address, spec, fail_in_round=2 if r == 1 else -1)
+        codes = _exit_codes(procs)
+        assert codes == {0: [0, 0], 1: [0, 0], 2: [0, 0]}, codes
+    finally:
+        _stop(procs, lighthouse)
+    at = 2 * EVERY + 1 if "delay1" in spec else 3 * EVERY
+    for stage in range(STAGES):
+        ends = {r: torch.load(tmp_path / f"replica{r}-stage{stage}.pt") for r in range(3)}
+        for r in (1, 2):
+            assert torch.equal(ends[r]["weight"], ends[0]["weight"]), (stage, r)
+            assert torch.equal(ends[r]["anchor"], ends[0]["anchor"]), (stage, r)
+        for r in range(3):
+            assert ends[r]["taken"] == STEPS and ends[r]["rounds"] == STEPS // EVERY, (stage, r)
+            assert [m for _, m in ends[r]["history"]] == [(0, 1, 2)], (stage, r)
+        for r in (0, 2):
+            assert "failed" not in (tmp_path / f"replica{r}-stage{stage}.log").read_text()
+        log = (tmp_path / f"replica1-stage{stage}.log").read_text()
+        why = "(RuntimeError: injected" if stage == 0 else "(another stage of this replica failed in it)"
+        assert f"stage {stage} replica 1: the outer step at step {at} failed {why}" in log, log
+        assert re.search(rf"stage {stage} replica 1: the others took the outer step at step {at} without "
+                         rf"this replica; took their state and goes on from step \d+", log), log

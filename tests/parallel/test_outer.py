@@ -443,3 +443,22 @@ def test_a_resume_with_an_averaging_in_flight_applies_it_at_its_step(outer_run):
     ckpt = Path(cfgs["stream-part"].run.output_dir) / "stream-part" / "checkpoints" / "step-00000004"
     outer = load_file(str(ckpt / "stage0" / "replica0" / "outer.safetensors"))
     assert outer["pending"].tolist() == [0, 5]  # fragment 0's, applied at step 5
+
+
+def test_a_quorum_agrees_on_what_its_members_average_or_refuses_in_one_line():
+    from aqsgd.parallel.elastic import agreed_intent
+    from aqsgd.parallel.outer import LAUNCH, NOW, OuterSync
+
+    launch = list(OuterSync._intent([1], LAUNCH, True))
+    assert launch == [0b10, LAUNCH, 1]
+    # rows: replica, contributes, healed, then the intent (zeros: none)
+    assert agreed_intent([[0, 1, 0, *launch], [1, 1, 0, *launch]], stage=0) == tuple(launch)
+    # a healed member's own plan (made from the state it replaced) and a joiner's none are not counted
+    healed = list(OuterSync._intent([0], NOW, True))
+    rows = [[0, 1, 0, *launch], [1, 0, 1, *healed], [3, 0, 0, 0, 0, 0]]
+    assert agreed_intent(rows, stage=1) == tuple(launch)
+    assert agreed_intent([[0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]], stage=0) == ()  # starting together
+    with pytest.raises(RuntimeError) as e:
+        agreed_intent([[0, 1, 0, *launch], [2, 1, 0, *healed], [1, 1, 0, *launch]], stage=1, step=12)
+    assert str(e.value) == ("stage 1: the replicas of the quorum at step 12 are in different outer steps "
+                            "(replicas 0, 1: [2, 2, 1]; replica 2: [1, 1, 1])")

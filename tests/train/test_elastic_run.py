@@ -215,3 +215,74 @@ def test_a_replica_listens_on_its_address_towards_the_lighthouse(tmp_path):
     with pytest.raises(SpecError, match=r"^--dp-lighthouse http://no-such-host\.invalid:29510: no route from "
                                         r"this machine to its host \(.+\)$"):
         _listen_on(_cfg(tmp_path, dp_replica=1, dp_lighthouse="http://no-such-host.invalid:29510"))
+
+
+_REFUSE_COMMIT = '''
+import os
+
+if os.environ.get("AQSGD_TEST_REFUSE_COMMIT"):  # replica R's stage 0 says no to its N-th outer step
+    replica, nth = (int(v) for v in os.environ["AQSGD_TEST_REFUSE_COMMIT"].split(","))
+    from aqsgd.parallel import elastic
+
+    real = elastic.ElasticGroup.commit
+
+    def commit(self):
+        if self.replica == replica and self.stage == 0:
+            self._tries = getattr(self, "_tries", 0) + 1
+            if self._tries == nth:
+                self.manager.report_error(RuntimeError("injected: this replica's averaging failed"))
+        return real(self)
+
+    elastic.ElasticGroup.commit = commit
+'''
+
+
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["diloco:4:q8", "diloco:4:fragments2:q8", "diloco:4:fragments2:delay1:q8"])
+def test_a_replica_whose_outer_step_alone_failed_goes_on_from_the_others_place(tmp_path, sync, capfd,
+                                                                               monkeypatch):
+    # 2 replicas x 2 stages: replica 1's stage 0 refuses its second outer step after averaging it (a
+    # sitecustomize in every process of the launch, the test's only hook), which replica 0 takes. Replica 1
+    # finds itself behind at its next quorum, takes replica 0's state there and goes on from its place: both
+    # finish, with the same weights; replica 1's metrics skip the steps it did not train as its own.
+    steps = 16
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_REFUSE_COMMIT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("AQSGD_TEST_REFUSE_COMMIT", "1,2")
+    cfg = _cfg(tmp_path, data_parallel=2, max_steps=steps, checkpoint_every=steps, link="1gbit",
+               grad_sync=sync)
+    base = tmp_path / "runs" / "elastic"
+    run = multiprocessing.get_context("spawn").Process(target=_train,
+                                                       args=(cfg.to_json(), str(tmp_path / "summary.json")))
+    run.start()
+    run.join(300)
+    if run.is_alive():
+        run.kill()
+    err = capfd.readouterr().err
+    assert run.exitcode == 0, err[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [row["status"] for row in summary["replicas"]] == ["finished", "finished"]
+    assert summary["replicas"][0]["missed"] is None
+    assert "injected: this replica's averaging failed" in err or "another stage of this replica" in err, err
+    import re
+
+    behind = re.findall(r"replica 1: behind the others at step (\d+); goes on from their place, after step "
+                        r"(\d+)", err)
+    assert len(behind) == 2, err[-3000:]  # (each stage process)
+    at, after = (int(v) for v in behind[0])
+    assert set(behind) == {(str(at), str(after))} and at <= after < steps, behind
+    assert summary["replicas"][1]["missed"] == (f"{at}-{after}" if at < after else str(at))
+    assert "replica 1: finished, behind the others (took their state) and missed steps " in err
+    rows = {r: [json.loads(x) for x in (base / f"replica{r}" / "metrics.jsonl").read_text().splitlines()]
+            for r in range(2)}
+    trained = {r: [x["step"] for x in rows[r] if x.get("kind") == "train"] for r in range(2)}
+    assert trained[0] == list(range(1, steps + 1))
+    assert trained[1] == list(range(1, at)) + list(range(after + 1, steps + 1)), (at, after, trained[1])
+    for s in range(2):
+        ends = [load_file(base / f"replica{r}" / "checkpoints" / f"step-{steps:08d}" / f"stage{s}" /
+                          "model.safetensors") for r in range(2)]
+        assert ends[0].keys() == ends[1].keys()
+        assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), s

@@ -30,10 +30,12 @@ that a replica on another machine can reach it when it joins. (torchft's manager
 whatever it is told: :func:`_manager_server_on`.)
 
 :class:`ElasticGroup` is that for one stage process; :meth:`ElasticGroup.form` returns a :class:`Round`:
-the group to average over, its members (replica indices, in group-rank order) and how many of them
+the group to average over, its members (replica indices, in group-rank order), how many of them
 contribute (a replica that has just healed takes part in the collectives with a zero pseudo-gradient, so that
-the average is over the replicas that trained in the round). Membership changes are logged (``replica 2 left
-before step 40``), and :attr:`ElasticGroup.history` keeps every round's members for the run's summary.
+the average is over the replicas that trained in the round) and what they average (an *intent*, which a
+healed replica follows: its own plan was made from the state it has just replaced). Membership changes
+are logged (``replica 2 left before step 40``), and :attr:`ElasticGroup.history` keeps every round's
+members for the run's summary.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import torch.distributed as dist
 
 from aqsgd.comm.launch import address_towards
 
-__all__ = ["ElasticGroup", "Lighthouse", "Round", "elastic_available"]
+__all__ = ["ElasticGroup", "Lighthouse", "Round", "agreed_intent", "elastic_available"]
 
 log = logging.getLogger(__name__)
 
@@ -136,21 +138,47 @@ class Lighthouse:
         self._server.shutdown()
 
 
+#: ints in an intent (:meth:`ElasticGroup.form`): what a member is about to average, as its caller encodes it
+INTENT_INTS = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Round:
     """One outer step's group: ``members`` (replica indices in group-rank order), ``contributors`` (how many
     trained in the round), ``healed`` (this replica has just taken a peer's state), ``group`` (the process
-    group of this stage's members), ``rank`` (this replica's place in it)."""
+    group of this stage's members), ``rank`` (this replica's place in it), ``intent`` (what the members
+    that have a plan of their own average: :func:`agreed_intent`; empty where none has)."""
 
     members: tuple[int, ...]
     contributors: int
     healed: bool
     group: Any
     rank: int
+    intent: tuple[int, ...] = ()
 
     @property
     def world(self) -> int:
         return len(self.members)
+
+
+def agreed_intent(rows: list[list[int]], stage: int, step: int | None = None) -> tuple[int, ...]:
+    """What a quorum's members average, from its all-gather's ``rows`` (replica, contributes, healed, then
+    the intent's integers; all zero: none): the intent of the members that have one and were not healed in
+    it, which must be one and the same (a quorum whose members are in different outer steps would run
+    collectives that do not match; refused in one line), or ``()`` where none has one (replicas starting
+    together)."""
+    plans: dict[tuple[int, ...], list[int]] = {}
+    for row in rows:
+        plan = tuple(int(v) for v in row[3:])
+        if not row[2] and any(plan):
+            plans.setdefault(plan, []).append(int(row[0]))
+    if len(plans) > 1:
+        where = f" at step {step}" if step is not None else ""
+        each = "; ".join(f"replica{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {list(p)}"
+                         for p, r in plans.items())
+        raise RuntimeError(f"stage {stage}: the replicas of the quorum{where} are in different outer steps "
+                           f"({each})")
+    return next(iter(plans), ())
 
 
 class ElasticGroup:
@@ -199,11 +227,16 @@ class ElasticGroup:
         self.load_fn(state)
         self._healed = True
 
-    def form(self, *, contributing: bool = True, step: int | None = None) -> Round:
-        """Collective over the replicas that ask: wait for the lighthouse's quorum (a joiner first heals:
-        ``load_fn`` gets a peer's state), then agree on the members and the contributors (one all-gather of
-        two integers). ``contributing=False``: this replica has nothing to add this round. ``step``: for the
-        log lines."""
+    def form(self, *, contributing: bool = True, step: int | None = None,
+             intent: tuple[int, ...] = ()) -> Round:
+        """Collective over the replicas that ask: wait for the lighthouse's quorum (a replica behind the
+        others first heals: ``load_fn`` gets a peer's state), then agree on the members, the contributors and
+        what they average (one all-gather of a few integers). ``contributing=False``: this replica has
+        nothing to add this round. ``intent``: :data:`INTENT_INTS` integers saying what this replica is about
+        to average (none: it follows the others); a healed replica's is not counted. ``step``: for the log
+        lines."""
+        if intent and (len(intent) != INTENT_INTS or not any(intent)):
+            raise ValueError(f"an intent is {INTENT_INTS} integers, not all zero; got {intent}")
         self._healed = False
         self.manager.start_quorum(allow_heal=True)
         err = self.manager.errored()
@@ -213,13 +246,16 @@ class ElasticGroup:
         group = self.pg.parent  # the gloo group of this quorum (torchft rebuilds it for every new quorum)
         world, rank = group.size(), group.rank()
         healed = self._healed
-        mine = torch.tensor([self.replica, int(contributing and not healed)], dtype=torch.int64)
-        every = torch.zeros(2 * world, dtype=torch.int64)
+        width = 3 + INTENT_INTS
+        mine = torch.tensor([self.replica, int(contributing and not healed), int(healed),
+                             *(intent or (0,) * INTENT_INTS)], dtype=torch.int64)
+        every = torch.zeros(width * world, dtype=torch.int64)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(every, mine, group=group)
-        pairs = every.view(world, 2).tolist()
-        members = tuple(int(r) for r, _ in pairs)
-        contributors = sum(int(c) for _, c in pairs)
+        rows = every.view(world, width).tolist()
+        members = tuple(int(row[0]) for row in rows)
+        contributors = sum(int(row[1]) for row in rows)
+        agreed = agreed_intent(rows, self.stage, step)
         where = f" at step {step}" if step is not None else ""
         before = self.history[-1][1] if self.history else None
         if members != before:
@@ -234,7 +270,7 @@ class ElasticGroup:
                     log.info("stage %d: replica%s %s joined at the outer step%s", self.stage,
                              "s" if len(joined) > 1 else "", ", ".join(map(str, joined)), where)
             self.history.append((self.rounds, members))
-        return Round(members, max(contributors, 1), healed, group, rank)
+        return Round(members, max(contributors, 1), healed, group, rank, agreed)
 
     def report_error(self, error: Exception) -> None:
         """This stage's part of the outer step failed (a collective of the quorum's group raised): the

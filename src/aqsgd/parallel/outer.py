@@ -40,7 +40,10 @@ Replicas that come and go (a ``membership``, :mod:`aqsgd.parallel.elastic`): eve
 fragment's) forms a quorum of the replicas there, averages over it, and is applied only once every stage of
 the replica has averaged without an error; a replica lost inside the averaging makes the others try it again
 over the next quorum, from the same pseudo-gradients and error feedback
-(:meth:`OuterSync._agreed_outer_step`).
+(:meth:`OuterSync._agreed_outer_step`). Where the others took an outer step that failed here alone, that
+quorum finds this replica behind them and gives it a peer's state: it takes part in the outer step they are
+in with nothing to add (:meth:`OuterSync._follow`, as a joiner does) and goes on from their place. Every
+quorum agrees on what its members average (:meth:`OuterSync._intent`), so that one behind follows it.
 With a delay the quorum is formed at the round's end and the averaging agreed when it is applied, where a
 failed one is tried again at once (:meth:`OuterSync._agreed_launch`); a checkpoint does not wait for the
 averaging in flight but saves what it started from, and a resume averages it again at its step.
@@ -72,6 +75,10 @@ DILOCO_MOMENTUM = GradSyncSpec.momentum
 DILOCO_MIX = GradSyncSpec.mix  # Streaming DiLoCo's: half local, half outer
 #: tries of one outer step among replicas that come and go (each replica lost inside it costs one)
 TRIES = 3
+# what an outer step's quorum is for (its intent's kind, :meth:`OuterSync._intent`): an outer step averaged
+# and applied now; a delayed one launched (averaged on the worker thread, applied ``delay`` steps on); a
+# delayed one averaged again where it is applied (its first try failed, or a resume)
+NOW, LAUNCH, AGAIN = 1, 2, 3
 
 
 def _one_line(error: BaseException, limit: int = 160) -> str:
@@ -167,8 +174,8 @@ class OuterSync:
         #: (replicas that come and go); None: the fixed group of ``average``
         self.membership = membership
         self.last_round: Any = None  # the last outer step's :class:`~aqsgd.parallel.elastic.Round`
-        #: whether the last :meth:`step` took a peer's state (this replica was behind: the others counted it
-        #: gone), which a running replica must not (its place in the data is no longer its own loop's)
+        #: whether the last :meth:`step` took a peer's state (this replica was behind: the others took an
+        #: outer step without it): its counters, and the caller's place in the data, are the others' now
         self.healed_in_step = False
         # the delayed averaging in flight: (fragment, the step it is applied at, its bytes' future; None: to
         # be averaged at that step, a resume of replicas that come and go)
@@ -207,13 +214,12 @@ class OuterSync:
         self.healed_in_step = False
         if self._pending is not None and (self._pending[1] <= self.taken or final):
             self._apply_pending()
-        if not due:
+        if not due or self.healed_in_step:  # (behind the others: this step is theirs now, and was followed)
             return self.last_bytes
         if self.membership is not None:
             if self.delay and not final:  # (one fragment's round ends)
                 self._agreed_launch(due[0], compress, contributing=True)
-            else:
-                self._agreed_outer_step(due, compress, contributing=True)
+            elif self._agreed_outer_step(due, compress, contributing=True):
                 for f in due:
                     self._end_round(f)
             return self.last_bytes
@@ -226,45 +232,80 @@ class OuterSync:
                 self._outer_step(f, compress)
         return self.last_bytes
 
-    def join(self, *, compress: bool | Callable[[], bool] = True) -> bool:
+    def join(self) -> bool:
         """A replica started late, before its first step: ask for the next quorum; if the others are ahead,
-        take a peer's state (weights, outer state: the membership's ``load_fn``), take part in that outer step
-        with nothing to add, and end it with the others' weights. Returns whether it joined running peers
-        (False: it is among the first, and starts from its own initial weights)."""
+        take a peer's state (weights, outer state: the membership's ``load_fn``), take part in the outer step
+        they are in with nothing to add (:meth:`_follow`), and end it with the others' weights. Returns
+        whether it joined running peers (False: it is among the first, and starts from its own initial
+        weights)."""
         if self.membership is None:
             raise ValueError("join() needs a membership (replicas that come and go)")
-        everything = list(range(len(self.fragments)))
-        saved = self._averaging_state(everything)
-        rnd = self._regroup(everything, contributing=False)
+        rnd = self._regroup([], contributing=False)
         if not rnd.healed:
             if not self.membership.commit():
                 raise RuntimeError(f"stage {self.membership.stage} replica {self.membership.replica}: the "
                                    f"first quorum failed: {self.membership.error()}")
             return False
-        # the peer's counters already count the step that ends the rounds now due
-        final = self.end > 0 and self.taken >= self.end
-        due = [f for f in everything if (self.steps + self.offsets[f]) % self.every == 0 or final]
+        log.info("stage %d replica %d: took the current weights and outer state from a peer; joins at step "
+                 "%d", self.membership.stage, self.membership.replica, self.taken)
+        self.last_bytes = self.last_raw_bytes = 0
+        self._follow(rnd)
+        self.healed_in_step = False  # (before its first step: nothing of its own was replaced)
+        return True
+
+    def _behind(self, rnd: Any, at: int) -> None:
+        """This replica, in its outer step at step ``at``, found itself behind the others in ``rnd`` (they
+        took an outer step that failed here, or went on without it while its heartbeats had stopped) and took
+        their state: it follows their outer step (:meth:`_follow`), and its own step is over."""
+        m = self.membership
+        log.warning("stage %d replica %d: the others took the outer step at step %d without this replica; "
+                    "took their state and goes on from step %d", m.stage, m.replica, at, self.taken)
+        self.healed_in_step = True
+        self._follow(rnd)
+
+    def _follow(self, rnd: Any) -> None:
+        """Take part in the outer step the others are in (``rnd``'s intent: which fragments, applied now,
+        launched or averaged again, compressed or not) with nothing to add, as a replica that has just taken
+        a peer's state (its counters are the peer's, inside that peer's step) or has no plan of its own; end
+        it as they do. After a delayed outer step averaged again, the step may end a fragment's round too:
+        that outer step is followed as well."""
+        m = self.membership
+        if not rnd.intent:
+            raise RuntimeError(f"stage {m.stage} replica {m.replica}: took a peer's state, but no replica of "
+                               f"the quorum said what it averages")
+        mask, kind, compress = rnd.intent
+        due = [f for f in range(len(self.fragments)) if mask >> f & 1]
+        if not due or kind not in (NOW, LAUNCH, AGAIN):
+            raise RuntimeError(f"stage {m.stage} replica {m.replica}: the quorum's intent {list(rnd.intent)} "
+                               f"names no outer step of this stage's {len(self.fragments)} fragments")
         with torch.no_grad():  # the other fragments start their rounds' rest from the replicas' agreed
             # weights: what this replica adds to their next outer step is what it trained itself
-            for f in everything:
+            for f in range(len(self.fragments)):
                 if f not in due:
                     for i in self.fragments[f]:
                         self.params[i].copy_(self.anchors[i])
-        self.last_bytes = self.last_raw_bytes = 0
-        compress = compress() if callable(compress) else compress
-        if self.delay and not final:  # (one fragment's round ends)
-            self._agreed_launch(due[0], compress, contributing=False, formed=rnd, saved=[saved[due[0]]])
-        else:
-            self._agreed_outer_step(due, compress, contributing=False, formed=rnd,
-                                    saved=[saved[f] for f in due])
+        saved = self._averaging_state(due)
+        self._adopt(rnd, due)
+        if kind == LAUNCH:
+            self._agreed_launch(due[0], bool(compress), contributing=False, formed=rnd, saved=saved)
+            return
+        if not self._agreed_outer_step(due, bool(compress), contributing=False, formed=rnd, saved=saved,
+                                       mix=self.mix if kind == AGAIN else 0.0, kind=kind):
+            return  # (behind again, and followed)
+        if kind == NOW:
             for f in due:
                 self._end_round(f)
-        return True
+            return
+        # the delayed outer step was applied inside the others' step (its counters, already counted): a round
+        # that ends at it is the step's next outer step
+        final = self.end > 0 and self.taken >= self.end
+        if any((self.steps + self.offsets[f]) % self.every == 0 or final for f in range(len(self.fragments))):
+            self._follow(self._regroup([], contributing=False))
 
     def _agreed_outer_step(self, due: list[int], compress: bool, *, contributing: bool, formed: Any = None,
                            saved: list[_Averaging] | None = None,
                            grads: list[list[torch.Tensor]] | None = None, mix: float = 0.0,
-                           first: Callable[[], list[int]] | None = None) -> None:
+                           first: Callable[[], list[int]] | None = None, kind: int | None = None) -> bool:
         """The outer step of the fragments ``due`` among replicas that come and go: the quorum (``formed``:
         already formed), their averaging, then the membership's agreement that every stage of this replica
         averaged without an error; only then the outer step. A replica lost inside the averaging makes its
@@ -276,18 +317,28 @@ class OuterSync:
         A delayed outer step (:meth:`_agreed_launch`) comes here when it is applied: ``first``, its first
         try, made on the worker thread (its bytes, or the error it raised); ``grads``, the pseudo-gradients
         taken at the round's end (a try again averages those, not what the weights moved since); ``mix``,
-        streaming's mix of the weights trained meanwhile."""
+        streaming's mix of the weights trained meanwhile.
+
+        A quorum that finds this replica behind the others (they took an outer step that failed here) gives it
+        their state: it follows their outer step instead (:meth:`_behind`) and returns False (True: this
+        outer step was taken)."""
         membership = self.membership
         saved = saved if saved is not None else self._averaging_state(due)
+        at = self.taken
+        kind = kind or (AGAIN if grads is not None else NOW)  # (what a try again's quorum is for)
         for attempt in range(1, TRIES + 1):
             sent, error = [0] * len(due), None
             try:
                 if first is not None:
                     sent = first()
                 else:
-                    rnd = formed if formed is not None else self._regroup(due, contributing=contributing)
-                    # a replica healed here holds a peer's weights, not its own: nothing to add
-                    self.healed_in_step = self.healed_in_step or (rnd.healed and contributing)
+                    rnd = formed
+                    if rnd is None:
+                        rnd = self._regroup(due, contributing=contributing, intent=self._intent(due, kind,
+                                                                                               compress))
+                        if rnd.healed:
+                            self._behind(rnd, at)
+                            return False
                     for k, f in enumerate(due):
                         self._pseudo_gradients(f, contributing and not rnd.healed,
                                                None if grads is None else grads[k])
@@ -300,7 +351,7 @@ class OuterSync:
                 for f, nbytes in zip(due, sent):
                     self._count(nbytes, f)
                 self._apply(due, mix=mix)
-                return
+                return True
             self._restore_averaging(due, saved)
             why = _one_line(error) if error is not None else "another stage of this replica failed in it"
             if attempt == TRIES:
@@ -317,21 +368,25 @@ class OuterSync:
         (:meth:`_apply_pending`, through :meth:`_agreed_outer_step`, which tries a failed one again at once,
         without overlap). Where the quorum itself fails, the outer step is tried again now."""
         saved = saved if saved is not None else self._averaging_state([fragment])
+        at = self.taken
         try:
-            rnd = formed if formed is not None else self._regroup([fragment], contributing=contributing)
+            rnd = formed if formed is not None else self._regroup(
+                [fragment], contributing=contributing, intent=self._intent([fragment], LAUNCH, compress))
         except RuntimeError as e:
             error = e
 
             def failed() -> list[int]:
                 raise error
 
-            self._agreed_outer_step([fragment], compress, contributing=contributing, saved=saved,
-                                    first=failed)
-            self._end_round(fragment)
+            if self._agreed_outer_step([fragment], compress, contributing=contributing, saved=saved,
+                                       first=failed):
+                self._end_round(fragment)
             return
-        self._end_round(fragment)  # (after the quorum: a joiner healed in it takes this step's counters)
-        self.healed_in_step = rnd.healed and contributing
-        self._pseudo_gradients(fragment, contributing and not rnd.healed)
+        if rnd.healed and formed is None:
+            self._behind(rnd, at)
+            return
+        self._end_round(fragment)  # (after the quorum: a replica healed in it takes this step's counters)
+        self._pseudo_gradients(fragment, contributing)
         grads = [a.grad.detach().clone() for a in self._anchors(fragment)]  # type: ignore[union-attr]
         self._retry = _Retry(saved[0], grads, compress, contributing)
         self._launch(fragment, compress)
@@ -352,17 +407,27 @@ class OuterSync:
             for i in self.fragments[f]:
                 self.anchors[i].grad = None
 
-    def _regroup(self, fragments: list[int], *, contributing: bool) -> Any:
-        """The next quorum, and ``fragments``' averagings over its group."""
-        rnd = self.membership.form(contributing=contributing, step=self.taken)
+    def _regroup(self, fragments: list[int], *, contributing: bool, intent: tuple[int, ...] = ()) -> Any:
+        """The next quorum (``intent``: what this replica is about to average, :meth:`_intent`; none: it
+        follows the others), and ``fragments``' averagings over its group, unless it found this replica
+        behind (healed: what it was about to average is no longer its own)."""
+        rnd = self.membership.form(contributing=contributing, step=self.taken, intent=intent)
+        self.last_round = rnd
+        if not rnd.healed:
+            self._adopt(rnd, fragments)
+        return rnd
+
+    def _adopt(self, rnd: Any, fragments: list[int]) -> None:
+        """``fragments``' averagings over ``rnd``'s group, divided by its contributors."""
         for f in fragments:
             self.averages[f].regroup(rnd.group, world=rnd.world, rank=rnd.rank)
             self.averages[f].contributors = rnd.contributors
-        self.last_round = rnd
-        if rnd.healed:
-            log.info("stage %d replica %d: took the current weights and outer state from a peer; joins at "
-                     "step %d", self.membership.stage, self.membership.replica, self.taken)
-        return rnd
+
+    @staticmethod
+    def _intent(fragments: list[int], kind: int, compress: bool) -> tuple[int, int, int]:
+        """What an outer step's quorum is for, as the membership exchanges it: the fragments (a bit each),
+        the kind (:data:`NOW`, :data:`LAUNCH`, :data:`AGAIN`), whether compressed."""
+        return sum(1 << f for f in fragments), kind, int(compress)
 
     def _pseudo_gradients(self, fragment: int, contributing: bool = True,
                           given: list[torch.Tensor] | None = None) -> None:

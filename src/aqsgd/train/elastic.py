@@ -11,8 +11,10 @@ later (``--dp-replica r --dp-lighthouse ADDR``, which joins at the next outer st
 process id is in ``RUN/replica{r}.pid`` (SIGTERM to it stops that replica alone).
 
 At the end ``RUN/replicas.json`` holds, per replica, whether it finished, its last step, the steps it missed
-and its error; the summary returned is the lowest finished replica's, with that table under ``replicas``.
-The run fails (:class:`~aqsgd.errors.StageFailedError`) only if no replica finished.
+(a replica that finished may have missed some too: behind the others at an outer step, it took their state
+and went on from their place) and its error; the summary returned is the lowest finished replica's, with
+that table under ``replicas``. The run fails (:class:`~aqsgd.errors.StageFailedError`) only if no replica
+finished.
 """
 
 from __future__ import annotations
@@ -127,14 +129,16 @@ class ReplicaOutcome:
     replica: int
     status: str  # finished, failed
     last_step: int | None
-    missed: str | None  # "11-36": the steps it did not train
+    missed: str | None  # "11-36": the steps it did not train (as its own: "8-12, 20-24" where it finished)
     error: str | None
     run_dir: str
 
     def line(self) -> str:
         where = "before step 1" if self.last_step is None else f"after step {self.last_step}"
         if self.status == "finished":
-            return f"replica {self.replica}: finished ({self.run_dir})"
+            behind = (f", behind the others (took their state) and missed steps {self.missed}" if self.missed
+                      else "")
+            return f"replica {self.replica}: finished{behind} ({self.run_dir})"
         missed = f", missed steps {self.missed}" if self.missed else ""
         return f"replica {self.replica}: stopped {where}{missed}: {self.error} ({self.run_dir})"
 
@@ -220,13 +224,16 @@ def _report(run_dir: Path, results: dict[int, tuple[str, Any, str | None]]) -> d
     rows = []
     for r, status, last, error, own in outcomes:
         missed = None
-        if status != "finished" and total is not None:
+        if status == "finished":
+            behind = results[r][1].get("elastic", {}).get("behind", [])
+            missed = ", ".join(f"{a}-{b}" if a < b else str(a) for a, b in behind) or None
+        elif total is not None:
             first = (last or 0) + 1
             missed = f"{first}-{total}" if first < total else str(total)
         rows.append(ReplicaOutcome(r, status, last, missed, error, own))
     (run_dir / "replicas.json").write_text(json.dumps([dataclasses.asdict(o) for o in rows], indent=1) + "\n")
     for o in rows:
-        (log.info if o.status == "finished" else log.warning)("%s", o.line())
+        (log.info if o.status == "finished" and not o.missed else log.warning)("%s", o.line())
     finished = [results[o.replica][1] for o in rows if o.status == "finished"]
     if not finished:
         raise StageFailedError("no replica finished: " + "; ".join(o.line() for o in rows))

@@ -79,6 +79,11 @@ log = logging.getLogger(__name__)
 StepHook = Callable[["Trainer", int], None]
 
 
+class _Behind(Exception):
+    """This replica took the other replicas' state inside a step (:meth:`Trainer._check_behind`): the loop
+    goes on from their place."""
+
+
 class Trainer:
     """Builds the components of one process of a run and trains with them (see the module docstring).
     ``on_step(trainer, step)`` hooks run before each optimizer step (``step`` counts from 1): a place for
@@ -287,18 +292,19 @@ class Trainer:
         self.engine.load_state_dict(state["engine"])
         self.position = dict(state["position"])
 
-    def _check_not_healed(self) -> None:
-        """A replica that comes and goes takes a peer's state only when it joins, before its first step. If
-        the others counted it gone (its heartbeats stopped: a frozen process) and it took their state inside
-        a step, its place in the data is theirs and no longer its own loop's: it stops, in one line, and is
-        started again to join."""
+    def _check_behind(self) -> None:
+        """A replica that comes and goes may find itself behind the others at an outer step: they took one
+        that failed here (its averaging alone failed), or went on without it (its heartbeats had stopped: a
+        frozen process). It then took their state inside the step (:meth:`~aqsgd.parallel.outer.OuterSync.
+        step`), their place in the data too: the step ends here, unlogged, and the loop goes on from that
+        place (:class:`_Behind`)."""
         outer = self.engine.outer
         if outer is not None and outer.healed_in_step:
-            raise RuntimeError(
-                f"replica {self.replica} fell behind the others (they went on without it: were its "
-                f"heartbeats stopped?) and took their state inside step {self.position['step'] + 1}; start "
-                f"it again with --dp-replica {self.replica} --dp-lighthouse "
-                f"{self.cfg.pipeline.dp_lighthouse} to join")
+            log.warning("replica %d: behind the others at step %d; goes on from their place, after step %d "
+                        "(epoch %d, batch %d)", self.replica, self._at_step, self.position["step"],
+                        self.position["epoch"], self.position["batch"])
+            self._behind_at.append([self._at_step, self.position["step"]])
+            raise _Behind
 
     def _join(self) -> int | None:
         """Before the first step: meet the other replicas (:meth:`~aqsgd.parallel.outer.OuterSync.join`); if
@@ -311,8 +317,7 @@ class Trainer:
         start_together(self.replica, self.grid.stage if self.grid is not None else 0)
         log.info("replica %d: meeting the others through the lighthouse (replicas already training: at their "
                  "next outer step)", self.replica)
-        warm = self.cfg.compression.warmup_epochs
-        joined = self.engine.outer.join(compress=lambda: self.position["epoch"] >= warm)
+        joined = self.engine.outer.join()  # (compressed or not as the others' outer step is)
         members = list(self.engine.outer.last_round.members)
         self.engine.outer.last_round = None  # (healed in joining, not inside a step)
         if not joined:
@@ -340,6 +345,7 @@ class Trainer:
         self._elastic()  # (binds what a joining replica takes from this one)
         joins = cfg.pipeline.dp_replica is not None and cfg.pipeline.dp_join
         self._joined_at = self._join() if joins else None
+        self._behind_at: list[list[int]] = []  # [step, the others' step it went on after], each time
         if resumed_at is not None and self.writes_metrics:
             dropped = truncate_metrics(self.run_dir, resumed_at)
             if dropped:
@@ -374,6 +380,13 @@ class Trainer:
         return summary
 
     def _loop(self, writer: MetricsWriter, progress: Any, bar: Any) -> None:
+        while True:
+            try:
+                return self._loop_from_position(writer, progress, bar)
+            except _Behind:  # (the position is the other replicas' now)
+                progress.update(bar, completed=self.position["step"])
+
+    def _loop_from_position(self, writer: MetricsWriter, progress: Any, bar: Any) -> None:
         cfg = self.cfg
         # None: at the end of every epoch; 0: never (not even at the end); N: every N optimizer steps
         eval_every, checkpoint_every = cfg.run.eval_every, cfg.run.checkpoint_every
@@ -419,11 +432,12 @@ class Trainer:
         traced = self.cfg.run.trace and self.position["step"] == self.total_steps - 1
         trace = trace_name(None if self.grid is None else self.grid.stage,
                            self.replica if self.cfg.pipeline.data_parallel > 1 else None)
+        self._at_step = self.position["step"] + 1
         with profiled(traced, self.device, self.run_dir / trace):
             t0 = time.perf_counter()
             loss = self._train_step(group, phase)
             dt = time.perf_counter() - t0
-        self._check_not_healed()
+        self._check_behind()
         self.guard.check(self.engine.skipped, self.position["step"] + 1, loss, self.engine.last_grad_norm)
         if not self._cache_stated:  # allocated by the first step's first visits
             self._cache_stated = True
@@ -560,10 +574,13 @@ class Trainer:
         }
 
     def _elastic_summary(self) -> dict[str, Any]:
-        """Replicas that come and go: this replica, the step it joined at (None: from the start) and the
-        members of every outer step where they changed (``[[round, step, [replicas]], ...]``)."""
+        """Replicas that come and go: this replica, the step it joined at (None: from the start), where it
+        found itself behind the others and took their state (``[[step, their step], ...]``: it did not train
+        the steps between as its own) and the members of every outer step where they changed (``[[round,
+        step, [replicas]], ...]``)."""
         membership = self._elastic()
         every = self.engine.outer.every
         return {"replica": self.replica, "joined_at": getattr(self, "_joined_at", None),
+                "behind": getattr(self, "_behind_at", []),
                 "members": [[r, m] for r, m in membership.history] if membership is not None else [],
                 "outer_every": every}
