@@ -462,3 +462,27 @@ def test_a_quorum_agrees_on_what_its_members_average_or_refuses_in_one_line():
         agreed_intent([[0, 1, 0, *launch], [2, 1, 0, *healed], [1, 1, 0, *launch]], stage=1, step=12)
     assert str(e.value) == ("stage 1: the replicas of the quorum at step 12 are in different outer steps "
                             "(replicas 0, 1: [2, 2, 1]; replica 2: [1, 1, 1])")
+
+
+def _shared_state_worker(rank: int, world: int) -> tuple:
+    from aqsgd.parallel.outer import _Retry
+
+    class _Members:  # what the state asks of a membership
+        def state_dict(self) -> dict:
+            return {"rounds": 2}
+
+    model = nn.Linear(4, 2)
+    outer = OuterSync(list(model.parameters()), AllReduceSync(), every=4, delay=1, membership=_Members())
+    # a delayed averaging in flight, to be tried again at step 5 if it fails (or by a resume)
+    outer._pending = (0, 5, None)
+    outer._retry = _Retry(outer._averaging_state([0])[0], [torch.ones_like(a) for a in outer.anchors],
+                          True, True)
+    shared = {k: v.tolist() for k, v in outer.shared_state().items()}  # (lists: back through a pipe)
+    return outer.state_dict()["pending.again"].tolist(), shared
+
+
+def test_a_joiner_takes_part_in_a_peers_averaging_in_flight_with_nothing_to_add():
+    ((own, shared),) = run_processes(_shared_state_worker, 1, timeout_s=60)
+    assert own == [1, 1]  # (compressed, this replica contributes): its checkpoint's
+    assert shared["pending.again"] == [1, 0]  # the joiner's: the pseudo-gradients are the peer's
+    assert "pending.0" in shared and not any(k.startswith(("average", "membership.")) for k in shared)

@@ -286,3 +286,40 @@ def test_a_replica_whose_outer_step_alone_failed_goes_on_from_the_others_place(t
                           "model.safetensors") for r in range(2)]
         assert ends[0].keys() == ends[1].keys()
         assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), s
+
+
+@needs_torchft
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["diloco:4:q8", "diloco:4:fragments2:delay1:q8"])
+def test_a_replica_without_checkpoints_takes_the_others_state_when_the_launch_resumes(tmp_path, sync):
+    # 2 replicas x 2 stages, checkpoints at step 6 and 12 (the end); replica 1's are taken away, and the
+    # launch resumed. Replica 0 continues from step 6; replica 1 starts again and takes replica 0's state at
+    # their first quorum, before either's first step (replica 0 meets it there, outside an outer step; before,
+    # it had no place in the data to give). With a delay replica 1 then takes part in the outer step that was
+    # in flight at step 6 (averaged again at step 7) with nothing to add. Both end with the same weights.
+    steps = 12
+    cfg = _cfg(tmp_path, data_parallel=2, max_steps=steps, checkpoint_every=6, link="1gbit", grad_sync=sync)
+    base = tmp_path / "runs" / "elastic"
+    ctx = multiprocessing.get_context("spawn")
+
+    def launch(c: TrainConfig, out: str) -> dict:
+        run = ctx.Process(target=_train, args=(c.to_json(), str(tmp_path / out)))
+        run.start()
+        run.join(300)
+        if run.is_alive():
+            run.kill()
+        assert run.exitcode == 0, run.exitcode
+        return json.loads((tmp_path / out).read_text())
+
+    launch(cfg, "first.json")
+    shutil.rmtree(base / "replica1" / "checkpoints")
+    shutil.rmtree(base / "replica0" / "checkpoints" / f"step-{steps:08d}")
+    summary = launch(cfg.replace(resume=str(base), run_name=None, overwrite=False), "resumed.json")
+    assert [row["status"] for row in summary["replicas"]] == ["finished", "finished"]
+    joined = json.loads((base / "replica1" / "summary.json").read_text())["elastic"]["joined_at"]
+    assert joined == 6, joined  # (replica 0 meets it at its start, resumed after step 6)
+    for s in range(2):
+        ends = [load_file(base / f"replica{r}" / "checkpoints" / f"step-{steps:08d}" / f"stage{s}" /
+                          "model.safetensors") for r in range(2)]
+        assert ends[0].keys() == ends[1].keys()
+        assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), s

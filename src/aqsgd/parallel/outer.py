@@ -268,14 +268,13 @@ class OuterSync:
         launched or averaged again, compressed or not) with nothing to add, as a replica that has just taken
         a peer's state (its counters are the peer's, inside that peer's step) or has no plan of its own; end
         it as they do. After a delayed outer step averaged again, the step may end a fragment's round too:
-        that outer step is followed as well."""
+        that outer step is followed as well. Where the others have no outer step either (they are meeting
+        before their first step: a launch resumed), there is nothing to follow. Either way the fragments not
+        averaged now start their rounds' rest from the agreed weights."""
         m = self.membership
-        if not rnd.intent:
-            raise RuntimeError(f"stage {m.stage} replica {m.replica}: took a peer's state, but no replica of "
-                               f"the quorum said what it averages")
-        mask, kind, compress = rnd.intent
+        mask, kind, compress = rnd.intent or (0, 0, 0)
         due = [f for f in range(len(self.fragments)) if mask >> f & 1]
-        if not due or kind not in (NOW, LAUNCH, AGAIN):
+        if rnd.intent and (not due or kind not in (NOW, LAUNCH, AGAIN)):
             raise RuntimeError(f"stage {m.stage} replica {m.replica}: the quorum's intent {list(rnd.intent)} "
                                f"names no outer step of this stage's {len(self.fragments)} fragments")
         with torch.no_grad():  # the other fragments start their rounds' rest from the replicas' agreed
@@ -284,6 +283,11 @@ class OuterSync:
                 if f not in due:
                     for i in self.fragments[f]:
                         self.params[i].copy_(self.anchors[i])
+        if not rnd.intent:  # the others are meeting too, outside an outer step (all starting, or resumed):
+            # nothing to average; the quorum counts as theirs does
+            if not m.commit():
+                raise RuntimeError(f"stage {m.stage} replica {m.replica}: the quorum failed: {m.error()}")
+            return
         saved = self._averaging_state(due)
         self._adopt(rnd, due)
         if kind == LAUNCH:
@@ -517,9 +521,14 @@ class OuterSync:
     # -- checkpoints --------------------------------------------------------------------------------------
     def shared_state(self) -> dict[str, torch.Tensor]:
         """What a joining replica takes from a peer: :meth:`state_dict` without the averaging's error
-        feedback (a replica's own; the joiner's starts at zero)."""
-        return {k: v.detach().clone() for k, v in self.state_dict().items()
-                if not k.startswith(("average", "membership."))}
+        feedback (a replica's own; the joiner's starts at zero). A delayed averaging to be tried again (one
+        in flight, among replicas that come and go) is the joiner's to take part in with nothing to add: the
+        pseudo-gradients it holds are the peer's."""
+        state = {k: v.detach().clone() for k, v in self.state_dict().items()
+                 if not k.startswith(("average", "membership."))}
+        if "pending.again" in state:
+            state["pending.again"][1] = 0  # (whether compressed, whether this replica contributes)
+        return state
 
     @staticmethod
     def _average_prefix(fragment: int) -> str:

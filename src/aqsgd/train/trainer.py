@@ -277,13 +277,16 @@ class Trainer:
     def _shared_state(self) -> dict[str, Any]:
         """What a joining replica takes from this one, at an outer step (inside the step that ends a round):
         the stage's weights, optimizer and scheduler state, the outer state without this replica's error
-        feedback, and the position after this step. Copies: the step goes on while the joiner reads."""
+        feedback, and the position after this step (before the first step, where a launch resumed meets: the
+        position as it is). Copies: the step goes on while the joiner reads."""
         state = {}
         for i, entries in self.engine.state_dict().items():
             state[i] = {k: copy.deepcopy(entries[k]) for k in ("model", "optimizer", "optimizer_class",
                                                                "scheduler")}
             state[i]["scheduler"].pop("lr_lambdas", None)
             state[i]["outer"] = self.engine.outer.shared_state()
+        if self._at is None:  # (asked before the first step: a launch resumed meets at its start)
+            return {"engine": state, "position": dict(self.position)}
         epoch, b = self._at
         return {"engine": state, "position": {"epoch": epoch, "batch": b + self.cfg.optim.grad_accum,
                                               "step": self.position["step"] + 1}}
@@ -344,6 +347,7 @@ class Trainer:
         resumed_at = self._resume() if cfg.run.resume else None
         self._elastic()  # (binds what a joining replica takes from this one)
         joins = cfg.pipeline.dp_replica is not None and cfg.pipeline.dp_join
+        self._at: tuple[int, int] | None = None  # (the loop's place: set at each step)
         self._joined_at = self._join() if joins else None
         self._behind_at: list[list[int]] = []  # [step, the others' step it went on after], each time
         if resumed_at is not None and self.writes_metrics:
