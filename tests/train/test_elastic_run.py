@@ -323,3 +323,43 @@ def test_a_replica_without_checkpoints_takes_the_others_state_when_the_launch_re
                           "model.safetensors") for r in range(2)]
         assert ends[0].keys() == ends[1].keys()
         assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), s
+
+
+@needs_torchft
+@pytest.mark.slow
+def test_a_replica_frozen_for_a_while_goes_on_from_the_others_place(tmp_path):
+    # 2 replicas x 2 stages; replica 1's stage processes are stopped (SIGSTOP, heartbeats too) for longer
+    # than the heartbeat timeout, then let go on (SIGCONT): replica 0 goes on alone meanwhile; replica 1 finds
+    # itself behind at its next outer step, takes replica 0's state and goes on from its place. Both
+    # finish, with the same weights, and replica 1's row says which steps it did not train as its own.
+    from aqsgd.comm.testing import child_processes
+
+    steps = 60
+    cfg = _cfg(tmp_path, data_parallel=2, max_steps=steps, checkpoint_every=steps, link="1gbit,20ms",
+               timeout=6.0)  # (heartbeat timeout: min(--timeout, 10 s))
+    base = tmp_path / "runs" / "elastic"
+    run = multiprocessing.get_context("spawn").Process(target=_train,
+                                                       args=(cfg.to_json(), str(tmp_path / "summary.json")))
+    run.start()
+    try:
+        _wait(lambda: _step_of(base / "replica1") >= 10)
+        stages = _wait(lambda: child_processes(int((base / "replica1.pid").read_text())))
+        for pid in stages:
+            os.kill(pid, signal.SIGSTOP)
+        frozen_at = _step_of(base / "replica0")
+        _wait(lambda: _step_of(base / "replica0") >= frozen_at + 12)  # three outer steps without it
+        for pid in stages:
+            os.kill(pid, signal.SIGCONT)
+        run.join(300)
+        assert run.exitcode == 0, run.exitcode
+    finally:
+        if run.is_alive():
+            run.kill()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = {row["replica"]: row for row in summary["replicas"]}
+    assert rows[0]["status"] == rows[1]["status"] == "finished", rows
+    assert rows[0]["missed"] is None and rows[1]["missed"], rows
+    for s in range(2):
+        ends = [load_file(base / f"replica{r}" / "checkpoints" / f"step-{steps:08d}" / f"stage{s}" /
+                          "model.safetensors") for r in range(2)]
+        assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), s
