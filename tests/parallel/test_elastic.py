@@ -252,23 +252,28 @@ def test_a_replica_lost_inside_the_outer_step(tmp_path, spec):
                                "(another stage of this replica failed in it)")
 
 
-def _three_replicas_losing_the_third(out: Path, spec: str, *, freeze: bool = False):
-    """Replicas 0-2 started together, no joiner; replica 2 goes inside its third outer step (``freeze``:
-    waits there to be stopped): ``(processes by replica, lighthouse)``."""
+def _three_replicas(out: Path, spec: str, **special) -> tuple[dict[int, list], object]:
+    """Replicas 0-2 started together, no joiner, ``special`` (keywords of :func:`_start`) for one of them
+    (``replica``): ``(processes by replica, lighthouse)``."""
     from aqsgd.parallel.elastic import Lighthouse
 
     ctx = multiprocessing.get_context("spawn")
     (out / "no-joiner").touch()
     lighthouse = Lighthouse(min_replicas=1, join_timeout_s=30.0, heartbeat_timeout_s=1.5)
+    which = special.pop("replica")
     procs: dict[int, list] = {}
     try:
         for r in range(3):
-            procs[r] = _start(ctx, r, out, lighthouse.address, spec, die_in_round=2 if r == 2 else -1,
-                              freeze=freeze)
+            procs[r] = _start(ctx, r, out, lighthouse.address, spec, **(special if r == which else {}))
     except BaseException:
         _stop(procs, lighthouse)
         raise
     return procs, lighthouse
+
+
+def _three_replicas_losing_the_third(out: Path, spec: str, *, freeze: bool = False):
+    """Replica 2 goes inside its third outer step (``freeze``: waits there to be stopped)."""
+    return _three_replicas(out, spec, replica=2, die_in_round=2, freeze=freeze)
 
 
 def _retried_without_replica_2(out: Path, spec: str, why) -> None:
@@ -322,15 +327,8 @@ def test_a_replica_whose_averaging_alone_failed_takes_the_others_outer_step(tmp_
     missed), takes part in their outer step then with nothing to add, and goes on from there; all three finish
     bit-identical. (Before, it averaged its missed step again while the others averaged their next one: the
     collectives did not match.)"""
-    from aqsgd.parallel.elastic import Lighthouse
-
-    ctx = multiprocessing.get_context("spawn")
-    (tmp_path / "no-joiner").touch()
-    lighthouse = Lighthouse(min_replicas=1, join_timeout_s=30.0, heartbeat_timeout_s=1.5)
-    procs: dict[int, list] = {}
+    procs, lighthouse = _three_replicas(tmp_path, spec, replica=1, fail_in_round=2)
     try:
-        for r in range(3):
-            procs[r] = _start(ctx, r, tmp_path, lighthouse.address, spec, fail_in_round=2 if r == 1 else -1)
         codes = _exit_codes(procs)
         assert codes == {0: [0, 0], 1: [0, 0], 2: [0, 0]}, codes
     finally:

@@ -63,6 +63,27 @@ def _step_of(run: Path) -> int:
     return last_logged_step(run) or 0
 
 
+def _launch(tmp: Path, cfg: TrainConfig, out: str) -> dict:
+    """Run the launch ``cfg`` to its end in a process of its own (5 minutes at most); its summary."""
+    run = multiprocessing.get_context("spawn").Process(target=_train, args=(cfg.to_json(), str(tmp / out)))
+    run.start()
+    run.join(300)
+    if run.is_alive():
+        run.kill()
+    assert run.exitcode == 0, run.exitcode
+    return json.loads((tmp / out).read_text())
+
+
+def _same_final_weights(runs: list[Path], step: int) -> None:
+    """Every stage's weights are equal in the checkpoints of ``step`` of ``runs`` (replicas' run dirs)."""
+    for stage in (0, 1):
+        ends = [load_file(d / "checkpoints" / f"step-{step:08d}" / f"stage{stage}" / "model.safetensors")
+                for d in runs]
+        for other in ends[1:]:
+            assert other.keys() == ends[0].keys()
+            assert all(torch.equal(other[k], ends[0][k]) for k in ends[0]), stage
+
+
 def _ended(pid: int) -> bool:
     """Whether process ``pid`` has ended (gone, or a zombie its parent has not collected yet)."""
     try:
@@ -125,12 +146,7 @@ def test_a_replica_killed_then_started_again_joins(tmp_path, sync, meets):
     joined = json.loads((tmp_path / "joiner.json").read_text())
     at = joined["elastic"]["joined_at"]
     assert at is not None and at % meets == 0 and at > last and joined["steps"] == STEPS
-    for stage in (0, 1):
-        ends = [load_file(d / "checkpoints" / f"step-{STEPS:08d}" / f"stage{stage}" / "model.safetensors")
-                for d in (base / "replica0", base / "replica2", tmp_path / "runs" / "replica1-again")]
-        for other in ends[1:]:
-            assert other.keys() == ends[0].keys()
-            assert all((other[k] == ends[0][k]).all() for k in ends[0]), stage
+    _same_final_weights([base / "replica0", base / "replica2", tmp_path / "runs" / "replica1-again"], STEPS)
 
 
 def test_bad_elastic_settings_are_refused_in_one_line(tmp_path):
@@ -174,18 +190,7 @@ def test_a_launch_resumed_inside_a_round_continues_it_exactly(tmp_path, sync):
     steps = 12
     cfg = _cfg(tmp_path, data_parallel=2, max_steps=steps, checkpoint_every=6, link="1gbit", grad_sync=sync)
     base = tmp_path / "runs" / "elastic"
-    ctx = multiprocessing.get_context("spawn")
-
-    def launch(c: TrainConfig, out: str) -> dict:
-        run = ctx.Process(target=_train, args=(c.to_json(), str(tmp_path / out)))
-        run.start()
-        run.join(300)
-        if run.is_alive():
-            run.kill()
-        assert run.exitcode == 0, run.exitcode
-        return json.loads((tmp_path / out).read_text())
-
-    launch(cfg, "first.json")
+    _launch(tmp_path, cfg, "first.json")
     final = {}
     for r in range(2):
         ckpt = base / f"replica{r}" / "checkpoints" / f"step-{steps:08d}"
@@ -195,7 +200,7 @@ def test_a_launch_resumed_inside_a_round_continues_it_exactly(tmp_path, sync):
             outer = load_file(base / f"replica{r}" / "checkpoints" / f"step-{6:08d}" / "stage0" /
                               "replica0" / "outer.safetensors")  # (each replica a run of its own)
             assert outer["pending"].tolist() == [1, 7] and "pending.again" in outer, sorted(outer)
-    summary = launch(cfg.replace(resume=str(base), run_name=None, overwrite=False), "resumed.json")
+    summary = _launch(tmp_path, cfg.replace(resume=str(base), run_name=None, overwrite=False), "resumed.json")
     assert [row["status"] for row in summary["replicas"]] == ["finished", "finished"]
     for r in range(2):
         rows = [json.loads(x) for x in (base / f"replica{r}" / "metrics.jsonl").read_text().splitlines()]
@@ -281,11 +286,7 @@ def test_a_replica_whose_outer_step_alone_failed_goes_on_from_the_others_place(t
     trained = {r: [x["step"] for x in rows[r] if x.get("kind") == "train"] for r in range(2)}
     assert trained[0] == list(range(1, steps + 1))
     assert trained[1] == list(range(1, at)) + list(range(after + 1, steps + 1)), (at, after, trained[1])
-    for s in range(2):
-        ends = [load_file(base / f"replica{r}" / "checkpoints" / f"step-{steps:08d}" / f"stage{s}" /
-                          "model.safetensors") for r in range(2)]
-        assert ends[0].keys() == ends[1].keys()
-        assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), s
+    _same_final_weights([base / "replica0", base / "replica1"], steps)
 
 
 @needs_torchft
@@ -300,29 +301,14 @@ def test_a_replica_without_checkpoints_takes_the_others_state_when_the_launch_re
     steps = 12
     cfg = _cfg(tmp_path, data_parallel=2, max_steps=steps, checkpoint_every=6, link="1gbit", grad_sync=sync)
     base = tmp_path / "runs" / "elastic"
-    ctx = multiprocessing.get_context("spawn")
-
-    def launch(c: TrainConfig, out: str) -> dict:
-        run = ctx.Process(target=_train, args=(c.to_json(), str(tmp_path / out)))
-        run.start()
-        run.join(300)
-        if run.is_alive():
-            run.kill()
-        assert run.exitcode == 0, run.exitcode
-        return json.loads((tmp_path / out).read_text())
-
-    launch(cfg, "first.json")
+    _launch(tmp_path, cfg, "first.json")
     shutil.rmtree(base / "replica1" / "checkpoints")
     shutil.rmtree(base / "replica0" / "checkpoints" / f"step-{steps:08d}")
-    summary = launch(cfg.replace(resume=str(base), run_name=None, overwrite=False), "resumed.json")
+    summary = _launch(tmp_path, cfg.replace(resume=str(base), run_name=None, overwrite=False), "resumed.json")
     assert [row["status"] for row in summary["replicas"]] == ["finished", "finished"]
     joined = json.loads((base / "replica1" / "summary.json").read_text())["elastic"]["joined_at"]
     assert joined == 6, joined  # (replica 0 meets it at its start, resumed after step 6)
-    for s in range(2):
-        ends = [load_file(base / f"replica{r}" / "checkpoints" / f"step-{steps:08d}" / f"stage{s}" /
-                          "model.safetensors") for r in range(2)]
-        assert ends[0].keys() == ends[1].keys()
-        assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), s
+    _same_final_weights([base / "replica0", base / "replica1"], steps)
 
 
 @needs_torchft
@@ -359,7 +345,4 @@ def test_a_replica_frozen_for_a_while_goes_on_from_the_others_place(tmp_path):
     rows = {row["replica"]: row for row in summary["replicas"]}
     assert rows[0]["status"] == rows[1]["status"] == "finished", rows
     assert rows[0]["missed"] is None and rows[1]["missed"], rows
-    for s in range(2):
-        ends = [load_file(base / f"replica{r}" / "checkpoints" / f"step-{steps:08d}" / f"stage{s}" /
-                          "model.safetensors") for r in range(2)]
-        assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0]), s
+    _same_final_weights([base / "replica0", base / "replica1"], steps)
