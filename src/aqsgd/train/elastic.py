@@ -79,7 +79,7 @@ def replica_config(cfg: TrainConfig, replica: int, lighthouse: str, run_dir: Pat
     ``run_dir / replica{r}``. It joins as any replica does (``--dp-join``): the replicas up at its start meet
     in a first quorum and start together; one that comes up after the others have started joins them at
     their next outer step with their state (inside a training step only where it is behind them: an outer
-step that failed on it alone, :mod:`aqsgd.parallel.outer`).
+    step that failed on it alone, or it was frozen; :mod:`aqsgd.parallel.outer`).
 
     With ``--resume`` (the launch's directory) each replica continues from its own newest checkpoint; one
     that has none (it failed before its first) starts again from the initial weights, in its directory
