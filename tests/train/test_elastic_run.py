@@ -314,28 +314,36 @@ def test_a_replica_without_checkpoints_takes_the_others_state_when_the_launch_re
 @needs_torchft
 @pytest.mark.slow
 def test_a_replica_frozen_for_a_while_goes_on_from_the_others_place(tmp_path):
-    # 2 replicas x 2 stages; replica 1's stage processes are stopped (SIGSTOP, heartbeats too) for longer
-    # than the heartbeat timeout, then let go on (SIGCONT): replica 0 goes on alone meanwhile; replica 1 finds
-    # itself behind at its next outer step, takes replica 0's state and goes on from its place. Both
-    # finish, with the same weights, and replica 1's row says which steps it did not train as its own.
+    # 2 replicas x 2 stages; replica 1's stage processes are stopped (SIGSTOP, heartbeats too) inside a
+    # round for longer than the heartbeat timeout (10 s: min(--timeout, 10 s)), though not for the
+    # pipeline's --timeout (30 s: its own stages wait for each other that long, and would count each other
+    # gone), then let go on (SIGCONT): replica 0 goes on alone meanwhile; replica 1 finds itself behind at its
+    # next outer step, takes replica 0's state and goes on from its place. Both finish, with the same weights,
+    # and replica 1's row says which steps it did not train as its own.
     from aqsgd.comm.testing import child_processes
 
-    steps = 60
+    steps = 80
     cfg = _cfg(tmp_path, data_parallel=2, max_steps=steps, checkpoint_every=steps, link="1gbit,20ms",
-               timeout=6.0)  # (heartbeat timeout: min(--timeout, 10 s))
+               timeout=30.0)
     base = tmp_path / "runs" / "elastic"
     run = multiprocessing.get_context("spawn").Process(target=_train,
                                                        args=(cfg.to_json(), str(tmp_path / "summary.json")))
     run.start()
     try:
-        _wait(lambda: _step_of(base / "replica1") >= 10)
+        _wait(lambda: _step_of(base / "replica1") >= 8)
         stages = _wait(lambda: child_processes(int((base / "replica1.pid").read_text())))
+        deadline = time.monotonic() + 60
+        while _step_of(base / "replica1") % 4 != 1:  # (just after an outer step: in the round's inner steps)
+            assert time.monotonic() < deadline, "replica 1 logged no step just after an outer step"
+            time.sleep(0.005)
         for pid in stages:
             os.kill(pid, signal.SIGSTOP)
+        frozen = time.monotonic()
         frozen_at = _step_of(base / "replica0")
-        _wait(lambda: _step_of(base / "replica0") >= frozen_at + 12)  # three outer steps without it
+        _wait(lambda: _step_of(base / "replica0") >= frozen_at + 8, timeout_s=25)  # outer steps without it
         for pid in stages:
             os.kill(pid, signal.SIGCONT)
+        print(f"replica 1 stopped for {time.monotonic() - frozen:.1f} s")
         run.join(300)
         assert run.exitcode == 0, run.exitcode
     finally:
